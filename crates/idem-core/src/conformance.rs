@@ -1,0 +1,634 @@
+//! The test suite every [`Store`] must pass (feature `conformance`).
+//!
+//! Each check is an `async fn` taking a [`Harness`]: the store under test
+//! and a way to move its clock. [`conformance_tests!`](crate::conformance_tests)
+//! turns them into one `#[tokio::test]` each:
+//!
+//! ```ignore
+//! struct MemoryHarness(MemoryStore);
+//! impl idem_core::conformance::Harness for MemoryHarness { /* ... */ }
+//! idem_core::conformance_tests!(|| async { MemoryHarness::new() });
+//! ```
+//!
+//! Every check uses its own random tenant, so checks may share one store.
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+
+use crate::{
+    ATTEMPT_HISTORY, AttemptOutcome, Cancellation, Completion, Current, Fingerprint,
+    IdempotencyKey, LateEvidence, Outcome, RecordState, Release, Renewal, Reservation,
+    ReserveRequest, Scope, Store, StoredResponse,
+};
+
+/// A store under test and control over its clock.
+pub trait Harness: Send + Sync + 'static {
+    /// The store under test.
+    type Store: Store;
+
+    /// The store.
+    fn store(&self) -> &Self::Store;
+
+    /// Lets at least `by` pass on the store's clock: `tokio::time::advance`
+    /// for a store on tokio's clock, a real sleep for a server.
+    fn advance(&self, by: Duration) -> impl Future<Output = ()> + Send;
+
+    /// The lease length the checks reserve with.
+    fn lease(&self) -> Duration {
+        Duration::from_secs(30)
+    }
+
+    /// The retention the checks reserve with (longer than the lease).
+    fn retention(&self) -> Duration {
+        Duration::from_secs(24 * 3600)
+    }
+}
+
+/// A scope with a random tenant, so checks never see each other's records.
+pub fn fresh_scope(key: &str) -> Scope {
+    let tenant = format!("conformance-{}", uuid::Uuid::new_v4());
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("test keys are valid");
+    Scope::new(tenant, "POST /orders", key)
+}
+
+/// A fingerprint made from one byte.
+pub fn fingerprint(n: u8) -> Fingerprint {
+    Fingerprint::from_bytes([n; 32])
+}
+
+/// A response with a body that exercises binary safety.
+pub fn response(status: u16, body: &[u8]) -> Outcome {
+    Outcome::Stored(StoredResponse {
+        status,
+        headers: vec![
+            (
+                "content-type".to_owned(),
+                Bytes::from_static(b"application/json"),
+            ),
+            ("location".to_owned(), Bytes::from_static(b"/orders/1")),
+            ("x-binary".to_owned(), Bytes::from_static(b"\x80\xff")),
+        ],
+        body: Bytes::copy_from_slice(body),
+    })
+}
+
+fn request<H: Harness>(h: &H, scope: &Scope, fp: u8) -> ReserveRequest {
+    ReserveRequest {
+        scope: scope.clone(),
+        fingerprint: fingerprint(fp),
+        lease: h.lease(),
+        retention: h.retention(),
+    }
+}
+
+async fn reserve<H: Harness>(h: &H, scope: &Scope, fp: u8) -> Reservation {
+    h.store()
+        .reserve(&request(h, scope, fp))
+        .await
+        .expect("reserve")
+}
+
+async fn acquire<H: Harness>(h: &H, scope: &Scope, fp: u8) -> crate::Lease {
+    match reserve(h, scope, fp).await {
+        Reservation::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// A body with every byte value, including NUL and invalid UTF-8.
+fn binary_body() -> Vec<u8> {
+    (0..=255u8).chain(0..=255u8).collect()
+}
+
+/// Absent → acquired: generation 1, one running attempt, record readable.
+pub async fn reserve_new_acquires<H: Harness>(h: &H) {
+    let scope = fresh_scope("new");
+    let lease = acquire(h, &scope, 1).await;
+    assert_eq!(lease.generation, 1);
+    assert_eq!(lease.scope, *scope.hash());
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record exists");
+    assert_eq!(record.state, RecordState::Processing);
+    assert_eq!(record.generation, 1);
+    assert_eq!(record.tenant, scope.tenant());
+    assert_eq!(record.operation, scope.operation());
+    assert_eq!(record.key, "new");
+    assert_eq!(record.fingerprint, fingerprint(1));
+    assert_eq!(record.attempts.len(), 1);
+    assert_eq!(record.attempts[0].id, lease.attempt);
+    assert_eq!(record.attempts[0].outcome, AttemptOutcome::Running);
+}
+
+/// Completed → replay with the exact status, headers and bytes.
+pub async fn completed_replays_exact_response<H: Harness>(h: &H) {
+    let scope = fresh_scope("replay");
+    let lease = acquire(h, &scope, 1).await;
+    let outcome = response(201, &binary_body());
+    assert_eq!(
+        h.store()
+            .complete(&lease, outcome.clone())
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    h.advance(Duration::from_millis(1500)).await;
+    match reserve(h, &scope, 1).await {
+        Reservation::Completed(replay) => {
+            assert_eq!(replay.outcome, outcome);
+            assert!(replay.age >= Duration::from_secs(1), "age {:?}", replay.age);
+        }
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.outcome, Some(outcome));
+    assert_eq!(
+        record.attempts[0].outcome,
+        AttemptOutcome::Completed { status: 201 }
+    );
+    assert!(record.attempts[0].ended_at_ms.is_some());
+}
+
+/// An outcome too large to store replays as "not stored".
+pub async fn not_stored_outcome_is_kept<H: Harness>(h: &H) {
+    let scope = fresh_scope("too-large");
+    let lease = acquire(h, &scope, 1).await;
+    let outcome = Outcome::NotStored { status: 200 };
+    assert_eq!(
+        h.store()
+            .complete(&lease, outcome.clone())
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    match reserve(h, &scope, 1).await {
+        Reservation::Completed(replay) => assert_eq!(replay.outcome, outcome),
+        other => panic!("expected Completed, got {other:?}"),
+    }
+}
+
+/// A different fingerprint conflicts in every state and changes nothing.
+pub async fn conflict_leaves_record_untouched<H: Harness>(h: &H) {
+    // processing
+    let scope = fresh_scope("conflict");
+    let lease = acquire(h, &scope, 1).await;
+    let before = h.store().get(scope.hash()).await.expect("get");
+    assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
+    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+    // processing, lease lapsed: still a conflict, no takeover
+    h.advance(h.lease() + Duration::from_millis(100)).await;
+    assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
+    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+    // completed
+    assert_eq!(
+        h.store()
+            .complete(&lease, response(200, b"ok"))
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    let before = h.store().get(scope.hash()).await.expect("get");
+    assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
+    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+    // cancelled
+    let scope = fresh_scope("conflict-cancelled");
+    let _lease = acquire(h, &scope, 1).await;
+    assert!(matches!(
+        h.store().cancel(scope.hash()).await.expect("cancel"),
+        Cancellation::Cancelled(_)
+    ));
+    let before = h.store().get(scope.hash()).await.expect("get");
+    assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
+    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+}
+
+/// A live lease answers in progress with the time left on it.
+pub async fn in_progress_while_lease_live<H: Harness>(h: &H) {
+    let scope = fresh_scope("busy");
+    let _lease = acquire(h, &scope, 1).await;
+    match reserve(h, &scope, 1).await {
+        Reservation::InProgress { retry_after } => {
+            assert!(retry_after <= h.lease(), "{retry_after:?}");
+            assert!(retry_after > h.lease() / 2, "{retry_after:?}");
+        }
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(
+        record.attempts.len(),
+        1,
+        "an in-progress answer starts no attempt"
+    );
+}
+
+/// Renewal keeps the lease live past its first expiry.
+pub async fn renew_extends_lease<H: Harness>(h: &H) {
+    let scope = fresh_scope("renew");
+    let lease = acquire(h, &scope, 1).await;
+    h.advance(h.lease() * 2 / 3).await;
+    assert_eq!(
+        h.store().renew(&lease).await.expect("renew"),
+        Renewal::Renewed
+    );
+    h.advance(h.lease() * 2 / 3).await;
+    assert!(
+        matches!(reserve(h, &scope, 1).await, Reservation::InProgress { .. }),
+        "renewed lease must still be live"
+    );
+}
+
+/// A lapsed lease is taken over with generation + 1; the old attempt is
+/// marked superseded and reported.
+pub async fn takeover_after_lease_expiry<H: Harness>(h: &H) {
+    let scope = fresh_scope("takeover");
+    let first = acquire(h, &scope, 1).await;
+    h.advance(h.lease() + Duration::from_millis(100)).await;
+    let second = match reserve(h, &scope, 1).await {
+        Reservation::TakenOver { lease, superseded } => {
+            assert_eq!(superseded.id, first.attempt);
+            assert_eq!(superseded.generation, 1);
+            assert_eq!(superseded.outcome, AttemptOutcome::Superseded);
+            lease
+        }
+        other => panic!("expected TakenOver, got {other:?}"),
+    };
+    assert_eq!(second.generation, 2);
+    assert_ne!(second.attempt, first.attempt);
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.generation, 2);
+    assert_eq!(record.attempts.len(), 2);
+    assert_eq!(record.attempts[0].outcome, AttemptOutcome::Superseded);
+    assert_eq!(record.attempts[1].outcome, AttemptOutcome::Running);
+}
+
+/// A superseded attempt's complete, renew and release are fenced; its
+/// completion is late evidence and never the result.
+pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
+    let scope = fresh_scope("fenced");
+    let first = acquire(h, &scope, 1).await;
+    h.advance(h.lease() + Duration::from_millis(100)).await;
+    let Reservation::TakenOver { lease: second, .. } = reserve(h, &scope, 1).await else {
+        panic!("expected TakenOver");
+    };
+    assert!(matches!(
+        h.store().renew(&first).await.expect("renew"),
+        Renewal::Fenced(Current::Processing { .. })
+    ));
+    assert!(matches!(
+        h.store()
+            .complete(&first, response(201, b"first"))
+            .await
+            .expect("complete"),
+        Completion::Fenced(Current::Processing { .. })
+    ));
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(
+        record.state,
+        RecordState::Processing,
+        "a fenced completion changes no state"
+    );
+    assert!(matches!(
+        record.attempt(first.attempt).expect("attempt kept").late,
+        Some(LateEvidence::Completed { status: 201, .. })
+    ));
+    // The new owner's result wins, and the first attempt's later release is fenced too.
+    let second_outcome = response(202, b"second");
+    assert_eq!(
+        h.store()
+            .complete(&second, second_outcome.clone())
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    match h.store().release(&first).await.expect("release") {
+        Release::Fenced(Current::Completed(replay)) => assert_eq!(replay.outcome, second_outcome),
+        other => panic!("expected Fenced(Completed), got {other:?}"),
+    }
+    match h
+        .store()
+        .complete(&first, response(500, b"again"))
+        .await
+        .expect("complete")
+    {
+        Completion::Fenced(Current::Completed(replay)) => {
+            assert_eq!(replay.outcome, second_outcome);
+        }
+        other => panic!("expected Fenced(Completed), got {other:?}"),
+    }
+    match reserve(h, &scope, 1).await {
+        Reservation::Completed(replay) => assert_eq!(replay.outcome, second_outcome),
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.outcome, Some(second_outcome));
+    assert!(matches!(
+        record.attempt(first.attempt).expect("attempt kept").late,
+        Some(LateEvidence::Completed { status: 500, .. })
+    ));
+}
+
+/// A forged token with the right generation is fenced.
+pub async fn wrong_token_is_fenced<H: Harness>(h: &H) {
+    let scope = fresh_scope("forged");
+    let lease = acquire(h, &scope, 1).await;
+    let forged = crate::Lease {
+        token: crate::OwnerToken::new(),
+        ..lease.clone()
+    };
+    assert!(matches!(
+        h.store()
+            .complete(&forged, response(200, b"x"))
+            .await
+            .expect("complete"),
+        Completion::Fenced(_)
+    ));
+    assert!(matches!(
+        h.store().release(&forged).await.expect("release"),
+        Release::Fenced(_)
+    ));
+    assert!(matches!(
+        h.store().renew(&forged).await.expect("renew"),
+        Renewal::Fenced(_)
+    ));
+    assert_eq!(
+        h.store()
+            .complete(&lease, response(200, b"x"))
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+}
+
+/// Release frees the key (any fingerprint); the next attempt gets the next
+/// generation and the released attempt stays in the history.
+pub async fn release_frees_key<H: Harness>(h: &H) {
+    let scope = fresh_scope("release");
+    let first = acquire(h, &scope, 1).await;
+    assert_eq!(
+        h.store().release(&first).await.expect("release"),
+        Release::Released
+    );
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record kept");
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(record.attempts[0].outcome, AttemptOutcome::Released);
+    let second = acquire(h, &scope, 2).await;
+    assert_eq!(second.generation, 2);
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.fingerprint, fingerprint(2));
+    assert_eq!(record.attempts.len(), 2);
+    // The released attempt can write nothing any more.
+    assert!(matches!(
+        h.store()
+            .complete(&first, response(200, b"late"))
+            .await
+            .expect("complete"),
+        Completion::Fenced(_)
+    ));
+}
+
+/// Cancel while processing: 410 afterwards, the running attempt's
+/// completion fenced and kept as late evidence.
+pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
+    let scope = fresh_scope("cancel");
+    let lease = acquire(h, &scope, 1).await;
+    match h.store().cancel(scope.hash()).await.expect("cancel") {
+        Cancellation::Cancelled(record) => {
+            assert_eq!(record.state, RecordState::Cancelled);
+            assert_eq!(record.attempts[0].outcome, AttemptOutcome::Cancelled);
+        }
+        other => panic!("expected Cancelled, got {other:?}"),
+    }
+    assert_eq!(
+        h.store()
+            .complete(&lease, response(201, b"done"))
+            .await
+            .expect("complete"),
+        Completion::Fenced(Current::Cancelled)
+    );
+    assert!(matches!(
+        h.store().renew(&lease).await.expect("renew"),
+        Renewal::Fenced(Current::Cancelled)
+    ));
+    assert_eq!(reserve(h, &scope, 1).await, Reservation::Cancelled);
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.state, RecordState::Cancelled);
+    assert_eq!(record.outcome, None);
+    assert!(matches!(
+        record.attempts[0].late,
+        Some(LateEvidence::Completed { status: 201, .. })
+    ));
+    assert!(matches!(
+        h.store().cancel(scope.hash()).await.expect("cancel"),
+        Cancellation::AlreadyCancelled(_)
+    ));
+}
+
+/// Completion before cancel: the cancel reports that completion won.
+pub async fn cancel_after_completion_reports_outcome<H: Harness>(h: &H) {
+    let scope = fresh_scope("cancel-late");
+    let lease = acquire(h, &scope, 1).await;
+    let outcome = response(201, b"created");
+    assert_eq!(
+        h.store()
+            .complete(&lease, outcome.clone())
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    match h.store().cancel(scope.hash()).await.expect("cancel") {
+        Cancellation::AlreadyCompleted(record) => {
+            assert_eq!(record.state, RecordState::Completed);
+            assert_eq!(record.outcome, Some(outcome.clone()));
+        }
+        other => panic!("expected AlreadyCompleted, got {other:?}"),
+    }
+    assert!(matches!(
+        reserve(h, &scope, 1).await,
+        Reservation::Completed(_)
+    ));
+}
+
+/// Cancel of an absent scope is not found and creates nothing.
+pub async fn cancel_absent_is_not_found<H: Harness>(h: &H) {
+    let scope = fresh_scope("nothing");
+    assert_eq!(
+        h.store().cancel(scope.hash()).await.expect("cancel"),
+        Cancellation::NotFound
+    );
+    assert_eq!(h.store().get(scope.hash()).await.expect("get"), None);
+    assert!(matches!(
+        reserve(h, &scope, 1).await,
+        Reservation::Acquired(_)
+    ));
+}
+
+/// After the retention window the key is new again.
+pub async fn expiry_after_retention<H: Harness>(h: &H) {
+    let scope = fresh_scope("expire");
+    let lease = acquire(h, &scope, 1).await;
+    assert_eq!(
+        h.store()
+            .complete(&lease, response(200, b"old"))
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    h.advance(h.retention() / 2).await;
+    assert!(matches!(
+        reserve(h, &scope, 1).await,
+        Reservation::Completed(_)
+    ));
+    h.advance(h.retention() / 2 + Duration::from_millis(300))
+        .await;
+    assert_eq!(h.store().get(scope.hash()).await.expect("get"), None);
+    let lease = acquire(h, &scope, 2).await;
+    assert_eq!(lease.generation, 1, "an expired record is forgotten");
+}
+
+/// The attempt history keeps the newest [`ATTEMPT_HISTORY`] attempts.
+pub async fn attempt_history_is_bounded<H: Harness>(h: &H) {
+    let scope = fresh_scope("history");
+    let mut last = None;
+    for _ in 0..ATTEMPT_HISTORY + 3 {
+        let lease = acquire(h, &scope, 1).await;
+        assert_eq!(
+            h.store().release(&lease).await.expect("release"),
+            Release::Released
+        );
+        last = Some(lease);
+    }
+    let last = last.expect("at least one attempt");
+    let record = h
+        .store()
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.attempts.len(), ATTEMPT_HISTORY);
+    assert_eq!(record.generation, (ATTEMPT_HISTORY + 3) as u64);
+    assert_eq!(record.attempts.last().map(|a| a.id), Some(last.attempt));
+    assert_eq!(record.attempts[0].generation, 4);
+}
+
+/// Two tenants with the same key and operation never see each other.
+pub async fn tenants_are_isolated<H: Harness>(h: &H) {
+    let a = fresh_scope("shared-key");
+    let b = fresh_scope("shared-key");
+    let lease = acquire(h, &a, 1).await;
+    assert_eq!(
+        h.store()
+            .complete(&lease, response(201, b"a"))
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    assert!(matches!(reserve(h, &b, 2).await, Reservation::Acquired(_)));
+}
+
+/// Many concurrent reservations of one scope: exactly one acquires.
+pub async fn concurrent_reserve_acquires_once<H: Harness>(h: Arc<H>) {
+    let scope = fresh_scope("race");
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let h = Arc::clone(&h);
+        let request = request(&*h, &scope, 1);
+        tasks.push(tokio::spawn(async move {
+            h.store().reserve(&request).await.expect("reserve")
+        }));
+    }
+    let mut acquired = 0;
+    for task in tasks {
+        match task.await.expect("task") {
+            Reservation::Acquired(_) => acquired += 1,
+            Reservation::InProgress { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(acquired, 1);
+}
+
+/// Expands to one `#[tokio::test]` per conformance check.
+///
+/// The argument is a closure returning a future of the [`Harness`].
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@each $make;
+            reserve_new_acquires,
+            completed_replays_exact_response,
+            not_stored_outcome_is_kept,
+            conflict_leaves_record_untouched,
+            in_progress_while_lease_live,
+            renew_extends_lease,
+            takeover_after_lease_expiry,
+            superseded_writes_are_fenced,
+            wrong_token_is_fenced,
+            release_frees_key,
+            cancel_processing_fences_completion,
+            cancel_after_completion_reports_outcome,
+            cancel_absent_is_not_found,
+            expiry_after_retention,
+            attempt_history_is_bounded,
+            tenants_are_isolated
+        );
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn concurrent_reserve_acquires_once() {
+            let harness = ::std::sync::Arc::new(($make)().await);
+            $crate::conformance::concurrent_reserve_acquires_once(harness).await;
+        }
+    };
+    (@each $make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $name() {
+                let harness = ($make)().await;
+                $crate::conformance::$name(&harness).await;
+            }
+        )*
+    };
+}

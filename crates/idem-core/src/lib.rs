@@ -1,0 +1,42 @@
+//! The vocabulary of idem: scopes, keys, fingerprints, records, leases, the
+//! [`Store`] trait and the state machine every store implements.
+//!
+//! This crate does no I/O. The Tower layer lives in `idem-layer`; stores
+//! live in `idem-memory` and `idem-redis`.
+//!
+//! # The state machine
+//!
+//! | state found | same fingerprint | different fingerprint |
+//! |---|---|---|
+//! | absent (or expired, or released) | reserve, new attempt, run the handler | same |
+//! | processing, lease live | in progress (409 + `Retry-After`) | conflict (422) |
+//! | processing, lease lapsed | take over: new attempt, generation + 1 | conflict (422) |
+//! | completed | replay | conflict (422) |
+//! | cancelled | cancelled (410) | conflict (422) |
+//!
+//! A *released* record is one whose last attempt failed temporarily (5xx,
+//! 408, 425, 429, an error or a panic): the key is free again, whatever the
+//! fingerprint of the next request. Its attempts stay in the history.
+//!
+//! [`machine`] holds these rules as pure functions; [`conformance`] (feature
+//! `conformance`) checks that a store follows them.
+
+mod key;
+pub mod machine;
+mod record;
+mod scope;
+mod store;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+pub use key::{IdempotencyKey, KeyError};
+pub use record::{
+    ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, LateEvidence, Lease, Outcome, OwnerToken,
+    Record, RecordState, StoredResponse,
+};
+pub use scope::{Fingerprint, Scope, ScopeHash};
+pub use store::{
+    Cancellation, Completion, Current, Release, Renewal, Replay, Reservation, ReserveRequest,
+    Store, StoreError,
+};

@@ -1,0 +1,276 @@
+//! The contract's state machine as pure functions.
+//!
+//! Each function takes the slot a store holds for one scope (`None` when
+//! there is no record), the store's current time in milliseconds since the
+//! epoch, and applies one transition in place. A store that can lock the
+//! slot around the call is correct by construction; `idem-memory` does
+//! exactly that.
+
+use std::time::Duration;
+
+use crate::{
+    ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, Cancellation, Completion, Current,
+    LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, Release, Renewal, Replay,
+    Reservation, ReserveRequest,
+};
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Drops the record from the slot if it has expired.
+pub fn expire(slot: &mut Option<Record>, now_ms: u64) {
+    if slot.as_ref().is_some_and(|r| r.is_expired(now_ms)) {
+        *slot = None;
+    }
+}
+
+/// What the record says now, as told to a duplicate or a fenced attempt.
+pub fn current(slot: &Option<Record>, now_ms: u64) -> Current {
+    let Some(record) = slot.as_ref().filter(|r| !r.is_expired(now_ms)) else {
+        return Current::Vacant;
+    };
+    match record.state {
+        RecordState::Released => Current::Vacant,
+        RecordState::Cancelled => Current::Cancelled,
+        RecordState::Processing => Current::Processing {
+            retry_after: Duration::from_millis(record.lease_expires_at_ms.saturating_sub(now_ms)),
+        },
+        RecordState::Completed => match &record.outcome {
+            Some(outcome) => Current::Completed(replay(record, outcome, now_ms)),
+            None => Current::Vacant,
+        },
+    }
+}
+
+fn replay(record: &Record, outcome: &Outcome, now_ms: u64) -> Replay {
+    let completed = record.completed_at_ms.unwrap_or(record.updated_at_ms);
+    Replay {
+        outcome: outcome.clone(),
+        age: Duration::from_millis(now_ms.saturating_sub(completed)),
+    }
+}
+
+fn push_attempt(record: &mut Record, attempt: Attempt) {
+    record.attempts.push(attempt);
+    if record.attempts.len() > ATTEMPT_HISTORY {
+        let excess = record.attempts.len() - ATTEMPT_HISTORY;
+        record.attempts.drain(..excess);
+    }
+}
+
+fn end_current_attempt(
+    record: &mut Record,
+    outcome: AttemptOutcome,
+    now_ms: u64,
+) -> Option<Attempt> {
+    let generation = record.generation;
+    let attempt = record
+        .attempts
+        .iter_mut()
+        .rev()
+        .find(|a| a.generation == generation && a.outcome == AttemptOutcome::Running)?;
+    attempt.outcome = outcome;
+    attempt.ended_at_ms = Some(now_ms);
+    Some(attempt.clone())
+}
+
+/// Reserves the slot for a request (the contract's state table).
+///
+/// `attempt` and `token` are used only when a new attempt starts.
+pub fn reserve(
+    slot: &mut Option<Record>,
+    request: &ReserveRequest,
+    now_ms: u64,
+    attempt: AttemptId,
+    token: OwnerToken,
+) -> Reservation {
+    expire(slot, now_ms);
+    let lease_ms = millis(request.lease);
+    let retention_ms = millis(request.retention);
+    let lease = |generation| Lease {
+        scope: *request.scope.hash(),
+        attempt,
+        generation,
+        token,
+        ttl: request.lease,
+    };
+    let new_attempt = |generation| Attempt {
+        id: attempt,
+        generation,
+        started_at_ms: now_ms,
+        ended_at_ms: None,
+        outcome: AttemptOutcome::Running,
+        late: None,
+    };
+    let Some(record) = slot.as_mut() else {
+        *slot = Some(Record {
+            scope: *request.scope.hash(),
+            tenant: request.scope.tenant().to_owned(),
+            operation: request.scope.operation().to_owned(),
+            key: request.scope.key().as_str().to_owned(),
+            fingerprint: request.fingerprint,
+            state: RecordState::Processing,
+            generation: 1,
+            owner: Some(token),
+            lease_expires_at_ms: now_ms.saturating_add(lease_ms),
+            lease_ms,
+            retention_ms,
+            created_at_ms: now_ms,
+            updated_at_ms: now_ms,
+            completed_at_ms: None,
+            expires_at_ms: now_ms.saturating_add(retention_ms),
+            outcome: None,
+            attempts: vec![new_attempt(1)],
+        });
+        return Reservation::Acquired(lease(1));
+    };
+
+    let start = |record: &mut Record| {
+        record.generation += 1;
+        record.state = RecordState::Processing;
+        record.fingerprint = request.fingerprint;
+        record.owner = Some(token);
+        record.lease_ms = lease_ms;
+        record.retention_ms = retention_ms;
+        record.lease_expires_at_ms = now_ms.saturating_add(lease_ms);
+        record.updated_at_ms = now_ms;
+        record.expires_at_ms = now_ms.saturating_add(retention_ms);
+        let generation = record.generation;
+        push_attempt(record, new_attempt(generation));
+        lease(generation)
+    };
+
+    match record.state {
+        RecordState::Released => Reservation::Acquired(start(record)),
+        _ if record.fingerprint != request.fingerprint => Reservation::Conflict,
+        RecordState::Processing if record.lease_expires_at_ms > now_ms => Reservation::InProgress {
+            retry_after: Duration::from_millis(record.lease_expires_at_ms - now_ms),
+        },
+        RecordState::Processing => {
+            let superseded = end_current_attempt(record, AttemptOutcome::Superseded, now_ms)
+                .unwrap_or_else(|| Attempt {
+                    id: AttemptId(uuid::Uuid::nil()),
+                    generation: record.generation,
+                    started_at_ms: record.updated_at_ms,
+                    ended_at_ms: Some(now_ms),
+                    outcome: AttemptOutcome::Superseded,
+                    late: None,
+                });
+            Reservation::TakenOver {
+                lease: start(record),
+                superseded,
+            }
+        }
+        RecordState::Completed => match &record.outcome {
+            Some(outcome) => Reservation::Completed(replay(record, outcome, now_ms)),
+            // A completed record always holds its outcome; one that lost it
+            // cannot be replayed, so it is treated as released.
+            None => Reservation::Acquired(start(record)),
+        },
+        RecordState::Cancelled => Reservation::Cancelled,
+    }
+}
+
+fn owns(slot: &Option<Record>, lease: &Lease, now_ms: u64) -> bool {
+    slot.as_ref().is_some_and(|r| {
+        !r.is_expired(now_ms)
+            && r.state == RecordState::Processing
+            && r.generation == lease.generation
+            && r.owner == Some(lease.token)
+    })
+}
+
+fn keep_evidence(slot: &mut Option<Record>, lease: &Lease, late: LateEvidence) {
+    if let Some(attempt) = slot
+        .as_mut()
+        .and_then(|r| r.attempts.iter_mut().find(|a| a.id == lease.attempt))
+    {
+        attempt.late = Some(late);
+    }
+}
+
+/// Extends the lease if it is still the record's current one.
+pub fn renew(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Renewal {
+    expire(slot, now_ms);
+    if !owns(slot, lease, now_ms) {
+        return Renewal::Fenced(current(slot, now_ms));
+    }
+    if let Some(record) = slot.as_mut() {
+        record.lease_ms = millis(lease.ttl);
+        record.lease_expires_at_ms = now_ms.saturating_add(record.lease_ms);
+    }
+    Renewal::Renewed
+}
+
+/// Records the outcome if the lease is still current; otherwise keeps late
+/// evidence on the attempt.
+pub fn complete(
+    slot: &mut Option<Record>,
+    lease: &Lease,
+    outcome: Outcome,
+    now_ms: u64,
+) -> Completion {
+    expire(slot, now_ms);
+    if !owns(slot, lease, now_ms) {
+        let status = outcome.status();
+        keep_evidence(
+            slot,
+            lease,
+            LateEvidence::Completed {
+                status,
+                at_ms: now_ms,
+            },
+        );
+        return Completion::Fenced(current(slot, now_ms));
+    }
+    if let Some(record) = slot.as_mut() {
+        let status = outcome.status();
+        end_current_attempt(record, AttemptOutcome::Completed { status }, now_ms);
+        record.state = RecordState::Completed;
+        record.owner = None;
+        record.outcome = Some(outcome);
+        record.completed_at_ms = Some(now_ms);
+        record.updated_at_ms = now_ms;
+        record.expires_at_ms = now_ms.saturating_add(record.retention_ms);
+    }
+    Completion::Recorded
+}
+
+/// Frees the key if the lease is still current; otherwise keeps late
+/// evidence on the attempt.
+pub fn release(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Release {
+    expire(slot, now_ms);
+    if !owns(slot, lease, now_ms) {
+        keep_evidence(slot, lease, LateEvidence::Released { at_ms: now_ms });
+        return Release::Fenced(current(slot, now_ms));
+    }
+    if let Some(record) = slot.as_mut() {
+        end_current_attempt(record, AttemptOutcome::Released, now_ms);
+        record.state = RecordState::Released;
+        record.owner = None;
+        record.updated_at_ms = now_ms;
+        record.expires_at_ms = now_ms.saturating_add(record.retention_ms);
+    }
+    Release::Released
+}
+
+/// Cancels the record, atomically against completion.
+pub fn cancel(slot: &mut Option<Record>, now_ms: u64) -> Cancellation {
+    expire(slot, now_ms);
+    let Some(record) = slot.as_mut() else {
+        return Cancellation::NotFound;
+    };
+    match record.state {
+        RecordState::Completed => Cancellation::AlreadyCompleted(record.clone()),
+        RecordState::Cancelled => Cancellation::AlreadyCancelled(record.clone()),
+        RecordState::Processing | RecordState::Released => {
+            end_current_attempt(record, AttemptOutcome::Cancelled, now_ms);
+            record.state = RecordState::Cancelled;
+            record.owner = None;
+            record.updated_at_ms = now_ms;
+            record.expires_at_ms = now_ms.saturating_add(record.retention_ms);
+            Cancellation::Cancelled(record.clone())
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! Records, attempts, leases and stored responses.
+
+use std::{fmt, time::Duration};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::{Fingerprint, ScopeHash};
+
+/// How many attempts a record keeps; older ones are dropped, newest kept.
+pub const ATTEMPT_HISTORY: usize = 8;
+
+/// Identifies one execution attempt (a UUIDv7, so ids sort by start time).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct AttemptId(pub uuid::Uuid);
+
+impl AttemptId {
+    /// A fresh, time-ordered attempt id.
+    pub fn new() -> Self {
+        Self(uuid::Uuid::now_v7())
+    }
+}
+
+impl Default for AttemptId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for AttemptId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl fmt::Debug for AttemptId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AttemptId({})", self.0)
+    }
+}
+
+/// A secret that proves ownership of a lease (random, 122 bits).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct OwnerToken(pub uuid::Uuid);
+
+impl OwnerToken {
+    /// A fresh random token.
+    pub fn new() -> Self {
+        Self(uuid::Uuid::new_v4())
+    }
+}
+
+impl Default for OwnerToken {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OwnerToken(<redacted>)")
+    }
+}
+
+/// The right to execute one attempt of a scope.
+///
+/// Every write after [`Store::reserve`](crate::Store::reserve) presents the
+/// lease and is a compare-and-set on its `generation` and `token`: once a
+/// newer attempt took over, or the record was cancelled, the write is fenced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The record this lease is on.
+    pub scope: ScopeHash,
+    /// The attempt this lease belongs to.
+    pub attempt: AttemptId,
+    /// The lease generation: one above the record's previous one.
+    pub generation: u64,
+    /// The owner's secret.
+    pub token: OwnerToken,
+    /// How long the lease lasts after each reservation or renewal.
+    pub ttl: Duration,
+}
+
+/// A response as stored for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The HTTP status code.
+    pub status: u16,
+    /// Header fields in order, names in lower case; values are raw bytes.
+    pub headers: Vec<(String, Bytes)>,
+    /// The complete body.
+    pub body: Bytes,
+}
+
+/// What a completed record holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The response, replayable byte for byte.
+    Stored(StoredResponse),
+    /// The handler completed with `status`, but the response exceeded the
+    /// storable limit and was only delivered to the first caller.
+    NotStored {
+        /// The status the first caller received.
+        status: u16,
+    },
+}
+
+impl Outcome {
+    /// The status code of the completed response.
+    pub fn status(&self) -> u16 {
+        match self {
+            Outcome::Stored(response) => response.status,
+            Outcome::NotStored { status } => *status,
+        }
+    }
+}
+
+/// The lifecycle state of a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordState {
+    /// An attempt holds the lease.
+    Processing,
+    /// The outcome is stored and replayed.
+    Completed,
+    /// Cancelled on request; the key answers 410 until the record expires.
+    Cancelled,
+    /// The last attempt failed temporarily and released the key: the next
+    /// reservation starts a new attempt as if the record were absent.
+    Released,
+}
+
+impl RecordState {
+    /// The state's name as used in the records API and in stores.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordState::Processing => "processing",
+            RecordState::Completed => "completed",
+            RecordState::Cancelled => "cancelled",
+            RecordState::Released => "released",
+        }
+    }
+}
+
+/// How an attempt ended, as far as the record knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum AttemptOutcome {
+    /// Still holds (or held, until it lapses) the lease.
+    Running,
+    /// Completed and stored the record's outcome.
+    Completed {
+        /// The response status.
+        status: u16,
+    },
+    /// Released the reservation after a temporary failure.
+    Released,
+    /// Taken over after its lease lapsed; its side effects are unknown.
+    Superseded,
+    /// Its record was cancelled while it ran.
+    Cancelled,
+}
+
+/// What a fenced attempt tried to write after it lost its lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LateEvidence {
+    /// It finished with this status; the response was not stored.
+    Completed {
+        /// The response status the attempt produced.
+        status: u16,
+        /// When the fenced write arrived (store clock, ms since the epoch).
+        at_ms: u64,
+    },
+    /// It tried to release the reservation.
+    Released {
+        /// When the fenced write arrived (store clock, ms since the epoch).
+        at_ms: u64,
+    },
+}
+
+/// One execution attempt of a record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attempt {
+    /// The attempt id.
+    pub id: AttemptId,
+    /// The lease generation it ran under.
+    pub generation: u64,
+    /// When it started (store clock, ms since the epoch).
+    pub started_at_ms: u64,
+    /// When it ended, if it did.
+    pub ended_at_ms: Option<u64>,
+    /// How it ended.
+    pub outcome: AttemptOutcome,
+    /// A fenced write that arrived after the attempt lost its lease.
+    pub late: Option<LateEvidence>,
+}
+
+/// Everything a store keeps for one scope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The scope hash the record is stored under.
+    pub scope: ScopeHash,
+    /// The tenant part of the scope, kept for inspection.
+    pub tenant: String,
+    /// The operation part of the scope, kept for inspection.
+    pub operation: String,
+    /// The key part of the scope, kept for inspection.
+    pub key: String,
+    /// The fingerprint of the request that reserved the record.
+    pub fingerprint: Fingerprint,
+    /// The current state.
+    pub state: RecordState,
+    /// The generation of the newest lease.
+    pub generation: u64,
+    /// The current lease owner's token (processing only).
+    pub owner: Option<OwnerToken>,
+    /// When the current lease lapses (processing only).
+    pub lease_expires_at_ms: u64,
+    /// Lease length, applied on every reservation and renewal.
+    pub lease_ms: u64,
+    /// Retention window, counted from the last state change.
+    pub retention_ms: u64,
+    /// When the record was first reserved.
+    pub created_at_ms: u64,
+    /// When the state last changed.
+    pub updated_at_ms: u64,
+    /// When the outcome was recorded (completed only).
+    pub completed_at_ms: Option<u64>,
+    /// When the record expires and the key becomes new.
+    pub expires_at_ms: u64,
+    /// The stored outcome (completed only).
+    pub outcome: Option<Outcome>,
+    /// Attempts, oldest first, at most [`ATTEMPT_HISTORY`].
+    pub attempts: Vec<Attempt>,
+}
+
+impl Record {
+    /// The attempt with this id, if it is still in the history.
+    pub fn attempt(&self, id: AttemptId) -> Option<&Attempt> {
+        self.attempts.iter().find(|a| a.id == id)
+    }
+
+    /// Whether the record has expired at `now_ms` on the store's clock.
+    pub fn is_expired(&self, now_ms: u64) -> bool {
+        self.expires_at_ms <= now_ms
+    }
+}

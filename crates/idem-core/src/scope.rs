@@ -1,0 +1,155 @@
+//! Scopes and the hashes stores index records by.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::IdempotencyKey;
+
+/// The identity of a record (IDEM-01): tenant, operation and key.
+///
+/// Tenant comes from the authenticated caller, operation is the method plus
+/// the route. Stores index records by [`Scope::hash`], never by the raw parts.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Scope {
+    tenant: String,
+    operation: String,
+    key: IdempotencyKey,
+    hash: ScopeHash,
+}
+
+impl Scope {
+    /// Builds a scope and computes its hash.
+    pub fn new(
+        tenant: impl Into<String>,
+        operation: impl Into<String>,
+        key: IdempotencyKey,
+    ) -> Self {
+        let tenant = tenant.into();
+        let operation = operation.into();
+        let hash = ScopeHash::of(&tenant, &operation, key.as_str());
+        Self {
+            tenant,
+            operation,
+            key,
+            hash,
+        }
+    }
+
+    /// The tenant part.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// The operation part (`"POST /orders"`).
+    pub fn operation(&self) -> &str {
+        &self.operation
+    }
+
+    /// The idempotency key part.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The fixed-length hash that stores use as the record's identity.
+    pub fn hash(&self) -> &ScopeHash {
+        &self.hash
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Scope")
+            .field("tenant", &self.tenant)
+            .field("operation", &self.operation)
+            .field("hash", &self.hash)
+            .finish_non_exhaustive()
+    }
+}
+
+/// SHA-256 of a scope's three parts, each length-prefixed, so that no key can
+/// collide with or reach into another tenant's records or the store's key
+/// syntax.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopeHash([u8; 32]);
+
+impl ScopeHash {
+    /// Hashes the three parts of a scope.
+    pub fn of(tenant: &str, operation: &str, key: &str) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-scope-v1");
+        for part in [tenant, operation, key] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// Wraps raw hash bytes.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The raw hash bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hex, 64 characters.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl fmt::Display for ScopeHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for ScopeHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeHash({})", self.to_hex())
+    }
+}
+
+/// SHA-256 over what makes two requests "the same request" (see the layer's
+/// fingerprinting).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Wraps raw digest bytes.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The raw digest bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hex, 64 characters.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Parses 64 hex characters.
+    pub fn from_hex(text: &str) -> Option<Self> {
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(text, &mut bytes).ok()?;
+        Some(Self(bytes))
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}

@@ -1,0 +1,272 @@
+//! The [`Store`] trait and the outcomes of its calls.
+//!
+//! # Writing a store
+//!
+//! A store keeps one [`Record`] per [`ScopeHash`] and applies the state
+//! machine of the contract atomically per scope. A store that can hold a lock
+//! around a read-modify-write (like `idem-memory`) reuses the pure functions
+//! of [`machine`](crate::machine); a store that cannot (like Redis)
+//! implements the same table in its own terms. Either way, run the
+//! [`conformance`](crate::conformance) suite (feature `conformance`) in the
+//! store's tests:
+//!
+//! ```ignore
+//! idem_core::conformance_tests!(|| async { MyHarness::new().await });
+//! ```
+//!
+//! Time (lease lapse, retention) is measured by the store's own clock, never
+//! the caller's.
+
+use std::{future::Future, time::Duration};
+
+use crate::{Attempt, Fingerprint, Lease, Outcome, Record, Scope, ScopeHash};
+
+/// What [`Store::reserve`] needs to know.
+#[derive(Debug, Clone)]
+pub struct ReserveRequest {
+    /// The scope to reserve.
+    pub scope: Scope,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// Lease length.
+    pub lease: Duration,
+    /// How long the record is kept after its last state change.
+    pub retention: Duration,
+}
+
+/// A stored outcome, as found by a duplicate request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replay {
+    /// What was stored.
+    pub outcome: Outcome,
+    /// How long ago it was recorded (store clock).
+    pub age: Duration,
+}
+
+/// The answer to [`Store::reserve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Reservation {
+    /// No live record: a new attempt holds the lease. Run the handler.
+    Acquired(Lease),
+    /// The previous attempt's lease lapsed: a new attempt holds the lease
+    /// with the next generation. Run the handler; `superseded` is the
+    /// attempt whose outcome is unknown.
+    TakenOver {
+        /// The new lease.
+        lease: Lease,
+        /// The attempt that lost its lease.
+        superseded: Attempt,
+    },
+    /// Another attempt holds a live lease.
+    InProgress {
+        /// Time left on that lease.
+        retry_after: Duration,
+    },
+    /// The outcome is stored: replay it.
+    Completed(Replay),
+    /// The record was cancelled.
+    Cancelled,
+    /// The record was made by a request with another fingerprint. The
+    /// record is untouched.
+    Conflict,
+}
+
+/// What a record says now, as told to a fenced attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Current {
+    /// No record, an expired one, or a released one.
+    Vacant,
+    /// Another attempt holds a lease with this much time left (zero when
+    /// it has lapsed but nobody took over yet).
+    Processing {
+        /// Time left on the lease.
+        retry_after: Duration,
+    },
+    /// Completed, by another attempt.
+    Completed(Replay),
+    /// Cancelled.
+    Cancelled,
+}
+
+/// The answer to [`Store::renew`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Renewal {
+    /// The lease now lasts another `ttl` from the store's now.
+    Renewed,
+    /// The lease was lost.
+    Fenced(Current),
+}
+
+/// The answer to [`Store::complete`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Completion {
+    /// The outcome is the record's result.
+    Recorded,
+    /// The lease was lost: the outcome was kept as late evidence on the
+    /// attempt (while it is still in the history) and the record is as
+    /// `Current` says.
+    Fenced(Current),
+}
+
+/// The answer to [`Store::release`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Release {
+    /// The key is free again; the attempt is kept as released.
+    Released,
+    /// The lease was lost; the record is as `Current` says.
+    Fenced(Current),
+}
+
+/// The answer to [`Store::cancel`]: which side won.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Cancellation {
+    /// The record is now cancelled. A running attempt's later writes are
+    /// fenced. The record after the change.
+    Cancelled(Record),
+    /// Completion won: the record holds the outcome.
+    AlreadyCompleted(Record),
+    /// It was cancelled before.
+    AlreadyCancelled(Record),
+    /// No live record.
+    NotFound,
+}
+
+/// A store call failed; the layer answers `503 idempotency_store_unavailable`
+/// (or runs unprotected when configured to fail open).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The backend could not be reached or answered with an error.
+    #[error("store unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The call did not finish within its timeout.
+    #[error("store call timed out after {0:?}")]
+    Timeout(Duration),
+    /// The store holds its maximum number of live records.
+    #[error("store is full: {capacity} live records")]
+    Full {
+        /// The configured record cap.
+        capacity: usize,
+    },
+    /// A stored record could not be decoded.
+    #[error("stored record is corrupt: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Wraps any error as [`StoreError::Unavailable`].
+    pub fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError::Unavailable(error.into())
+    }
+}
+
+/// Persistence for idempotency records.
+///
+/// Every method is atomic per scope. Every write after `reserve` is a
+/// compare-and-set on the lease's generation and owner token: a lease that
+/// was taken over, cancelled or released is *fenced*, its write refused, and
+/// the answer says what the record holds now.
+///
+/// The futures are `Send`, so the layer can drive them from spawned tasks.
+pub trait Store: Send + Sync + 'static {
+    /// Reserves `request.scope`, following the contract's state table:
+    ///
+    /// | found | same fingerprint | other fingerprint |
+    /// |---|---|---|
+    /// | absent, expired or released | [`Reservation::Acquired`] | same |
+    /// | processing, lease live | [`Reservation::InProgress`] | [`Reservation::Conflict`] |
+    /// | processing, lease lapsed | [`Reservation::TakenOver`] | [`Reservation::Conflict`] |
+    /// | completed | [`Reservation::Completed`] | [`Reservation::Conflict`] |
+    /// | cancelled | [`Reservation::Cancelled`] | [`Reservation::Conflict`] |
+    ///
+    /// A conflict leaves the record untouched.
+    fn reserve(
+        &self,
+        request: &ReserveRequest,
+    ) -> impl Future<Output = Result<Reservation, StoreError>> + Send;
+
+    /// Extends the lease by its `ttl` from the store's now, if it is still
+    /// the record's current lease.
+    fn renew(&self, lease: &Lease) -> impl Future<Output = Result<Renewal, StoreError>> + Send;
+
+    /// Records `outcome` as the result, if `lease` is still current.
+    /// Otherwise keeps the outcome's status as late evidence on the
+    /// attempt and leaves the result alone.
+    fn complete(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
+
+    /// Frees the key after a temporary failure, if `lease` is still current.
+    fn release(&self, lease: &Lease) -> impl Future<Output = Result<Release, StoreError>> + Send;
+
+    /// Cancels the record: atomic against completion.
+    fn cancel(
+        &self,
+        scope: &ScopeHash,
+    ) -> impl Future<Output = Result<Cancellation, StoreError>> + Send;
+
+    /// Reads the live record, if any.
+    fn get(
+        &self,
+        scope: &ScopeHash,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
+
+    /// Resolves when the record of `scope` may have changed, or after at
+    /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
+    /// allowed. The default polls: it sleeps for a short interval (25 ms, or
+    /// `timeout` if shorter).
+    fn changed(&self, scope: &ScopeHash, timeout: Duration) -> impl Future<Output = ()> + Send {
+        let _ = scope;
+        tokio::time::sleep(timeout.min(Duration::from_millis(25)))
+    }
+}
+
+impl<S: Store> Store for std::sync::Arc<S> {
+    fn reserve(
+        &self,
+        request: &ReserveRequest,
+    ) -> impl Future<Output = Result<Reservation, StoreError>> + Send {
+        (**self).reserve(request)
+    }
+
+    fn renew(&self, lease: &Lease) -> impl Future<Output = Result<Renewal, StoreError>> + Send {
+        (**self).renew(lease)
+    }
+
+    fn complete(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send {
+        (**self).complete(lease, outcome)
+    }
+
+    fn release(&self, lease: &Lease) -> impl Future<Output = Result<Release, StoreError>> + Send {
+        (**self).release(lease)
+    }
+
+    fn cancel(
+        &self,
+        scope: &ScopeHash,
+    ) -> impl Future<Output = Result<Cancellation, StoreError>> + Send {
+        (**self).cancel(scope)
+    }
+
+    fn get(
+        &self,
+        scope: &ScopeHash,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
+        (**self).get(scope)
+    }
+
+    fn changed(&self, scope: &ScopeHash, timeout: Duration) -> impl Future<Output = ()> + Send {
+        (**self).changed(scope, timeout)
+    }
+}
