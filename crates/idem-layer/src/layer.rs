@@ -1,0 +1,328 @@
+//! [`IdempotencyLayer`] and its configuration.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use http::{HeaderName, Method, StatusCode, header, request::Parts};
+use idem_core::{Fingerprint, Store};
+use tower::Layer;
+
+use crate::{
+    Idempotency, RecordsService,
+    fingerprint::FingerprintFn,
+    tenant::{Tenant, TenantExtractor, TenantFromExtension},
+};
+
+/// What to do with a duplicate that arrives while the first is running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    /// Answer `409 idempotency_in_progress` with `Retry-After` at once.
+    Reject,
+    /// Wait up to this long for the outcome and replay it; answer 409 when
+    /// the bound passes.
+    Wait(Duration),
+}
+
+/// What to do when the client disconnects while the handler runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDisconnect {
+    /// Keep running the handler in its own task and record its outcome, so
+    /// a retry is replayed (the default: the lost-acknowledgement case).
+    Detach,
+    /// Drop the handler and release the reservation, so a retry executes
+    /// again.
+    Release,
+}
+
+/// A configuration the layer refuses to start with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The retention must outlast the lease, or a record could vanish while
+    /// its attempt still runs.
+    #[error("retention ({retention:?}) must be longer than the lease ({lease:?})")]
+    RetentionNotLongerThanLease {
+        /// The configured retention.
+        retention: Duration,
+        /// The configured lease.
+        lease: Duration,
+    },
+    /// A zero lease, store timeout or limit.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+}
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) tenant: Arc<dyn TenantExtractor>,
+    pub(crate) allow_anonymous: bool,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,
+    pub(crate) max_body: usize,
+    pub(crate) max_response: usize,
+    pub(crate) lease: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) in_flight: InFlight,
+    pub(crate) should_store: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
+    pub(crate) replay_denylist: Vec<HeaderName>,
+    pub(crate) fail_open: bool,
+    pub(crate) store_timeout: Duration,
+    pub(crate) on_disconnect: OnDisconnect,
+}
+
+impl Config {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.lease.is_zero() {
+            return Err(ConfigError::Zero("the lease"));
+        }
+        if self.store_timeout.is_zero() {
+            return Err(ConfigError::Zero("the store timeout"));
+        }
+        if self.retention <= self.lease {
+            return Err(ConfigError::RetentionNotLongerThanLease {
+                retention: self.retention,
+                lease: self.lease,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The default outcome predicate: store 2xx, 3xx and 4xx except 408, 425
+/// and 429; release the key for everything else (temporary failures).
+pub fn default_should_store(status: StatusCode) -> bool {
+    let code = status.as_u16();
+    (200..500).contains(&code) && !matches!(code, 408 | 425 | 429)
+}
+
+/// The headers never replayed: hop-by-hop headers, `Date` and `Set-Cookie`.
+pub fn default_replay_denylist() -> Vec<HeaderName> {
+    vec![
+        header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::DATE,
+        header::SET_COOKIE,
+        header::CONTENT_LENGTH,
+    ]
+}
+
+/// Tower layer that makes requests carrying an `Idempotency-Key` safe to
+/// retry.
+///
+/// Built with consuming setters; every default follows the contract:
+///
+/// | setting | default |
+/// |---|---|
+/// | [`methods`](Self::methods) | `POST`, `PATCH` |
+/// | [`require_key`](Self::require_key) | off: keyless requests pass through |
+/// | [`tenant`](Self::tenant) | the [`Tenant`] request extension |
+/// | [`allow_anonymous`](Self::allow_anonymous) | off: 401 without a tenant |
+/// | [`fingerprint_headers`](Self::fingerprint_headers) | `content-type` |
+/// | [`max_body`](Self::max_body) | 1 MiB (then 413) |
+/// | [`max_response`](Self::max_response) | 1 MiB (larger responses are not stored) |
+/// | [`lease`](Self::lease) | 30 s, renewed every third |
+/// | [`retention`](Self::retention) | 24 h |
+/// | [`in_flight`](Self::in_flight) | [`InFlight::Reject`] |
+/// | [`store_timeout`](Self::store_timeout) | 1 s per store call |
+/// | [`fail_open`](Self::fail_open) | off: 503 when the store fails |
+/// | [`on_disconnect`](Self::on_disconnect) | [`OnDisconnect::Detach`] |
+///
+/// The layer panics when it is applied with an invalid configuration
+/// (retention not longer than the lease, a zero lease or timeout); call
+/// [`validate`](Self::validate) first to report it yourself.
+pub struct IdempotencyLayer<S> {
+    pub(crate) store: Arc<S>,
+    pub(crate) config: Arc<Config>,
+}
+
+impl<S> Clone for IdempotencyLayer<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S> fmt::Debug for IdempotencyLayer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("methods", &self.config.methods)
+            .field("require_key", &self.config.require_key)
+            .field("lease", &self.config.lease)
+            .field("retention", &self.config.retention)
+            .field("in_flight", &self.config.in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> IdempotencyLayer<S> {
+    /// A layer on `store` with the default configuration.
+    pub fn new(store: S) -> Self {
+        Self {
+            store: Arc::new(store),
+            config: Arc::new(Config {
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: false,
+                tenant: Arc::new(TenantFromExtension::<Tenant>::new()),
+                allow_anonymous: false,
+                fingerprint_headers: vec![header::CONTENT_TYPE],
+                fingerprint_fn: None,
+                max_body: 1024 * 1024,
+                max_response: 1024 * 1024,
+                lease: Duration::from_secs(30),
+                retention: Duration::from_secs(24 * 3600),
+                in_flight: InFlight::Reject,
+                should_store: Arc::new(default_should_store),
+                replay_denylist: default_replay_denylist(),
+                fail_open: false,
+                store_timeout: Duration::from_secs(1),
+                on_disconnect: OnDisconnect::Detach,
+            }),
+        }
+    }
+
+    fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
+        change(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The methods the layer applies to; others pass through with no store
+    /// call.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.with(|c| c.methods = methods)
+    }
+
+    /// Answer `400 idempotency_key_missing` to keyless requests of the
+    /// configured methods.
+    pub fn require_key(self) -> Self {
+        self.with(|c| c.require_key = true)
+    }
+
+    /// Where the tenant comes from. See [`crate::tenant`].
+    pub fn tenant(self, extractor: impl TenantExtractor) -> Self {
+        let extractor: Arc<dyn TenantExtractor> = Arc::new(extractor);
+        self.with(|c| c.tenant = extractor)
+    }
+
+    /// Keyed requests without a tenant share one anonymous tenant instead of
+    /// getting `401 idempotency_tenant_missing`.
+    pub fn allow_anonymous(self) -> Self {
+        self.with(|c| c.allow_anonymous = true)
+    }
+
+    /// The headers included in the fingerprint (default `content-type`).
+    pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let headers = headers.into_iter().collect();
+        self.with(|c| c.fingerprint_headers = headers)
+    }
+
+    /// Replaces the default fingerprint: `f(operation, request head, body)`.
+    pub fn fingerprint_fn(
+        self,
+        f: impl Fn(&str, &Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        let f: Arc<FingerprintFn> = Arc::new(f);
+        self.with(|c| c.fingerprint_fn = Some(f))
+    }
+
+    /// The largest request body read for a keyed request (default 1 MiB);
+    /// beyond it: `413 request_body_too_large`, handler not run.
+    pub fn max_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_body = bytes)
+    }
+
+    /// The largest response stored for replay (default 1 MiB). A larger
+    /// response reaches the first caller; retries get
+    /// `502 idempotency_response_not_stored` and the handler is not run
+    /// again.
+    pub fn max_response(self, bytes: usize) -> Self {
+        self.with(|c| c.max_response = bytes)
+    }
+
+    /// The lease length (default 30 s), renewed every third while the
+    /// handler runs.
+    pub fn lease(self, lease: Duration) -> Self {
+        self.with(|c| c.lease = lease)
+    }
+
+    /// How long records are kept (default 24 h). Must exceed the longest
+    /// retry horizon of your clients, and the lease.
+    pub fn retention(self, retention: Duration) -> Self {
+        self.with(|c| c.retention = retention)
+    }
+
+    /// How duplicates in flight are answered.
+    pub fn in_flight(self, mode: InFlight) -> Self {
+        self.with(|c| c.in_flight = mode)
+    }
+
+    /// Which handler statuses are stored and replayed; the others release
+    /// the key. See [`default_should_store`].
+    pub fn store_outcome_if(
+        self,
+        predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        let predicate: Arc<dyn Fn(StatusCode) -> bool + Send + Sync> = Arc::new(predicate);
+        self.with(|c| c.should_store = predicate)
+    }
+
+    /// Response headers never stored nor replayed. See
+    /// [`default_replay_denylist`].
+    pub fn replay_denylist(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let headers = headers.into_iter().collect();
+        self.with(|c| c.replay_denylist = headers)
+    }
+
+    /// Run the handler without protection when the store fails (counted as
+    /// `fail_open`), instead of `503 idempotency_store_unavailable`.
+    pub fn fail_open(self) -> Self {
+        self.with(|c| c.fail_open = true)
+    }
+
+    /// The timeout of every store call (default 1 s).
+    pub fn store_timeout(self, timeout: Duration) -> Self {
+        self.with(|c| c.store_timeout = timeout)
+    }
+
+    /// What a client disconnect does to the running handler.
+    pub fn on_disconnect(self, mode: OnDisconnect) -> Self {
+        self.with(|c| c.on_disconnect = mode)
+    }
+
+    /// Checks the configuration.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.config.validate()
+    }
+
+    /// The records API (GET and DELETE) on the same store and tenant
+    /// extractor. Mount it at a path of your choice, for example
+    /// `Router::route_service("/_idempotency/records", layer.records_service())`.
+    pub fn records_service(&self) -> RecordsService<S> {
+        RecordsService::new(Arc::clone(&self.store), Arc::clone(&self.config))
+    }
+
+    /// The store the layer uses.
+    pub fn store(&self) -> &Arc<S> {
+        &self.store
+    }
+}
+
+impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
+    type Service = Idempotency<I, S>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        if let Err(e) = self.config.validate() {
+            panic!("invalid idempotency layer configuration: {e}");
+        }
+        Idempotency::new(inner, self.clone())
+    }
+}

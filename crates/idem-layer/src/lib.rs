@@ -1,0 +1,85 @@
+//! Tower middleware that makes retried HTTP requests safe.
+//!
+//! A client that times out and retries must not charge twice. Add
+//! [`IdempotencyLayer`] in front of your handlers and every request that
+//! carries an `Idempotency-Key` header runs at most once per
+//! (tenant, operation, key); duplicates get the stored response back,
+//! byte for byte, with `Idempotent-Replayed: true`.
+//!
+//! ```
+//! use axum::{Router, routing::post};
+//! use idem_layer::{IdempotencyLayer, TenantFromHeader};
+//! use idem_memory::MemoryStore;
+//!
+//! let app: Router = Router::new()
+//!     .route("/orders", post(|| async { "created" }))
+//!     .layer(
+//!         IdempotencyLayer::new(MemoryStore::new())
+//!             .tenant(TenantFromHeader::new(http::HeaderName::from_static("x-tenant-id"))),
+//!     );
+//! ```
+//!
+//! # What a keyed request gets
+//!
+//! | situation | answer |
+//! |---|---|
+//! | new key | the handler runs once; its outcome is stored |
+//! | same key, same request, completed | replay of the stored response |
+//! | same key, same request, still running | `409 idempotency_in_progress` + `Retry-After` (or wait, see [`InFlight`]) |
+//! | same key, other payload | `422 idempotency_conflict` |
+//! | cancelled through the records API | `410 idempotency_cancelled` |
+//! | malformed or repeated key | `400 idempotency_key_invalid` |
+//! | no tenant | `401 idempotency_tenant_missing` |
+//! | body over the limit | `413 request_body_too_large`, handler not run |
+//! | store down or slow | `503 idempotency_store_unavailable` + `Retry-After` |
+//!
+//! Handler outcomes 2xx, 3xx and 4xx (except 408, 425, 429) are stored.
+//! 5xx, 408, 425, 429, errors and panics release the key so the client may
+//! retry. Every refusal is `application/problem+json` with a stable `code`
+//! (see [`ProblemCode`]).
+//!
+//! # Choices where the contract is silent
+//!
+//! * A response too large to store (over [`IdempotencyLayer::max_response`])
+//!   reaches the first caller; later retries get
+//!   `409 idempotency_response_not_stored`, and the handler is not run again.
+//! * A panicking handler, or a response body that fails mid-stream, releases
+//!   the key and answers `500 handler_failed`.
+//! * A request body that cannot be read answers `400 request_body_invalid`.
+//! * A released key (after a temporary failure) is free again for any
+//!   payload: the next request starts a new attempt.
+//! * If the outcome cannot be recorded because the store failed after the
+//!   handler ran, the client still gets the real response, and the record
+//!   stays processing until its lease lapses.
+//! * A fenced attempt (taken over or cancelled while running) gets what the
+//!   record says now; if the record is vacant its own response.
+//!
+//! # Body types
+//!
+//! The inner service receives the request with its body rebuilt from the
+//! buffered bytes (`ReqBody: From<Bytes>`: axum's `Body`, `Full<Bytes>`),
+//! and returns a body that is `Unpin`. The layer answers with
+//! [`ResponseBody`].
+
+mod body;
+mod context;
+pub mod fingerprint;
+mod layer;
+pub mod metrics;
+mod problem;
+pub mod records;
+mod service;
+pub mod tenant;
+
+pub use body::{BoxError, ResponseBody};
+pub use context::IdempotencyContext;
+pub use layer::{
+    ConfigError, IdempotencyLayer, InFlight, OnDisconnect, default_replay_denylist,
+    default_should_store,
+};
+pub use problem::ProblemCode;
+pub use records::RecordsService;
+pub use service::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
+pub use tenant::{
+    Tenant, TenantExtractor, TenantFromAuthorization, TenantFromExtension, TenantFromHeader,
+};

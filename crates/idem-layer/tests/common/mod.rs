@@ -1,0 +1,255 @@
+//! A counting inner service and request helpers for the layer's tests.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use idem_layer::{BoxError, IdempotencyContext, IdempotencyLayer, TenantFromHeader};
+use idem_memory::MemoryStore;
+use tokio::sync::{Notify, Semaphore};
+use tower::{Layer, Service, ServiceExt, util::BoxCloneService};
+
+pub const TENANT: &str = "x-tenant";
+
+/// What the inner service has seen.
+#[derive(Clone)]
+pub struct Probe {
+    /// How many times the handler ran.
+    pub calls: Arc<AtomicUsize>,
+    /// How many handler runs finished.
+    pub finished: Arc<AtomicUsize>,
+    /// `/slow` waits for a permit here.
+    pub gate: Arc<Semaphore>,
+    /// Notified whenever a handler starts.
+    pub entered: Arc<Notify>,
+}
+
+impl Default for Probe {
+    fn default() -> Self {
+        Self {
+            calls: Arc::default(),
+            finished: Arc::default(),
+            gate: Arc::new(Semaphore::new(0)),
+            entered: Arc::default(),
+        }
+    }
+}
+
+impl Probe {
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    pub fn finished(&self) -> usize {
+        self.finished.load(Ordering::SeqCst)
+    }
+
+    pub fn open_gate(&self, permits: usize) {
+        self.gate.add_permits(permits);
+    }
+}
+
+pub type Inner = BoxCloneService<Request<Full<Bytes>>, Response<Full<Bytes>>, BoxError>;
+
+/// The inner service. Paths:
+/// * `/orders`: 201, a fresh order number, `Location`, `Set-Cookie`, `Date`.
+/// * `/status/N`: status N.
+/// * `/slow`: waits for a gate permit, then 201.
+/// * `/panic`, `/error`: panics, or returns an error.
+/// * `/big/N`: 200 with N bytes.
+/// * `/ctx`: 200 with the idempotency context as text.
+pub fn inner(probe: &Probe) -> Inner {
+    let probe = probe.clone();
+    BoxCloneService::new(tower::service_fn(move |request: Request<Full<Bytes>>| {
+        let probe = probe.clone();
+        async move {
+            let n = probe.calls.fetch_add(1, Ordering::SeqCst) + 1;
+            probe.entered.notify_waiters();
+            let path = request.uri().path().to_owned();
+            let ctx = request.extensions().get::<IdempotencyContext>().cloned();
+            let body = request
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let response = if path == "/orders" || path == "/slow" {
+                if path == "/slow" {
+                    probe
+                        .gate
+                        .acquire()
+                        .await
+                        .map_err(|e| Box::new(e) as BoxError)?
+                        .forget();
+                }
+                Response::builder()
+                    .status(201)
+                    .header(header::CONTENT_TYPE, "application/json")
+                    .header(header::LOCATION, format!("/orders/{n}"))
+                    .header(header::SET_COOKIE, format!("session={n}"))
+                    .header(header::DATE, "Sun, 29 Nov 2026 10:00:00 GMT")
+                    .header("x-echo-len", body.len().to_string())
+                    .body(Full::new(Bytes::from(format!("{{\"order\":{n}}}"))))
+                    .map_err(|e| Box::new(e) as BoxError)?
+            } else if let Some(code) = path.strip_prefix("/status/") {
+                let status = code.parse::<u16>().map_err(|e| Box::new(e) as BoxError)?;
+                Response::builder()
+                    .status(status)
+                    .body(Full::new(Bytes::from(format!("status {status} run {n}"))))
+                    .map_err(|e| Box::new(e) as BoxError)?
+            } else if path == "/panic" {
+                panic!("handler panicked on purpose");
+            } else if path == "/error" {
+                probe.finished.fetch_add(1, Ordering::SeqCst);
+                return Err("handler error".into());
+            } else if let Some(len) = path.strip_prefix("/big/") {
+                let len = len.parse::<usize>().map_err(|e| Box::new(e) as BoxError)?;
+                Response::new(Full::new(Bytes::from(vec![b'x'; len])))
+            } else if path == "/ctx" {
+                let ctx = ctx.ok_or("no context")?;
+                let text = format!(
+                    "key={} tenant={} op={} generation={} superseded={}",
+                    ctx.key.as_str(),
+                    ctx.tenant,
+                    ctx.operation,
+                    ctx.generation,
+                    ctx.superseded
+                        .map(|a| a.generation.to_string())
+                        .unwrap_or_default()
+                );
+                Response::new(Full::new(Bytes::from(text)))
+            } else {
+                Response::builder()
+                    .status(404)
+                    .body(Full::new(Bytes::new()))
+                    .map_err(|e| Box::new(e) as BoxError)?
+            };
+            probe.finished.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, BoxError>(response)
+        }
+    }))
+}
+
+/// The layer as the tests configure it by default.
+pub fn layer(store: &MemoryStore) -> IdempotencyLayer<MemoryStore> {
+    IdempotencyLayer::new(store.clone())
+        .tenant(TenantFromHeader::new(HeaderName::from_static(TENANT)))
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    /// The problem `code` member, if the body is a problem document.
+    pub fn code(&self) -> Option<String> {
+        let value: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
+        value.get("code")?.as_str().map(str::to_owned)
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn content_type(&self) -> Option<&str> {
+        self.header("content-type")
+    }
+}
+
+/// Sends one request through a service and reads the whole answer.
+pub async fn send<S, B>(service: &S, request: Request<Full<Bytes>>) -> Answer
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let response = service
+        .clone()
+        .oneshot(request)
+        .await
+        .expect("service error");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// A request builder: `post("/orders").key("k").tenant("t").json("{}")`.
+pub struct Req(http::request::Builder, Bytes);
+
+pub fn post(path: &str) -> Req {
+    Req(Request::post(path), Bytes::new())
+}
+
+pub fn method(method: http::Method, path: &str) -> Req {
+    Req(Request::builder().method(method).uri(path), Bytes::new())
+}
+
+impl Req {
+    pub fn key(self, key: &str) -> Self {
+        Req(self.0.header("idempotency-key", key), self.1)
+    }
+
+    pub fn tenant(self, tenant: &str) -> Self {
+        Req(self.0.header(TENANT, tenant), self.1)
+    }
+
+    pub fn header(self, name: &str, value: &str) -> Self {
+        Req(self.0.header(name, value), self.1)
+    }
+
+    pub fn json(self, body: &str) -> Self {
+        Req(
+            self.0.header("content-type", "application/json"),
+            Bytes::copy_from_slice(body.as_bytes()),
+        )
+    }
+
+    pub fn body(self, body: impl Into<Bytes>) -> Self {
+        Req(self.0, body.into())
+    }
+
+    pub fn build(self) -> Request<Full<Bytes>> {
+        self.0.body(Full::new(self.1)).expect("valid request")
+    }
+}
+
+/// The standard keyed order request of tenant `t1`.
+pub fn order(key: &str, body: &str) -> Request<Full<Bytes>> {
+    post("/orders").key(key).tenant("t1").json(body).build()
+}
+
+pub fn service(
+    layer: &IdempotencyLayer<MemoryStore>,
+    probe: &Probe,
+) -> idem_layer::Idempotency<Inner, MemoryStore> {
+    layer.layer(inner(probe))
+}
+
+/// Waits until the handler has started `n` times.
+pub async fn wait_calls(probe: &Probe, n: usize) {
+    loop {
+        let entered = probe.entered.notified();
+        if probe.calls() >= n {
+            return;
+        }
+        entered.await;
+    }
+}

@@ -1,0 +1,731 @@
+//! Every row of the contract's state table (section 3) and outcome table
+//! (section 4), through the layer with `oneshot`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+use idem_core::{Reservation, ReserveRequest, Scope, Store};
+use idem_layer::IdempotencyLayer;
+use idem_memory::MemoryStore;
+use tower::{Layer, Service, ServiceExt};
+
+#[tokio::test]
+async fn absent_executes_and_completed_replays_exact_bytes() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+
+    let first = send(&svc, order("k1", r#"{"item":"book","qty":1}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    assert_eq!(
+        first.header("set-cookie"),
+        Some("session=1"),
+        "the first caller gets every header"
+    );
+
+    let second = send(&svc, order("k1", r#"{"item":"book","qty":1}"#)).await;
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body, "replayed bytes are identical");
+    assert_eq!(second.header("location"), Some("/orders/1"));
+    assert_eq!(second.content_type(), Some("application/json"));
+    assert_eq!(second.header("x-echo-len"), first.header("x-echo-len"));
+    assert_eq!(
+        second.header("set-cookie"),
+        None,
+        "Set-Cookie is not replayed"
+    );
+    assert_eq!(second.header("date"), None, "Date is not replayed");
+    assert_eq!(probe.calls(), 1);
+}
+
+#[tokio::test]
+async fn different_payload_is_a_conflict_in_every_state() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+
+    // completed
+    assert_eq!(
+        send(&svc, order("k", r#"{"qty":1}"#)).await.status,
+        StatusCode::CREATED
+    );
+    let conflict = send(&svc, order("k", r#"{"qty":2}"#)).await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
+    assert_eq!(conflict.content_type(), Some("application/problem+json"));
+    // the conflict changed nothing: the original still replays
+    let replay = send(&svc, order("k", r#"{"qty":1}"#)).await;
+    assert!(replay.replayed());
+    assert_eq!(probe.calls(), 1);
+
+    // processing
+    let slow = svc
+        .clone()
+        .oneshot(post("/slow").key("s").tenant("t1").json("{}").build());
+    let slow = tokio::spawn(slow);
+    wait_calls(&probe, 2).await;
+    let conflict = send(
+        &svc,
+        post("/slow")
+            .key("s")
+            .tenant("t1")
+            .json(r#"{"x":1}"#)
+            .build(),
+    )
+    .await;
+    assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
+    probe.open_gate(1);
+    slow.await.expect("join").expect("response");
+    assert_eq!(probe.calls(), 2);
+}
+
+#[tokio::test]
+async fn duplicate_in_flight_gets_409_with_retry_after() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store).lease(Duration::from_secs(12)), &probe);
+    let first = tokio::spawn(
+        svc.clone()
+            .oneshot(post("/slow").key("k").tenant("t1").build()),
+    );
+    wait_calls(&probe, 1).await;
+
+    let busy = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    let retry_after: u64 = busy
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .expect("seconds");
+    assert!((1..=12).contains(&retry_after), "Retry-After {retry_after}");
+
+    probe.open_gate(1);
+    let first = first.await.expect("join").expect("response");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let replay = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    assert!(replay.replayed());
+    assert_eq!(probe.calls(), 1);
+}
+
+/// A dead owner's lease (reserved directly in the store, never renewed)
+/// is taken over after it lapses, with the next generation, and the
+/// handler learns which attempt it superseded.
+#[tokio::test(start_paused = true)]
+async fn lapsed_lease_is_taken_over_with_next_generation() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store).lease(Duration::from_secs(5)), &probe);
+    let request = || post("/ctx").key("k").tenant("t1").build();
+
+    // The "crashed" first attempt, with the fingerprint the layer computes.
+    let scope = Scope::new("t1", "POST /ctx", "k".parse().expect("key"));
+    let fingerprint = {
+        let (parts, _) = request().into_parts();
+        idem_layer::fingerprint::fingerprint(
+            "POST /ctx",
+            &parts,
+            &[http::header::CONTENT_TYPE],
+            b"",
+        )
+    };
+    let reserve = ReserveRequest {
+        scope,
+        fingerprint,
+        lease: Duration::from_secs(5),
+        retention: Duration::from_secs(3600),
+    };
+    assert!(matches!(
+        store.reserve(&reserve).await.expect("reserve"),
+        Reservation::Acquired(_)
+    ));
+
+    let busy = send(&svc, request()).await;
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    assert_eq!(probe.calls(), 0);
+
+    tokio::time::advance(Duration::from_secs(6)).await;
+    let taken = send(&svc, request()).await;
+    assert_eq!(taken.status, StatusCode::OK);
+    assert_eq!(
+        std::str::from_utf8(&taken.body).expect("utf8"),
+        "key=k tenant=t1 op=POST /ctx generation=2 superseded=1"
+    );
+    assert_eq!(probe.calls(), 1);
+    let replay = send(&svc, request()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, taken.body);
+    assert_eq!(probe.calls(), 1);
+}
+
+#[tokio::test]
+async fn cancelled_record_answers_410() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store);
+    let svc = service(&layer, &probe);
+    let slow = tokio::spawn(
+        svc.clone()
+            .oneshot(post("/slow").key("k").tenant("t1").build()),
+    );
+    wait_calls(&probe, 1).await;
+
+    let records = layer.records_service();
+    let cancel = send(
+        &records,
+        method(
+            http::Method::DELETE,
+            "/_idempotency/records?method=POST&path=/slow&key=k",
+        )
+        .tenant("t1")
+        .build(),
+    )
+    .await;
+    assert_eq!(cancel.status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&cancel.body).expect("json");
+    assert_eq!(json["result"], "cancelled");
+    assert_eq!(json["record"]["state"], "cancelled");
+
+    probe.open_gate(1);
+    let fenced = slow.await.expect("join").expect("response");
+    assert_eq!(
+        fenced.status(),
+        StatusCode::GONE,
+        "the cancelled attempt's own client gets 410"
+    );
+    let retry = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(retry.code().as_deref(), Some("idempotency_cancelled"));
+    assert_eq!(probe.calls(), 1);
+    // Cancellation did not stop the handler: it finished, and its outcome is late evidence.
+    assert_eq!(probe.finished(), 1);
+    let record = send(
+        &records,
+        method(
+            http::Method::GET,
+            "/_idempotency/records?method=POST&path=/slow&key=k",
+        )
+        .tenant("t1")
+        .build(),
+    )
+    .await;
+    let json: serde_json::Value = serde_json::from_slice(&record.body).expect("json");
+    assert_eq!(json["attempts"][0]["late"]["kind"], "completed");
+    assert_eq!(json["attempts"][0]["late"]["status"], 201);
+}
+
+#[tokio::test]
+async fn stored_outcomes_are_replayed() {
+    for status in [200u16, 201, 204, 302, 400, 403, 404, 409] {
+        let store = MemoryStore::new();
+        let probe = Probe::default();
+        let svc = service(&layer(&store), &probe);
+        let path = format!("/status/{status}");
+        let first = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        assert_eq!(first.status.as_u16(), status);
+        let second = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        assert_eq!(second.status.as_u16(), status, "status {status} replayed");
+        assert!(second.replayed(), "status {status} replayed");
+        assert_eq!(second.body, first.body);
+        assert_eq!(probe.calls(), 1, "status {status} executes once");
+    }
+}
+
+#[tokio::test]
+async fn temporary_failures_release_the_key() {
+    for status in [500u16, 502, 503, 504, 408, 425, 429] {
+        let store = MemoryStore::new();
+        let probe = Probe::default();
+        let svc = service(&layer(&store), &probe);
+        let path = format!("/status/{status}");
+        let first = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        assert_eq!(first.status.as_u16(), status, "passed through");
+        assert_eq!(first.body, format!("status {status} run 1"));
+        let second = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        assert!(!second.replayed(), "status {status} is not replayed");
+        assert_eq!(second.body, format!("status {status} run 2"));
+        assert_eq!(probe.calls(), 2, "status {status} re-executes");
+    }
+}
+
+#[tokio::test]
+async fn handler_error_and_panic_release_the_key() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+
+    let error = svc
+        .clone()
+        .oneshot(post("/error").key("e").tenant("t1").build())
+        .await;
+    assert!(
+        error.is_err(),
+        "a handler error is passed through as the service error"
+    );
+    let error = svc
+        .clone()
+        .oneshot(post("/error").key("e").tenant("t1").build())
+        .await;
+    assert!(error.is_err());
+    assert_eq!(probe.calls(), 2, "the error released the key");
+
+    let panic = send(&svc, post("/panic").key("p").tenant("t1").build()).await;
+    assert_eq!(panic.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(panic.code().as_deref(), Some("handler_failed"));
+    let again = send(&svc, post("/panic").key("p").tenant("t1").build()).await;
+    assert_eq!(again.code().as_deref(), Some("handler_failed"));
+    assert_eq!(probe.calls(), 4, "the panic released the key");
+}
+
+#[tokio::test]
+async fn outcome_predicate_is_configurable() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    // Store 503s too.
+    let svc = service(
+        &layer(&store).store_outcome_if(|s| s.as_u16() != 404),
+        &probe,
+    );
+    send(&svc, post("/status/503").key("a").tenant("t1").build()).await;
+    assert!(
+        send(&svc, post("/status/503").key("a").tenant("t1").build())
+            .await
+            .replayed()
+    );
+    send(&svc, post("/status/404").key("b").tenant("t1").build()).await;
+    assert!(
+        !send(&svc, post("/status/404").key("b").tenant("t1").build())
+            .await
+            .replayed()
+    );
+    assert_eq!(probe.calls(), 3);
+}
+
+#[tokio::test]
+async fn response_over_storable_limit_reaches_first_caller_only() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store).max_response(1024), &probe);
+    let first = send(&svc, post("/big/5000").key("k").tenant("t1").build()).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(
+        first.body.len(),
+        5000,
+        "the first caller gets the whole body"
+    );
+    assert!(first.body.iter().all(|b| *b == b'x'));
+    let retry = send(&svc, post("/big/5000").key("k").tenant("t1").build()).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(
+        retry.code().as_deref(),
+        Some("idempotency_response_not_stored")
+    );
+    assert_eq!(probe.calls(), 1, "the handler is not run again");
+    // Exactly at the limit is stored.
+    let at_limit = send(&svc, post("/big/1024").key("k2").tenant("t1").build()).await;
+    let replay = send(&svc, post("/big/1024").key("k2").tenant("t1").build()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, at_limit.body);
+}
+
+#[tokio::test]
+async fn other_methods_pass_through_without_store_calls() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    for _ in 0..2 {
+        let answer = send(
+            &svc,
+            method(http::Method::PUT, "/orders")
+                .key("k")
+                .tenant("t1")
+                .build(),
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert!(!answer.replayed());
+    }
+    // Even an invalid key is not looked at.
+    let answer = send(
+        &svc,
+        method(http::Method::GET, "/orders").key("a b").build(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(probe.calls(), 3);
+    assert!(store.is_empty(), "no record was made");
+
+    // PATCH is keyed by default; PUT when configured.
+    let svc = service(&layer(&store).methods([http::Method::PUT]), &probe);
+    send(
+        &svc,
+        method(http::Method::PUT, "/orders")
+            .key("k")
+            .tenant("t1")
+            .build(),
+    )
+    .await;
+    assert!(
+        send(
+            &svc,
+            method(http::Method::PUT, "/orders")
+                .key("k")
+                .tenant("t1")
+                .build()
+        )
+        .await
+        .replayed()
+    );
+}
+
+#[tokio::test]
+async fn missing_key_passes_through_unless_required() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    send(&svc, post("/orders").tenant("t1").build()).await;
+    send(&svc, post("/orders").tenant("t1").build()).await;
+    assert_eq!(probe.calls(), 2);
+    assert!(store.is_empty());
+
+    let svc = service(&layer(&store).require_key(), &probe);
+    let refused = send(&svc, post("/orders").tenant("t1").build()).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    assert_eq!(refused.code().as_deref(), Some("idempotency_key_missing"));
+    assert_eq!(probe.calls(), 2);
+}
+
+#[tokio::test]
+async fn invalid_keys_get_400_from_the_vectors() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    let mut checked = 0;
+    for line in include_str!("fixtures/idempotency-key.jsonl")
+        .lines()
+        .filter(|l| !l.is_empty())
+    {
+        let case: serde_json::Value = serde_json::from_str(line).expect("json");
+        let header = case["header"].as_str().expect("header");
+        let Ok(value) = http::HeaderValue::from_bytes(header.as_bytes()) else {
+            continue;
+        };
+        let mut request = post("/status/200").tenant("t1").build();
+        request.headers_mut().insert("idempotency-key", value);
+        let answer = send(&svc, request).await;
+        match case.get("error") {
+            Some(_) => {
+                assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{}", case["note"]);
+                assert_eq!(
+                    answer.code().as_deref(),
+                    Some("idempotency_key_invalid"),
+                    "{}",
+                    case["note"]
+                );
+            }
+            None => assert_eq!(answer.status, StatusCode::OK, "{}", case["note"]),
+        }
+        checked += 1;
+    }
+    assert!(checked > 20);
+    let errors = include_str!("fixtures/idempotency-key.jsonl")
+        .matches("\"error\"")
+        .count();
+    let valid_runs = checked - errors;
+    assert!(
+        probe.calls() <= valid_runs,
+        "no invalid key reached the handler"
+    );
+}
+
+#[tokio::test]
+async fn two_key_fields_are_invalid() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    let request = post("/orders").key("a").key("a").tenant("t1").build();
+    let answer = send(&svc, request).await;
+    assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+    assert_eq!(answer.code().as_deref(), Some("idempotency_key_invalid"));
+    assert_eq!(probe.calls(), 0);
+}
+
+#[tokio::test]
+async fn quoted_and_bare_keys_name_the_same_record() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    let first = send(&svc, post("/orders").key("\"abc\"").tenant("t1").build()).await;
+    let second = send(&svc, post("/orders").key("abc").tenant("t1").build()).await;
+    assert!(second.replayed());
+    assert_eq!(first.body, second.body);
+    assert_eq!(probe.calls(), 1);
+}
+
+#[tokio::test]
+async fn tenants_are_isolated_and_required() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    let a = send(
+        &svc,
+        post("/orders")
+            .key("same")
+            .tenant("alice")
+            .json("{}")
+            .build(),
+    )
+    .await;
+    let b = send(
+        &svc,
+        post("/orders")
+            .key("same")
+            .tenant("bob")
+            .json(r#"{"other":1}"#)
+            .build(),
+    )
+    .await;
+    assert!(!a.replayed() && !b.replayed());
+    assert_ne!(a.body, b.body);
+    assert_eq!(probe.calls(), 2);
+
+    let anonymous = send(&svc, post("/orders").key("k").build()).await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        anonymous.code().as_deref(),
+        Some("idempotency_tenant_missing")
+    );
+    assert_eq!(probe.calls(), 2);
+
+    let svc = service(&layer(&store).allow_anonymous(), &probe);
+    send(&svc, post("/orders").key("k").build()).await;
+    assert!(
+        send(&svc, post("/orders").key("k").build())
+            .await
+            .replayed()
+    );
+    assert_eq!(probe.calls(), 3);
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413_and_never_executes() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store).max_body(100), &probe);
+    // Declared length over the limit.
+    let answer = send(
+        &svc,
+        post("/orders")
+            .key("k")
+            .tenant("t1")
+            .header("content-length", "101")
+            .body(vec![b'a'; 101])
+            .build(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(answer.code().as_deref(), Some("request_body_too_large"));
+    // No declared length.
+    let answer = send(
+        &svc,
+        post("/orders")
+            .key("k")
+            .tenant("t1")
+            .body(vec![b'a'; 101])
+            .build(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(probe.calls(), 0);
+    assert!(store.is_empty(), "nothing was reserved");
+    // At the limit it runs.
+    let answer = send(
+        &svc,
+        post("/orders")
+            .key("k")
+            .tenant("t1")
+            .body(vec![b'a'; 100])
+            .build(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(
+        answer.header("x-echo-len"),
+        Some("100"),
+        "the handler got the whole body"
+    );
+}
+
+#[tokio::test]
+async fn json_key_order_and_whitespace_do_not_change_the_fingerprint() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    send(&svc, order("k", r#"{"a":1,"b":[1,2],"c":{"y":1,"x":2}}"#)).await;
+    let replay = send(
+        &svc,
+        order(
+            "k",
+            "{ \"c\": {\"x\":2, \"y\":1.0},\n \"b\": [1, 2], \"a\": 1 }",
+        ),
+    )
+    .await;
+    assert!(replay.replayed());
+    let conflict = send(&svc, order("k", r#"{"a":1,"b":[2,1],"c":{"y":1,"x":2}}"#)).await;
+    assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
+    assert_eq!(probe.calls(), 1);
+}
+
+#[tokio::test]
+async fn query_string_is_part_of_the_fingerprint() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    send(&svc, post("/status/200?x=1").key("k").tenant("t1").build()).await;
+    let conflict = send(&svc, post("/status/200?x=2").key("k").tenant("t1").build()).await;
+    assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
+}
+
+#[tokio::test]
+async fn custom_fingerprint_replaces_the_default() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    // Only the operation counts: any payload replays.
+    let layer = layer(&store)
+        .fingerprint_fn(|op, _, _| idem_core::Fingerprint::from_bytes([op.len() as u8; 32]));
+    let svc = service(&layer, &probe);
+    send(&svc, order("k", r#"{"a":1}"#)).await;
+    assert!(send(&svc, order("k", r#"{"a":2}"#)).await.replayed());
+    assert_eq!(probe.calls(), 1);
+}
+
+#[tokio::test]
+async fn handler_sees_the_context() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    let answer = send(&svc, post("/ctx").key("\"my key\"").tenant("acme").build()).await;
+    assert_eq!(
+        std::str::from_utf8(&answer.body).expect("utf8"),
+        "key=my key tenant=acme op=POST /ctx generation=1 superseded="
+    );
+}
+
+/// The handler outlives several lease lengths; renewal keeps duplicates
+/// out (no takeover while the process is alive).
+#[tokio::test(start_paused = true)]
+async fn long_handler_keeps_its_lease() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store).lease(Duration::from_secs(3)), &probe);
+    let first = tokio::spawn(
+        svc.clone()
+            .oneshot(post("/slow").key("k").tenant("t1").build()),
+    );
+    wait_calls(&probe, 1).await;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let busy = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+        assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    }
+    probe.open_gate(1);
+    assert_eq!(
+        first.await.expect("join").expect("response").status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(probe.calls(), 1);
+}
+
+#[test]
+fn retention_not_longer_than_lease_is_a_configuration_error() {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .lease(Duration::from_secs(30))
+        .retention(Duration::from_secs(30));
+    assert!(matches!(
+        layer.validate(),
+        Err(idem_layer::ConfigError::RetentionNotLongerThanLease { .. })
+    ));
+    let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        layer.layer(tower::service_fn(|_: http::Request<()>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<
+                bytes::Bytes,
+            >::new()))
+        }))
+    }));
+    assert!(applied.is_err(), "applying an invalid layer fails at start");
+    assert!(IdempotencyLayer::new(MemoryStore::new()).validate().is_ok());
+}
+
+#[tokio::test]
+async fn records_api_shows_attempts_and_hides_other_tenants() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store);
+    let svc = service(&layer, &probe);
+    send(&svc, post("/status/503").key("k").tenant("t1").build()).await;
+    send(&svc, post("/status/503").key("k").tenant("t1").build()).await;
+    let mut records = layer.records_service();
+    let uri = "/_idempotency/records?method=POST&path=%2Fstatus%2F503&key=k";
+    let mine = send(
+        &records,
+        method(http::Method::GET, uri).tenant("t1").build(),
+    )
+    .await;
+    assert_eq!(mine.status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&mine.body).expect("json");
+    assert_eq!(json["state"], "released");
+    assert_eq!(json["generation"], 2);
+    assert_eq!(json["operation"], "POST /status/503");
+    assert_eq!(json["attempts"].as_array().map(Vec::len), Some(2));
+    assert_eq!(json["attempts"][0]["outcome"]["kind"], "released");
+    assert!(json["attempts"][1]["id"].is_string());
+    assert!(json["attempts"][1]["ended_at"].is_string());
+
+    let theirs = send(
+        &records,
+        method(http::Method::GET, uri).tenant("t2").build(),
+    )
+    .await;
+    assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        theirs.code().as_deref(),
+        Some("idempotency_record_not_found")
+    );
+    let delete = send(
+        &records,
+        method(http::Method::DELETE, uri).tenant("t2").build(),
+    )
+    .await;
+    assert_eq!(delete.status, StatusCode::NOT_FOUND);
+    let absent = send(
+        &records,
+        method(http::Method::GET, "/r?method=POST&path=/x&key=zz")
+            .tenant("t1")
+            .build(),
+    )
+    .await;
+    assert_eq!(absent.status, StatusCode::NOT_FOUND);
+    let bad = send(
+        &records,
+        method(http::Method::GET, "/r?method=POST")
+            .tenant("t1")
+            .build(),
+    )
+    .await;
+    assert_eq!(
+        bad.code().as_deref(),
+        Some("idempotency_record_query_invalid")
+    );
+    let nobody = send(&records, method(http::Method::GET, uri).build()).await;
+    assert_eq!(nobody.status, StatusCode::UNAUTHORIZED);
+    std::future::poll_fn(|cx| {
+        Service::<http::Request<http_body_util::Full<bytes::Bytes>>>::poll_ready(&mut records, cx)
+    })
+    .await
+    .expect("ready");
+}
