@@ -1,1 +1,113 @@
-fn main() {}
+//! The layer's overhead per request on the memory store: the bare inner
+//! service against the layer, for a new key and for a replay, with a 1 KiB
+//! JSON body. Run with `cargo bench -p idem-layer --bench layer_overhead`.
+
+use std::{
+    convert::Infallible,
+    hint::black_box,
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use criterion::{Criterion, criterion_group, criterion_main};
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use idem_layer::IdempotencyLayer;
+use idem_memory::MemoryStore;
+use tower::{Layer, ServiceExt};
+
+fn body() -> Bytes {
+    let mut json = String::from("{\"items\":[");
+    let mut i = 0;
+    while json.len() < 1000 {
+        if i > 0 {
+            json.push(',');
+        }
+        json.push_str(&format!("{{\"sku\":\"item-{i}\",\"qty\":{i}}}"));
+        i += 1;
+    }
+    json.push_str("]}");
+    Bytes::from(json)
+}
+
+fn request(key: &str, body: &Bytes) -> Request<Full<Bytes>> {
+    Request::post("/orders")
+        .header("content-type", "application/json")
+        .header("idempotency-key", key)
+        .body(Full::new(body.clone()))
+        .expect("request")
+}
+
+async fn handler(request: Request<Full<Bytes>>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let body = request
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    Ok(Response::builder()
+        .status(201)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(format!(
+            "{{\"id\":42,\"bytes\":{}}}",
+            body.len()
+        ))))
+        .expect("response"))
+}
+
+fn layer_overhead(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let body = body();
+    let bare = tower::service_fn(handler);
+    let layered = IdempotencyLayer::new(MemoryStore::builder().capacity(50_000_000).build())
+        .allow_anonymous()
+        .layer(tower::service_fn(handler));
+    let counter = AtomicU64::new(0);
+    let next_key = || format!("key-{}", counter.fetch_add(1, Ordering::Relaxed));
+
+    let mut group = c.benchmark_group("layer_overhead");
+    group.measurement_time(Duration::from_secs(3));
+    group.bench_function("bare", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let response = bare.oneshot(request(&next_key(), &body)).await;
+            black_box(response.expect("bare").into_body().collect().await.is_ok())
+        });
+    });
+    group.bench_function("new_key", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let response = layered.clone().oneshot(request(&next_key(), &body)).await;
+            black_box(
+                response
+                    .expect("layered")
+                    .into_body()
+                    .collect()
+                    .await
+                    .is_ok(),
+            )
+        });
+    });
+    runtime.block_on(async {
+        let first = layered
+            .clone()
+            .oneshot(request("replayed", &body))
+            .await
+            .expect("first");
+        assert_eq!(first.status(), 201);
+    });
+    group.bench_function("replay", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let response = layered.clone().oneshot(request("replayed", &body)).await;
+            let response = response.expect("replay");
+            assert!(response.headers().contains_key("idempotent-replayed"));
+            black_box(response.into_body().collect().await.is_ok())
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, layer_overhead);
+criterion_main!(benches);

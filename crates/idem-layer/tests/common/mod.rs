@@ -12,7 +12,7 @@ use http_body_util::{BodyExt, Full};
 use idem_layer::{BoxError, IdempotencyContext, IdempotencyLayer, TenantFromHeader};
 use idem_memory::MemoryStore;
 use tokio::sync::{Notify, Semaphore};
-use tower::{Layer, Service, ServiceExt, util::BoxCloneService};
+use tower::{Layer, Service, ServiceExt, util::BoxCloneSyncService};
 
 pub const TENANT: &str = "x-tenant";
 
@@ -54,18 +54,19 @@ impl Probe {
     }
 }
 
-pub type Inner = BoxCloneService<Request<Full<Bytes>>, Response<Full<Bytes>>, BoxError>;
+pub type Inner = BoxCloneSyncService<Request<Full<Bytes>>, Response<Full<Bytes>>, BoxError>;
 
 /// The inner service. Paths:
 /// * `/orders`: 201, a fresh order number, `Location`, `Set-Cookie`, `Date`.
 /// * `/status/N`: status N.
 /// * `/slow`: waits for a gate permit, then 201.
+/// * `/sleep/N`: sleeps N ms, then 201.
 /// * `/panic`, `/error`: panics, or returns an error.
 /// * `/big/N`: 200 with N bytes.
 /// * `/ctx`: 200 with the idempotency context as text.
 pub fn inner(probe: &Probe) -> Inner {
     let probe = probe.clone();
-    BoxCloneService::new(tower::service_fn(move |request: Request<Full<Bytes>>| {
+    BoxCloneSyncService::new(tower::service_fn(move |request: Request<Full<Bytes>>| {
         let probe = probe.clone();
         async move {
             let n = probe.calls.fetch_add(1, Ordering::SeqCst) + 1;
@@ -101,6 +102,13 @@ pub fn inner(probe: &Probe) -> Inner {
                 Response::builder()
                     .status(status)
                     .body(Full::new(Bytes::from(format!("status {status} run {n}"))))
+                    .map_err(|e| Box::new(e) as BoxError)?
+            } else if let Some(ms) = path.strip_prefix("/sleep/") {
+                let ms = ms.parse::<u64>().map_err(|e| Box::new(e) as BoxError)?;
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                Response::builder()
+                    .status(201)
+                    .body(Full::new(Bytes::from(format!("slept run {n}"))))
                     .map_err(|e| Box::new(e) as BoxError)?
             } else if path == "/panic" {
                 panic!("handler panicked on purpose");
@@ -169,25 +177,28 @@ impl Answer {
     }
 }
 
-/// Sends one request through a service and reads the whole answer.
-pub async fn send<S, B>(service: &S, request: Request<Full<Bytes>>) -> Answer
+/// Sends one request through a service and reads the whole answer. The
+/// future does not borrow the service.
+pub fn send<S, B>(
+    service: &S,
+    request: Request<Full<Bytes>>,
+) -> impl std::future::Future<Output = Answer> + use<S, B>
 where
     S: Service<Request<Full<Bytes>>, Response = Response<B>> + Clone,
     S::Error: std::fmt::Debug,
     B: http_body::Body,
     B::Error: std::fmt::Debug,
 {
-    let response = service
-        .clone()
-        .oneshot(request)
-        .await
-        .expect("service error");
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("body").to_bytes();
-    Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body,
+    let response = service.clone().oneshot(request);
+    async move {
+        let response = response.await.expect("service error");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
     }
 }
 

@@ -1,0 +1,244 @@
+//! Concurrent duplicates, client disconnects and cancellation races.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+use idem_layer::{InFlight, OnDisconnect};
+use idem_memory::MemoryStore;
+use tower::ServiceExt;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hundred_concurrent_duplicates_execute_once_reject_mode() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    let tasks: Vec<_> = (0..100)
+        .map(|_| {
+            tokio::spawn(
+                svc.clone()
+                    .oneshot(post("/slow").key("same").tenant("t1").build()),
+            )
+        })
+        .collect();
+    // Everyone but the executor is answered while the handler is held.
+    wait_calls(&probe, 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    probe.open_gate(1);
+    let (mut created, mut busy) = (0, 0);
+    for task in tasks {
+        let response = task.await.expect("join").expect("response");
+        match response.status() {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => busy += 1,
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(probe.calls(), 1, "the handler ran exactly once");
+    assert_eq!(created, 1);
+    assert_eq!(busy, 99);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hundred_concurrent_duplicates_execute_once_wait_mode() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(10)));
+    let svc = service(&layer, &probe);
+    let tasks: Vec<_> = (0..100)
+        .map(|_| tokio::spawn(send(&svc, post("/slow").key("same").tenant("t1").build())))
+        .collect();
+    wait_calls(&probe, 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    probe.open_gate(1);
+    let mut bodies = Vec::new();
+    let mut replayed = 0;
+    for task in tasks {
+        let answer = task.await.expect("join");
+        assert_eq!(answer.status, StatusCode::CREATED);
+        replayed += usize::from(answer.replayed());
+        bodies.push(answer.body);
+    }
+    assert_eq!(probe.calls(), 1, "the handler ran exactly once");
+    assert_eq!(replayed, 99, "every waiter got the replay");
+    assert!(
+        bodies.iter().all(|b| *b == bodies[0]),
+        "every answer has the same bytes"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_mode_gives_409_when_the_bound_passes() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(2)));
+    let svc = service(&layer, &probe);
+    let first = tokio::spawn(
+        svc.clone()
+            .oneshot(post("/slow").key("k").tenant("t1").build()),
+    );
+    wait_calls(&probe, 1).await;
+    let started = tokio::time::Instant::now();
+    let waited = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    assert_eq!(waited.code().as_deref(), Some("idempotency_in_progress"));
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_secs(2) && elapsed < Duration::from_secs(3),
+        "{elapsed:?}"
+    );
+    probe.open_gate(1);
+    first.await.expect("join").expect("response");
+    assert_eq!(probe.calls(), 1);
+}
+
+/// The lost-acknowledgement case: the client goes away mid-handler, the
+/// handler finishes in its own task, and the retry is a replay.
+#[tokio::test]
+async fn disconnect_in_detach_mode_records_the_outcome() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    let request = svc
+        .clone()
+        .oneshot(post("/slow").key("k").tenant("t1").build());
+    let client = tokio::spawn(request);
+    wait_calls(&probe, 1).await;
+    client.abort(); // the client disconnects
+    assert!(client.await.is_err_and(|e| e.is_cancelled()));
+    probe.open_gate(1);
+    // The handler finishes and records its outcome.
+    let retry = loop {
+        let answer = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+        if answer.status != StatusCode::CONFLICT {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, "{\"order\":1}");
+    assert_eq!(probe.calls(), 1, "the retry was replayed, not re-executed");
+}
+
+#[tokio::test]
+async fn disconnect_in_release_mode_drops_the_handler_and_frees_the_key() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store).on_disconnect(OnDisconnect::Release), &probe);
+    let client = tokio::spawn(
+        svc.clone()
+            .oneshot(post("/slow").key("k").tenant("t1").build()),
+    );
+    wait_calls(&probe, 1).await;
+    client.abort();
+    assert!(client.await.is_err_and(|e| e.is_cancelled()));
+    // The release runs in a task of its own; wait for the key to be free.
+    probe.open_gate(1);
+    let retry = loop {
+        let answer = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+        if answer.status != StatusCode::CONFLICT {
+            break answer;
+        }
+        probe.open_gate(1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        !retry.replayed(),
+        "the key was released, so the retry executes"
+    );
+    assert_eq!(probe.calls(), 2);
+    assert_eq!(probe.finished(), 1, "the dropped handler never finished");
+}
+
+/// Completion first, then cancel: the cancel reports that completion won
+/// and the retry replays.
+#[tokio::test]
+async fn cancel_after_completion_reports_the_completed_outcome() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store);
+    let svc = service(&layer, &probe);
+    let first = send(&svc, post("/orders").key("k").tenant("t1").build()).await;
+    let records = layer.records_service();
+    let cancel = send(
+        &records,
+        method(
+            http::Method::DELETE,
+            "/records?method=POST&path=/orders&key=k",
+        )
+        .tenant("t1")
+        .build(),
+    )
+    .await;
+    assert_eq!(cancel.status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&cancel.body).expect("json");
+    assert_eq!(json["result"], "already_completed");
+    assert_eq!(json["record"]["state"], "completed");
+    assert_eq!(json["record"]["status"], 201);
+    let retry = send(&svc, post("/orders").key("k").tenant("t1").build()).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(probe.calls(), 1);
+}
+
+/// Cancel and completion racing on many keys at once: for each key exactly
+/// one side wins, and the record, the cancel answer and the retry agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancel_racing_completion_always_agrees() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store);
+    let svc = service(&layer, &probe);
+    let records = layer.records_service();
+    let mut races = Vec::new();
+    for i in 0..50 {
+        let key = format!("race-{i}");
+        let path = format!("/sleep/{}", i % 3);
+        let own = tokio::spawn(send(&svc, post(&path).key(&key).tenant("t1").build()));
+        // Give the request a head start of varying length.
+        tokio::time::sleep(std::time::Duration::from_micros(700 * (i % 4))).await;
+        let uri = format!("/records?method=POST&path={path}&key={key}");
+        let cancel = send(
+            &records,
+            method(http::Method::DELETE, &uri).tenant("t1").build(),
+        )
+        .await;
+        let own = own.await.expect("join");
+        let retry = send(&svc, post(&path).key(&key).tenant("t1").build()).await;
+        races.push((cancel, own, retry));
+    }
+    let (mut cancelled, mut completed) = (0, 0);
+    for (cancel, own, retry) in races {
+        let result = if cancel.status == StatusCode::NOT_FOUND {
+            // cancel ran before the reservation: nothing to cancel
+            "not_found".to_owned()
+        } else {
+            let json: serde_json::Value = serde_json::from_slice(&cancel.body).expect("json");
+            json["result"].as_str().expect("result").to_owned()
+        };
+        match result.as_str() {
+            "cancelled" => {
+                cancelled += 1;
+                assert_eq!(own.status, StatusCode::GONE);
+                assert_eq!(retry.status, StatusCode::GONE);
+            }
+            "already_completed" | "not_found" => {
+                completed += 1;
+                assert_eq!(own.status, StatusCode::CREATED);
+                assert_eq!(retry.status, StatusCode::CREATED);
+                assert!(retry.replayed());
+                assert_eq!(retry.body, own.body);
+            }
+            other => panic!("unexpected cancel result {other}"),
+        }
+    }
+    eprintln!("cancelled {cancelled}, completed {completed}");
+    assert_eq!(cancelled + completed, 50);
+    assert!(
+        probe.calls() <= 50 + completed,
+        "no key executed twice after it was recorded"
+    );
+}

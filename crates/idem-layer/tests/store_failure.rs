@@ -1,0 +1,219 @@
+//! Store failure (contract section 8): fail closed with 503 by default,
+//! within the store timeout; fail open when configured; a full memory
+//! store refuses new keys without evicting live records.
+
+mod common;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU8, Ordering},
+    },
+    time::Duration,
+};
+
+use common::*;
+use http::{HeaderName, StatusCode};
+use idem_core::{
+    Cancellation, Completion, Lease, Outcome, Record, Release, Renewal, Reservation,
+    ReserveRequest, ScopeHash, Store, StoreError,
+};
+use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_memory::MemoryStore;
+use tower::Layer;
+
+const OK: u8 = 0;
+const FAIL: u8 = 1;
+const HANG: u8 = 2;
+
+/// The memory store behind a switch that makes every call fail or hang,
+/// as a crashed or paused backend would.
+#[derive(Clone)]
+struct Switched {
+    inner: MemoryStore,
+    mode: Arc<AtomicU8>,
+}
+
+impl Switched {
+    async fn gate(&self) -> Result<(), StoreError> {
+        match self.mode.load(Ordering::SeqCst) {
+            FAIL => Err(StoreError::unavailable("connection refused")),
+            HANG => std::future::pending().await,
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Store for Switched {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
+        self.gate().await?;
+        self.inner.reserve(request).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        self.gate().await?;
+        self.inner.renew(lease).await
+    }
+    async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<Completion, StoreError> {
+        self.gate().await?;
+        self.inner.complete(lease, outcome).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
+        self.gate().await?;
+        self.inner.release(lease).await
+    }
+    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
+        self.gate().await?;
+        self.inner.cancel(scope).await
+    }
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        self.gate().await?;
+        self.inner.get(scope).await
+    }
+}
+
+fn switched_layer(store: &Switched) -> IdempotencyLayer<Switched> {
+    IdempotencyLayer::new(store.clone())
+        .tenant(TenantFromHeader::new(HeaderName::from_static(TENANT)))
+        .store_timeout(Duration::from_millis(200))
+}
+
+fn switched() -> Switched {
+    Switched {
+        inner: MemoryStore::new(),
+        mode: Arc::new(AtomicU8::new(OK)),
+    }
+}
+
+#[tokio::test]
+async fn failing_store_answers_503_and_never_runs_the_handler() {
+    let store = switched();
+    let probe = Probe::default();
+    let svc = switched_layer(&store).layer(inner(&probe));
+    store.mode.store(FAIL, Ordering::SeqCst);
+    let answer = send(&svc, order("k", "{}")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        answer.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    assert_eq!(probe.calls(), 0);
+    // Recovers when the store does.
+    store.mode.store(OK, Ordering::SeqCst);
+    assert_eq!(
+        send(&svc, order("k", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(send(&svc, order("k", "{}")).await.replayed());
+    assert_eq!(probe.calls(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn hanging_store_times_out_into_503() {
+    let store = switched();
+    let probe = Probe::default();
+    let svc = switched_layer(&store).layer(inner(&probe));
+    store.mode.store(HANG, Ordering::SeqCst);
+    let started = tokio::time::Instant::now();
+    let answer = send(&svc, order("k", "{}")).await;
+    assert_eq!(
+        answer.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_millis(200),
+        "answered at the store timeout"
+    );
+    assert_eq!(probe.calls(), 0);
+}
+
+#[tokio::test]
+async fn fail_open_runs_the_handler_unprotected() {
+    let store = switched();
+    let probe = Probe::default();
+    let svc = switched_layer(&store).fail_open().layer(inner(&probe));
+    store.mode.store(FAIL, Ordering::SeqCst);
+    assert_eq!(
+        send(&svc, order("k", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        send(&svc, order("k", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        probe.calls(),
+        2,
+        "without the store, nothing protects the retry"
+    );
+}
+
+#[tokio::test]
+async fn records_api_reports_store_failure() {
+    let store = switched();
+    let layer = switched_layer(&store);
+    store.mode.store(FAIL, Ordering::SeqCst);
+    let answer = send(
+        &layer.records_service(),
+        method(http::Method::GET, "/r?method=POST&path=/orders&key=k")
+            .tenant("t1")
+            .build(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test]
+async fn full_memory_store_refuses_new_keys_and_keeps_live_records() {
+    let store = MemoryStore::builder().capacity(3).build();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    for key in ["a", "b", "c"] {
+        assert_eq!(
+            send(&svc, order(key, "{}")).await.status,
+            StatusCode::CREATED
+        );
+    }
+    let refused = send(&svc, order("d", "{}")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    let detail: serde_json::Value = serde_json::from_slice(&refused.body).expect("json");
+    assert!(
+        detail["detail"].as_str().expect("detail").contains("full"),
+        "{detail}"
+    );
+    // Existing records still replay: nothing was evicted.
+    for key in ["a", "b", "c"] {
+        assert!(
+            send(&svc, order(key, "{}")).await.replayed(),
+            "{key} still replays"
+        );
+    }
+    assert_eq!(probe.calls(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn full_memory_store_accepts_new_keys_once_records_expire() {
+    let store = MemoryStore::builder().capacity(2).build();
+    let probe = Probe::default();
+    let layer = layer(&store)
+        .retention(Duration::from_secs(60))
+        .lease(Duration::from_secs(5));
+    let svc = service(&layer, &probe);
+    send(&svc, order("a", "{}")).await;
+    send(&svc, order("b", "{}")).await;
+    assert_eq!(
+        send(&svc, order("c", "{}")).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    tokio::time::advance(Duration::from_secs(61)).await;
+    assert_eq!(
+        send(&svc, order("c", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(store.len(), 1, "the expired records were swept");
+}
