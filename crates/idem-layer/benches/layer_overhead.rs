@@ -106,6 +106,24 @@ fn layer_overhead(c: &mut Criterion) {
             black_box(response.into_body().collect().await.is_ok())
         });
     });
+    group.bench_function("parse_json_1k", |b| {
+        b.iter(|| black_box(serde_json::from_slice::<serde_json::Value>(black_box(&body)).is_ok()));
+    });
+    group.bench_function("fingerprint_1k", |b| {
+        let (parts, _) = request("k", &body).into_parts();
+        let headers = [http::header::CONTENT_TYPE];
+        b.iter(|| {
+            black_box(idem_layer::fingerprint::fingerprint(
+                "POST /orders",
+                &parts,
+                &headers,
+                black_box(&body),
+            ))
+        });
+    });
+    group.bench_function("canonical_json_1k", |b| {
+        b.iter(|| black_box(idem_layer::fingerprint::canonical_json(black_box(&body))));
+    });
     group.finish();
 }
 

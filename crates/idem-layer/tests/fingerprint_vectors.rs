@@ -66,3 +66,86 @@ fn operation_and_headers_are_part_of_the_fingerprint() {
         )
     );
 }
+
+mod canonical_equivalence {
+    use http::Request;
+    use idem_layer::fingerprint::{canonical_json, fingerprint};
+    use proptest::prelude::*;
+
+    fn json_fingerprint(body: &[u8]) -> idem_core::Fingerprint {
+        let (parts, ()) = Request::post("/x")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts();
+        fingerprint("POST /x", &parts, &[], body)
+    }
+
+    fn value() -> impl Strategy<Value = serde_json::Value> {
+        use serde_json::Value;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            "[a-zé\u{1F600}\u{E000}\"\\\\]{0,6}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5).prop_map(serde_json::Value::Array),
+                prop::collection::btree_map("[a-zA-Z\u{E000}\u{1F600}é]{0,4}", inner, 0..5)
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        /// A body and its RFC 8785 form (from the canonicalizer crate) have
+        /// the same fingerprint.
+        #[test]
+        fn canonical_text_has_the_same_fingerprint(value in value(), pretty in any::<bool>()) {
+            let text = if pretty {
+                serde_json::to_vec_pretty(&value).expect("serialize")
+            } else {
+                serde_json::to_vec(&value).expect("serialize")
+            };
+            let canonical = canonical_json(&text).expect("canonical");
+            prop_assert_eq!(json_fingerprint(&text), json_fingerprint(&canonical));
+        }
+
+        /// Two values with different RFC 8785 forms have different
+        /// fingerprints, and equal forms equal fingerprints.
+        #[test]
+        fn fingerprints_agree_with_canonical_text(a in value(), b in value()) {
+            let a = serde_json::to_vec(&a).expect("serialize");
+            let b = serde_json::to_vec(&b).expect("serialize");
+            let same_text = canonical_json(&a) == canonical_json(&b);
+            prop_assert_eq!(same_text, json_fingerprint(&a) == json_fingerprint(&b));
+        }
+
+        /// Arbitrary bytes claiming JSON never panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(body in prop::collection::vec(any::<u8>(), 0..64)) {
+            let _ = json_fingerprint(&body);
+        }
+    }
+
+    #[test]
+    fn keys_sort_by_utf16_code_units() {
+        // U+1F600 (surrogates D83D..) sorts before U+E000 in UTF-16, after it in UTF-8.
+        let a = "{\"\u{E000}\":1,\"\u{1F600}\":2}";
+        let b = "{\"\u{1F600}\":2,\"\u{E000}\":1}";
+        assert_eq!(
+            json_fingerprint(a.as_bytes()),
+            json_fingerprint(b.as_bytes())
+        );
+        let canonical = canonical_json(a.as_bytes()).expect("canonical");
+        assert!(
+            std::str::from_utf8(&canonical)
+                .expect("utf8")
+                .starts_with("{\"\u{1F600}\"")
+        );
+    }
+}
