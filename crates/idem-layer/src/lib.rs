@@ -61,6 +61,11 @@
 //! and returns a body that is `Unpin`. The layer answers with
 //! [`ResponseBody`].
 
+/// The README's example, compiled as a doctest so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 mod body;
 mod context;
 pub mod fingerprint;

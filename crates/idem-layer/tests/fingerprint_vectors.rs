@@ -125,11 +125,43 @@ mod canonical_equivalence {
             prop_assert_eq!(same_text, json_fingerprint(&a) == json_fingerprint(&b));
         }
 
+        /// Member order never matters, at any depth.
+        #[test]
+        fn member_order_does_not_matter(
+            members in prop::collection::btree_map("[a-z\u{E000}\u{1F600}]{1,4}", value(), 1..8)
+                .prop_flat_map(|m| Just(m.into_iter().collect::<Vec<_>>()).prop_shuffle())
+        ) {
+            let text = |members: &[(String, serde_json::Value)]| {
+                let parts: Vec<String> = members
+                    .iter()
+                    .map(|(k, v)| format!("{}:{}", serde_json::to_string(k).expect("key"), v))
+                    .collect();
+                format!("{{{}}}", parts.join(","))
+            };
+            let mut sorted = members.clone();
+            sorted.sort_by(|a, b| a.0.cmp(&b.0));
+            prop_assert_eq!(json_fingerprint(text(&members).as_bytes()), json_fingerprint(text(&sorted).as_bytes()));
+        }
+
         /// Arbitrary bytes claiming JSON never panic.
         #[test]
         fn arbitrary_bytes_never_panic(body in prop::collection::vec(any::<u8>(), 0..64)) {
             let _ = json_fingerprint(&body);
         }
+    }
+
+    #[test]
+    fn repeated_keys_are_raw_bytes() {
+        // RFC 8785 has no form for a repeated key: such a body is hashed as
+        // raw bytes, so it differs from its de-duplicated form.
+        assert_ne!(
+            json_fingerprint(br#"{"a":1,"a":1}"#),
+            json_fingerprint(br#"{"a":1}"#)
+        );
+        assert_ne!(
+            json_fingerprint(br#"{"b":0,"a":1,"a":1}"#),
+            json_fingerprint(br#"{"b":0,"a":1}"#)
+        );
     }
 
     #[test]

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Load test: axum-orders with the idempotency layer against the same app
+# without it, in alternating rounds, a fresh Idempotency-Key per POST.
+#
+#   bench/load.sh [rounds] [seconds-per-round] [connections]
+#
+# Prints requests/s and p99 latency per round, and the median ratio of
+# layered to bare throughput. The layered server keeps running across
+# rounds, so its memory store fills up as the rounds go: a flat p99 over
+# the rounds shows that filling the store does not slow requests down.
+# Needs `wrk` (Debian: apt-get install wrk). Traffic stays on 127.0.0.1.
+set -euo pipefail
+rounds=${1:-6}
+seconds=${2:-10}
+connections=${3:-64}
+cd "$(dirname "$0")/.."
+command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
+cargo build --release -q -p axum-orders
+bin=target/release/axum-orders
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+
+IDEM_LISTEN=127.0.0.1:38080 IDEM_LAYER=on "$bin" >"$work/layered.log" 2>&1 &
+IDEM_LISTEN=127.0.0.1:38081 IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &
+for port in 38080 38081; do
+  for _ in $(seq 50); do
+    curl -s -o /dev/null "http://127.0.0.1:$port/orders/0" && break
+    sleep 0.1
+  done
+done
+
+cat >"$work/post.lua" <<'LUA'
+-- A fresh key per request: start time, thread number, then a counter.
+local counter = 0
+local threads = 0
+local started = os.time()
+function setup(thread)
+  threads = threads + 1
+  thread:set("prefix", started .. "-" .. threads)
+end
+function request()
+  counter = counter + 1
+  return wrk.format("POST", "/orders", {
+    ["Content-Type"] = "application/json",
+    ["Idempotency-Key"] = prefix .. "-" .. counter,
+  }, '{"sku":"book-42","qty":1,"note":"load test"}')
+end
+function done(summary, latency, requests)
+  io.write(string.format("RESULT %.0f %.3f %d\n",
+    summary.requests / (summary.duration / 1e6),
+    latency:percentile(99) / 1000,
+    summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))
+end
+LUA
+
+run() { # port -> "rps p99ms errors"
+  wrk -t2 -c"$connections" -d"${seconds}s" --latency -s "$work/post.lua" "http://127.0.0.1:$1" | awk '/^RESULT/ {print $2, $3, $4}'
+}
+
+printf '%-6s %12s %10s %12s %10s %8s %10s\n' round bare_rps bare_p99 layer_rps layer_p99 ratio records
+ratios=()
+records=0
+for round in $(seq "$rounds"); do
+  read -r brps bp99 berr < <(run 38081)
+  read -r lrps lp99 lerr < <(run 38080)
+  records=$((records + ${lrps%.*} * seconds))
+  ratio=$(awk -v a="$lrps" -v b="$brps" 'BEGIN { printf "%.3f", a / b }')
+  ratios+=("$ratio")
+  printf '%-6s %12s %9sms %12s %9sms %8s %9s~\n' "$round" "$brps" "$bp99" "$lrps" "$lp99" "$ratio" "$records"
+  if [ "$berr" != 0 ] || [ "$lerr" != 0 ]; then echo "  errors: bare $berr, layered $lerr" >&2; fi
+done
+median=$(printf '%s\n' "${ratios[@]}" | sort -n | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
+echo "median layered/bare throughput ratio: $median (records column: approximate live records in the layered store)"
