@@ -1,6 +1,8 @@
 //! Shared helpers for idem's end-to-end tests: servers on free loopback
 //! ports and a small HTTP client.
 
+pub mod redis_server;
+
 use std::net::SocketAddr;
 
 use bytes::Bytes;

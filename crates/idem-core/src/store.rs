@@ -11,7 +11,7 @@
 //! store's tests:
 //!
 //! ```ignore
-//! idem_core::conformance_tests!(|| async { MyHarness::new().await });
+//! idem_core::conformance_tests!(|| async { Some(MyHarness::new().await) });
 //! ```
 //!
 //! Time (lease lapse, retention) is measured by the store's own clock, never

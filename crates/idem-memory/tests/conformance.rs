@@ -42,4 +42,4 @@ impl Harness for MemoryHarness {
     }
 }
 
-idem_core::conformance_tests!(MemoryHarness::new);
+idem_core::conformance_tests!(|| async { Some(MemoryHarness::new().await) });

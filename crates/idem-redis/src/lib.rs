@@ -1,0 +1,698 @@
+//! The production store for idem: Redis or Redis Cluster, every state
+//! transition one atomic Lua script.
+//!
+//! * **Atomic.** `reserve`, `renew`, `complete`, `release`, `cancel` and
+//!   `get` are each one Lua script (`src/lua/*.lua`) run with `EVALSHA`
+//!   (reloaded after `NOSCRIPT`, for example after a restart or
+//!   `SCRIPT FLUSH`). Every write after `reserve` is a compare-and-set on the
+//!   lease generation and owner token inside the script.
+//! * **One hash per scope.** The record lives in one Redis hash under
+//!   `{prefix}{<scope hash>}`: the SHA-256 scope hash inside a hash tag, so
+//!   every key a script touches is in one cluster slot. Response bodies and
+//!   headers are stored as binary-safe bulk strings.
+//! * **Server time.** Leases and retention are measured with Redis `TIME`
+//!   inside the scripts, never the web server's clock; records expire with
+//!   `PEXPIREAT`.
+//! * **Round trips.** A new key costs two round trips (reserve, complete),
+//!   plus one renewal per third of the lease for long handlers; a replay, a
+//!   conflict or an in-progress answer costs one.
+//! * **Timeouts.** Every call, including waiting for a pooled connection, is
+//!   bounded by [`RedisStoreBuilder::timeout`] (default 1 s): a paused or
+//!   dead server becomes a [`StoreError`] within it.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), idem_redis::BuildError> {
+//! let single = idem_redis::RedisStore::from_url("redis://127.0.0.1:6379/0")?;
+//! let cluster = idem_redis::RedisStore::from_url("redis+cluster://10.0.0.1:7000,10.0.0.2:7000")?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Replication
+//!
+//! Redis replicates asynchronously: a reservation acknowledged by a primary
+//! that fails before replicating it is lost, and a retry on the promoted
+//! replica would execute again. [`RedisStoreBuilder::wait_for_replicas`]
+//! sends `WAIT n timeout` after `reserve` and `complete` (single-node
+//! deployments with replicas): a reservation that did not reach `n` replicas
+//! in time is released and reported as a store failure (the layer answers
+//! 503, the handler does not run); a completion that did not is kept and
+//! logged. `WAIT` narrows the window but is not consensus: a failover can
+//! still pick a replica that missed the write. It costs one more round trip
+//! per call.
+
+use std::{collections::HashMap, time::Duration};
+
+use bytes::Bytes;
+use deadpool_redis::{Runtime, Timeouts};
+use idem_core::{
+    ATTEMPT_HISTORY, Attempt, AttemptId, Cancellation, Completion, Current, Fingerprint, Lease,
+    Outcome, OwnerToken, Record, RecordState, Release, Renewal, Replay, Reservation,
+    ReserveRequest, ScopeHash, Store, StoreError, StoredResponse,
+};
+use redis::{Script, ScriptInvocation, Value};
+
+const COMMON: &str = include_str!("lua/common.lua");
+
+/// The scripts, each prefixed with the shared functions.
+#[derive(Debug)]
+struct Scripts {
+    reserve: Script,
+    renew: Script,
+    complete: Script,
+    release: Script,
+    cancel: Script,
+    get: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        let script = |body: &str| Script::new(&format!("{COMMON}\n{body}"));
+        Self {
+            reserve: script(include_str!("lua/reserve.lua")),
+            renew: script(include_str!("lua/renew.lua")),
+            complete: script(include_str!("lua/complete.lua")),
+            release: script(include_str!("lua/release.lua")),
+            cancel: script(include_str!("lua/cancel.lua")),
+            get: script(include_str!("lua/get.lua")),
+        }
+    }
+}
+
+/// The store could not be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The URL is not `redis://…`, `rediss://…` or `redis+cluster://h:p,…`.
+    #[error("invalid Redis URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The connection pool could not be created.
+    #[error("could not create the Redis pool: {0}")]
+    Pool(String),
+}
+
+enum Pool {
+    Single(deadpool_redis::Pool),
+    Cluster(deadpool_redis::cluster::Pool),
+}
+
+/// Builder for [`RedisStore`].
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    url: String,
+    prefix: String,
+    pool_size: usize,
+    timeout: Duration,
+    wait_replicas: Option<(usize, Duration)>,
+}
+
+impl RedisStoreBuilder {
+    /// The key prefix (default `idem:`).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The most pooled connections (default 32).
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// The bound on every store call, including waiting for a connection
+    /// (default 1 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// After `reserve` and `complete`, wait until `replicas` replicas have
+    /// the write, at most `timeout` (single-node deployments only; see the
+    /// crate docs for what this buys).
+    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.wait_replicas = Some((replicas, timeout));
+        self
+    }
+
+    /// Builds the store. Connections are made lazily, on first use.
+    pub fn build(self) -> Result<RedisStore, BuildError> {
+        let invalid = |reason: &str| BuildError::InvalidUrl {
+            url: self.url.clone(),
+            reason: reason.to_owned(),
+        };
+        let timeouts = Timeouts {
+            wait: Some(self.timeout),
+            create: Some(self.timeout),
+            recycle: Some(self.timeout),
+        };
+        let pool_config = deadpool_redis::PoolConfig {
+            max_size: self.pool_size,
+            timeouts,
+            ..Default::default()
+        };
+        let pool = if let Some(nodes) = self.url.strip_prefix("redis+cluster://") {
+            if self.wait_replicas.is_some() {
+                return Err(invalid(
+                    "waiting for replicas is supported on single-node deployments only",
+                ));
+            }
+            let urls: Vec<String> = nodes
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            if urls.is_empty() {
+                return Err(invalid("no cluster nodes"));
+            }
+            let mut config = deadpool_redis::cluster::Config::from_urls(urls);
+            config.pool = Some(pool_config);
+            let pool = config
+                .create_pool(Some(Runtime::Tokio1))
+                .map_err(|e| BuildError::Pool(e.to_string()))?;
+            Pool::Cluster(pool)
+        } else if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
+            let mut config = deadpool_redis::Config::from_url(self.url.clone());
+            config.pool = Some(pool_config);
+            let pool = config
+                .create_pool(Some(Runtime::Tokio1))
+                .map_err(|e| BuildError::Pool(e.to_string()))?;
+            Pool::Single(pool)
+        } else {
+            return Err(invalid("expected redis://, rediss:// or redis+cluster://"));
+        };
+        Ok(RedisStore {
+            pool,
+            scripts: Scripts::new(),
+            prefix: self.prefix,
+            timeout: self.timeout,
+            wait_replicas: self.wait_replicas,
+        })
+    }
+}
+
+/// A [`Store`] on Redis or Redis Cluster. See the [crate docs](crate).
+pub struct RedisStore {
+    pool: Pool,
+    scripts: Scripts,
+    prefix: String,
+    timeout: Duration,
+    wait_replicas: Option<(usize, Duration)>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("cluster", &matches!(self.pool, Pool::Cluster(_)))
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(error: impl std::fmt::Display) -> StoreError {
+    StoreError::unavailable(error.to_string())
+}
+
+fn corrupt(what: impl Into<String>) -> StoreError {
+    StoreError::Corrupt(what.into())
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl RedisStore {
+    /// A store for `redis://host:port[/db]` (or `rediss://`) or
+    /// `redis+cluster://h1:p1,h2:p2,...`, with default settings.
+    pub fn from_url(url: &str) -> Result<Self, BuildError> {
+        Self::builder(url).build()
+    }
+
+    /// A builder for `url` (see [`from_url`](Self::from_url)).
+    pub fn builder(url: &str) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.to_owned(),
+            prefix: "idem:".to_owned(),
+            pool_size: 32,
+            timeout: Duration::from_secs(1),
+            wait_replicas: None,
+        }
+    }
+
+    /// The Redis key of a scope's record: the scope hash inside a hash tag.
+    pub fn record_key(&self, scope: &ScopeHash) -> String {
+        format!("{}{{{}}}", self.prefix, scope.to_hex())
+    }
+
+    /// Checks that the server answers (`PING`), within the timeout.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let call = async {
+            let mut cmd = redis::cmd("PING");
+            let cmd = &mut cmd;
+            match &self.pool {
+                Pool::Single(pool) => {
+                    let mut conn = pool.get().await.map_err(unavailable)?;
+                    cmd.query_async::<()>(&mut conn).await.map_err(unavailable)
+                }
+                Pool::Cluster(pool) => {
+                    let mut conn = pool.get().await.map_err(unavailable)?;
+                    cmd.query_async::<()>(&mut conn).await.map_err(unavailable)
+                }
+            }
+        };
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+    }
+
+    /// Runs one script; with `wait`, also `WAIT` on the same connection and
+    /// answers how many replicas acknowledged.
+    async fn run(
+        &self,
+        invocation: ScriptInvocation<'_>,
+        wait: bool,
+    ) -> Result<(Value, Option<usize>), StoreError> {
+        let call = async {
+            match &self.pool {
+                Pool::Single(pool) => {
+                    let mut conn = pool.get().await.map_err(unavailable)?;
+                    let value: Value = invocation
+                        .invoke_async(&mut conn)
+                        .await
+                        .map_err(unavailable)?;
+                    let acked = match (wait, self.wait_replicas) {
+                        (true, Some((_, timeout))) => {
+                            let acked: usize = redis::cmd("WAIT")
+                                .arg(self.wait_replicas.map_or(0, |w| w.0))
+                                .arg(millis(timeout))
+                                .query_async(&mut conn)
+                                .await
+                                .map_err(unavailable)?;
+                            Some(acked)
+                        }
+                        _ => None,
+                    };
+                    Ok((value, acked))
+                }
+                Pool::Cluster(pool) => {
+                    let mut conn = pool.get().await.map_err(unavailable)?;
+                    let value: Value = invocation
+                        .invoke_async(&mut conn)
+                        .await
+                        .map_err(unavailable)?;
+                    Ok((value, None))
+                }
+            }
+        };
+        let bound = self.timeout + self.wait_replicas.map_or(Duration::ZERO, |w| w.1);
+        tokio::time::timeout(bound, call)
+            .await
+            .map_err(|_| StoreError::Timeout(bound))?
+    }
+
+    fn short_of_replicas(&self, acked: Option<usize>) -> Option<(usize, usize)> {
+        let (wanted, _) = self.wait_replicas?;
+        let acked = acked?;
+        (acked < wanted).then_some((acked, wanted))
+    }
+}
+
+// ===== reply decoding =====
+
+fn items(value: Value) -> Result<Vec<Value>, StoreError> {
+    match value {
+        Value::Array(items) => Ok(items),
+        other => Err(corrupt(format!("unexpected script reply {other:?}"))),
+    }
+}
+
+fn text(value: &Value) -> Result<String, StoreError> {
+    match value {
+        Value::BulkString(bytes) => {
+            String::from_utf8(bytes.clone()).map_err(|_| corrupt("non-UTF-8 text"))
+        }
+        Value::SimpleString(s) => Ok(s.clone()),
+        Value::Int(n) => Ok(n.to_string()),
+        other => Err(corrupt(format!("expected text, got {other:?}"))),
+    }
+}
+
+fn int(value: &Value) -> Result<u64, StoreError> {
+    match value {
+        Value::Int(n) => u64::try_from(*n).map_err(|_| corrupt("negative number")),
+        other => text(other)?
+            .parse()
+            .map_err(|_| corrupt(format!("expected a number, got {other:?}"))),
+    }
+}
+
+fn bytes(value: &Value) -> Result<Bytes, StoreError> {
+    match value {
+        Value::BulkString(bytes) => Ok(Bytes::copy_from_slice(bytes)),
+        Value::Nil => Ok(Bytes::new()),
+        other => Err(corrupt(format!("expected bytes, got {other:?}"))),
+    }
+}
+
+fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in headers {
+        for part in [name.as_bytes(), value.as_ref()] {
+            out.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+fn decode_headers(mut raw: &[u8]) -> Result<Vec<(String, Bytes)>, StoreError> {
+    fn take<'a>(raw: &mut &'a [u8]) -> Result<&'a [u8], StoreError> {
+        let (len, rest) = raw
+            .split_first_chunk::<4>()
+            .ok_or_else(|| corrupt("truncated headers"))?;
+        let len = u32::from_be_bytes(*len) as usize;
+        if rest.len() < len {
+            return Err(corrupt("truncated headers"));
+        }
+        let (part, rest) = rest.split_at(len);
+        *raw = rest;
+        Ok(part)
+    }
+    let mut headers = Vec::new();
+    while !raw.is_empty() {
+        let name =
+            String::from_utf8(take(&mut raw)?.to_vec()).map_err(|_| corrupt("header name"))?;
+        let value = Bytes::copy_from_slice(take(&mut raw)?);
+        headers.push((name, value));
+    }
+    Ok(headers)
+}
+
+fn outcome(status: u64, stored: &str, headers: &[u8], body: Bytes) -> Result<Outcome, StoreError> {
+    let status = u16::try_from(status).map_err(|_| corrupt("status"))?;
+    Ok(if stored == "1" {
+        Outcome::Stored(StoredResponse {
+            status,
+            headers: decode_headers(headers)?,
+            body,
+        })
+    } else {
+        Outcome::NotStored { status }
+    })
+}
+
+/// Decodes the `current(state)` reply shape of the scripts.
+fn decode_current(reply: &[Value]) -> Result<Current, StoreError> {
+    let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
+    let at = |i: usize| {
+        reply
+            .get(i)
+            .ok_or_else(|| corrupt(format!("short reply to {tag}")))
+    };
+    match tag.as_str() {
+        "vacant" => Ok(Current::Vacant),
+        "cancelled" => Ok(Current::Cancelled),
+        "processing" => Ok(Current::Processing {
+            retry_after: Duration::from_millis(int(at(1)?)?),
+        }),
+        "completed" => {
+            let outcome = outcome(
+                int(at(1)?)?,
+                &text(at(2)?)?,
+                &bytes(at(3)?)?,
+                bytes(at(4)?)?,
+            )?;
+            Ok(Current::Completed(Replay {
+                outcome,
+                age: Duration::from_millis(int(at(5)?)?),
+            }))
+        }
+        other => Err(corrupt(format!("unexpected reply {other}"))),
+    }
+}
+
+fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record, StoreError> {
+    let mut fields: HashMap<String, &Value> = HashMap::new();
+    for pair in pairs.chunks(2) {
+        if let [name, value] = pair {
+            fields.insert(text(name)?, value);
+        }
+    }
+    let field = |name: &str| {
+        fields
+            .get(name)
+            .copied()
+            .ok_or_else(|| corrupt(format!("record lacks {name}")))
+    };
+    let opt_int = |name: &str| fields.get(name).map(|v| int(v)).transpose();
+    let state = match text(field("state")?)?.as_str() {
+        "processing" => RecordState::Processing,
+        "completed" => RecordState::Completed,
+        "cancelled" => RecordState::Cancelled,
+        "released" => RecordState::Released,
+        other => return Err(corrupt(format!("unknown state {other}"))),
+    };
+    let owner = match fields.get("owner") {
+        Some(v) => Some(OwnerToken(
+            uuid::Uuid::parse_str(&text(v)?).map_err(|_| corrupt("owner token"))?,
+        )),
+        None => None,
+    };
+    let outcome = match (state, fields.get("status")) {
+        (RecordState::Completed, Some(status)) => Some(outcome(
+            int(status)?,
+            &text(field("stored")?)?,
+            &bytes(field("headers")?)?,
+            bytes(field("body")?)?,
+        )?),
+        _ => None,
+    };
+    let attempts: Vec<Attempt> = serde_json::from_slice(&bytes(field("attempts")?)?)
+        .map_err(|e| corrupt(format!("attempts: {e}")))?;
+    Ok(Record {
+        scope,
+        tenant: text(field("tenant")?)?,
+        operation: text(field("op")?)?,
+        key: text(field("key")?)?,
+        fingerprint: Fingerprint::from_hex(&text(field("fp")?)?)
+            .ok_or_else(|| corrupt("fingerprint"))?,
+        state,
+        generation: int(field("gen")?)?,
+        owner,
+        lease_expires_at_ms: opt_int("lease_until")?.unwrap_or(0),
+        lease_ms: opt_int("lease_ms")?.unwrap_or(0),
+        retention_ms: opt_int("retention_ms")?.unwrap_or(0),
+        created_at_ms: opt_int("created")?.unwrap_or(0),
+        updated_at_ms: opt_int("updated")?.unwrap_or(0),
+        completed_at_ms: opt_int("completed")?,
+        expires_at_ms: opt_int("expires")?.unwrap_or(0),
+        outcome,
+        attempts,
+    })
+}
+
+fn lease_args<'a>(invocation: &mut ScriptInvocation<'a>, lease: &Lease) {
+    invocation
+        .arg(lease.generation)
+        .arg(lease.token.0.to_string());
+}
+
+// ===== impl Store =====
+
+impl Store for RedisStore {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
+        let scope = request.scope.hash();
+        let attempt = AttemptId::new();
+        let token = OwnerToken::new();
+        let mut invocation = self.scripts.reserve.prepare_invoke();
+        invocation
+            .key(self.record_key(scope))
+            .arg(request.fingerprint.to_hex())
+            .arg(attempt.to_string())
+            .arg(token.0.to_string())
+            .arg(millis(request.lease))
+            .arg(millis(request.retention))
+            .arg(request.scope.tenant())
+            .arg(request.scope.operation())
+            .arg(request.scope.key().as_str())
+            .arg(ATTEMPT_HISTORY);
+        let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
+        let reply = items(reply)?;
+        let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
+        let lease = |generation: u64| Lease {
+            scope: *scope,
+            attempt,
+            generation,
+            token,
+            ttl: request.lease,
+        };
+        let reservation = match tag.as_str() {
+            "acquired" => Reservation::Acquired(lease(int(reply
+                .get(1)
+                .ok_or_else(|| corrupt("short reply"))?)?)),
+            "taken_over" => {
+                let generation = int(reply.get(1).ok_or_else(|| corrupt("short reply"))?)?;
+                let superseded: Attempt = serde_json::from_slice(&bytes(
+                    reply.get(2).ok_or_else(|| corrupt("short reply"))?,
+                )?)
+                .map_err(|e| corrupt(format!("superseded attempt: {e}")))?;
+                Reservation::TakenOver {
+                    lease: lease(generation),
+                    superseded,
+                }
+            }
+            "in_progress" => Reservation::InProgress {
+                retry_after: Duration::from_millis(int(reply
+                    .get(1)
+                    .ok_or_else(|| corrupt("short reply"))?)?),
+            },
+            "conflict" => Reservation::Conflict,
+            _ => match decode_current(&reply)? {
+                Current::Completed(replay) => Reservation::Completed(replay),
+                Current::Cancelled => Reservation::Cancelled,
+                other => return Err(corrupt(format!("unexpected reservation reply {other:?}"))),
+            },
+        };
+        if let (
+            Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. },
+            Some((acked, wanted)),
+        ) = (&reservation, self.short_of_replicas(acked))
+        {
+            // The handler must not run on a reservation a failover could lose.
+            let _ = self.release(lease).await;
+            return Err(StoreError::unavailable(format!(
+                "the reservation reached {acked} of {wanted} replicas in time"
+            )));
+        }
+        Ok(reservation)
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        let mut invocation = self.scripts.renew.prepare_invoke();
+        invocation.key(self.record_key(&lease.scope));
+        lease_args(&mut invocation, lease);
+        invocation.arg(millis(lease.ttl));
+        let reply = items(self.run(invocation, false).await?.0)?;
+        if reply.first().map(text).transpose()?.as_deref() == Some("renewed") {
+            return Ok(Renewal::Renewed);
+        }
+        Ok(Renewal::Fenced(decode_current(&reply)?))
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<Completion, StoreError> {
+        let mut invocation = self.scripts.complete.prepare_invoke();
+        invocation.key(self.record_key(&lease.scope));
+        lease_args(&mut invocation, lease);
+        invocation
+            .arg(lease.attempt.to_string())
+            .arg(outcome.status());
+        match &outcome {
+            Outcome::Stored(response) => {
+                invocation
+                    .arg("1")
+                    .arg(encode_headers(&response.headers))
+                    .arg(response.body.as_ref());
+            }
+            Outcome::NotStored { .. } => {
+                invocation.arg("0").arg("").arg("");
+            }
+        }
+        let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
+        let reply = items(reply)?;
+        if reply.first().map(text).transpose()?.as_deref() == Some("recorded") {
+            if let Some((acked, wanted)) = self.short_of_replicas(acked) {
+                tracing::warn!(
+                    acked,
+                    wanted,
+                    "the completion reached fewer replicas than requested"
+                );
+            }
+            return Ok(Completion::Recorded);
+        }
+        Ok(Completion::Fenced(decode_current(&reply)?))
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
+        let mut invocation = self.scripts.release.prepare_invoke();
+        invocation.key(self.record_key(&lease.scope));
+        lease_args(&mut invocation, lease);
+        invocation.arg(lease.attempt.to_string());
+        let reply = items(self.run(invocation, false).await?.0)?;
+        if reply.first().map(text).transpose()?.as_deref() == Some("released") {
+            return Ok(Release::Released);
+        }
+        Ok(Release::Fenced(decode_current(&reply)?))
+    }
+
+    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
+        let mut invocation = self.scripts.cancel.prepare_invoke();
+        invocation.key(self.record_key(scope));
+        let reply = items(self.run(invocation, false).await?.0)?;
+        let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
+        let record = || match reply.get(1) {
+            Some(Value::Array(pairs)) => decode_record(*scope, pairs),
+            _ => Err(corrupt("cancel reply without the record")),
+        };
+        Ok(match tag.as_str() {
+            "not_found" => Cancellation::NotFound,
+            "cancelled" => Cancellation::Cancelled(record()?),
+            "already_completed" => Cancellation::AlreadyCompleted(record()?),
+            "already_cancelled" => Cancellation::AlreadyCancelled(record()?),
+            other => return Err(corrupt(format!("unexpected cancel reply {other}"))),
+        })
+    }
+
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        let mut invocation = self.scripts.get.prepare_invoke();
+        invocation.key(self.record_key(scope));
+        let pairs = items(self.run(invocation, false).await?.0)?;
+        if pairs.is_empty() {
+            return Ok(None);
+        }
+        decode_record(*scope, &pairs).map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_binary() {
+        let headers = vec![
+            ("location".to_owned(), Bytes::from_static(b"/orders/1")),
+            ("x-bin".to_owned(), Bytes::from_static(b"\x00\xff\r\n")),
+            ("empty".to_owned(), Bytes::new()),
+        ];
+        assert_eq!(
+            decode_headers(&encode_headers(&headers)).expect("decode"),
+            headers
+        );
+        assert!(decode_headers(b"\x00\x00\x00\x09abc").is_err());
+    }
+
+    #[test]
+    fn record_keys_share_one_hash_tag() {
+        let store = RedisStore::from_url("redis://127.0.0.1:1").expect("store");
+        let key = store.record_key(&ScopeHash::from_bytes([0xab; 32]));
+        assert_eq!(key, format!("idem:{{{}}}", "ab".repeat(32)));
+    }
+
+    #[test]
+    fn urls_are_checked() {
+        assert!(RedisStore::from_url("http://x").is_err());
+        assert!(RedisStore::from_url("redis+cluster://").is_err());
+        assert!(RedisStore::from_url("redis+cluster://127.0.0.1:7000,127.0.0.1:7001").is_ok());
+        assert!(
+            RedisStore::builder("redis+cluster://h:1")
+                .wait_for_replicas(1, Duration::from_millis(5))
+                .build()
+                .is_err()
+        );
+    }
+}

@@ -1,0 +1,300 @@
+//! Real `redis-server` processes for tests, on free loopback ports.
+//!
+//! Each server runs with `--save "" --appendonly no` in its own temporary
+//! directory, is killed and waited for on drop, and prints its log when the
+//! test that owned it panicked. A missing `redis-server` fails the test when
+//! `CI=true`, and skips it with a notice elsewhere.
+
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU16, Ordering},
+    time::{Duration, Instant},
+};
+
+static NEXT_PORT: AtomicU16 = AtomicU16::new(0);
+
+/// A free loopback port below 55536 whose cluster bus port (+10000) is free
+/// too.
+fn free_port() -> u16 {
+    if NEXT_PORT.load(Ordering::SeqCst) == 0 {
+        // Spread concurrent test binaries over the range.
+        let base = 20_000 + (std::process::id() % 2_000) as u16 * 15;
+        let _ = NEXT_PORT.compare_exchange(0, base, Ordering::SeqCst, Ordering::SeqCst);
+    }
+    loop {
+        let port = NEXT_PORT.fetch_add(1, Ordering::SeqCst);
+        if port >= 55_000 {
+            NEXT_PORT.store(20_000, Ordering::SeqCst);
+            continue;
+        }
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+}
+
+/// Whether `redis-server` can be run. In CI its absence is a failure.
+pub fn redis_available() -> bool {
+    let found = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "redis-server is not installed, and CI=true: the Redis tests must run"
+        );
+        eprintln!("NOTICE: redis-server is not installed; skipping this Redis test");
+    }
+    found
+}
+
+/// One `redis-server` process.
+#[derive(Debug)]
+pub struct RedisServer {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    child: Option<Child>,
+    dir: PathBuf,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a standalone server, or `None` when Redis is not installed
+    /// (outside CI).
+    pub fn spawn() -> Option<Self> {
+        Self::spawn_with(&[])
+    }
+
+    /// Starts a server with extra arguments.
+    pub fn spawn_with(extra: &[&str]) -> Option<Self> {
+        if !redis_available() {
+            return None;
+        }
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("idem-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let mut server = Self {
+            port,
+            child: None,
+            dir,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        server.start();
+        Some(server)
+    }
+
+    fn start(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(self.dir.join("redis.log"))
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self
+                .command("PING")
+                .is_ok_and(|reply| reply.starts_with("+PONG"))
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "redis-server on port {} did not start:\n{}",
+            self.port,
+            self.log()
+        );
+    }
+
+    /// Sends one inline command and returns the raw first reply chunk.
+    pub fn command(&self, command: &str) -> std::io::Result<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+        stream.write_all(format!("{command}\r\n").as_bytes())?;
+        let mut buffer = vec![0u8; 64 * 1024];
+        let n = stream.read(&mut buffer)?;
+        Ok(String::from_utf8_lossy(&buffer[..n]).into_owned())
+    }
+
+    /// Runs `redis-cli -p PORT args...` and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let output = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server log.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
+    }
+
+    fn signal(&self, signal: &str) {
+        if let Some(child) = &self.child {
+            let status = Command::new("kill")
+                .args([signal, &child.id().to_string()])
+                .status();
+            assert!(status.is_ok_and(|s| s.success()), "kill {signal} failed");
+        }
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Resumes a paused server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Kills the server (SIGKILL) and waits for it; its data is gone.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.start();
+    }
+
+    /// Total calls per command from `INFO commandstats`, and the
+    /// microseconds per call.
+    pub fn command_stats(&self) -> std::collections::HashMap<String, (u64, f64)> {
+        let info = self.cli(&["INFO", "commandstats"]);
+        let mut stats = std::collections::HashMap::new();
+        for line in info.lines() {
+            let Some(rest) = line.strip_prefix("cmdstat_") else {
+                continue;
+            };
+            let Some((name, fields)) = rest.split_once(':') else {
+                continue;
+            };
+            let mut calls = 0;
+            let mut usec_per_call = 0.0;
+            for field in fields.trim().split(',') {
+                match field.split_once('=') {
+                    Some(("calls", v)) => calls = v.parse().unwrap_or(0),
+                    Some(("usec_per_call", v)) => usec_per_call = v.parse().unwrap_or(0.0),
+                    _ => {}
+                }
+            }
+            stats.insert(name.to_owned(), (calls, usec_per_call));
+        }
+        stats
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            // A stopped process must be continued to die cleanly.
+            let _ = Command::new("kill")
+                .args(["-CONT", &child.id().to_string()])
+                .status();
+        }
+        if std::thread::panicking() {
+            eprintln!("---- redis-server :{} log ----\n{}", self.port, self.log());
+        }
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A 3-node Redis Cluster (no replicas), formed with
+/// `redis-cli --cluster create`.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// The nodes.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts and forms the cluster, or `None` when Redis is not installed
+    /// (outside CI).
+    pub fn spawn() -> Option<Self> {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            let port = NEXT_PORT.load(Ordering::SeqCst);
+            let conf = format!("nodes-{}-{port}.conf", std::process::id());
+            nodes.push(RedisServer::spawn_with(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                &conf,
+                "--cluster-node-timeout",
+                "5000",
+            ])?);
+        }
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            output.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ok = nodes
+                .iter()
+                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            if ok {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not reach cluster_state:ok"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Some(Self { nodes })
+    }
+
+    /// `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3`.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+}
