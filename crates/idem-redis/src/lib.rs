@@ -16,6 +16,12 @@
 //! * **Round trips.** A new key costs two round trips (reserve, complete),
 //!   plus one renewal per third of the lease for long handlers; a replay, a
 //!   conflict or an in-progress answer costs one.
+//! * **Pooled, multiplexed.** Connections come from a `deadpool-redis` pool
+//!   (which creates them and checks them with `PING`) and are held in a few
+//!   *lanes* ([`RedisStoreBuilder::lanes`], default 4): redis-rs multiplexes
+//!   concurrent calls on each lane's connection, so a call costs no extra
+//!   round trip for checking a connection out. A lane whose connection fails
+//!   or times out is refilled from the pool on its next use.
 //! * **Timeouts.** Every call, including waiting for a pooled connection, is
 //!   bounded by [`RedisStoreBuilder::timeout`] (default 1 s): a paused or
 //!   dead server becomes a [`StoreError`] within it.
@@ -45,9 +51,9 @@ use std::{collections::HashMap, time::Duration};
 use bytes::Bytes;
 use deadpool_redis::{Runtime, Timeouts};
 use idem_core::{
-    ATTEMPT_HISTORY, Attempt, AttemptId, Cancellation, Completion, Current, Fingerprint, Lease,
-    Outcome, OwnerToken, Record, RecordState, Release, Renewal, Replay, Reservation,
-    ReserveRequest, ScopeHash, Store, StoreError, StoredResponse,
+    ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, Cancellation, Completion, Current,
+    Fingerprint, LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, Release, Renewal,
+    Replay, Reservation, ReserveRequest, ScopeHash, Store, StoreError, StoredResponse,
 };
 use redis::{Script, ScriptInvocation, Value};
 
@@ -100,24 +106,47 @@ enum Pool {
     Cluster(deadpool_redis::cluster::Pool),
 }
 
+/// A connection checked out of the pool for good, shared by cloning.
+#[derive(Clone)]
+enum Conn {
+    Single(redis::aio::MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// Whether an error means the connection itself should be replaced.
+fn connection_broken(error: &redis::RedisError) -> bool {
+    error.is_io_error()
+        || error.is_connection_dropped()
+        || error.is_unrecoverable_error()
+        || error.is_timeout()
+}
+
 /// Builder for [`RedisStore`].
 #[derive(Debug, Clone)]
 pub struct RedisStoreBuilder {
     url: String,
     prefix: String,
     pool_size: usize,
+    lanes: usize,
     timeout: Duration,
     wait_replicas: Option<(usize, Duration)>,
 }
 
 impl RedisStoreBuilder {
+    /// How many multiplexed connections calls are spread over (default 4).
+    pub fn lanes(mut self, lanes: usize) -> Self {
+        self.lanes = lanes.max(1);
+        self
+    }
+
     /// The key prefix (default `idem:`).
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
     }
 
-    /// The most pooled connections (default 32).
+    /// The most connections the pool holds (default 16; at least the
+    /// number of lanes).
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
         self
@@ -186,6 +215,10 @@ impl RedisStoreBuilder {
             return Err(invalid("expected redis://, rediss:// or redis+cluster://"));
         };
         Ok(RedisStore {
+            lanes: (0..self.lanes)
+                .map(|_| parking_lot::Mutex::new(None))
+                .collect(),
+            next_lane: std::sync::atomic::AtomicUsize::new(0),
             pool,
             scripts: Scripts::new(),
             prefix: self.prefix,
@@ -198,6 +231,8 @@ impl RedisStoreBuilder {
 /// A [`Store`] on Redis or Redis Cluster. See the [crate docs](crate).
 pub struct RedisStore {
     pool: Pool,
+    lanes: Box<[parking_lot::Mutex<Option<Conn>>]>,
+    next_lane: std::sync::atomic::AtomicUsize,
     scripts: Scripts,
     prefix: String,
     timeout: Duration,
@@ -238,7 +273,8 @@ impl RedisStore {
         RedisStoreBuilder {
             url: url.to_owned(),
             prefix: "idem:".to_owned(),
-            pool_size: 32,
+            pool_size: 16,
+            lanes: 4,
             timeout: Duration::from_secs(1),
             wait_replicas: None,
         }
@@ -251,68 +287,118 @@ impl RedisStore {
 
     /// Checks that the server answers (`PING`), within the timeout.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let call = async {
-            let mut cmd = redis::cmd("PING");
-            let cmd = &mut cmd;
-            match &self.pool {
-                Pool::Single(pool) => {
-                    let mut conn = pool.get().await.map_err(unavailable)?;
-                    cmd.query_async::<()>(&mut conn).await.map_err(unavailable)
-                }
-                Pool::Cluster(pool) => {
-                    let mut conn = pool.get().await.map_err(unavailable)?;
-                    cmd.query_async::<()>(&mut conn).await.map_err(unavailable)
-                }
+        let (lane, mut conn) = self.bounded(self.timeout, self.connection()).await?;
+        let ping = async {
+            let cmd = redis::cmd("PING");
+            match &mut conn {
+                Conn::Single(c) => cmd.query_async::<()>(c).await,
+                Conn::Cluster(c) => cmd.query_async::<()>(c).await,
             }
         };
-        tokio::time::timeout(self.timeout, call)
+        let result = self
+            .bounded(self.timeout, async { ping.await.map_err(unavailable) })
+            .await;
+        if result.is_err() {
+            self.lanes[lane].lock().take();
+        }
+        result
+    }
+
+    async fn bounded<T>(
+        &self,
+        bound: Duration,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(bound, call)
             .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(|_| StoreError::Timeout(bound))?
+    }
+
+    /// A lane's connection, taking one from the pool if the lane is empty.
+    async fn connection(&self) -> Result<(usize, Conn), StoreError> {
+        use std::sync::atomic::Ordering;
+        let lane = self.next_lane.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
+        if let Some(conn) = self.lanes[lane].lock().clone() {
+            return Ok((lane, conn));
+        }
+        let conn = match &self.pool {
+            Pool::Single(pool) => Conn::Single(deadpool_redis::Connection::take(
+                pool.get().await.map_err(unavailable)?,
+            )),
+            Pool::Cluster(pool) => Conn::Cluster(deadpool_redis::cluster::Connection::take(
+                pool.get().await.map_err(unavailable)?,
+            )),
+        };
+        let mut slot = self.lanes[lane].lock();
+        Ok((lane, slot.get_or_insert(conn).clone()))
     }
 
     /// Runs one script; with `wait`, also `WAIT` on the same connection and
     /// answers how many replicas acknowledged.
+    ///
+    /// A call whose connection broke is retried once on a fresh connection,
+    /// within the same time bound. Retrying is safe: every script recognises
+    /// a repeat of its own attempt's write (same attempt id and token) and
+    /// answers as the first time did.
     async fn run(
         &self,
         invocation: ScriptInvocation<'_>,
         wait: bool,
     ) -> Result<(Value, Option<usize>), StoreError> {
+        let bound = self.timeout + self.wait_replicas.map_or(Duration::ZERO, |w| w.1);
+        let mut lane = None;
         let call = async {
-            match &self.pool {
-                Pool::Single(pool) => {
-                    let mut conn = pool.get().await.map_err(unavailable)?;
-                    let value: Value = invocation
-                        .invoke_async(&mut conn)
-                        .await
-                        .map_err(unavailable)?;
-                    let acked = match (wait, self.wait_replicas) {
-                        (true, Some((_, timeout))) => {
-                            let acked: usize = redis::cmd("WAIT")
-                                .arg(self.wait_replicas.map_or(0, |w| w.0))
-                                .arg(millis(timeout))
-                                .query_async(&mut conn)
-                                .await
-                                .map_err(unavailable)?;
-                            Some(acked)
+            let mut retried = false;
+            loop {
+                let (index, mut conn) = self.connection().await?;
+                lane = Some(index);
+                match self.invoke(&invocation, &mut conn, wait).await {
+                    Err(error) if connection_broken(&error) => {
+                        // The server most likely went away: every lane's
+                        // connection is suspect, so all are replaced.
+                        self.lanes.iter().for_each(|lane| drop(lane.lock().take()));
+                        if retried {
+                            return Err(unavailable(error));
                         }
-                        _ => None,
-                    };
-                    Ok((value, acked))
-                }
-                Pool::Cluster(pool) => {
-                    let mut conn = pool.get().await.map_err(unavailable)?;
-                    let value: Value = invocation
-                        .invoke_async(&mut conn)
-                        .await
-                        .map_err(unavailable)?;
-                    Ok((value, None))
+                        retried = true;
+                    }
+                    other => return other.map_err(unavailable),
                 }
             }
         };
-        let bound = self.timeout + self.wait_replicas.map_or(Duration::ZERO, |w| w.1);
-        tokio::time::timeout(bound, call)
-            .await
-            .map_err(|_| StoreError::Timeout(bound))?
+        match tokio::time::timeout(bound, call).await {
+            Ok(result) => result,
+            Err(_) => {
+                // A connection that did not answer in time is replaced.
+                if let Some(index) = lane {
+                    self.lanes[index].lock().take();
+                }
+                Err(StoreError::Timeout(bound))
+            }
+        }
+    }
+
+    async fn invoke(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+        conn: &mut Conn,
+        wait: bool,
+    ) -> redis::RedisResult<(Value, Option<usize>)> {
+        let value: Value = match conn {
+            Conn::Single(c) => invocation.invoke_async(c).await?,
+            Conn::Cluster(c) => invocation.invoke_async(c).await?,
+        };
+        let acked = match (wait, self.wait_replicas, conn) {
+            (true, Some((replicas, timeout)), Conn::Single(c)) => Some(
+                redis::cmd("WAIT")
+                    .arg(replicas)
+                    .arg(millis(timeout))
+                    .query_async::<usize>(c)
+                    .await?,
+            ),
+            _ => None,
+        };
+        Ok((value, acked))
     }
 
     fn short_of_replicas(&self, acked: Option<usize>) -> Option<(usize, usize)> {
@@ -436,6 +522,71 @@ fn decode_current(reply: &[Value]) -> Result<Current, StoreError> {
     }
 }
 
+/// `completed:201:<ms>` or `released::<ms>`, as the scripts write it.
+fn decode_late(raw: &str) -> Result<Option<LateEvidence>, StoreError> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    let mut parts = raw.splitn(3, ':');
+    let (kind, status, at) = (parts.next(), parts.next(), parts.next());
+    let at_ms = at
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| corrupt("late evidence time"))?;
+    match (kind, status) {
+        (Some("completed"), Some(status)) => Ok(Some(LateEvidence::Completed {
+            status: status
+                .parse()
+                .map_err(|_| corrupt("late evidence status"))?,
+            at_ms,
+        })),
+        (Some("released"), _) => Ok(Some(LateEvidence::Released { at_ms })),
+        _ => Err(corrupt(format!("late evidence {raw:?}"))),
+    }
+}
+
+/// The newest attempt, kept in the `cur_*` fields.
+fn current_attempt(
+    fields: &HashMap<String, &Value>,
+    generation: u64,
+) -> Result<Attempt, StoreError> {
+    let get = |name: &str| {
+        fields
+            .get(name)
+            .map(|v| text(v))
+            .transpose()
+            .map(Option::unwrap_or_default)
+    };
+    let number = |raw: String| {
+        raw.parse::<u64>()
+            .map_err(|_| corrupt(format!("attempt field {raw:?}")))
+    };
+    let ended = get("cur_end")?;
+    let outcome = match get("cur_outcome")?.as_str() {
+        "running" => AttemptOutcome::Running,
+        "completed" => AttemptOutcome::Completed {
+            status: get("cur_status")?
+                .parse()
+                .map_err(|_| corrupt("attempt status"))?,
+        },
+        "released" => AttemptOutcome::Released,
+        "superseded" => AttemptOutcome::Superseded,
+        "cancelled" => AttemptOutcome::Cancelled,
+        other => return Err(corrupt(format!("attempt outcome {other:?}"))),
+    };
+    Ok(Attempt {
+        id: AttemptId(uuid::Uuid::parse_str(&get("cur_id")?).map_err(|_| corrupt("attempt id"))?),
+        generation,
+        started_at_ms: number(get("cur_start")?)?,
+        ended_at_ms: if ended.is_empty() {
+            None
+        } else {
+            Some(number(ended)?)
+        },
+        outcome,
+        late: decode_late(&get("cur_late")?)?,
+    })
+}
+
 fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record, StoreError> {
     let mut fields: HashMap<String, &Value> = HashMap::new();
     for pair in pairs.chunks(2) {
@@ -457,11 +608,11 @@ fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record, StoreError
         "released" => RecordState::Released,
         other => return Err(corrupt(format!("unknown state {other}"))),
     };
-    let owner = match fields.get("owner") {
-        Some(v) => Some(OwnerToken(
-            uuid::Uuid::parse_str(&text(v)?).map_err(|_| corrupt("owner token"))?,
+    let owner = match fields.get("owner").map(|v| text(v)).transpose()? {
+        Some(token) if !token.is_empty() => Some(OwnerToken(
+            uuid::Uuid::parse_str(&token).map_err(|_| corrupt("owner token"))?,
         )),
-        None => None,
+        _ => None,
     };
     let outcome = match (state, fields.get("status")) {
         (RecordState::Completed, Some(status)) => Some(outcome(
@@ -472,8 +623,15 @@ fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record, StoreError
         )?),
         _ => None,
     };
-    let attempts: Vec<Attempt> = serde_json::from_slice(&bytes(field("attempts")?)?)
-        .map_err(|e| corrupt(format!("attempts: {e}")))?;
+    let mut attempts: Vec<Attempt> = match fields.get("hist").map(|v| bytes(v)).transpose()? {
+        Some(raw) if !raw.is_empty() => {
+            serde_json::from_slice(&raw).map_err(|e| corrupt(format!("attempt history: {e}")))?
+        }
+        _ => Vec::new(),
+    };
+    if fields.contains_key("cur_id") {
+        attempts.push(current_attempt(&fields, int(field("gen")?)?)?);
+    }
     Ok(Record {
         scope,
         tenant: text(field("tenant")?)?,

@@ -1,6 +1,7 @@
--- No ARGV. Answers the outcome and the record after it, as HGETALL pairs.
-local state = live_state()
-if not state then
+-- No ARGV. Answers which side won and the record after it, as HGETALL pairs.
+local state, expires, retention_ms, outcome =
+  unpack(redis.call('HMGET', record, 'state', 'expires', 'retention_ms', 'cur_outcome'))
+if not live(state, expires) then
   return {'not_found'}
 end
 if state == 'completed' then
@@ -9,10 +10,10 @@ end
 if state == 'cancelled' then
   return {'already_cancelled', redis.call('HGETALL', record)}
 end
-local attempts = load_attempts()
-end_current(attempts, {kind = 'cancelled'})
-save_attempts(attempts)
-redis.call('HSET', record, 'state', 'cancelled')
-redis.call('HDEL', record, 'owner')
-set_expiry(tonumber(redis.call('HGET', record, 'retention_ms')))
+local until_ms = now + tonumber(retention_ms)
+redis.call('HSET', record, 'state', 'cancelled', 'owner', '', 'updated', now, 'expires', until_ms)
+if outcome == 'running' then
+  redis.call('HSET', record, 'cur_outcome', 'cancelled', 'cur_end', now)
+end
+redis.call('PEXPIREAT', record, until_ms)
 return {'cancelled', redis.call('HGETALL', record)}

@@ -1,62 +1,58 @@
 -- Shared by every idem script. KEYS[1] is the record's hash; all state of a
 -- scope lives in that one hash, so every script touches one slot.
 --
--- Fields: tenant op key fp state gen owner lease_until lease_ms retention_ms
---         created updated completed expires status stored headers body attempts
+-- Fields: tenant op key created fp state gen owner lease_until lease_ms
+--         retention_ms updated expires status stored headers body completed
+--         cur_id cur_start cur_end cur_outcome cur_status cur_late  (the
+--         newest attempt) and hist (older attempts, JSON, touched only when
+--         a record gets a second attempt or a fenced write arrives).
+-- The hot paths (a new key, its completion, a replay) call TIME, one HMGET,
+-- and at most one HSET and one PEXPIREAT.
 
 local record = KEYS[1]
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
-local now = now_ms()
-
--- The live record's state, or nil. An expired record is deleted here even
--- if Redis has not yet expired the key.
-local function live_state()
-  local state, expires = unpack(redis.call('HMGET', record, 'state', 'expires'))
+-- Whether the record is live; deletes one that outlived its expiry.
+local function live(state, expires)
   if not state then
-    return nil
+    return false
   end
   if tonumber(expires) <= now then
     redis.call('DEL', record)
-    return nil
+    return false
   end
-  return state
+  return true
 end
 
-local function set_expiry(retention_ms)
-  local expires = now + retention_ms
-  redis.call('HSET', record, 'expires', expires, 'updated', now)
-  redis.call('PEXPIREAT', record, expires)
-end
-
-local function load_attempts()
-  local raw = redis.call('HGET', record, 'attempts')
-  if not raw then
-    return {}
+-- 'completed:201:1700000000000' or 'released::1700000000000' as a table.
+local function late_table(late)
+  if not late or late == '' then
+    return cjson.null
   end
-  return cjson.decode(raw)
-end
-
-local function save_attempts(attempts)
-  redis.call('HSET', record, 'attempts', cjson.encode(attempts))
-end
-
--- Ends the running attempt of the current generation with `outcome`.
-local function end_current(attempts, outcome)
-  local gen = tonumber(redis.call('HGET', record, 'gen'))
-  for i = #attempts, 1, -1 do
-    local a = attempts[i]
-    if a.generation == gen and a.outcome.kind == 'running' then
-      a.outcome = outcome
-      a.ended_at_ms = now
-      return a
-    end
+  local kind, status, at = string.match(late, '^(%a+):(%d*):(%d+)$')
+  if kind == 'completed' then
+    return {kind = kind, status = tonumber(status), at_ms = tonumber(at)}
   end
-  return nil
+  return {kind = kind, at_ms = tonumber(at)}
+end
+
+-- The newest attempt in the JSON form of idem_core::Attempt.
+local function current_attempt()
+  local id, gen, started, ended, kind, status, late = unpack(redis.call('HMGET', record,
+    'cur_id', 'gen', 'cur_start', 'cur_end', 'cur_outcome', 'cur_status', 'cur_late'))
+  local outcome = {kind = kind}
+  if kind == 'completed' then
+    outcome.status = tonumber(status)
+  end
+  local ended_at = cjson.null
+  if ended and ended ~= '' then
+    ended_at = tonumber(ended)
+  end
+  return {
+    id = id, generation = tonumber(gen), started_at_ms = tonumber(started),
+    ended_at_ms = ended_at, outcome = outcome, late = late_table(late),
+  }
 end
 
 -- What the record says now, for duplicates and fenced attempts.
@@ -68,8 +64,7 @@ local function current(state)
     return {'cancelled'}
   end
   if state == 'processing' then
-    local lease_until = tonumber(redis.call('HGET', record, 'lease_until'))
-    local left = lease_until - now
+    local left = tonumber(redis.call('HGET', record, 'lease_until')) - now
     if left < 0 then left = 0 end
     return {'processing', left}
   end
@@ -78,25 +73,25 @@ local function current(state)
   return {'completed', tonumber(status), stored, headers, body, now - tonumber(completed)}
 end
 
--- Whether the lease (generation, owner token) is still the record's.
-local function owns(state, gen, token)
-  if state ~= 'processing' then
-    return false
-  end
-  local cur_gen, owner = unpack(redis.call('HMGET', record, 'gen', 'owner'))
-  return cur_gen == gen and owner == token
-end
-
 -- Keeps a fenced write as late evidence on its attempt.
 local function keep_evidence(attempt_id, late)
-  if redis.call('HEXISTS', record, 'attempts') == 0 then
+  local cur = redis.call('HGET', record, 'cur_id')
+  if not cur then
     return
   end
-  local attempts = load_attempts()
-  for i = 1, #attempts do
-    if attempts[i].id == attempt_id then
-      attempts[i].late = late
-      save_attempts(attempts)
+  if cur == attempt_id then
+    redis.call('HSET', record, 'cur_late', late)
+    return
+  end
+  local raw = redis.call('HGET', record, 'hist')
+  if not raw or raw == '' then
+    return
+  end
+  local hist = cjson.decode(raw)
+  for i = 1, #hist do
+    if hist[i].id == attempt_id then
+      hist[i].late = late_table(late)
+      redis.call('HSET', record, 'hist', cjson.encode(hist))
       return
     end
   end

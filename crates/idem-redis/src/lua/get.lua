@@ -1,5 +1,6 @@
 -- No ARGV. The live record as HGETALL pairs, or an empty list.
-if not live_state() then
+local state, expires = unpack(redis.call('HMGET', record, 'state', 'expires'))
+if not live(state, expires) then
   return {}
 end
 return redis.call('HGETALL', record)

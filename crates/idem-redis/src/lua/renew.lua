@@ -1,6 +1,9 @@
 -- ARGV: generation, owner token, lease ms
-local state = live_state()
-if not owns(state, ARGV[1], ARGV[2]) then
+local state, expires, gen, owner = unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
+if not live(state, expires) then
+  return {'vacant'}
+end
+if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
   return current(state)
 end
 local lease_ms = tonumber(ARGV[3])

@@ -3,44 +3,69 @@
 local fp, attempt_id, token = ARGV[1], ARGV[2], ARGV[3]
 local lease_ms, retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local history = tonumber(ARGV[9])
+local f = redis.call('HMGET', record, 'state', 'expires', 'fp', 'gen', 'lease_until',
+  'status', 'stored', 'headers', 'body', 'completed', 'cur_id', 'owner')
+local state = f[1]
 
-local function start(gen, attempts)
-  table.insert(attempts, {
-    id = attempt_id, generation = gen, started_at_ms = now,
-    ended_at_ms = cjson.null, outcome = {kind = 'running'}, late = cjson.null,
-  })
-  while #attempts > history do
-    table.remove(attempts, 1)
+-- Starts attempt `gen`; `extra` holds more field/value pairs to set.
+local function start(gen, extra)
+  local expires = now + retention_ms
+  local fields = {'fp', fp, 'state', 'processing', 'gen', gen, 'owner', token,
+    'lease_until', now + lease_ms, 'lease_ms', lease_ms, 'retention_ms', retention_ms,
+    'cur_id', attempt_id, 'cur_start', now, 'cur_end', '', 'cur_outcome', 'running',
+    'cur_status', '', 'cur_late', '', 'updated', now, 'expires', expires}
+  for i = 1, #extra do
+    fields[#fields + 1] = extra[i]
   end
-  redis.call('HSET', record,
-    'fp', fp, 'state', 'processing', 'gen', gen, 'owner', token,
-    'lease_until', now + lease_ms, 'lease_ms', lease_ms, 'retention_ms', retention_ms)
-  redis.call('HDEL', record, 'status', 'stored', 'headers', 'body', 'completed')
-  save_attempts(attempts)
-  set_expiry(retention_ms)
+  redis.call('HSET', record, unpack(fields))
+  redis.call('PEXPIREAT', record, expires)
   return gen
 end
 
-local state = live_state()
-if not state then
-  redis.call('HSET', record, 'tenant', ARGV[6], 'op', ARGV[7], 'key', ARGV[8], 'created', now)
-  return {'acquired', start(1, {})}
+-- Moves the newest attempt into the history before a new one starts.
+local function archive()
+  local attempt = current_attempt()
+  local raw = redis.call('HGET', record, 'hist')
+  local hist = {}
+  if raw and raw ~= '' then
+    hist = cjson.decode(raw)
+  end
+  table.insert(hist, attempt)
+  while #hist > history - 1 do
+    table.remove(hist, 1)
+  end
+  local encoded = ''
+  if #hist > 0 then
+    encoded = cjson.encode(hist)
+  end
+  return attempt, {'hist', encoded}
 end
-local gen = tonumber(redis.call('HGET', record, 'gen'))
+
+if not live(state, f[2]) then
+  return {'acquired', start(1, {'tenant', ARGV[6], 'op', ARGV[7], 'key', ARGV[8], 'created', now, 'hist', ''})}
+end
+local gen = tonumber(f[4])
 if state == 'released' then
-  return {'acquired', start(gen + 1, load_attempts())}
+  local _, hist = archive()
+  return {'acquired', start(gen + 1, hist)}
 end
-if redis.call('HGET', record, 'fp') ~= fp then
+if f[3] ~= fp then
   return {'conflict'}
 end
 if state == 'processing' then
-  local lease_until = tonumber(redis.call('HGET', record, 'lease_until'))
+  if f[11] == attempt_id and f[12] == token then
+    -- A retry of this very reservation whose reply was lost.
+    return {'acquired', gen}
+  end
+  local lease_until = tonumber(f[5])
   if lease_until > now then
     return {'in_progress', lease_until - now}
   end
-  local attempts = load_attempts()
-  local superseded = end_current(attempts, {kind = 'superseded'})
-  local encoded = cjson.encode(superseded or cjson.null)
-  return {'taken_over', start(gen + 1, attempts), encoded}
+  redis.call('HSET', record, 'cur_outcome', 'superseded', 'cur_end', now)
+  local superseded, hist = archive()
+  return {'taken_over', start(gen + 1, hist), cjson.encode(superseded)}
 end
-return current(state)
+if state == 'cancelled' then
+  return {'cancelled'}
+end
+return {'completed', tonumber(f[6]), f[7], f[8], f[9], now - tonumber(f[10])}

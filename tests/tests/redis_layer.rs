@@ -1,0 +1,535 @@
+//! The layer on a real redis-server: round trips, concurrency across two
+//! store instances, and faults (paused, killed, scripts flushed, a lease
+//! taken over while its owner still runs).
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{Router, routing::post};
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use idem_core::{
+    Completion, Current, LateEvidence, Reservation, ReserveRequest, Store,
+    conformance::{fingerprint, fresh_scope, response},
+};
+use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_redis::RedisStore;
+use idem_tests::redis_server::RedisServer;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+/// An app whose `/orders` counts executions and `/slow` waits for a permit.
+struct App {
+    router: Router,
+    runs: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+}
+
+fn app(store: RedisStore) -> App {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(Semaphore::new(0));
+    let layer = IdempotencyLayer::new(store)
+        .tenant(TenantFromHeader::new(http::HeaderName::from_static(
+            "x-tenant-id",
+        )))
+        .store_timeout(Duration::from_millis(300));
+    let (r1, r2, g) = (Arc::clone(&runs), Arc::clone(&runs), Arc::clone(&gate));
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = r1.fetch_add(1, Ordering::SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("order {n}")) }
+            }),
+        )
+        .route(
+            "/slow",
+            post(move || {
+                let (runs, gate) = (Arc::clone(&r2), Arc::clone(&g));
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    if let Ok(permit) = gate.acquire().await {
+                        permit.forget();
+                    }
+                    (StatusCode::CREATED, format!("slow {n}"))
+                }
+            }),
+        )
+        .layer(layer);
+    App { router, runs, gate }
+}
+
+struct Reply {
+    status: StatusCode,
+    replayed: bool,
+    code: Option<String>,
+    body: Bytes,
+}
+
+async fn call(router: &Router, path: &str, key: &str, body: &'static str) -> Reply {
+    let request = Request::post(path)
+        .header("idempotency-key", key)
+        .header("x-tenant-id", "acme")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body))
+        .expect("request");
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let code = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
+    Reply {
+        status,
+        replayed,
+        code,
+        body,
+    }
+}
+
+/// Commands the scripts run inside Redis; `INFO commandstats` counts them
+/// too, but they cost no round trip.
+const INSIDE_SCRIPTS: &[&str] = &[
+    "hmget",
+    "hdel",
+    "hget",
+    "hset",
+    "time",
+    "pexpireat",
+    "del",
+    "hexists",
+    "hgetall",
+];
+
+/// Client round trips since `before` (every command but INFO and those run
+/// inside scripts), and how many of them were EVALSHA.
+fn round_trips_since(
+    server: &RedisServer,
+    before: &std::collections::HashMap<String, (u64, f64)>,
+) -> (u64, u64) {
+    let after = server.command_stats();
+    let delta =
+        |name: &str| after.get(name).map_or(0, |a| a.0) - before.get(name).map_or(0, |b| b.0);
+    let total = after
+        .keys()
+        .filter(|name| *name != "info" && !INSIDE_SCRIPTS.contains(&name.as_str()))
+        .map(|name| delta(name))
+        .sum();
+    (total, delta("evalsha"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_per_request_and_redis_time() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let app = app(RedisStore::from_url(&server.url()).expect("store"));
+    // Warm up: connections made, scripts loaded.
+    for lane in 0..8 {
+        call(&app.router, "/orders", &format!("warm-{lane}"), "{}").await;
+    }
+
+    let before = server.command_stats();
+    let first = call(&app.router, "/orders", "k", r#"{"a":1}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        round_trips_since(&server, &before),
+        (2, 2),
+        "new key: reserve + complete, nothing else"
+    );
+
+    let before = server.command_stats();
+    let replay = call(&app.router, "/orders", "k", r#"{"a":1}"#).await;
+    assert!(replay.replayed);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        round_trips_since(&server, &before),
+        (1, 1),
+        "replay: one round trip"
+    );
+
+    let before = server.command_stats();
+    let conflict = call(&app.router, "/orders", "k", r#"{"a":2}"#).await;
+    assert_eq!(conflict.code.as_deref(), Some("idempotency_conflict"));
+    assert_eq!(
+        round_trips_since(&server, &before),
+        (1, 1),
+        "conflict: one round trip"
+    );
+
+    let router = app.router.clone();
+    let slow = tokio::spawn(async move { call(&router, "/slow", "s", "{}").await });
+    while app.runs.load(Ordering::SeqCst) < 10 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = server.command_stats();
+    let busy = call(&app.router, "/slow", "s", "{}").await;
+    assert_eq!(busy.code.as_deref(), Some("idempotency_in_progress"));
+    assert_eq!(
+        round_trips_since(&server, &before),
+        (1, 1),
+        "in progress: one round trip"
+    );
+    app.gate.add_permits(1);
+    assert_eq!(slow.await.expect("join").status, StatusCode::CREATED);
+
+    // Redis time per new key: the two scripts' usec_per_call.
+    let before = server.command_stats();
+    for i in 0..200 {
+        call(
+            &app.router,
+            "/orders",
+            &format!("timing-{i}"),
+            r#"{"sku":"book","qty":1}"#,
+        )
+        .await;
+    }
+    let after = server.command_stats();
+    let (calls, usec) = after.get("evalsha").copied().unwrap_or_default();
+    let (calls_before, usec_before) = before.get("evalsha").copied().unwrap_or_default();
+    let total_usec = usec * calls as f64 - usec_before * calls_before as f64;
+    let per_key = total_usec / 200.0;
+    println!("REDIS_TIME_PER_NEW_KEY_USEC {per_key:.1}");
+    for (name, (calls, usec)) in &after {
+        println!("  {name}: calls {calls} usec_per_call {usec}");
+    }
+    assert_eq!(calls - calls_before, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_across_tasks_and_two_store_instances_execute_once() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let a = app(RedisStore::from_url(&server.url()).expect("store"));
+    // A second store instance with its own pool: a second process, in effect.
+    let b_store = RedisStore::from_url(&server.url()).expect("store");
+    let b = {
+        let layer = IdempotencyLayer::new(b_store).tenant(TenantFromHeader::new(
+            http::HeaderName::from_static("x-tenant-id"),
+        ));
+        let runs = Arc::clone(&a.runs);
+        Router::new()
+            .route(
+                "/orders",
+                post(move || {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    async move {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        (StatusCode::CREATED, format!("order {n}"))
+                    }
+                }),
+            )
+            .layer(layer)
+    };
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let router = if i % 2 == 0 {
+            a.router.clone()
+        } else {
+            b.clone()
+        };
+        tasks.push(tokio::spawn(async move {
+            call(&router, "/orders", "same", "{}").await
+        }));
+    }
+    let mut created = 0;
+    for task in tasks {
+        let reply = task.await.expect("join");
+        match reply.status {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(reply.code.as_deref(), Some("idempotency_in_progress"));
+            }
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert!(created >= 1);
+    assert_eq!(
+        a.runs.load(Ordering::SeqCst),
+        1,
+        "exactly one execution across both instances"
+    );
+    // Afterwards every duplicate, from either instance, replays.
+    assert!(call(&a.router, "/orders", "same", "{}").await.replayed);
+    assert!(call(&b, "/orders", "same", "{}").await.replayed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_redis_answers_503_within_the_timeout_and_recovers() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url())
+        .timeout(Duration::from_millis(300))
+        .build()
+        .expect("store");
+    let app = app(store);
+    assert_eq!(
+        call(&app.router, "/orders", "before", "{}").await.status,
+        StatusCode::CREATED
+    );
+
+    server.pause();
+    let started = Instant::now();
+    let reply = call(&app.router, "/orders", "during", "{}").await;
+    let elapsed = started.elapsed();
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(reply.code.as_deref(), Some("idempotency_store_unavailable"));
+    assert!(
+        elapsed < Duration::from_millis(1500),
+        "answered after {elapsed:?}"
+    );
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        1,
+        "the handler never ran while Redis was paused"
+    );
+
+    server.resume();
+    let mut recovered = None;
+    for _ in 0..50 {
+        let reply = call(&app.router, "/orders", "during", "{}").await;
+        if reply.status == StatusCode::CREATED {
+            recovered = Some(reply);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(recovered.is_some(), "the layer recovers after SIGCONT");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+    assert!(call(&app.router, "/orders", "before", "{}").await.replayed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_and_restarted_redis_is_reconnected_and_scripts_reloaded() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let Some(mut server) = RedisServer::spawn() else {
+        return;
+    };
+    let app = app(RedisStore::from_url(&server.url()).expect("store"));
+    assert_eq!(
+        call(&app.router, "/orders", "a", "{}").await.status,
+        StatusCode::CREATED
+    );
+    server.kill();
+    let down = call(&app.router, "/orders", "b", "{}").await;
+    assert_eq!(down.code.as_deref(), Some("idempotency_store_unavailable"));
+    server.restart();
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..50 {
+        status = call(&app.router, "/orders", "b", "{}").await.status;
+        if status == StatusCode::CREATED {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "new connection, scripts loaded again"
+    );
+    let replay = call(&app.router, "/orders", "b", "{}").await;
+    assert!(replay.replayed, "{:?} {:?}", replay.status, replay.code);
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        2,
+        "no request ran while Redis was down"
+    );
+}
+
+#[tokio::test]
+async fn script_flush_between_calls_is_survived() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let app = app(RedisStore::from_url(&server.url()).expect("store"));
+    assert_eq!(
+        call(&app.router, "/orders", "k", "{}").await.status,
+        StatusCode::CREATED
+    );
+    assert!(server.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
+    assert!(call(&app.router, "/orders", "k", "{}").await.replayed);
+    assert!(server.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
+    assert_eq!(
+        call(&app.router, "/orders", "k2", "{}").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+/// The first owner is still running when its lease lapses and a second
+/// attempt takes over: the first one's completion is fenced and kept as
+/// evidence, and the record holds the second one's result.
+#[tokio::test]
+async fn lease_taken_over_while_the_first_owner_runs() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::from_url(&server.url()).expect("store");
+    let scope = fresh_scope("takeover");
+    let request = ReserveRequest {
+        scope,
+        fingerprint: fingerprint(7),
+        lease: Duration::from_millis(300),
+        retention: Duration::from_secs(30),
+    };
+    let Reservation::Acquired(first) = store.reserve(&request).await.expect("reserve") else {
+        panic!("expected Acquired");
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let Reservation::TakenOver {
+        lease: second,
+        superseded,
+    } = store.reserve(&request).await.expect("reserve")
+    else {
+        panic!("expected TakenOver");
+    };
+    assert_eq!(superseded.id, first.attempt);
+    assert_eq!(second.generation, 2);
+    assert_eq!(
+        store
+            .complete(&second, response(201, b"second"))
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    match store
+        .complete(&first, response(201, b"first"))
+        .await
+        .expect("complete")
+    {
+        Completion::Fenced(Current::Completed(replay)) => {
+            assert_eq!(replay.outcome, response(201, b"second"));
+        }
+        other => panic!("expected Fenced(Completed), got {other:?}"),
+    }
+    let record = store
+        .get(request.scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.outcome, Some(response(201, b"second")));
+    assert!(matches!(
+        record.attempt(first.attempt).expect("first attempt").late,
+        Some(LateEvidence::Completed { status: 201, .. })
+    ));
+    // Stored binary-safe, readable as a record.
+    assert_eq!(record.tenant, request.scope.tenant());
+}
+
+#[tokio::test]
+async fn wait_for_replicas_refuses_a_reservation_no_replica_has() {
+    let Some(primary) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::builder(&primary.url())
+        .wait_for_replicas(1, Duration::from_millis(100))
+        .build()
+        .expect("store");
+    let request = ReserveRequest {
+        scope: fresh_scope("durable"),
+        fingerprint: fingerprint(1),
+        lease: Duration::from_secs(5),
+        retention: Duration::from_secs(30),
+    };
+    // No replica: the reservation is refused and released.
+    assert!(store.reserve(&request).await.is_err());
+    let record = store
+        .get(request.scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.state, idem_core::RecordState::Released);
+
+    // With a replica attached, it goes through.
+    let port = primary.port.to_string();
+    let Some(replica) = RedisServer::spawn_with(&["--replicaof", "127.0.0.1", &port]) else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !replica
+        .cli(&["INFO", "replication"])
+        .contains("master_link_status:up")
+    {
+        assert!(Instant::now() < deadline, "the replica did not sync");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let request = ReserveRequest {
+        scope: fresh_scope("durable-2"),
+        ..request
+    };
+    assert!(matches!(
+        store.reserve(&request).await.expect("reserve"),
+        Reservation::Acquired(_)
+    ));
+}
+
+/// A write repeated after its reply was lost (the store retries once on a
+/// broken connection) is recognised as the same write, not fenced.
+#[tokio::test]
+async fn repeated_writes_of_one_attempt_are_recognised() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::from_url(&server.url()).expect("store");
+    let request = ReserveRequest {
+        scope: fresh_scope("repeat"),
+        fingerprint: fingerprint(1),
+        lease: Duration::from_secs(5),
+        retention: Duration::from_secs(30),
+    };
+    let Reservation::Acquired(lease) = store.reserve(&request).await.expect("reserve") else {
+        panic!("expected Acquired");
+    };
+    let outcome = response(201, b"once");
+    assert_eq!(
+        store
+            .complete(&lease, outcome.clone())
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+    assert_eq!(
+        store.complete(&lease, outcome).await.expect("complete"),
+        Completion::Recorded
+    );
+    let record = store
+        .get(request.scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.attempts.len(), 1);
+    assert_eq!(
+        record.attempts[0].late, None,
+        "a repeat is not late evidence"
+    );
+
+    let request = ReserveRequest {
+        scope: fresh_scope("repeat-release"),
+        ..request
+    };
+    let Reservation::Acquired(lease) = store.reserve(&request).await.expect("reserve") else {
+        panic!("expected Acquired");
+    };
+    assert_eq!(
+        store.release(&lease).await.expect("release"),
+        idem_core::Release::Released
+    );
+    assert_eq!(
+        store.release(&lease).await.expect("release"),
+        idem_core::Release::Released
+    );
+}
