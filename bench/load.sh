@@ -2,7 +2,10 @@
 # Load test: axum-orders with the idempotency layer against the same app
 # without it, in alternating rounds, a fresh Idempotency-Key per POST.
 #
-#   bench/load.sh [rounds] [seconds-per-round] [connections]
+#   bench/load.sh [rounds] [seconds-per-round] [connections] [memory|redis]
+#
+# With `redis`, the layered server uses a private redis-server started on a
+# free loopback port for the run (never the shared one on 6379).
 #
 # Prints requests/s and p99 latency per round, and the median ratio of
 # layered to bare throughput. The layered server keeps running across
@@ -13,6 +16,7 @@ set -euo pipefail
 rounds=${1:-6}
 seconds=${2:-10}
 connections=${3:-64}
+store=${4:-memory}
 cd "$(dirname "$0")/.."
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 cargo build --release -q -p axum-orders
@@ -20,7 +24,18 @@ bin=target/release/axum-orders
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
-IDEM_LISTEN=127.0.0.1:38080 IDEM_LAYER=on "$bin" >"$work/layered.log" 2>&1 &
+store_url=memory
+if [ "$store" = redis ]; then
+  redis_port=38379
+  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
+    --dir "$work" --logfile "$work/redis.log" &
+  for _ in $(seq 50); do
+    redis-cli -p "$redis_port" ping 2>/dev/null | grep -q PONG && break
+    sleep 0.1
+  done
+  store_url="redis://127.0.0.1:$redis_port"
+fi
+IDEM_LISTEN=127.0.0.1:38080 IDEM_LAYER=on IDEM_STORE="$store_url" "$bin" >"$work/layered.log" 2>&1 &
 IDEM_LISTEN=127.0.0.1:38081 IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &
 for port in 38080 38081; do
   for _ in $(seq 50); do
@@ -70,4 +85,7 @@ for round in $(seq "$rounds"); do
   if [ "$berr" != 0 ] || [ "$lerr" != 0 ]; then echo "  errors: bare $berr, layered $lerr" >&2; fi
 done
 median=$(printf '%s\n' "${ratios[@]}" | sort -n | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
-echo "median layered/bare throughput ratio: $median (records column: approximate live records in the layered store)"
+echo "store: $store; median layered/bare throughput ratio: $median (records: approximate records in the layered store)"
+if [ "$store" = redis ]; then
+  redis-cli -p "$redis_port" info commandstats | awk -F'[:,=]' '/cmdstat_evalsha/ { printf "redis: %s EVALSHA, %.1f us per call, %.1f us per new key\n", $3, $7, 2 * $7 }'
+fi

@@ -71,7 +71,7 @@ mod context;
 pub mod fingerprint;
 mod layer;
 pub mod metrics;
-mod problem;
+pub mod problem;
 pub mod records;
 mod service;
 pub mod tenant;
@@ -82,7 +82,7 @@ pub use layer::{
     ConfigError, IdempotencyLayer, InFlight, OnDisconnect, default_replay_denylist,
     default_should_store,
 };
-pub use problem::ProblemCode;
+pub use problem::{PROBLEM_JSON, ProblemCode, problem_document};
 pub use records::RecordsService;
 pub use service::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
 pub use tenant::{

@@ -102,27 +102,38 @@ impl ProblemCode {
     }
 }
 
+/// An RFC 9457 problem document with a `code` member, as every idem
+/// component writes it (`type` is `urn:idem:problem:<code>`). For codes of
+/// other components too, such as the gateway's `upstream_unreachable`.
+pub fn problem_document(status: StatusCode, code: &str, title: &str, detail: &str) -> Bytes {
+    let body = serde_json::json!({
+        "type": format!("urn:idem:problem:{code}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+        "code": code,
+    });
+    Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// The `content-type` of problem documents.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
 /// Builds a problem response. `retry_after` adds a `Retry-After` header in
-/// whole seconds (at least 1).
+/// whole seconds (at least 1). The code is also put in the response
+/// extensions, for logging.
 pub(crate) fn problem<B>(
     code: ProblemCode,
     detail: &str,
     retry_after: Option<Duration>,
 ) -> Response<ResponseBody<B>> {
-    let body = serde_json::json!({
-        "type": format!("urn:idem:problem:{}", code.as_str()),
-        "title": code.title(),
-        "status": code.status().as_u16(),
-        "detail": detail,
-        "code": code.as_str(),
-    });
-    let bytes = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+    let bytes = problem_document(code.status(), code.as_str(), code.title(), detail);
     let mut response = Response::new(ResponseBody::full(bytes));
     *response.status_mut() = code.status();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
+    response.extensions_mut().insert(code);
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
     if let Some(wait) = retry_after {
         response.headers_mut().insert(
             header::RETRY_AFTER,

@@ -6,7 +6,8 @@
 //! `/_idempotency/records`. The tenant is the `x-tenant-id` header;
 //! requests without one share the anonymous tenant.
 //!
-//! Environment: `IDEM_LISTEN` (default `127.0.0.1:3000`), and
+//! Environment: `IDEM_LISTEN` (default `127.0.0.1:3000`), `IDEM_STORE`
+//! (`memory`, the default, or a `redis://` or `redis+cluster://` URL), and
 //! `IDEM_LAYER=off` to serve the same app without the layer (the baseline
 //! of `bench/load.sh`).
 
@@ -25,8 +26,10 @@ use axum::{
     response::IntoResponse,
     routing::{get, post},
 };
+use idem_core::Store;
 use idem_layer::{IdempotencyLayer, TenantFromHeader};
 use idem_memory::MemoryStore;
+use idem_redis::RedisStore;
 use serde_json::{Value, json};
 
 #[derive(Clone, Default)]
@@ -60,16 +63,17 @@ async fn read(State(orders): State<Orders>, Path(id): Path<u64>) -> impl IntoRes
     }
 }
 
-/// The app: orders routes, with the layer unless `protected` is false.
-fn app(protected: bool) -> Router {
-    let routes = Router::new()
+fn routes() -> Router {
+    Router::new()
         .route("/orders", post(create))
         .route("/orders/{id}", get(read))
-        .with_state(Orders::default());
-    if !protected {
-        return routes;
-    }
-    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_state(Orders::default())
+}
+
+/// The orders routes behind the layer on `store`, with the records API.
+fn protected_app<S: Store>(store: S) -> Router {
+    let routes = routes();
+    let layer = IdempotencyLayer::new(store)
         .tenant(TenantFromHeader::new(http::HeaderName::from_static(
             "x-tenant-id",
         )))
@@ -83,17 +87,27 @@ fn app(protected: bool) -> Router {
 async fn main() -> std::io::Result<()> {
     let listen = std::env::var("IDEM_LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let protected = std::env::var("IDEM_LAYER").map_or(true, |v| v != "off");
+    let store = std::env::var("IDEM_STORE").unwrap_or_else(|_| "memory".to_owned());
+    let app = match (protected, store.as_str()) {
+        (false, _) => routes(),
+        (true, "memory") => protected_app(MemoryStore::new()),
+        (true, url) => match RedisStore::from_url(url) {
+            Ok(redis) => protected_app(redis),
+            Err(error) => {
+                eprintln!("axum-orders: {error}");
+                std::process::exit(2);
+            }
+        },
+    };
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     let addr = listener.local_addr()?;
-    println!(
-        "axum-orders listening on http://{addr} ({})",
-        if protected {
-            "idempotency layer on"
-        } else {
-            "idempotency layer OFF"
-        }
-    );
-    axum::serve(listener, app(protected))
+    let mode = if protected {
+        format!("idempotency layer on, {store} store")
+    } else {
+        "idempotency layer OFF".to_owned()
+    };
+    println!("axum-orders listening on http://{addr} ({mode})");
+    axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
         })

@@ -1,0 +1,343 @@
+//! `idem-gateway`: a reverse proxy that puts the idem idempotency layer in
+//! front of any HTTP upstream.
+//!
+//! The binary (`src/main.rs`) parses [`Config`] from flags and `IDEM_*`
+//! environment variables and calls [`run`]; tests call [`start`] to run a
+//! gateway in-process on a real listener.
+
+mod demo;
+mod proxy;
+
+use std::{future::Future, net::SocketAddr, sync::OnceLock, time::Duration};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::{Request, State},
+    http::{HeaderName, Method, StatusCode, Uri},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use clap::{ArgAction, Parser};
+use idem_core::{ScopeHash, Store};
+use idem_layer::{
+    IdempotencyLayer, InFlight, ProblemCode, TenantFromAuthorization, TenantFromHeader,
+};
+use idem_memory::MemoryStore;
+use idem_redis::RedisStore;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+
+pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
+
+/// The gateway's configuration: every flag is also an `IDEM_*` variable.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "idem-gateway",
+    version,
+    about = "Idempotency-Key protection in front of any HTTP upstream"
+)]
+pub struct Config {
+    /// Address to serve on.
+    #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Upstream base URL (http://host:port); without it, a built-in demo orders API is started.
+    #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
+    pub upstream: Option<Uri>,
+    /// Record store: memory, redis://host:port[/db], or redis+cluster://h1:p1,h2:p2,...
+    #[arg(long, env = "IDEM_STORE", default_value = "memory", value_parser = parse_store)]
+    pub store: String,
+    /// Take the tenant from this header; without it, the tenant is the SHA-256 of the Authorization value.
+    #[arg(long, env = "IDEM_TENANT_HEADER", value_parser = parse_header_name)]
+    pub tenant_header: Option<HeaderName>,
+    /// Keyed requests without a tenant share one anonymous tenant instead of getting 401.
+    #[arg(long, env = "IDEM_ALLOW_ANONYMOUS", action = ArgAction::SetTrue)]
+    pub allow_anonymous: bool,
+    /// Requests of the keyed methods without an Idempotency-Key get 400.
+    #[arg(long, env = "IDEM_REQUIRE_KEY", action = ArgAction::SetTrue)]
+    pub require_key: bool,
+    /// Comma-separated methods the layer applies to; others pass straight through.
+    #[arg(long, env = "IDEM_METHODS", default_value = "POST,PATCH", value_delimiter = ',', value_parser = parse_method)]
+    pub methods: Vec<Method>,
+    /// How long records are kept (humantime: 2s, 5m, 24h); must exceed the lease.
+    #[arg(long, env = "IDEM_RETENTION", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub retention: Duration,
+    /// Lease length of a running request, renewed while it runs (humantime).
+    #[arg(long, env = "IDEM_LEASE", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub lease: Duration,
+    /// Duplicates in flight: reject (409 at once) or wait:DURATION (wait for the outcome).
+    #[arg(long, env = "IDEM_IN_FLIGHT", default_value = "reject", value_parser = parse_in_flight)]
+    pub in_flight: InFlight,
+    /// Largest keyed request body and largest stored response, in bytes.
+    #[arg(long, env = "IDEM_MAX_BODY", default_value_t = 1_048_576)]
+    pub max_body: usize,
+    /// Forward requests unprotected when the store is down, instead of 503.
+    #[arg(long, env = "IDEM_FAIL_OPEN", action = ArgAction::SetTrue)]
+    pub fail_open: bool,
+    /// Path under which the records API is served ({prefix}/records).
+    #[arg(long, env = "IDEM_RECORDS_PREFIX", default_value = "/_idempotency", value_parser = parse_prefix)]
+    pub records_prefix: String,
+    /// How long to wait for the upstream's response head before answering 504 (humantime).
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub upstream_timeout: Duration,
+    /// Timeout of every store call (humantime).
+    #[arg(long, env = "IDEM_STORE_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub store_timeout: Duration,
+}
+
+fn parse_upstream(value: &str) -> Result<Uri, String> {
+    let uri: Uri = value.parse().map_err(|e| format!("not a URL: {e}"))?;
+    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        return Err("expected http://host:port".to_owned());
+    }
+    if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
+        return Err("the upstream URL takes no path or query".to_owned());
+    }
+    Ok(uri)
+}
+
+fn parse_store(value: &str) -> Result<String, String> {
+    if value == "memory" {
+        return Ok(value.to_owned());
+    }
+    RedisStore::from_url(value)
+        .map(|_| value.to_owned())
+        .map_err(|e| e.to_string())
+}
+
+fn parse_header_name(value: &str) -> Result<HeaderName, String> {
+    HeaderName::from_bytes(value.as_bytes()).map_err(|_| format!("{value:?} is not a header name"))
+}
+
+fn parse_method(value: &str) -> Result<Method, String> {
+    Method::from_bytes(value.trim().to_ascii_uppercase().as_bytes())
+        .map_err(|_| format!("{value:?} is not a method"))
+}
+
+fn parse_in_flight(value: &str) -> Result<InFlight, String> {
+    match value {
+        "reject" => Ok(InFlight::Reject),
+        _ => match value.strip_prefix("wait:") {
+            Some(bound) => humantime::parse_duration(bound)
+                .map(InFlight::Wait)
+                .map_err(|e| e.to_string()),
+            None => Err("expected reject or wait:DURATION".to_owned()),
+        },
+    }
+}
+
+fn parse_prefix(value: &str) -> Result<String, String> {
+    if !value.starts_with('/') {
+        return Err("the prefix must start with /".to_owned());
+    }
+    Ok(value.trim_end_matches('/').to_owned())
+}
+
+/// The gateway could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The layer's configuration is invalid (for example retention not
+    /// longer than the lease).
+    #[error("{0}")]
+    Config(#[from] idem_layer::ConfigError),
+    /// The store URL could not be used.
+    #[error("{0}")]
+    Store(#[from] idem_redis::BuildError),
+    /// Binding or serving failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The Prometheus recorder, installed once per process.
+fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed (tests); then the
+        // handle renders what this one sees: nothing.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// What a running gateway reports about itself.
+#[derive(Debug, Clone)]
+pub struct Started {
+    /// Where it serves.
+    pub addr: SocketAddr,
+    /// Where it forwards.
+    pub upstream: Uri,
+    /// Whether the upstream is the built-in demo.
+    pub demo: bool,
+}
+
+/// Builds the gateway and serves on `listener` until `shutdown` resolves,
+/// then lets in-flight requests finish. `on_start` is called once the
+/// gateway is ready.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_start: impl FnOnce(&Started),
+) -> Result<(), StartError> {
+    let (upstream, demo) = match &config.upstream {
+        Some(uri) => (uri.clone(), None),
+        None => {
+            let demo = demo::start().await?;
+            (demo.uri.clone(), Some(demo))
+        }
+    };
+    let router = if config.store == "memory" {
+        router(&config, MemoryStore::new(), upstream.clone())?
+    } else {
+        let store = RedisStore::builder(&config.store)
+            .timeout(config.store_timeout)
+            .build()?;
+        router(&config, store, upstream.clone())?
+    };
+    let started = Started {
+        addr: listener.local_addr()?,
+        upstream,
+        demo: demo.is_some(),
+    };
+    on_start(&started);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    drop(demo);
+    Ok(())
+}
+
+/// Starts a gateway in the background on `127.0.0.1:0` (for tests):
+/// returns what it reports, a trigger that shuts it down, and its task.
+pub async fn start(
+    config: Config,
+) -> Result<
+    (
+        Started,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<(), StartError>>,
+    ),
+    StartError,
+> {
+    let listener = TcpListener::bind(config.listen).await?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (ready, is_ready) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(run(
+        config,
+        listener,
+        async {
+            let _ = stopped.await;
+        },
+        move |started| {
+            let _ = ready.send(started.clone());
+        },
+    ));
+    match is_ready.await {
+        Ok(started) => Ok((started, stop, task)),
+        Err(_) => match task.await {
+            Ok(Err(error)) => Err(error),
+            _ => Err(StartError::Io(std::io::Error::other(
+                "the gateway stopped before it started",
+            ))),
+        },
+    }
+}
+
+fn router<S: Store>(config: &Config, store: S, upstream: Uri) -> Result<Router, StartError> {
+    let mut layer = IdempotencyLayer::new(store)
+        .methods(config.methods.clone())
+        .lease(config.lease)
+        .retention(config.retention)
+        .in_flight(config.in_flight)
+        .max_body(config.max_body)
+        .max_response(config.max_body)
+        .store_timeout(config.store_timeout);
+    layer = match &config.tenant_header {
+        Some(name) => layer.tenant(TenantFromHeader::new(name.clone())),
+        None => layer.tenant(TenantFromAuthorization),
+    };
+    if config.allow_anonymous {
+        layer = layer.allow_anonymous();
+    }
+    if config.require_key {
+        layer = layer.require_key();
+    }
+    if config.fail_open {
+        layer = layer.fail_open();
+    }
+    layer.validate()?;
+    let health_store = std::sync::Arc::clone(layer.store());
+    let timeout = config.store_timeout;
+    let proxy = Proxy::new(upstream, config.upstream_timeout);
+    let protected = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(proxy);
+    let metrics = prometheus().clone();
+    Ok(Router::new()
+        .route(
+            "/healthz",
+            get(move || async move {
+                // Any read proves the store answers; this scope holds nothing.
+                let nothing = ScopeHash::from_bytes([0; 32]);
+                match tokio::time::timeout(timeout, health_store.get(&nothing)).await {
+                    Ok(Ok(_)) => (StatusCode::OK, "ok\n"),
+                    _ => (StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n"),
+                }
+            }),
+        )
+        .route("/metrics", get(move || async move { metrics.render() }))
+        .route_service(
+            &format!("{}/records", config.records_prefix),
+            layer.records_service(),
+        )
+        .fallback_service(protected)
+        .layer(middleware::from_fn_with_state(LogState, log_request)))
+}
+
+#[derive(Clone, Copy)]
+struct LogState;
+
+/// One log line per request: method, path, status, idempotency outcome and
+/// latency. Never the raw key.
+async fn log_request(State(_): State<LogState>, request: Request, next: Next) -> Response {
+    let started = std::time::Instant::now();
+    let method = request.method().clone();
+    let path = request.uri().path().to_owned();
+    let keyed = request.headers().contains_key("idempotency-key");
+    let response = next.run(request).await;
+    let outcome = if let Some(code) = response.extensions().get::<ProblemCode>() {
+        code.as_str()
+    } else if response.headers().contains_key("idempotent-replayed") {
+        "replayed"
+    } else if keyed {
+        "executed"
+    } else {
+        "passthrough"
+    };
+    tracing::info!(
+        %method,
+        path,
+        status = response.status().as_u16(),
+        outcome,
+        latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+        "request"
+    );
+    response.into_response()
+}
+
+/// A response body for the gateway's own answers.
+pub(crate) fn problem(status: StatusCode, code: &str, title: &str, detail: &str) -> Response<Body> {
+    let mut response = Response::new(Body::from(idem_layer::problem_document(
+        status, code, title, detail,
+    )));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(idem_layer::PROBLEM_JSON),
+    );
+    response
+}

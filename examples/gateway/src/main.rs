@@ -1,0 +1,81 @@
+//! Run with `cargo run --release -p idem-gateway` (add `-- --help` for the flags).
+
+use clap::Parser;
+use idem_gateway::{Config, Started};
+use tracing_subscriber::EnvFilter;
+
+fn print_banner(config: &Config, started: &Started) {
+    let addr = started.addr;
+    println!("idem-gateway listening on http://{addr}");
+    println!(
+        "  upstream: {}{}",
+        started.upstream,
+        if started.demo {
+            " (built-in demo orders API)"
+        } else {
+            ""
+        }
+    );
+    println!("  store:    {}", config.store);
+    if started.demo {
+        let tenant = match &config.tenant_header {
+            Some(name) => format!("-H '{name}: demo'"),
+            None => "-H 'Authorization: Bearer demo'".to_owned(),
+        };
+        println!("Try it:");
+        println!(
+            "  curl -i -X POST http://{addr}/orders {tenant} -H 'Idempotency-Key: order-1' -H 'content-type: application/json' -d '{{\"sku\":\"book\",\"qty\":1}}'   # run it twice: the second is replayed"
+        );
+        println!(
+            "  curl -i -X POST http://{addr}/orders {tenant} -H 'Idempotency-Key: order-1' -H 'content-type: application/json' -d '{{\"sku\":\"book\",\"qty\":2}}'   # same key, new payload: 422"
+        );
+    }
+}
+
+async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutting down: letting in-flight requests finish");
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    let config = Config::parse();
+    let listener = match tokio::net::TcpListener::bind(config.listen).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            eprintln!("idem-gateway: cannot listen on {}: {error}", config.listen);
+            std::process::exit(2);
+        }
+    };
+    let banner_config = config.clone();
+    let result = idem_gateway::run(config, listener, shutdown_signal(), |started| {
+        print_banner(&banner_config, started);
+    })
+    .await;
+    if let Err(error) = result {
+        eprintln!("idem-gateway: {error}");
+        std::process::exit(2);
+    }
+}
