@@ -2,6 +2,7 @@
 //! ports and a small HTTP client.
 
 pub mod redis_server;
+pub mod upstream;
 
 use std::net::SocketAddr;
 

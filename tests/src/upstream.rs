@@ -1,0 +1,137 @@
+//! A counting upstream for gateway tests: it records every request it
+//! executes, with the idempotency headers it saw.
+
+use std::sync::{
+    Arc, Mutex,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use axum::{
+    Router,
+    extract::{Path, State},
+    http::{HeaderMap, StatusCode, header},
+    response::IntoResponse,
+    routing::post,
+};
+use tokio::sync::{Notify, Semaphore};
+
+/// What one execution saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    /// The path.
+    pub path: String,
+    /// The `Idempotency-Key` it received.
+    pub key: Option<String>,
+    /// The `Idempotency-Attempt` it received.
+    pub attempt: Option<String>,
+}
+
+/// The upstream's shared state.
+#[derive(Clone)]
+pub struct Upstream {
+    /// Every execution, in order.
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    runs: Arc<AtomicUsize>,
+    /// `/slow` waits for a permit.
+    pub gate: Arc<Semaphore>,
+    /// Notified when a `/slow` request arrives.
+    pub entered: Arc<Notify>,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Self {
+            seen: Arc::default(),
+            runs: Arc::default(),
+            gate: Arc::new(Semaphore::new(0)),
+            entered: Arc::default(),
+        }
+    }
+}
+
+impl Upstream {
+    /// How many requests it executed.
+    pub fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    /// Waits until it has executed `n` requests.
+    pub async fn wait_runs(&self, n: usize) {
+        loop {
+            let entered = self.entered.notified();
+            if self.runs() >= n {
+                return;
+            }
+            entered.await;
+        }
+    }
+
+    fn record(&self, path: String, headers: &HeaderMap) -> usize {
+        let text = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let seen = Seen {
+            path,
+            key: text("idempotency-key"),
+            attempt: text("idempotency-attempt"),
+        };
+        if let Ok(mut all) = self.seen.lock() {
+            all.push(seen);
+        }
+        let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        self.entered.notify_waiters();
+        n
+    }
+
+    /// The routes:
+    /// * `POST /orders`: 201, `Location`, `Set-Cookie`, a body naming the run.
+    /// * `POST /status/{code}`: that status.
+    /// * `POST /slow`: waits for a gate permit, then 201.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/orders", post(orders))
+            .route("/status/{code}", post(status))
+            .route("/slow", post(slow))
+            .with_state(self.clone())
+    }
+}
+
+async fn orders(
+    State(up): State<Upstream>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> impl IntoResponse {
+    let n = up.record("/orders".to_owned(), &headers);
+    (
+        StatusCode::CREATED,
+        [
+            (header::LOCATION, format!("/orders/{n}")),
+            (header::SET_COOKIE, format!("session={n}")),
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+        ],
+        format!("{{\"id\":{n},\"bytes\":{}}}", body.len()),
+    )
+}
+
+async fn status(
+    State(up): State<Upstream>,
+    Path(code): Path<u16>,
+    headers: HeaderMap,
+) -> impl IntoResponse {
+    let n = up.record(format!("/status/{code}"), &headers);
+    (
+        StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        format!("status {code} run {n}"),
+    )
+}
+
+async fn slow(State(up): State<Upstream>, headers: HeaderMap) -> impl IntoResponse {
+    let n = up.record("/slow".to_owned(), &headers);
+    if let Ok(permit) = up.gate.acquire().await {
+        permit.forget();
+    }
+    (StatusCode::CREATED, format!("slow run {n}"))
+}
