@@ -166,7 +166,7 @@ async fn concurrent_duplicates_execute_once(flags: &[&str]) {
         match reply.status {
             StatusCode::CREATED => created += 1,
             StatusCode::CONFLICT => {
-                assert_eq!(reply.code().as_deref(), Some("idempotency_in_progress"))
+                assert_eq!(reply.code().as_deref(), Some("idempotency_in_progress"));
             }
             other => panic!("unexpected {other}"),
         }
