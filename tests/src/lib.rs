@@ -83,17 +83,21 @@ pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build_http()
 }
 
-/// Sends a request and reads the whole reply.
-pub async fn send(
+/// Sends a request and reads the whole reply. The future owns a clone of
+/// the (pooled) client, so it can be spawned.
+pub fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     request: Request<Full<Bytes>>,
-) -> Reply {
-    let response = client.request(request).await.expect("request");
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("body").to_bytes();
-    Reply {
-        status: parts.status,
-        headers: parts.headers,
-        body,
+) -> impl std::future::Future<Output = Reply> + Send + 'static {
+    let client = client.clone();
+    async move {
+        let response = client.request(request).await.expect("request");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
     }
 }
