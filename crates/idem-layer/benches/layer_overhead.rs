@@ -32,8 +32,12 @@ fn body() -> Bytes {
 }
 
 fn request(key: &str, body: &Bytes) -> Request<Full<Bytes>> {
+    request_as(key, body, "application/json")
+}
+
+fn request_as(key: &str, body: &Bytes, content_type: &str) -> Request<Full<Bytes>> {
     Request::post("/orders")
-        .header("content-type", "application/json")
+        .header("content-type", content_type)
         .header("idempotency-key", key)
         .body(Full::new(body.clone()))
         .expect("request")
@@ -98,10 +102,31 @@ fn layer_overhead(c: &mut Criterion) {
             .expect("first");
         assert_eq!(first.status(), 201);
     });
+    // The same body declared as bytes: what the layer costs besides JSON.
+    group.bench_function("new_key_octets", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let request = request_as(&next_key(), &body, "application/octet-stream");
+            let response = layered.clone().oneshot(request).await;
+            black_box(response.expect("layered").into_body().collect().await.is_ok())
+        });
+    });
     group.bench_function("replay", |b| {
         b.to_async(&runtime).iter(|| async {
             let response = layered.clone().oneshot(request("replayed", &body)).await;
             let response = response.expect("replay");
+            assert!(response.headers().contains_key("idempotent-replayed"));
+            black_box(response.into_body().collect().await.is_ok())
+        });
+    });
+    runtime.block_on(async {
+        let request = request_as("replayed-octets", &body, "application/octet-stream");
+        let first = layered.clone().oneshot(request).await.expect("first");
+        assert_eq!(first.status(), 201);
+    });
+    group.bench_function("replay_octets", |b| {
+        b.to_async(&runtime).iter(|| async {
+            let request = request_as("replayed-octets", &body, "application/octet-stream");
+            let response = layered.clone().oneshot(request).await.expect("replay");
             assert!(response.headers().contains_key("idempotent-replayed"));
             black_box(response.into_body().collect().await.is_ok())
         });

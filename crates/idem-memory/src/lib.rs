@@ -131,7 +131,8 @@ struct Shard {
 
 #[derive(Debug, Default)]
 struct ShardState {
-    records: Map<Record>,
+    /// Boxed, so that growing the map moves pointers, not records.
+    records: Map<Box<Record>>,
     expiries: BinaryHeap<Reverse<(u64, ScopeHash)>>,
     waiters: Map<Arc<Notify>>,
 }
@@ -229,7 +230,7 @@ impl MemoryStore {
         let now_ms = self.now_ms();
         let mut state = self.shard(scope).state.lock();
         let swept = state.sweep(now_ms, SWEEP_PER_WRITE);
-        let mut slot = state.records.remove(scope);
+        let mut slot = state.records.remove(scope).map(|boxed| *boxed);
         let before = slot
             .as_ref()
             .map(|r| (r.expires_at_ms, r.state, r.generation));
@@ -246,7 +247,7 @@ impl MemoryStore {
             if before.map(|b| b.0) != Some(record.expires_at_ms) {
                 state.expiries.push(Reverse((record.expires_at_ms, *scope)));
             }
-            state.records.insert(*scope, record);
+            state.records.insert(*scope, Box::new(record));
         }
         drop(state);
         let len = &self.inner.len;
@@ -342,7 +343,7 @@ impl Store for MemoryStore {
             .records
             .get(scope)
             .filter(|r| !r.is_expired(now_ms))
-            .cloned())
+            .map(|r| Record::clone(r)))
     }
 
     async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
