@@ -107,7 +107,14 @@ fn layer_overhead(c: &mut Criterion) {
         b.to_async(&runtime).iter(|| async {
             let request = request_as(&next_key(), &body, "application/octet-stream");
             let response = layered.clone().oneshot(request).await;
-            black_box(response.expect("layered").into_body().collect().await.is_ok())
+            black_box(
+                response
+                    .expect("layered")
+                    .into_body()
+                    .collect()
+                    .await
+                    .is_ok(),
+            )
         });
     });
     group.bench_function("replay", |b| {

@@ -1,0 +1,62 @@
+//! Safe retries on the calling side: a Tower middleware for outgoing HTTP
+//! requests that keeps one `Idempotency-Key` across every attempt of a
+//! business action, retries only what is safe, backs off with full jitter,
+//! honours `Retry-After`, stops at a deadline, and shares a retry budget
+//! between all clones so a failing dependency gets no retry storm.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use idem_client::RetryLayer;
+//! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+//! use tower::ServiceBuilder;
+//!
+//! # fn build() {
+//! let http = Client::builder(TokioExecutor::new()).build_http();
+//! let client = ServiceBuilder::new()
+//!     .layer(RetryLayer::new().max_attempts(5).deadline(Duration::from_secs(10)))
+//!     .service(http);
+//! # let _: idem_client::Retry<_> = client;
+//! # }
+//! ```
+//!
+//! # What is retried
+//!
+//! Transport errors, attempt timeouts, `408`, `425`, `429`, `502`, `503`,
+//! `504`, and `409` whose problem `code` is `idempotency_in_progress`: only
+//! for idempotent methods (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) or
+//! requests that carry an `Idempotency-Key`. Never other 4xx answers: not
+//! validation or permission errors, not `422 idempotency_conflict`, not
+//! `410`. A request of [`RetryLayer::key_methods`] (default POST and PATCH)
+//! without a key gets a fresh UUIDv4 key, kept for all its attempts.
+//!
+//! # When it stops
+//!
+//! After [`max_attempts`](RetryLayer::max_attempts) (default 4), when the
+//! next attempt would start after the [`deadline`](RetryLayer::deadline)
+//! (default 30 s from the first), when the shared budget is spent, or when
+//! the body could not be buffered for a resend (over
+//! [`body_limit`](RetryLayer::body_limit), default 64 KiB, or of unknown
+//! length): such a request is sent once. The final response is returned
+//! as is, with a [`RetryInfo`] extension saying how many attempts were made
+//! and why retrying stopped; a final transport error is an [`Error`] with
+//! the same facts.
+//!
+//! # Delays
+//!
+//! Full jitter: before retry *n*, a random delay in
+//! `[0, min(max_delay, base_delay * 2^(n-1))]`. A `Retry-After` header in
+//! either RFC 9110 form (seconds or HTTP-date) replaces it; one that would
+//! cross the deadline stops the retries instead; an unparseable one falls
+//! back to backoff.
+//!
+//! # Metrics
+//!
+//! `idem_client_attempts_total`, `idem_client_retries_total{reason}`,
+//! `idem_client_budget_exhausted_total`, `idem_client_give_ups_total{reason}`.
+
+pub mod backoff;
+mod body;
+mod service;
+
+pub use body::{BoxError, ReplayBody};
+pub use service::{Error, Retry, RetryInfo, RetryLayer, StopReason};

@@ -1,0 +1,499 @@
+//! [`RetryLayer`] and the [`Retry`] service.
+
+use std::{
+    fmt,
+    sync::Arc,
+    task::{Context, Poll},
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method, Request, Response, header, request::Parts};
+use http_body::Body;
+use http_body_util::{BodyExt, Limited};
+use tower::{
+    Layer, Service, ServiceExt,
+    retry::budget::{Budget, TpsBudget},
+};
+
+use crate::{
+    backoff::{full_jitter, parse_retry_after},
+    body::{BoxError, ReplayBody},
+};
+
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// Why the middleware stopped retrying a request whose last answer was
+/// retryable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// Not an idempotent method and no `Idempotency-Key`: retrying could
+    /// execute the action twice.
+    UnsafeMethod,
+    /// The body was not buffered (over the limit or of unknown length), so
+    /// it could not be sent again.
+    BodyNotReplayable,
+    /// The attempt limit was reached.
+    MaxAttempts,
+    /// The next attempt would have started after the deadline.
+    Deadline,
+    /// The shared retry budget is spent.
+    BudgetExhausted,
+}
+
+impl StopReason {
+    fn label(self) -> &'static str {
+        match self {
+            StopReason::UnsafeMethod => "unsafe_method",
+            StopReason::BodyNotReplayable => "body_not_replayable",
+            StopReason::MaxAttempts => "max_attempts",
+            StopReason::Deadline => "deadline",
+            StopReason::BudgetExhausted => "budget_exhausted",
+        }
+    }
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// What happened to a request: in the extensions of the final response,
+/// and in every [`Error`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryInfo {
+    /// How many attempts were sent.
+    pub attempts: u32,
+    /// Why retrying stopped although the last answer was retryable; `None`
+    /// when the last answer was final.
+    pub stopped: Option<StopReason>,
+    /// The `Idempotency-Key` every attempt carried, if any.
+    pub key: Option<String>,
+}
+
+/// A request that failed without a response.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error<E> {
+    /// The inner service failed on the last attempt.
+    Service {
+        /// The inner error.
+        source: E,
+        /// The attempts made.
+        info: RetryInfo,
+    },
+    /// The last attempt did not answer within the attempt timeout.
+    TimedOut {
+        /// The attempt timeout.
+        after: Duration,
+        /// The attempts made.
+        info: RetryInfo,
+    },
+    /// The request body (to buffer it) or a 409 body (to read its problem
+    /// code) could not be read.
+    Body(BoxError),
+}
+
+impl<E> Error<E> {
+    /// The attempts made, when any were.
+    pub fn info(&self) -> Option<&RetryInfo> {
+        match self {
+            Error::Service { info, .. } | Error::TimedOut { info, .. } => Some(info),
+            Error::Body(_) => None,
+        }
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for Error<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let stopped = |info: &RetryInfo| {
+            info.stopped
+                .map_or("the error is final".to_owned(), |s| format!("stopped: {s}"))
+        };
+        match self {
+            Error::Service { source, info } => {
+                write!(
+                    f,
+                    "request failed after {} attempt(s) ({}): {source}",
+                    info.attempts,
+                    stopped(info)
+                )
+            }
+            Error::TimedOut { after, info } => {
+                write!(
+                    f,
+                    "request timed out after {after:?} on attempt {} ({})",
+                    info.attempts,
+                    stopped(info)
+                )
+            }
+            Error::Body(error) => write!(f, "body could not be read: {error}"),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for Error<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Service { source, .. } => Some(source),
+            Error::TimedOut { .. } => None,
+            Error::Body(error) => Some(error.as_ref()),
+        }
+    }
+}
+
+struct Config {
+    max_attempts: u32,
+    base_delay: Duration,
+    max_delay: Duration,
+    deadline: Duration,
+    body_limit: usize,
+    attempt_timeout: Option<Duration>,
+    key_methods: Vec<Method>,
+    budget: Arc<TpsBudget>,
+}
+
+/// Tower layer for safe client retries; see the [crate docs](crate).
+///
+/// Clones share the configuration and the retry budget.
+#[derive(Clone)]
+pub struct RetryLayer {
+    config: Arc<Config>,
+}
+
+impl fmt::Debug for RetryLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryLayer")
+            .field("max_attempts", &self.config.max_attempts)
+            .field("deadline", &self.config.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for RetryLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RetryLayer {
+    /// Defaults: 4 attempts, 100 ms base delay, 5 s maximum delay, 30 s
+    /// deadline, 64 KiB body limit, no attempt timeout, keys added to POST
+    /// and PATCH, and a budget of 20 % of recent requests (plus 10 retries
+    /// per second) over 10 s.
+    pub fn new() -> Self {
+        Self {
+            config: Arc::new(Config {
+                max_attempts: 4,
+                base_delay: Duration::from_millis(100),
+                max_delay: Duration::from_secs(5),
+                deadline: Duration::from_secs(30),
+                body_limit: 64 * 1024,
+                attempt_timeout: None,
+                key_methods: vec![Method::POST, Method::PATCH],
+                budget: Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2)),
+            }),
+        }
+    }
+
+    fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
+        if let Some(config) = Arc::get_mut(&mut self.config) {
+            change(config);
+            return self;
+        }
+        let current = &self.config;
+        let mut copy = Config {
+            max_attempts: current.max_attempts,
+            base_delay: current.base_delay,
+            max_delay: current.max_delay,
+            deadline: current.deadline,
+            body_limit: current.body_limit,
+            attempt_timeout: current.attempt_timeout,
+            key_methods: current.key_methods.clone(),
+            budget: Arc::clone(&current.budget),
+        };
+        change(&mut copy);
+        self.config = Arc::new(copy);
+        self
+    }
+
+    /// The most attempts, the first included (at least 1).
+    pub fn max_attempts(self, attempts: u32) -> Self {
+        self.with(|c| c.max_attempts = attempts.max(1))
+    }
+
+    /// The backoff base: retry *n* waits up to `base * 2^(n-1)`.
+    pub fn base_delay(self, delay: Duration) -> Self {
+        self.with(|c| c.base_delay = delay)
+    }
+
+    /// The longest backoff delay.
+    pub fn max_delay(self, delay: Duration) -> Self {
+        self.with(|c| c.max_delay = delay)
+    }
+
+    /// No attempt starts later than this after the first one.
+    pub fn deadline(self, deadline: Duration) -> Self {
+        self.with(|c| c.deadline = deadline)
+    }
+
+    /// Bodies up to this size (and of known length) are buffered so they
+    /// can be resent; others are sent once.
+    pub fn body_limit(self, bytes: usize) -> Self {
+        self.with(|c| c.body_limit = bytes)
+    }
+
+    /// Gives up on an attempt after this long (a retryable timeout).
+    pub fn attempt_timeout(self, timeout: Duration) -> Self {
+        self.with(|c| c.attempt_timeout = Some(timeout))
+    }
+
+    /// Methods that get a fresh `Idempotency-Key` when they have none.
+    pub fn key_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.with(|c| c.key_methods = methods)
+    }
+
+    /// The retry budget shared by every clone: retries may be at most
+    /// `retry_percent` of the requests of the last `ttl`, plus
+    /// `min_per_sec` retries per second (see tower's `TpsBudget`).
+    pub fn budget(self, ttl: Duration, min_per_sec: u32, retry_percent: f32) -> Self {
+        let budget = Arc::new(TpsBudget::new(ttl, min_per_sec, retry_percent));
+        self.with(|c| c.budget = budget)
+    }
+}
+
+impl<S> Layer<S> for RetryLayer {
+    type Service = Retry<S>;
+
+    fn layer(&self, inner: S) -> Retry<S> {
+        Retry {
+            inner,
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+/// The service produced by [`RetryLayer`].
+#[derive(Clone)]
+pub struct Retry<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S: fmt::Debug> fmt::Debug for Retry<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Retry")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for Retry<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    R: Body<Data = Bytes> + Send + 'static,
+    R::Error: Into<BoxError>,
+{
+    type Response = Response<ReplayBody<R>>;
+    type Error = Error<S::Error>;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    #[inline]
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Each attempt drives a clone of the inner service to readiness.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        Box::pin(run(Arc::clone(&self.config), self.inner.clone(), request))
+    }
+}
+
+fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}
+
+fn clone_parts(parts: &Parts) -> Parts {
+    let (mut copy, ()) = Request::new(()).into_parts();
+    copy.method = parts.method.clone();
+    copy.uri = parts.uri.clone();
+    copy.version = parts.version;
+    copy.headers = parts.headers.clone();
+    copy.extensions = parts.extensions.clone();
+    copy
+}
+
+/// The outcome of one attempt.
+enum Attempt<R, E> {
+    Answer(Response<ReplayBody<R>>),
+    Failed(E),
+    TimedOut(Duration),
+}
+
+/// Whether an answer may be retried, and why ("503", "in_progress", ...).
+async fn classify<R>(
+    response: Response<R>,
+) -> Result<(Response<ReplayBody<R>>, Option<String>), BoxError>
+where
+    R: Body<Data = Bytes>,
+    R::Error: Into<BoxError>,
+{
+    let status = response.status();
+    match status.as_u16() {
+        408 | 425 | 429 | 502 | 503 | 504 => Ok((
+            response.map(ReplayBody::once),
+            Some(status.as_str().to_owned()),
+        )),
+        409 => {
+            // Only an idempotency layer's "in progress" is worth retrying.
+            let (parts, body) = response.into_parts();
+            let bytes = Limited::new(body, 64 * 1024).collect().await?.to_bytes();
+            let code = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
+            let reason = (code.as_deref() == Some("idempotency_in_progress"))
+                .then(|| "in_progress".to_owned());
+            Ok((
+                Response::from_parts(parts, ReplayBody::buffered(bytes)),
+                reason,
+            ))
+        }
+        _ => Ok((response.map(ReplayBody::once), None)),
+    }
+}
+
+async fn run<S, B, R>(
+    config: Arc<Config>,
+    inner: S,
+    request: Request<B>,
+) -> Result<Response<ReplayBody<R>>, Error<S::Error>>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>> + Clone,
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+    R: Body<Data = Bytes>,
+    R::Error: Into<BoxError>,
+{
+    let deadline = tokio::time::Instant::now() + config.deadline;
+    let (mut parts, body) = request.into_parts();
+    let mut key = parts
+        .headers
+        .get(IDEMPOTENCY_KEY)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if key.is_none() && config.key_methods.contains(&parts.method) {
+        let fresh = uuid::Uuid::new_v4().to_string();
+        if let Ok(value) = HeaderValue::try_from(fresh.as_str()) {
+            parts.headers.insert(IDEMPOTENCY_KEY, value);
+            key = Some(fresh);
+        }
+    }
+    let safe = key.is_some() || is_idempotent(&parts.method);
+    let replayable = body
+        .size_hint()
+        .upper()
+        .is_some_and(|upper| upper <= config.body_limit as u64);
+    let (buffered, mut once) = if replayable {
+        let bytes = Limited::new(body, config.body_limit)
+            .collect()
+            .await
+            .map_err(Error::Body)?
+            .to_bytes();
+        (Some(bytes), None)
+    } else {
+        (None, Some(body))
+    };
+    config.budget.deposit();
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        metrics::counter!("idem_client_attempts_total").increment(1);
+        let body = match (&buffered, once.take()) {
+            (Some(bytes), _) => ReplayBody::buffered(bytes.clone()),
+            (None, Some(body)) => ReplayBody::once(body),
+            // A body sent once is never retried (see `stop` below).
+            (None, None) => ReplayBody::buffered(Bytes::new()),
+        };
+        let request = Request::from_parts(clone_parts(&parts), body);
+        let span = tracing::debug_span!("attempt", attempt = attempts);
+        let _entered = span.enter();
+        let call = inner.clone().oneshot(request);
+        drop(_entered);
+        let outcome = match config.attempt_timeout {
+            Some(limit) => match tokio::time::timeout(limit, call).await {
+                Ok(result) => result.map_err(Some),
+                Err(_) => Err(None),
+            },
+            None => call.await.map_err(Some),
+        };
+        let (attempt, reason, retry_after) = match outcome {
+            Ok(response) => {
+                let retry_after = response
+                    .headers()
+                    .get(header::RETRY_AFTER)
+                    .and_then(|v| parse_retry_after(v.as_bytes(), SystemTime::now()));
+                let (response, reason) = classify(response).await.map_err(Error::Body)?;
+                (Attempt::Answer(response), reason, retry_after)
+            }
+            Err(Some(error)) => (Attempt::Failed(error), Some("transport".to_owned()), None),
+            Err(None) => {
+                let after = config.attempt_timeout.unwrap_or_default();
+                (Attempt::TimedOut(after), Some("timeout".to_owned()), None)
+            }
+        };
+        let mut info = RetryInfo {
+            attempts,
+            stopped: None,
+            key: key.clone(),
+        };
+        let finish = |attempt: Attempt<R, S::Error>, info: RetryInfo| match attempt {
+            Attempt::Answer(mut response) => {
+                response.extensions_mut().insert(info);
+                Ok(response)
+            }
+            Attempt::Failed(source) => Err(Error::Service { source, info }),
+            Attempt::TimedOut(after) => Err(Error::TimedOut { after, info }),
+        };
+        let Some(reason) = reason else {
+            return finish(attempt, info);
+        };
+        let delay = retry_after
+            .unwrap_or_else(|| full_jitter(config.base_delay, config.max_delay, attempts));
+        let stop = if !safe {
+            Some(StopReason::UnsafeMethod)
+        } else if buffered.is_none() {
+            Some(StopReason::BodyNotReplayable)
+        } else if attempts >= config.max_attempts {
+            Some(StopReason::MaxAttempts)
+        } else if tokio::time::Instant::now() + delay > deadline {
+            Some(StopReason::Deadline)
+        } else if !config.budget.withdraw() {
+            metrics::counter!("idem_client_budget_exhausted_total").increment(1);
+            Some(StopReason::BudgetExhausted)
+        } else {
+            None
+        };
+        if let Some(stop) = stop {
+            metrics::counter!("idem_client_give_ups_total", "reason" => stop.label()).increment(1);
+            tracing::debug!(attempts, %stop, "not retrying");
+            info.stopped = Some(stop);
+            return finish(attempt, info);
+        }
+        metrics::counter!("idem_client_retries_total", "reason" => reason.clone()).increment(1);
+        tracing::debug!(attempts, reason, ?delay, "retrying");
+        drop(attempt);
+        tokio::time::sleep(delay).await;
+    }
+}
