@@ -60,6 +60,7 @@ pub(crate) struct Config {
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,
     pub(crate) max_body: usize,
+    pub(crate) body_timeout: Duration,
     pub(crate) max_response: usize,
     pub(crate) lease: Duration,
     pub(crate) retention: Duration,
@@ -126,6 +127,7 @@ pub fn default_replay_denylist() -> Vec<HeaderName> {
 /// | [`allow_anonymous`](Self::allow_anonymous) | off: 401 without a tenant |
 /// | [`fingerprint_headers`](Self::fingerprint_headers) | `content-type` |
 /// | [`max_body`](Self::max_body) | 1 MiB (then 413) |
+/// | [`body_timeout`](Self::body_timeout) | 30 s to receive a keyed body (then 408) |
 /// | [`max_response`](Self::max_response) | 1 MiB (larger responses are not stored) |
 /// | [`lease`](Self::lease) | 30 s, renewed every third |
 /// | [`retention`](Self::retention) | 24 h |
@@ -176,6 +178,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 fingerprint_headers: vec![header::CONTENT_TYPE],
                 fingerprint_fn: None,
                 max_body: 1024 * 1024,
+                body_timeout: Duration::from_secs(30),
                 max_response: 1024 * 1024,
                 lease: Duration::from_secs(30),
                 retention: Duration::from_secs(24 * 3600),
@@ -238,6 +241,13 @@ impl<S: Store> IdempotencyLayer<S> {
     /// beyond it: `413 request_body_too_large`, handler not run.
     pub fn max_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_body = bytes)
+    }
+
+    /// How long a keyed request's body may take to arrive (default 30 s);
+    /// beyond it: `408 request_body_timeout`, handler not run, nothing
+    /// reserved. Protects against bodies that never end.
+    pub fn body_timeout(self, timeout: Duration) -> Self {
+        self.with(|c| c.body_timeout = timeout)
     }
 
     /// The largest response stored for replay (default 1 MiB). A larger

@@ -28,6 +28,8 @@ pub enum ProblemCode {
     BodyTooLarge,
     /// 400: the request body could not be read.
     BodyInvalid,
+    /// 408: the request body did not arrive within the body timeout.
+    BodyTimeout,
     /// 422: the key was used with another payload.
     Conflict,
     /// 503: the store failed or timed out (or is full).
@@ -56,6 +58,7 @@ impl ProblemCode {
             ProblemCode::Cancelled => "idempotency_cancelled",
             ProblemCode::BodyTooLarge => "request_body_too_large",
             ProblemCode::BodyInvalid => "request_body_invalid",
+            ProblemCode::BodyTimeout => "request_body_timeout",
             ProblemCode::Conflict => "idempotency_conflict",
             ProblemCode::StoreUnavailable => "idempotency_store_unavailable",
             ProblemCode::ResponseNotStored => "idempotency_response_not_stored",
@@ -76,6 +79,7 @@ impl ProblemCode {
             ProblemCode::InProgress | ProblemCode::ResponseNotStored => StatusCode::CONFLICT,
             ProblemCode::Cancelled => StatusCode::GONE,
             ProblemCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProblemCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProblemCode::Conflict => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemCode::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemCode::HandlerFailed => StatusCode::INTERNAL_SERVER_ERROR,
@@ -92,6 +96,7 @@ impl ProblemCode {
             ProblemCode::Cancelled => "The request with this key was cancelled",
             ProblemCode::BodyTooLarge => "Request body too large",
             ProblemCode::BodyInvalid => "Request body could not be read",
+            ProblemCode::BodyTimeout => "Request body too slow",
             ProblemCode::Conflict => "Idempotency-Key reused with a different request",
             ProblemCode::StoreUnavailable => "Idempotency store unavailable",
             ProblemCode::ResponseNotStored => "Response was not stored",

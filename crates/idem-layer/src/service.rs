@@ -175,7 +175,7 @@ where
             return Ok(problem(ProblemCode::TenantMissing, detail, None));
         }
     };
-    let body = match read_body(&parts, body, config.max_body).await {
+    let body = match read_body(&parts, body, config.max_body, config.body_timeout).await {
         Ok(body) => body,
         Err(refusal) => {
             m::count(Counted::Rejected);
@@ -214,6 +214,7 @@ async fn read_body<B, R>(
     parts: &Parts,
     body: B,
     limit: usize,
+    timeout: Duration,
 ) -> Result<Bytes, Response<ResponseBody<R>>>
 where
     B: Body,
@@ -231,7 +232,12 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
+    let Ok(collected) = tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await
+    else {
+        let detail = format!("the request body did not arrive within {timeout:?}");
+        return Err(problem(ProblemCode::BodyTimeout, &detail, None));
+    };
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(error) if error.is::<LengthLimitError>() => Err(too_large()),
         Err(error) => {

@@ -729,3 +729,37 @@ async fn records_api_shows_attempts_and_hides_other_tenants() {
     .await
     .expect("ready");
 }
+
+/// A keyed body that never ends is cut off at the body timeout: 408,
+/// handler not run, nothing reserved.
+#[tokio::test(start_paused = true)]
+async fn body_that_never_ends_is_408() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let runs = probe.calls.clone();
+    let inner = tower::service_fn(move |_: http::Request<axum::body::Body>| {
+        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async { Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty())) }
+    });
+    let svc = layer(&store)
+        .body_timeout(Duration::from_secs(5))
+        .layer(inner);
+    let endless = futures_util::stream::pending::<Result<bytes::Bytes, std::io::Error>>();
+    let request = http::Request::post("/orders")
+        .header("idempotency-key", "k")
+        .header(TENANT, "t1")
+        .body(axum::body::Body::from_stream(endless))
+        .expect("request");
+    let started = tokio::time::Instant::now();
+    let response = svc.oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(json["code"], "request_body_timeout");
+    assert_eq!(probe.calls(), 0);
+    assert!(store.is_empty());
+}

@@ -81,6 +81,15 @@ pub struct Config {
     /// How long to wait for the upstream's response head before answering 504 (humantime).
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub upstream_timeout: Duration,
+    /// How long a client may take to send a request head (humantime).
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub header_timeout: Duration,
+    /// How long a keyed request's body may take to arrive, then 408 (humantime).
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub body_timeout: Duration,
+    /// Most live records the memory store holds; new keys beyond get 503.
+    #[arg(long, env = "IDEM_MEMORY_CAPACITY", default_value_t = 1_000_000)]
+    pub memory_capacity: usize,
     /// Timeout of every store call (humantime).
     #[arg(long, env = "IDEM_STORE_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
     pub store_timeout: Duration,
@@ -191,7 +200,10 @@ pub async fn run(
         }
     };
     let router = if config.store == "memory" {
-        router(&config, MemoryStore::new(), upstream.clone())?
+        let store = MemoryStore::builder()
+            .capacity(config.memory_capacity)
+            .build();
+        router(&config, store, upstream.clone())?
     } else {
         let store = RedisStore::builder(&config.store)
             .timeout(config.store_timeout)
@@ -204,11 +216,57 @@ pub async fn run(
         demo: demo.is_some(),
     };
     on_start(&started);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    serve(listener, router, config.header_timeout, shutdown).await;
     drop(demo);
     Ok(())
+}
+
+/// Accepts connections until `shutdown`, then waits for in-flight requests.
+/// A client must send its request head within `header_timeout` (no
+/// slow-loris connections); heads are limited to hyper's defaults (100
+/// headers, about 400 KiB; beyond that the answer is 431). HTTP/1.1, no
+/// upgrades.
+async fn serve(
+    listener: TcpListener,
+    router: Router,
+    header_timeout: Duration,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    use hyper_util::{
+        rt::{TokioIo, TokioTimer},
+        server::graceful::GracefulShutdown,
+        service::TowerToHyperService,
+    };
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 /// Starts a gateway in the background on `127.0.0.1:0` (for tests):
@@ -254,6 +312,7 @@ fn router<S: Store>(config: &Config, store: S, upstream: Uri) -> Result<Router, 
         .retention(config.retention)
         .in_flight(config.in_flight)
         .max_body(config.max_body)
+        .body_timeout(config.body_timeout)
         .max_response(config.max_body)
         .store_timeout(config.store_timeout);
     layer = match &config.tenant_header {

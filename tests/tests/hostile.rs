@@ -1,0 +1,198 @@
+//! Hostile input at the gateway: slow-loris heads, bodies that never end,
+//! oversized heads, bodies just over the limit, and 10,000 distinct keys
+//! from one tenant. Bounded resources, clear errors, nothing executed twice.
+
+use std::{
+    io::{Read, Write},
+    net::TcpStream,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use clap::Parser;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use idem_gateway::Config;
+use idem_tests::{TestServer, client, send, upstream::Upstream};
+
+async fn gateway(upstream: &TestServer, flags: &[&str]) -> std::net::SocketAddr {
+    let url = format!("http://{}", upstream.addr);
+    let mut args = vec![
+        "idem-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &url,
+    ];
+    args.extend_from_slice(flags);
+    let (started, stop, _task) = idem_gateway::start(Config::try_parse_from(args).expect("flags"))
+        .await
+        .expect("start");
+    // Leak the stop trigger: the gateway lives as long as the test.
+    std::mem::forget(stop);
+    started.addr
+}
+
+/// Sends raw bytes, then reads what comes back until EOF or `wait`.
+fn raw(
+    addr: std::net::SocketAddr,
+    parts: &[&[u8]],
+    pause: Duration,
+    wait: Duration,
+) -> (String, Duration) {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream.set_read_timeout(Some(wait)).expect("timeout");
+    let started = Instant::now();
+    for part in parts {
+        stream.write_all(part).expect("write");
+        std::thread::sleep(pause);
+    }
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    (
+        String::from_utf8_lossy(&answer).into_owned(),
+        started.elapsed(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_loris_heads_are_cut_off() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let addr = gateway(&server, &["--header-timeout", "300ms"]).await;
+    let (answer, elapsed) = tokio::task::spawn_blocking(move || {
+        raw(
+            addr,
+            &[b"POST /orders HTTP/1.1\r\n", b"Host: x\r\n"],
+            Duration::from_millis(50),
+            Duration::from_secs(5),
+        )
+    })
+    .await
+    .expect("join");
+    assert!(
+        elapsed < Duration::from_secs(3),
+        "the connection was held for {elapsed:?}"
+    );
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+        "{answer:?}"
+    );
+    assert_eq!(upstream.runs(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_body_that_never_ends_is_408() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let addr = gateway(&server, &["--body-timeout", "300ms"]).await;
+    let head = b"POST /orders HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nIdempotency-Key: k\r\nContent-Length: 100\r\n\r\n0123456789";
+    let (answer, elapsed) = tokio::task::spawn_blocking(move || {
+        raw(addr, &[head], Duration::ZERO, Duration::from_secs(3))
+    })
+    .await
+    .expect("join");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(answer.contains("request_body_timeout"));
+    assert!(elapsed < Duration::from_secs(3));
+    assert_eq!(upstream.runs(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_heads_are_refused() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let addr = gateway(&server, &[]).await;
+    let mut head = b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k\r\n".to_vec();
+    for i in 0..200 {
+        head.extend_from_slice(format!("x-filler-{i}: {}\r\n", "v".repeat(32)).as_bytes());
+    }
+    head.extend_from_slice(b"Content-Length: 0\r\n\r\n");
+    let (answer, _) = tokio::task::spawn_blocking(move || {
+        raw(addr, &[&head], Duration::ZERO, Duration::from_secs(3))
+    })
+    .await
+    .expect("join");
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
+    assert_eq!(upstream.runs(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_one_byte_over_the_limit_never_executes() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let addr = gateway(&server, &["--max-body", "1000"]).await;
+    let client = client();
+    let request = |len: usize, key: &str| {
+        Request::post(format!("http://{addr}/orders"))
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer a")
+            .body(Full::new(Bytes::from(vec![b'x'; len])))
+            .expect("request")
+    };
+    let over = send(&client, request(1001, "over")).await;
+    assert_eq!(over.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(over.code().as_deref(), Some("request_body_too_large"));
+    let at = send(&client, request(1000, "at")).await;
+    assert_eq!(at.status, StatusCode::CREATED);
+    assert_eq!(upstream.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_keys_from_one_tenant_stay_bounded() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let addr = gateway(&server, &["--memory-capacity", "4000"]).await;
+    let client = client();
+    let request = move |key: String| {
+        Request::post(format!("http://{addr}/orders"))
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer one-tenant")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let mut created = 0;
+    let mut full = 0;
+    let mut lanes = Vec::new();
+    for lane in 0..8 {
+        let client = client.clone();
+        lanes.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for i in (lane..10_000).step_by(8) {
+                let reply = send(&client, request(format!("key-{i}"))).await;
+                statuses.push((reply.status, reply.code()));
+            }
+            statuses
+        }));
+    }
+    for lane in lanes {
+        for (status, code) in lane.await.expect("join") {
+            match status {
+                StatusCode::CREATED => created += 1,
+                StatusCode::SERVICE_UNAVAILABLE => {
+                    assert_eq!(code.as_deref(), Some("idempotency_store_unavailable"));
+                    full += 1;
+                }
+                other => panic!("unexpected {other}"),
+            }
+        }
+    }
+    assert_eq!(created, 4000, "the store holds at most its capacity");
+    assert_eq!(full, 6000, "the rest are refused clearly, not evicted");
+    assert_eq!(
+        upstream.runs(),
+        4000,
+        "refused keys never reached the upstream"
+    );
+    // Every accepted key still replays: nothing was evicted to make room.
+    let mut replayed = 0;
+    for i in 0..10_000 {
+        let reply = send(&client, request(format!("key-{i}"))).await;
+        if reply.status == StatusCode::CREATED {
+            assert!(reply.replayed(), "key-{i} executed twice");
+            replayed += 1;
+        }
+    }
+    assert_eq!(replayed, 4000);
+    assert_eq!(upstream.runs(), 4000);
+}
