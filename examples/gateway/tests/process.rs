@@ -200,3 +200,154 @@ fn invalid_flags_are_one_line_errors_not_panics() {
     assert!(stderr.contains("retention"), "{stderr}");
     assert!(!stderr.contains("panicked"));
 }
+
+/// An upstream whose next connection is accepted and then held unread: the
+/// gateway has reserved and is calling the upstream, which has not seen
+/// the request. Later connections are served normally.
+struct HoldingUpstream {
+    addr: std::net::SocketAddr,
+    hold_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    held: std::sync::Arc<tokio::sync::Notify>,
+    upstream: Upstream,
+}
+
+impl HoldingUpstream {
+    async fn start() -> Self {
+        use std::sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let hold_next = Arc::new(AtomicBool::new(false));
+        let held = Arc::new(tokio::sync::Notify::new());
+        let upstream = Upstream::default();
+        let router = upstream.router();
+        let (hold, signal) = (Arc::clone(&hold_next), Arc::clone(&held));
+        tokio::spawn(async move {
+            let mut parked = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                if hold.swap(false, Ordering::SeqCst) {
+                    parked.push(stream);
+                    signal.notify_one();
+                    continue;
+                }
+                let service = hyper_util::service::TowerToHyperService::new(router.clone());
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+                );
+            }
+        });
+        Self {
+            addr,
+            hold_next,
+            held,
+            upstream,
+        }
+    }
+}
+
+/// Crash point 1: killed after reserving, before the upstream saw the
+/// request. The restarted gateway answers 409 while the lease lives, then
+/// takes over: the upstream executes once, with Idempotency-Attempt 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_before_the_upstream_is_called() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let up = HoldingUpstream::start().await;
+    let upstream_url = format!("http://{}", up.addr);
+    let redis_url = redis.url();
+    let args = [
+        "--upstream",
+        &upstream_url,
+        "--store",
+        &redis_url,
+        "--lease",
+        "2s",
+        "--retention",
+        "1h",
+    ];
+
+    up.hold_next
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut first = Process::start(&args);
+    let held = up.held.notified();
+    let lost = tokio::spawn(send(&client(), first.post("/orders", "crash-before")));
+    held.await; // the gateway is connected to the upstream; the request is unread
+    first.kill();
+    let _ = lost.await;
+    assert_eq!(up.upstream.runs(), 0);
+
+    let second = Process::start(&args);
+    let busy = post(&second, "/orders", "crash-before").await;
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let takeover = post(&second, "/orders", "crash-before").await;
+    assert_eq!(takeover.status, StatusCode::CREATED);
+    assert_eq!(
+        up.upstream.runs(),
+        1,
+        "executed once, by the attempt that took over"
+    );
+    let seen = up.upstream.seen.lock().expect("seen")[0].clone();
+    assert_eq!(seen.key.as_deref(), Some("crash-before"));
+    assert_eq!(seen.attempt.as_deref(), Some("2"));
+    assert!(post(&second, "/orders", "crash-before").await.replayed());
+}
+
+/// Crash point 3: killed after the outcome was recorded, before the client
+/// read the response. The retry is a replay of exactly what the upstream
+/// answered, and the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_completion_before_the_client_reads() {
+    use std::io::Write;
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let redis_url = redis.url();
+    let args = ["--upstream", &upstream_url, "--store", &redis_url];
+
+    let mut first = Process::start(&args);
+    // A client that sends its request and never reads the answer.
+    let mut silent = std::net::TcpStream::connect(&first.addr).expect("connect");
+    silent
+        .write_all(
+            b"POST /orders HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\nIdempotency-Key: crash-after\r\ncontent-type: application/json\r\nContent-Length: 14\r\n\r\n{\"sku\":\"book\"}",
+        )
+        .expect("write");
+    // Wait for the store to say the outcome is recorded: the signal is the record itself.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let states = redis.cli(&["--scan", "--pattern", "idem:*"]);
+        let completed = states
+            .lines()
+            .any(|key| redis.cli(&["HGET", key, "state"]).trim() == "completed");
+        if completed {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the outcome was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    first.kill();
+    drop(silent);
+
+    let second = Process::start(&args);
+    let replay = post(&second, "/orders", "crash-after").await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(
+        replay.body, "{\"id\":1,\"bytes\":14}",
+        "the bytes the upstream produced"
+    );
+    assert_eq!(upstream.runs(), 1);
+}
