@@ -598,7 +598,7 @@ where
         release().await;
         return Ok(Response::from_parts(parts, body));
     }
-    match store_call(config, "complete", store.complete(&lease, outcome)).await {
+    match store_call(config, "complete", store.complete(&lease, outcome.clone())).await {
         Ok(Completion::Recorded) => m::count(Counted::Executed),
         Ok(Completion::Fenced(current)) => {
             m::count(Counted::Fenced);
@@ -608,13 +608,46 @@ where
             }
         }
         Err(error) => {
-            // The handler ran; its client gets the real response. The record
-            // stays processing until the lease lapses and a retry takes over.
+            // The handler ran; its client gets the real response, and the
+            // outcome is recorded in the background while the lease lives,
+            // so a store blip does not turn into a takeover and a second
+            // execution.
             m::count(Counted::StoreError);
-            tracing::error!(%error, "could not record the outcome of an executed request");
+            tracing::error!(%error, "could not record the outcome yet; retrying while the lease lives");
+            tokio::spawn(record_later(layer.clone(), lease, outcome).in_current_span());
         }
     }
     Ok(Response::from_parts(parts, body))
+}
+
+/// Retries a completion that failed on a store error, every 100 ms, until
+/// it is recorded or fenced, or the lease would have lapsed.
+async fn record_later<S: Store>(layer: IdempotencyLayer<S>, lease: Lease, outcome: Outcome) {
+    let deadline = tokio::time::Instant::now() + lease.ttl;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match store_call(
+            &layer.config,
+            "complete",
+            layer.store.complete(&lease, outcome.clone()),
+        )
+        .await
+        {
+            Ok(Completion::Recorded) => {
+                m::count(Counted::Executed);
+                tracing::info!("outcome recorded after a store error");
+                return;
+            }
+            Ok(Completion::Fenced(_)) => {
+                m::count(Counted::Fenced);
+                return;
+            }
+            Err(error) => tracing::debug!(%error, "recording the outcome failed again"),
+        }
+    }
+    tracing::error!(
+        "the outcome could not be recorded before the lease lapsed; a retry will take over"
+    );
 }
 
 /// The answer for a fenced attempt's client: what the record says now.

@@ -25,6 +25,8 @@ use tower::Layer;
 const OK: u8 = 0;
 const FAIL: u8 = 1;
 const HANG: u8 = 2;
+/// Only the next `complete` fails.
+const FAIL_NEXT_COMPLETE: u8 = 3;
 
 /// The memory store behind a switch that makes every call fail or hang,
 /// as a crashed or paused backend would.
@@ -38,6 +40,7 @@ impl Switched {
     async fn gate(&self) -> Result<(), StoreError> {
         match self.mode.load(Ordering::SeqCst) {
             FAIL => Err(StoreError::unavailable("connection refused")),
+            FAIL_NEXT_COMPLETE => Ok(()),
             HANG => std::future::pending().await,
             _ => Ok(()),
         }
@@ -54,6 +57,13 @@ impl Store for Switched {
         self.inner.renew(lease).await
     }
     async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<Completion, StoreError> {
+        if self
+            .mode
+            .compare_exchange(FAIL_NEXT_COMPLETE, OK, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            return Err(StoreError::unavailable("connection reset"));
+        }
         self.gate().await?;
         self.inner.complete(lease, outcome).await
     }
@@ -216,4 +226,22 @@ async fn full_memory_store_accepts_new_keys_once_records_expire() {
         StatusCode::CREATED
     );
     assert_eq!(store.len(), 1, "the expired records were swept");
+}
+
+/// The handler ran but recording its outcome failed once: the client gets
+/// the real response and the outcome is recorded in the background, so the
+/// retry is a replay, not a second execution.
+#[tokio::test(start_paused = true)]
+async fn a_failed_completion_is_recorded_in_the_background() {
+    let store = switched();
+    let probe = Probe::default();
+    let svc = switched_layer(&store).layer(inner(&probe));
+    store.mode.store(FAIL_NEXT_COMPLETE, Ordering::SeqCst);
+    let first = send(&svc, order("k", "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let retry = send(&svc, order("k", "{}")).await;
+    assert!(retry.replayed(), "{:?} {:?}", retry.status, retry.code());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(probe.calls(), 1);
 }
