@@ -1,0 +1,468 @@
+//! Chaos soak: 64 concurrent clients, a pool of keys with many duplicates
+//! and some changed payloads, two gateway processes on one Redis, gateways
+//! killed and restarted at random, Redis paused and resumed. An independent
+//! ledger in the upstream then checks every promise and prints the figures.
+//!
+//! Short profile (the default, about a minute with setup; CI runs it):
+//! `cargo test -p idem-gateway --test soak -- --nocapture`.
+//! Long profile: `IDEM_SOAK_SECONDS=600 cargo test -p idem-gateway --test soak -- --nocapture`.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{Router, extract::State, http::HeaderMap, routing::post};
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use idem_tests::{TestServer, redis_server::RedisServer};
+
+const TENANTS: u64 = 4;
+const KEYS: u64 = 60;
+const CLIENTS: usize = 64;
+
+/// One execution in the upstream.
+#[derive(Debug, Clone)]
+struct Execution {
+    tenant: String,
+    key: String,
+    attempt: u64,
+    payload: Bytes,
+    started: Instant,
+    body: Bytes,
+}
+
+#[derive(Clone, Default)]
+struct Ledger {
+    executions: Arc<Mutex<Vec<Execution>>>,
+    counter: Arc<AtomicUsize>,
+}
+
+async fn pay(
+    State(ledger): State<Ledger>,
+    headers: HeaderMap,
+    payload: Bytes,
+) -> (StatusCode, Bytes) {
+    let started = Instant::now();
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let n = ledger.counter.fetch_add(1, Ordering::SeqCst) + 1;
+    let (tenant, key) = (text("x-tenant"), text("idempotency-key"));
+    let body = Bytes::from(format!(
+        "{{\"tenant\":\"{tenant}\",\"key\":\"{key}\",\"execution\":{n}}}"
+    ));
+    let attempt = text("idempotency-attempt").parse().unwrap_or(0);
+    ledger.executions.lock().expect("ledger").push(Execution {
+        tenant,
+        key,
+        attempt,
+        payload,
+        started,
+        body: body.clone(),
+    });
+    // Some work, so that duplicates overlap and kills land mid-request.
+    tokio::time::sleep(Duration::from_millis(n as u64 % 40)).await;
+    (StatusCode::CREATED, body)
+}
+
+struct Gateway {
+    child: Option<Child>,
+    port: u16,
+    args: Vec<String>,
+}
+
+impl Gateway {
+    fn start(port: u16, args: &[String]) -> Self {
+        let mut gateway = Self {
+            child: None,
+            port,
+            args: args.to_vec(),
+        };
+        gateway.spawn();
+        gateway
+    }
+
+    fn spawn(&mut self) {
+        let listen = format!("127.0.0.1:{}", self.port);
+        for _ in 0..50 {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+                .args(["--listen", &listen])
+                .args(&self.args)
+                .env("RUST_LOG", "error")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn gateway");
+            let stdout = child.stdout.take().expect("stdout");
+            let mut lines = BufReader::new(stdout).lines();
+            if lines
+                .next()
+                .and_then(Result::ok)
+                .is_some_and(|l| l.starts_with("idem-gateway listening"))
+            {
+                std::thread::spawn(move || lines.for_each(drop));
+                self.child = Some(child);
+                return;
+            }
+            // The port may still be held by the killed process's sockets.
+            let _ = child.wait();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("the gateway could not restart on port {}", self.port);
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// What a client sent and got.
+#[derive(Debug, Clone)]
+struct Outcome {
+    tenant: String,
+    key: String,
+    payload: Bytes,
+    status: Option<StatusCode>,
+    replayed: bool,
+    code: Option<String>,
+    body: Bytes,
+}
+
+fn payload(tenant: u64, key: u64, variant: u64) -> Bytes {
+    Bytes::from(format!(
+        "{{\"amount\":{},\"currency\":\"EUR\",\"variant\":{variant}}}",
+        tenant * 1000 + key
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_soak() {
+    let seconds: u64 = std::env::var("IDEM_SOAK_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let upstream = TestServer::start(
+        Router::new()
+            .route("/pay", post(pay))
+            .with_state(ledger.clone()),
+    )
+    .await;
+    let args: Vec<String> = [
+        "--upstream",
+        &format!("http://{}", upstream.addr),
+        "--store",
+        &redis.url(),
+        "--tenant-header",
+        "x-tenant",
+        "--lease",
+        "1s",
+        "--retention",
+        "1h",
+        "--store-timeout",
+        "250ms",
+        "--upstream-timeout",
+        "5s",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let ports = [free_port(), free_port()];
+    let gateways = Arc::new(Mutex::new([
+        Gateway::start(ports[0], &args),
+        Gateway::start(ports[1], &args),
+    ]));
+
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(seconds);
+    let kills: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let pauses: Arc<Mutex<Vec<(Instant, Instant)>>> = Arc::default();
+
+    // Chaos: every 2.5 s kill and restart a gateway; every other time also
+    // pause Redis for 600 ms.
+    let chaos = {
+        let (gateways, kills, pauses) = (
+            Arc::clone(&gateways),
+            Arc::clone(&kills),
+            Arc::clone(&pauses),
+        );
+        let redis = Arc::new(redis);
+        let redis_for_chaos = Arc::clone(&redis);
+        let task = tokio::task::spawn_blocking(move || {
+            let mut round = 0u64;
+            while Instant::now() + Duration::from_millis(2500) < deadline {
+                std::thread::sleep(Duration::from_millis(2500));
+                round += 1;
+                let victim = (round % 2) as usize;
+                {
+                    let mut gateways = gateways.lock().expect("gateways");
+                    gateways[victim].kill();
+                    kills.lock().expect("kills").push(Instant::now());
+                }
+                std::thread::sleep(Duration::from_millis(200));
+                gateways.lock().expect("gateways")[victim].spawn();
+                if round.is_multiple_of(2) {
+                    let from = Instant::now();
+                    redis_for_chaos.pause();
+                    std::thread::sleep(Duration::from_millis(600));
+                    redis_for_chaos.resume();
+                    pauses.lock().expect("pauses").push((from, Instant::now()));
+                }
+            }
+        });
+        (task, redis)
+    };
+
+    // 64 clients.
+    let http = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http::<Full<Bytes>>();
+    let seed = Arc::new(AtomicU64::new(0x9E37_79B9_7F4A_7C15));
+    let next = move || {
+        // A small xorshift: deterministic enough, and no extra dependency.
+        let mut x = seed.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let outcomes: Arc<Mutex<Vec<Outcome>>> = Arc::default();
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let (http, outcomes, next) = (http.clone(), Arc::clone(&outcomes), next.clone());
+        clients.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                let r = next();
+                // The key pool rolls over every 2 s, so executions (and
+                // kills landing on them) go on for the whole run.
+                let epoch = started.elapsed().as_secs() / 2;
+                let (tenant, key) = (r % TENANTS, (r >> 8) % KEYS + epoch * KEYS);
+                // 4 % of requests change the payload of a key.
+                let variant = if (r >> 20) % 25 == 0 {
+                    1 + (r >> 30) % 3
+                } else {
+                    0
+                };
+                let port = ports[((r >> 40) % 2) as usize];
+                let body = payload(tenant, key, variant);
+                let (tenant, key) = (format!("tenant-{tenant}"), format!("key-{key}"));
+                let request = Request::post(format!("http://127.0.0.1:{port}/pay"))
+                    .header("x-tenant", &tenant)
+                    .header("idempotency-key", &key)
+                    .header("content-type", "application/json")
+                    .body(Full::new(body.clone()))
+                    .expect("request");
+                let mut outcome = Outcome {
+                    tenant,
+                    key,
+                    payload: body,
+                    status: None,
+                    replayed: false,
+                    code: None,
+                    body: Bytes::new(),
+                };
+                if let Ok(Ok(response)) =
+                    tokio::time::timeout(Duration::from_secs(5), http.request(request)).await
+                {
+                    outcome.status = Some(response.status());
+                    outcome.replayed = response.headers().contains_key("idempotent-replayed");
+                    if let Ok(collected) = response.into_body().collect().await {
+                        outcome.body = collected.to_bytes();
+                    }
+                    outcome.code = serde_json::from_slice::<serde_json::Value>(&outcome.body)
+                        .ok()
+                        .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
+                }
+                outcomes.lock().expect("outcomes").push(outcome);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }));
+    }
+    for client in clients {
+        client.await.expect("client");
+    }
+    let (chaos_task, redis) = chaos;
+    chaos_task.await.expect("chaos");
+
+    // ===== the ledger's checks =====
+    let executions = ledger.executions.lock().expect("ledger").clone();
+    let outcomes = outcomes.lock().expect("outcomes").clone();
+    let kills = kills.lock().expect("kills").clone();
+    let pauses = pauses.lock().expect("pauses").clone();
+
+    let mut by_scope: BTreeMap<(String, String), Vec<&Execution>> = BTreeMap::new();
+    for execution in &executions {
+        by_scope
+            .entry((execution.tenant.clone(), execution.key.clone()))
+            .or_default()
+            .push(execution);
+    }
+    // 1. Never two executions in one generation of a scope.
+    let mut per_generation: HashMap<(String, String, u64), usize> = HashMap::new();
+    for execution in &executions {
+        *per_generation
+            .entry((
+                execution.tenant.clone(),
+                execution.key.clone(),
+                execution.attempt,
+            ))
+            .or_default() += 1;
+    }
+    let doubled: Vec<_> = per_generation.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "two executions in one generation: {doubled:?}"
+    );
+    // 2. Re-executions only after a lost owner (a killed gateway) or a store
+    //    outage, and always with a higher generation.
+    let mut re_executions = 0;
+    for runs in by_scope.values() {
+        for pair in runs.windows(2) {
+            re_executions += 1;
+            assert!(
+                pair[1].attempt > pair[0].attempt,
+                "re-execution without a higher generation: {pair:?}"
+            );
+            let lost_owner = kills
+                .iter()
+                .any(|k| *k >= pair[0].started && *k <= pair[1].started)
+                || pauses.iter().any(|(from, _)| {
+                    *from >= pair[0].started - Duration::from_secs(1) && *from <= pair[1].started
+                });
+            assert!(
+                lost_owner,
+                "re-execution of {}/{} without a lost owner",
+                pair[0].tenant, pair[0].key
+            );
+            assert_eq!(
+                pair[0].payload, pair[1].payload,
+                "a takeover runs the same request"
+            );
+        }
+    }
+    // 3. Every delivered success of a scope has the same bytes, and 4. never
+    //    another tenant's.
+    let mut delivered: HashMap<(String, String), Bytes> = HashMap::new();
+    let (mut successes, mut replays) = (0, 0);
+    for outcome in outcomes
+        .iter()
+        .filter(|o| o.status == Some(StatusCode::CREATED))
+    {
+        successes += 1;
+        replays += usize::from(outcome.replayed);
+        let tenant_in_body = format!("\"tenant\":\"{}\"", outcome.tenant);
+        assert!(
+            std::str::from_utf8(&outcome.body).is_ok_and(|b| b.contains(&tenant_in_body)),
+            "cross-tenant or foreign body {:?} for {}",
+            outcome.body,
+            outcome.tenant
+        );
+        let scope = (outcome.tenant.clone(), outcome.key.clone());
+        let produced = by_scope
+            .get(&scope)
+            .is_some_and(|runs| runs.iter().any(|r| r.body == outcome.body));
+        assert!(
+            produced,
+            "{}/{} delivered bytes the upstream never produced",
+            outcome.tenant, outcome.key
+        );
+        let first = delivered
+            .entry(scope)
+            .or_insert_with(|| outcome.body.clone());
+        assert_eq!(
+            *first, outcome.body,
+            "{}/{} delivered two different answers",
+            outcome.tenant, outcome.key
+        );
+    }
+    // 5. Nothing executed while the store was unreachable.
+    for execution in &executions {
+        let inside = pauses.iter().any(|(from, to)| {
+            execution.started > *from + Duration::from_millis(100) && execution.started < *to
+        });
+        assert!(
+            !inside,
+            "executed while Redis was paused: {}/{}",
+            execution.tenant, execution.key
+        );
+    }
+    // 6. Every 422 is a real payload change.
+    let mut conflicts = 0;
+    for outcome in outcomes
+        .iter()
+        .filter(|o| o.status == Some(StatusCode::UNPROCESSABLE_ENTITY))
+    {
+        conflicts += 1;
+        assert_eq!(outcome.code.as_deref(), Some("idempotency_conflict"));
+        if let Some(runs) = by_scope.get(&(outcome.tenant.clone(), outcome.key.clone())) {
+            assert!(
+                runs.iter().all(|r| r.payload != outcome.payload),
+                "422 for an unchanged payload"
+            );
+        }
+    }
+    let count = |status: StatusCode| outcomes.iter().filter(|o| o.status == Some(status)).count();
+    let transport = outcomes.iter().filter(|o| o.status.is_none()).count();
+    println!(
+        "SOAK {seconds}s: {} requests from {CLIENTS} clients, {} scopes live at a time",
+        outcomes.len(),
+        TENANTS * KEYS
+    );
+    println!(
+        "  answers: {successes} 201 ({replays} replayed), {conflicts} 422, {} 409, {} 503, {transport} without an answer (gateway killed)",
+        count(StatusCode::CONFLICT),
+        count(StatusCode::SERVICE_UNAVAILABLE)
+    );
+    println!(
+        "  upstream executions: {} in {} scopes; re-executions after a lost owner: {re_executions}",
+        executions.len(),
+        by_scope.len()
+    );
+    println!(
+        "  chaos: {} gateway kills, {} Redis pauses",
+        kills.len(),
+        pauses.len()
+    );
+    println!(
+        "  violations: 0 double executions per generation, 0 differing replays, 0 cross-tenant, 0 executions during outages, 0 false 422s"
+    );
+    assert!(
+        successes > 100 && replays > 0 && conflicts > 0,
+        "the soak exercised too little"
+    );
+    drop(gateways);
+    drop(redis);
+}
