@@ -23,3 +23,53 @@ fn key_vectors() {
     }
     assert!(checked >= 20, "only {checked} vectors read");
 }
+
+mod hostile {
+    use idem_core::IdempotencyKey;
+    use proptest::prelude::*;
+
+    /// Writes a key as an RFC 8941 sf-string.
+    fn quoted(key: &str) -> String {
+        let mut out = String::from("\"");
+        for c in key.chars() {
+            if c == '"' || c == '\\' {
+                out.push('\\');
+            }
+            out.push(c);
+        }
+        out.push('"');
+        out
+    }
+
+    proptest! {
+        /// Arbitrary bytes never panic, and whatever parses is 1..=255
+        /// printable ASCII characters.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
+            if let Ok(key) = IdempotencyKey::parse(&bytes) {
+                prop_assert!((1..=255).contains(&key.as_str().len()));
+                prop_assert!(key.as_str().bytes().all(|b| (0x20..=0x7E).contains(&b)));
+            }
+        }
+
+        /// Any printable key survives quoting as an sf-string; a key without
+        /// spaces, quotes or backslashes also parses bare, to the same key.
+        #[test]
+        fn format_and_parse_round_trip(key in "[ -~]{1,255}") {
+            let parsed = IdempotencyKey::parse(quoted(&key).as_bytes()).expect("a quoted key parses");
+            prop_assert_eq!(parsed.as_str(), key.as_str());
+            let bare_friendly = !key.starts_with('"') && key.bytes().all(|b| (0x21..=0x7E).contains(&b));
+            if bare_friendly {
+                let bare = IdempotencyKey::parse(key.as_bytes()).expect("a visible-ASCII key parses bare");
+                prop_assert_eq!(bare, parsed);
+            }
+        }
+
+        /// Longer than 255 characters is always refused, in both forms.
+        #[test]
+        fn too_long_is_refused(key in "[a-z]{256,400}") {
+            prop_assert!(IdempotencyKey::parse(key.as_bytes()).is_err());
+            prop_assert!(IdempotencyKey::parse(quoted(&key).as_bytes()).is_err());
+        }
+    }
+}

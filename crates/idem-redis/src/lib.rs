@@ -841,6 +841,58 @@ mod tests {
         assert_eq!(key, format!("idem:{{{}}}", "ab".repeat(32)));
     }
 
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn value() -> impl Strategy<Value = Value> {
+            prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..40).prop_map(Value::BulkString),
+                any::<i64>().prop_map(Value::Int),
+                Just(Value::Nil),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn headers_decode_never_panics(raw in prop::collection::vec(any::<u8>(), 0..200)) {
+                let _ = decode_headers(&raw);
+            }
+
+            #[test]
+            fn headers_round_trip(headers in prop::collection::vec(("[a-z-]{1,20}", prop::collection::vec(any::<u8>(), 0..50)), 0..10)) {
+                let headers: Vec<(String, Bytes)> = headers.into_iter().map(|(n, v)| (n, Bytes::from(v))).collect();
+                prop_assert_eq!(decode_headers(&encode_headers(&headers)).expect("decode"), headers);
+            }
+
+            #[test]
+            fn late_evidence_decode_never_panics(raw in ".{0,40}") {
+                let _ = decode_late(&raw);
+            }
+
+            /// A record hash with arbitrary fields is decoded or refused as
+            /// corrupt, never a panic.
+            #[test]
+            fn record_decode_never_panics(
+                fields in prop::collection::vec(
+                    (prop::sample::select(vec![
+                        "tenant", "op", "key", "fp", "state", "gen", "owner", "lease_until", "status",
+                        "stored", "headers", "body", "completed", "expires", "hist", "cur_id",
+                        "cur_start", "cur_end", "cur_outcome", "cur_status", "cur_late", "junk",
+                    ]), value()),
+                    0..30,
+                )
+            ) {
+                let pairs: Vec<Value> = fields
+                    .into_iter()
+                    .flat_map(|(name, value)| [Value::BulkString(name.as_bytes().to_vec()), value])
+                    .collect();
+                let _ = decode_record(ScopeHash::from_bytes([1; 32]), &pairs);
+                let _ = decode_current(&pairs);
+            }
+        }
+    }
+
     #[test]
     fn urls_are_checked() {
         assert!(RedisStore::from_url("http://x").is_err());
