@@ -28,6 +28,8 @@ use idem_tests::{TestServer, redis_server::RedisServer};
 const TENANTS: u64 = 4;
 const KEYS: u64 = 60;
 const CLIENTS: usize = 64;
+/// The gateways' lease (`--lease`).
+const LEASE: Duration = Duration::from_secs(2);
 
 /// One execution in the upstream.
 #[derive(Debug, Clone)]
@@ -189,7 +191,7 @@ async fn chaos_soak() {
         "--tenant-header",
         "x-tenant",
         "--lease",
-        "1s",
+        "2s",
         "--retention",
         "1h",
         "--store-timeout",
@@ -356,12 +358,13 @@ async fn chaos_soak() {
                 pair[1].attempt > pair[0].attempt,
                 "re-execution without a higher generation: {pair:?}"
             );
-            let lost_owner = kills
-                .iter()
-                .any(|k| *k >= pair[0].started && *k <= pair[1].started)
-                || pauses.iter().any(|(from, _)| {
-                    *from >= pair[0].started - Duration::from_secs(1) && *from <= pair[1].started
-                });
+            // The owner may have died just before its request reached the
+            // upstream, so look back one lease from the first execution.
+            let since = pair[0].started - LEASE;
+            let lost_owner = kills.iter().any(|k| *k >= since && *k <= pair[1].started)
+                || pauses
+                    .iter()
+                    .any(|(from, _)| *from >= since && *from <= pair[1].started);
             assert!(
                 lost_owner,
                 "re-execution of {}/{} without a lost owner",
