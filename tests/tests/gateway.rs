@@ -144,7 +144,7 @@ async fn replay_conflict_and_headers(flags: &[&str]) {
 async fn concurrent_duplicates_execute_once(flags: &[&str]) {
     let (upstream, _server, gw) = setup(flags).await;
     let client = client();
-    let mut tasks = Vec::new();
+    let (answers, mut answered) = tokio::sync::mpsc::unbounded_channel();
     for _ in 0..40 {
         let request = request(
             &gw,
@@ -154,24 +154,21 @@ async fn concurrent_duplicates_execute_once(flags: &[&str]) {
             Some("Bearer alice"),
             "{}",
         );
-        let client = client.clone();
-        tasks.push(tokio::spawn(async move { send(&client, request).await }));
+        let (reply, answers) = (send(&client, request), answers.clone());
+        tokio::spawn(async move {
+            let _ = answers.send(reply.await);
+        });
     }
-    upstream.wait_runs(1).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // While the one execution is held, the 39 duplicates get 409.
+    for _ in 0..39 {
+        let reply = answered.recv().await.expect("a reply");
+        assert_eq!(reply.status, StatusCode::CONFLICT);
+        assert_eq!(reply.code().as_deref(), Some("idempotency_in_progress"));
+    }
     upstream.gate.add_permits(1);
-    let mut created = 0;
-    for task in tasks {
-        let reply = task.await.expect("join");
-        match reply.status {
-            StatusCode::CREATED => created += 1,
-            StatusCode::CONFLICT => {
-                assert_eq!(reply.code().as_deref(), Some("idempotency_in_progress"));
-            }
-            other => panic!("unexpected {other}"),
-        }
-    }
-    assert_eq!(created, 1);
+    let last = answered.recv().await.expect("the executed reply");
+    assert_eq!(last.status, StatusCode::CREATED);
+    assert!(!last.replayed());
     assert_eq!(upstream.runs(), 1, "40 concurrent duplicates executed once");
     gw.stop().await;
 }

@@ -454,19 +454,23 @@ async fn wait_for_replicas_refuses_a_reservation_no_replica_has() {
         .expect("record");
     assert_eq!(record.state, idem_core::RecordState::Released);
 
-    // With a replica attached, it goes through.
+    // With a replica attached and online, it goes through.
     let port = primary.port.to_string();
-    let Some(replica) = RedisServer::spawn_with(&["--replicaof", "127.0.0.1", &port]) else {
+    let Some(_replica) = RedisServer::spawn_with(&["--replicaof", "127.0.0.1", &port]) else {
         return;
     };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !replica
+    while !primary
         .cli(&["INFO", "replication"])
-        .contains("master_link_status:up")
+        .contains("state=online")
     {
-        assert!(Instant::now() < deadline, "the replica did not sync");
+        assert!(Instant::now() < deadline, "the replica did not come online");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let store = RedisStore::builder(&primary.url())
+        .wait_for_replicas(1, Duration::from_secs(2))
+        .build()
+        .expect("store");
     let request = ReserveRequest {
         scope: fresh_scope("durable-2"),
         ..request

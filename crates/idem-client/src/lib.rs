@@ -6,12 +6,15 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem_client::RetryLayer;
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use idem_client::{ReplayBody, RetryLayer};
 //! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 //! use tower::ServiceBuilder;
 //!
 //! # fn build() {
-//! let http = Client::builder(TokioExecutor::new()).build_http();
+//! // The inner client sends `ReplayBody`s: buffered bodies can be resent.
+//! let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
 //! let client = ServiceBuilder::new()
 //!     .layer(RetryLayer::new().max_attempts(5).deadline(Duration::from_secs(10)))
 //!     .service(http);
