@@ -97,21 +97,25 @@ pub fn default_should_store(status: StatusCode) -> bool {
     (200..500).contains(&code) && !matches!(code, 408 | 425 | 429)
 }
 
-/// The headers never replayed: hop-by-hop headers, `Date` and `Set-Cookie`.
+/// Hop-by-hop header fields (RFC 9110 section 7.6.1): they describe one
+/// connection, so they are neither replayed nor forwarded by a proxy.
+pub const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// The headers never replayed: [`HOP_BY_HOP`], `Date`, `Set-Cookie` and
+/// `Content-Length` (recomputed from the stored body).
 pub fn default_replay_denylist() -> Vec<HeaderName> {
-    vec![
-        header::CONNECTION,
-        HeaderName::from_static("keep-alive"),
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-        header::DATE,
-        header::SET_COOKIE,
-        header::CONTENT_LENGTH,
-    ]
+    let mut denied = HOP_BY_HOP.to_vec();
+    denied.extend([header::DATE, header::SET_COOKIE, header::CONTENT_LENGTH]);
+    denied
 }
 
 /// Tower layer that makes requests carrying an `Idempotency-Key` safe to

@@ -79,7 +79,7 @@ pub mod tenant;
 pub use body::{BoxError, ResponseBody};
 pub use context::IdempotencyContext;
 pub use layer::{
-    ConfigError, IdempotencyLayer, InFlight, OnDisconnect, default_replay_denylist,
+    ConfigError, HOP_BY_HOP, IdempotencyLayer, InFlight, OnDisconnect, default_replay_denylist,
     default_should_store,
 };
 pub use problem::{PROBLEM_JSON, ProblemCode, problem_document};
