@@ -252,6 +252,35 @@ pub async fn renew_extends_lease<H: Harness>(h: &H) {
     );
 }
 
+/// A request renewed past the retention window never expires while it
+/// runs: renewal pushes the expiry out.
+pub async fn renewal_outlives_retention<H: Harness>(h: &H) {
+    let scope = fresh_scope("long-runner");
+    let lease = acquire(h, &scope, 1).await;
+    let step = h.lease() / 2;
+    let mut elapsed = Duration::ZERO;
+    while elapsed < h.retention() + h.lease() {
+        h.advance(step).await;
+        elapsed += step;
+        assert_eq!(
+            h.store().renew(&lease).await.expect("renew"),
+            Renewal::Renewed,
+            "after {elapsed:?}"
+        );
+    }
+    assert!(matches!(
+        reserve(h, &scope, 1).await,
+        Reservation::InProgress { .. }
+    ));
+    assert_eq!(
+        h.store()
+            .complete(&lease, response(200, b"late but fine"))
+            .await
+            .expect("complete"),
+        Completion::Recorded
+    );
+}
+
 /// A lapsed lease is taken over with generation + 1; the old attempt is
 /// marked superseded and reported.
 pub async fn takeover_after_lease_expiry<H: Harness>(h: &H) {
@@ -602,6 +631,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     conflict_leaves_record_untouched(h).await;
     in_progress_while_lease_live(h).await;
     renew_extends_lease(h).await;
+    renewal_outlives_retention(h).await;
     takeover_after_lease_expiry(h).await;
     superseded_writes_are_fenced(h).await;
     wrong_token_is_fenced(h).await;
@@ -630,6 +660,7 @@ macro_rules! conformance_tests {
             conflict_leaves_record_untouched,
             in_progress_while_lease_live,
             renew_extends_lease,
+            renewal_outlives_retention,
             takeover_after_lease_expiry,
             superseded_writes_are_fenced,
             wrong_token_is_fenced,

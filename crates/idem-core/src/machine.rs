@@ -1,5 +1,10 @@
 //! The contract's state machine as pure functions.
 //!
+//! Retention counts from the reservation that started the newest attempt
+//! (a client's retry horizon starts with its first request); renewing a
+//! lease pushes the expiry out if the lease would outlive it, and a
+//! cancellation keeps the record a full retention from the cancel.
+//!
 //! Each function takes the slot a store holds for one scope (`None` when
 //! there is no record), the store's current time in milliseconds since the
 //! epoch, and applies one transition in place. A store that can lock the
@@ -199,6 +204,9 @@ pub fn renew(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Renewal {
     if let Some(record) = slot.as_mut() {
         record.lease_ms = millis(lease.ttl);
         record.lease_expires_at_ms = now_ms.saturating_add(record.lease_ms);
+        // A request that runs longer than the retention never expires under
+        // its own feet.
+        record.expires_at_ms = record.expires_at_ms.max(record.lease_expires_at_ms);
     }
     Renewal::Renewed
 }
@@ -232,7 +240,6 @@ pub fn complete(
         record.outcome = Some(outcome);
         record.completed_at_ms = Some(now_ms);
         record.updated_at_ms = now_ms;
-        record.expires_at_ms = now_ms.saturating_add(record.retention_ms);
     }
     Completion::Recorded
 }
@@ -250,7 +257,6 @@ pub fn release(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Release
         record.state = RecordState::Released;
         record.owner = None;
         record.updated_at_ms = now_ms;
-        record.expires_at_ms = now_ms.saturating_add(record.retention_ms);
     }
     Release::Released
 }

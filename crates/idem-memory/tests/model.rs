@@ -127,12 +127,10 @@ impl Model {
     }
 
     fn complete(&mut self, key: u8, lease_id: usize, status: u16) -> Answer {
-        let now = self.now;
         match self.owned(key, lease_id) {
             Some(r) => {
                 r.state = State::Completed(status);
                 r.owner = None;
-                r.expires_at = now + RETENTION_MS;
                 Answer::Recorded
             }
             None => Answer::Fenced,
@@ -140,12 +138,10 @@ impl Model {
     }
 
     fn release(&mut self, key: u8, lease_id: usize) -> Answer {
-        let now = self.now;
         match self.owned(key, lease_id) {
             Some(r) => {
                 r.state = State::Released;
                 r.owner = None;
-                r.expires_at = now + RETENTION_MS;
                 Answer::Released
             }
             None => Answer::Fenced,
@@ -157,6 +153,7 @@ impl Model {
         match self.owned(key, lease_id) {
             Some(r) => {
                 r.lease_until = now + LEASE_MS;
+                r.expires_at = r.expires_at.max(r.lease_until);
                 Answer::Renewed
             }
             None => Answer::Fenced,

@@ -1,8 +1,8 @@
 -- ARGV: generation, owner token, attempt id, status, stored ('1' or '0'),
 --       encoded headers, body
 local status = ARGV[4]
-local state, expires, gen, owner, retention_ms =
-  unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner', 'retention_ms'))
+local state, expires, gen, owner =
+  unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
 if not live(state, expires) then
   return {'vacant'}
 end
@@ -12,13 +12,12 @@ if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
     -- A retry of this very completion whose reply was lost.
     return {'recorded'}
   end
-  keep_evidence(ARGV[3], 'completed:' .. status .. ':' .. now)
-  return current(state)
+  local helpers = rare()
+  helpers.keep_evidence(ARGV[3], 'completed:' .. status .. ':' .. now)
+  return helpers.current(state)
 end
-local until_ms = now + tonumber(retention_ms)
+-- Retention counts from the reservation: the expiry stays as it is.
 redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
   'headers', ARGV[6], 'body', ARGV[7], 'completed', now, 'owner', '',
-  'cur_end', now, 'cur_outcome', 'completed', 'cur_status', status,
-  'updated', now, 'expires', until_ms)
-redis.call('PEXPIREAT', record, until_ms)
+  'cur_end', now, 'cur_outcome', 'completed', 'cur_status', status, 'updated', now)
 return {'recorded'}

@@ -1,6 +1,6 @@
 -- ARGV: generation, owner token, attempt id
-local state, expires, gen, owner, retention_ms =
-  unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner', 'retention_ms'))
+local state, expires, gen, owner =
+  unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
 if not live(state, expires) then
   return {'vacant'}
 end
@@ -10,11 +10,10 @@ if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
     -- A retry of this very release whose reply was lost.
     return {'released'}
   end
-  keep_evidence(ARGV[3], 'released::' .. now)
-  return current(state)
+  local helpers = rare()
+  helpers.keep_evidence(ARGV[3], 'released::' .. now)
+  return helpers.current(state)
 end
-local until_ms = now + tonumber(retention_ms)
 redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
-  'cur_outcome', 'released', 'updated', now, 'expires', until_ms)
-redis.call('PEXPIREAT', record, until_ms)
+  'cur_outcome', 'released', 'updated', now)
 return {'released'}

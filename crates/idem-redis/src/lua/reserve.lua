@@ -24,7 +24,7 @@ end
 
 -- Moves the newest attempt into the history before a new one starts.
 local function archive()
-  local attempt = current_attempt()
+  local attempt = rare().current_attempt()
   local raw = redis.call('HGET', record, 'hist')
   local hist = {}
   if raw and raw ~= '' then
@@ -42,7 +42,14 @@ local function archive()
 end
 
 if not live(state, f[2]) then
-  return {'acquired', start(1, {'tenant', ARGV[6], 'op', ARGV[7], 'key', ARGV[8], 'created', now, 'hist', ''})}
+  -- The hot path: a new key. One HSET with literal fields, no tables.
+  local expires = now + retention_ms
+  redis.call('HSET', record, 'tenant', ARGV[6], 'op', ARGV[7], 'key', ARGV[8], 'created', now,
+    'fp', fp, 'state', 'processing', 'gen', 1, 'owner', token,
+    'lease_until', now + lease_ms, 'lease_ms', lease_ms, 'retention_ms', retention_ms,
+    'cur_id', attempt_id, 'cur_start', now, 'cur_outcome', 'running', 'updated', now, 'expires', expires)
+  redis.call('PEXPIREAT', record, expires)
+  return {'acquired', 1}
 end
 local gen = tonumber(f[4])
 if state == 'released' then
