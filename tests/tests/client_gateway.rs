@@ -1,0 +1,124 @@
+//! The client and server halves together: `idem-client` retrying through
+//! the gateway over real HTTP.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::Parser;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use idem_client::{ReplayBody, RetryInfo, RetryLayer};
+use idem_gateway::Config;
+use idem_tests::{TestServer, upstream::Upstream};
+use tower::{Layer, ServiceExt};
+
+/// A duplicate sent while the first request still runs gets 409 with
+/// `Retry-After`; the client honours it, retries with the same key, and
+/// gets the replay. The upstream runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_during_the_first_attempt_waits_and_is_replayed() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = format!("http://{}", server.addr);
+    let config = Config::try_parse_from([
+        "idem-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &url,
+        "--lease",
+        "2s",
+    ])
+    .expect("flags");
+    let (started, _stop, _task) = idem_gateway::start(config).await.expect("gateway");
+    let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
+    let client = RetryLayer::new()
+        .deadline(Duration::from_secs(20))
+        .max_attempts(10)
+        .layer(http);
+    let request = || {
+        Request::post(format!("http://{}/slow", started.addr))
+            .header("idempotency-key", "pay-42")
+            .header("authorization", "Bearer alice")
+            .body(Full::new(Bytes::from_static(b"{\"amount\":42}")))
+            .expect("request")
+    };
+
+    let first = tokio::spawn(client.clone().oneshot(request()));
+    upstream.wait_runs(1).await;
+    let duplicate = tokio::spawn(client.clone().oneshot(request()));
+    // Let the duplicate meet the running attempt at least once.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    upstream.gate.add_permits(1);
+
+    let first = first.await.expect("join").expect("response");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first_body = first.into_body().collect().await.expect("body").to_bytes();
+    let duplicate = duplicate.await.expect("join").expect("response");
+    assert_eq!(duplicate.status(), StatusCode::CREATED);
+    assert!(duplicate.headers().contains_key("idempotent-replayed"));
+    let info = duplicate
+        .extensions()
+        .get::<RetryInfo>()
+        .cloned()
+        .expect("info");
+    assert!(
+        info.attempts >= 2,
+        "the duplicate was answered 409 first, then retried: {info:?}"
+    );
+    assert_eq!(info.key.as_deref(), Some("pay-42"));
+    let duplicate_body = duplicate
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    assert_eq!(duplicate_body, first_body);
+    assert_eq!(upstream.runs(), 1);
+}
+
+/// A changed payload under the same key is a 422 that the client does
+/// not retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_is_final() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = format!("http://{}", server.addr);
+    let config = Config::try_parse_from([
+        "idem-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &url,
+    ])
+    .expect("flags");
+    let (started, _stop, _task) = idem_gateway::start(config).await.expect("gateway");
+    let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
+    let client = RetryLayer::new().layer(http);
+    let request = |body: &'static str| {
+        Request::post(format!("http://{}/orders", started.addr))
+            .header("idempotency-key", "order-7")
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("request")
+    };
+    let created = client
+        .clone()
+        .oneshot(request("{\"qty\":1}"))
+        .await
+        .expect("response");
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let conflict = client
+        .clone()
+        .oneshot(request("{\"qty\":2}"))
+        .await
+        .expect("response");
+    assert_eq!(conflict.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        conflict.extensions().get::<RetryInfo>().map(|i| i.attempts),
+        Some(1)
+    );
+    assert_eq!(upstream.runs(), 1);
+}
