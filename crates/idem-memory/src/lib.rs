@@ -131,13 +131,20 @@ struct Shard {
 
 #[derive(Debug, Default)]
 struct ShardState {
-    /// Boxed, so that growing the map moves pointers, not records.
-    records: Map<Box<Record>>,
+    /// Boxed, so that growing the map moves pointers, not records; an
+    /// `Option` inside, so transitions run on the record in place.
+    records: Map<Box<Option<Record>>>,
     expiries: BinaryHeap<Reverse<(u64, ScopeHash)>>,
     waiters: Map<Arc<Notify>>,
 }
 
 impl ShardState {
+    fn record(&self, scope: &ScopeHash) -> Option<&Record> {
+        self.records
+            .get(scope)
+            .and_then(|slot| slot.as_ref().as_ref())
+    }
+
     /// Removes up to `limit` expired records; returns how many.
     fn sweep(&mut self, now_ms: u64, limit: usize) -> usize {
         let mut removed = 0;
@@ -151,11 +158,7 @@ impl ShardState {
                 break;
             };
             popped += 1;
-            if self
-                .records
-                .get(&scope)
-                .is_some_and(|r| r.is_expired(now_ms))
-            {
+            if self.record(&scope).is_some_and(|r| r.is_expired(now_ms)) {
                 self.records.remove(&scope);
                 self.wake(&scope);
                 removed += 1;
@@ -230,24 +233,39 @@ impl MemoryStore {
         let now_ms = self.now_ms();
         let mut state = self.shard(scope).state.lock();
         let swept = state.sweep(now_ms, SWEEP_PER_WRITE);
-        let mut slot = state.records.remove(scope).map(|boxed| *boxed);
-        let before = slot
-            .as_ref()
-            .map(|r| (r.expires_at_ms, r.state, r.generation));
-        let existed = slot.is_some();
-        let result = apply(&mut slot, now_ms);
-        let after = slot
-            .as_ref()
-            .map(|r| (r.expires_at_ms, r.state, r.generation));
+        // (state, generation, expiry) before and after, to know whom to wake
+        // and whether the expiry heap needs a new entry.
+        let facts = |slot: &Option<Record>| {
+            slot.as_ref()
+                .map(|r| (r.expires_at_ms, r.state, r.generation))
+        };
+        let (existed, result, before, after) = match state.records.get_mut(scope) {
+            Some(slot) => {
+                let before = facts(slot);
+                let result = apply(slot, now_ms);
+                (true, result, before, facts(slot))
+            }
+            None => {
+                let mut slot = None;
+                let result = apply(&mut slot, now_ms);
+                let after = facts(&slot);
+                if slot.is_some() {
+                    state.records.insert(*scope, Box::new(slot));
+                }
+                (false, result, None, after)
+            }
+        };
+        let exists = after.is_some();
+        if existed && !exists {
+            state.records.remove(scope);
+        }
         if before != after {
             state.wake(scope);
         }
-        let exists = slot.is_some();
-        if let Some(record) = slot {
-            if before.map(|b| b.0) != Some(record.expires_at_ms) {
-                state.expiries.push(Reverse((record.expires_at_ms, *scope)));
-            }
-            state.records.insert(*scope, Box::new(record));
+        if let Some((expires_at_ms, ..)) = after
+            && before.map(|b| b.0) != Some(expires_at_ms)
+        {
+            state.expiries.push(Reverse((expires_at_ms, *scope)));
         }
         drop(state);
         let len = &self.inner.len;
@@ -280,7 +298,7 @@ impl MemoryStore {
     fn watch(&self, scope: &ScopeHash) -> Option<(OwnedNotified, Duration)> {
         let now_ms = self.now_ms();
         let mut state = self.shard(scope).state.lock();
-        let lease_left = match state.records.get(scope) {
+        let lease_left = match state.record(scope) {
             Some(r) if r.state == RecordState::Processing && r.lease_expires_at_ms > now_ms => {
                 Duration::from_millis(r.lease_expires_at_ms - now_ms)
             }
@@ -295,8 +313,7 @@ impl MemoryStore {
         self.shard(scope)
             .state
             .lock()
-            .records
-            .get(scope)
+            .record(scope)
             .is_some_and(|r| !r.is_expired(now_ms))
     }
 }
@@ -340,10 +357,9 @@ impl Store for MemoryStore {
         let now_ms = self.now_ms();
         let state = self.shard(scope).state.lock();
         Ok(state
-            .records
-            .get(scope)
+            .record(scope)
             .filter(|r| !r.is_expired(now_ms))
-            .map(|r| Record::clone(r)))
+            .cloned())
     }
 
     async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
