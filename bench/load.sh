@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Load test: axum-orders with the idempotency layer against the same app
-# without it, in alternating rounds, a fresh Idempotency-Key per POST.
+# Load test, in alternating rounds, a fresh Idempotency-Key per POST:
 #
-#   bench/load.sh [rounds] [seconds-per-round] [connections] [memory|redis]
+#   bench/load.sh [rounds] [seconds-per-round] [connections] [memory|redis] [app|gateway]
+#
+# app (default): axum-orders with the idempotency layer against the same
+# app without it. gateway: the idem-gateway binary in front of a bare
+# axum-orders upstream, with the layer on against `--methods PUT` (so POST
+# passes straight through the same proxy).
 #
 # With `redis`, the layered server uses a private redis-server started on a
 # free loopback port for the run (never the shared one on 6379).
@@ -17,10 +21,12 @@ rounds=${1:-6}
 seconds=${2:-10}
 connections=${3:-64}
 store=${4:-memory}
+target=${5:-app}
 cd "$(dirname "$0")/.."
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
-cargo build --release -q -p axum-orders
+cargo build --release -q -p axum-orders -p idem-gateway
 bin=target/release/axum-orders
+gateway=target/release/idem-gateway
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
@@ -35,8 +41,17 @@ if [ "$store" = redis ]; then
   done
   store_url="redis://127.0.0.1:$redis_port"
 fi
-IDEM_LISTEN=127.0.0.1:38080 IDEM_LAYER=on IDEM_STORE="$store_url" "$bin" >"$work/layered.log" 2>&1 &
-IDEM_LISTEN=127.0.0.1:38081 IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &
+if [ "$target" = gateway ]; then
+  # One bare upstream; two gateways in front of it, identical but for the methods.
+  IDEM_LISTEN=127.0.0.1:38082 IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+  RUST_LOG=warn "$gateway" --listen 127.0.0.1:38080 --upstream http://127.0.0.1:38082 \
+    --store "$store_url" >"$work/layered.log" 2>&1 &
+  RUST_LOG=warn "$gateway" --listen 127.0.0.1:38081 --upstream http://127.0.0.1:38082 \
+    --methods PUT >"$work/bare.log" 2>&1 &
+else
+  IDEM_LISTEN=127.0.0.1:38080 IDEM_LAYER=on IDEM_STORE="$store_url" "$bin" >"$work/layered.log" 2>&1 &
+  IDEM_LISTEN=127.0.0.1:38081 IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &
+fi
 for port in 38080 38081; do
   for _ in $(seq 50); do
     curl -s -o /dev/null "http://127.0.0.1:$port/orders/0" && break
@@ -57,6 +72,7 @@ function request()
   counter = counter + 1
   return wrk.format("POST", "/orders", {
     ["Content-Type"] = "application/json",
+    ["Authorization"] = "Bearer load-test",
     ["Idempotency-Key"] = prefix .. "-" .. counter,
   }, '{"sku":"book-42","qty":1,"note":"load test"}')
 end
@@ -85,7 +101,7 @@ for round in $(seq "$rounds"); do
   if [ "$berr" != 0 ] || [ "$lerr" != 0 ]; then echo "  errors: bare $berr, layered $lerr" >&2; fi
 done
 median=$(printf '%s\n' "${ratios[@]}" | sort -n | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
-echo "store: $store; median layered/bare throughput ratio: $median (records: approximate records in the layered store)"
+echo "target: $target, store: $store; median layered/bare throughput ratio: $median (records: approximate records in the layered store)"
 if [ "$store" = redis ]; then
   redis-cli -p "$redis_port" info commandstats | awk -F'[:,=]' '/cmdstat_evalsha/ { printf "redis: %s EVALSHA, %.1f us per call, %.1f us per new key\n", $3, $7, 2 * $7 }'
 fi

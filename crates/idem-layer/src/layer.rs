@@ -25,8 +25,9 @@ pub enum InFlight {
 /// What to do when the client disconnects while the handler runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnDisconnect {
-    /// Keep running the handler in its own task and record its outcome, so
-    /// a retry is replayed (the default: the lost-acknowledgement case).
+    /// Keep running the handler to completion, in a task of its own once
+    /// the client is gone, and record its outcome, so a retry is replayed
+    /// (the default: the lost-acknowledgement case).
     Detach,
     /// Drop the handler and release the reservation, so a retry executes
     /// again.

@@ -379,18 +379,10 @@ where
         let request = Request::from_parts(parts, ReqBody::from(body));
         match layer.config.on_disconnect {
             OnDisconnect::Detach => {
-                // The handler runs in its own task: a client disconnect drops
-                // this future, not the handler, and the outcome is recorded.
-                let task = tokio::spawn(attempt(layer, inner, request, lease).in_current_span());
-                match task.await {
-                    Ok(result) => result,
-                    Err(error) => {
-                        // Panics are caught inside `attempt`; this is the
-                        // runtime shutting down under the task.
-                        let detail = format!("the handler task ended: {error}");
-                        Ok(problem(ProblemCode::HandlerFailed, &detail, None))
-                    }
-                }
+                // The attempt runs inline while the client waits; if the
+                // client goes away, the unfinished attempt moves to a task
+                // of its own and its outcome is still recorded.
+                RunToCompletion::new(attempt(layer, inner, request, lease).in_current_span()).await
             }
             OnDisconnect::Release => {
                 let guard = ReleaseOnDrop {
@@ -401,6 +393,48 @@ where
                 guard.disarm();
                 result
             }
+        }
+    }
+}
+
+/// Polls a future inline; if dropped before it finished, spawns the rest
+/// of it so it still runs to completion (on-disconnect `Detach` mode). This
+/// costs no task per request, yet a client disconnect never cancels a
+/// handler half-way.
+struct RunToCompletion<F: Future + Send + 'static> {
+    future: Option<std::pin::Pin<Box<F>>>,
+}
+
+impl<F: Future + Send + 'static> RunToCompletion<F> {
+    fn new(future: F) -> Self {
+        Self {
+            future: Some(Box::pin(future)),
+        }
+    }
+}
+
+impl<F: Future + Send + 'static> Future for RunToCompletion<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let Some(future) = self.future.as_mut() else {
+            return Poll::Pending;
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<F: Future + Send + 'static> Drop for RunToCompletion<F> {
+    fn drop(&mut self) {
+        let Some(future) = self.future.take() else {
+            return;
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = future.await;
+            });
         }
     }
 }

@@ -91,7 +91,8 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
 }
 
 /// The lost-acknowledgement case: the client goes away mid-handler, the
-/// handler finishes in its own task, and the retry is a replay.
+/// handler runs to completion in a task of its own, and the retry is a
+/// replay.
 #[tokio::test]
 async fn disconnect_in_detach_mode_records_the_outcome() {
     let store = MemoryStore::new();
