@@ -573,3 +573,40 @@ async fn cluster_store_through_the_gateway() {
     assert_eq!(upstream.runs(), 10);
     gw.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_with_prior_knowledge_is_served() {
+    let (upstream, _server, gw) = setup(&[]).await;
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let first = send(
+        &h2,
+        request(
+            &gw,
+            Method::POST,
+            "/orders",
+            Some("h2"),
+            Some("Bearer alice"),
+            "{}",
+        ),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(
+        &h2,
+        request(
+            &gw,
+            Method::POST,
+            "/orders",
+            Some("h2"),
+            Some("Bearer alice"),
+            "{}",
+        ),
+    )
+    .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.runs(), 1);
+    gw.stop().await;
+}

@@ -224,8 +224,8 @@ pub async fn run(
 /// Accepts connections until `shutdown`, then waits for in-flight requests.
 /// A client must send its request head within `header_timeout` (no
 /// slow-loris connections); heads are limited to hyper's defaults (100
-/// headers, about 400 KiB; beyond that the answer is 431). HTTP/1.1, no
-/// upgrades.
+/// headers, about 400 KiB; beyond that the answer is 431). HTTP/1.1, and
+/// HTTP/2 with prior knowledge.
 async fn serve(
     listener: TcpListener,
     router: Router,
@@ -233,14 +233,16 @@ async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     use hyper_util::{
-        rt::{TokioIo, TokioTimer},
-        server::graceful::GracefulShutdown,
+        rt::{TokioExecutor, TokioIo, TokioTimer},
+        server::{conn::auto, graceful::GracefulShutdown},
         service::TowerToHyperService,
     };
-    let mut builder = hyper::server::conn::http1::Builder::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
+        .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
+    builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -257,7 +259,9 @@ async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(router.clone());
-        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let connection = builder
+            .serve_connection(TokioIo::new(stream), service)
+            .into_owned();
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(error) = connection.await {

@@ -75,6 +75,9 @@ impl Proxy {
             }
         };
         *request.uri_mut() = uri;
+        // The client's protocol is not the upstream connection's: the
+        // pooled client speaks HTTP/1.1 to the upstream.
+        *request.version_mut() = http::Version::HTTP_11;
         let attempt = request
             .extensions()
             .get::<IdempotencyContext>()
