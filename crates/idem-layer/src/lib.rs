@@ -66,8 +66,11 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
+mod answer;
+mod attempt;
 mod body;
 mod context;
+mod disconnect;
 pub mod fingerprint;
 mod layer;
 pub mod metrics;

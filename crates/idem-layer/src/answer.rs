@@ -1,0 +1,90 @@
+//! Answers built from what a record says: replays, in progress, cancelled.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use idem_core::{Current, Outcome, Replay};
+
+use crate::{
+    ResponseBody,
+    metrics::{self as m, Outcome as Counted},
+    problem::{ProblemCode, problem},
+    service::IDEMPOTENT_REPLAYED,
+};
+
+/// The answer for a fenced attempt's client: what the record says now.
+/// `None` when the record is vacant: the attempt's own response is then
+/// the only evidence of what happened, and its client gets it.
+pub(crate) fn answer_current<B>(current: Current) -> Option<Response<ResponseBody<B>>> {
+    match current {
+        Current::Vacant => None,
+        Current::Processing { retry_after } => Some(in_progress(retry_after)),
+        Current::Completed(replay) => Some(replay_response(replay)),
+        Current::Cancelled => Some(cancelled()),
+    }
+}
+
+pub(crate) fn storable_headers(
+    headers: &HeaderMap,
+    denylist: &[HeaderName],
+) -> Vec<(String, Bytes)> {
+    headers
+        .iter()
+        .filter(|(name, _)| !denylist.contains(name))
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                Bytes::copy_from_slice(value.as_bytes()),
+            )
+        })
+        .collect()
+}
+
+pub(crate) fn in_progress<B>(retry_after: Duration) -> Response<ResponseBody<B>> {
+    m::count(Counted::InProgress);
+    let detail = "a request with this Idempotency-Key is being processed; retry later";
+    problem(ProblemCode::InProgress, detail, Some(retry_after))
+}
+
+pub(crate) fn cancelled<B>() -> Response<ResponseBody<B>> {
+    m::count(Counted::Cancelled);
+    problem(
+        ProblemCode::Cancelled,
+        "the request with this Idempotency-Key was cancelled",
+        None,
+    )
+}
+
+/// A stored outcome as a response, with `Idempotent-Replayed: true`.
+pub(crate) fn replay_response<B>(replay: Replay) -> Response<ResponseBody<B>> {
+    m::count(Counted::Replayed);
+    m::replay_age(replay.age);
+    let stored = match replay.outcome {
+        Outcome::Stored(stored) => stored,
+        Outcome::NotStored { status } => {
+            let detail = format!(
+                "the request with this Idempotency-Key completed with status {status}, but its \
+                 response exceeded the storable limit and cannot be replayed"
+            );
+            let mut response = problem(ProblemCode::ResponseNotStored, &detail, None);
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            return response;
+        }
+    };
+    let mut response = Response::new(ResponseBody::full(stored.body));
+    *response.status_mut() = http::StatusCode::from_u16(stored.status)
+        .unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        let name = HeaderName::from_bytes(name.as_bytes());
+        let value = HeaderValue::from_maybe_shared(value);
+        if let (Ok(name), Ok(value)) = (name, value) {
+            headers.append(name, value);
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
