@@ -13,6 +13,35 @@ use idem_gateway::Config;
 use idem_tests::{TestServer, upstream::Upstream};
 use tower::{Layer, ServiceExt};
 
+/// A gateway on `127.0.0.1:0` in front of `upstream`, with extra flags.
+async fn gateway(upstream: &TestServer, flags: &[&str]) -> idem_gateway::Started {
+    let url = format!("http://{}", upstream.addr);
+    let mut args = vec![
+        "idem-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &url,
+    ];
+    args.extend_from_slice(flags);
+    let (started, stop, _task) = idem_gateway::start(Config::try_parse_from(args).expect("flags"))
+        .await
+        .expect("gateway");
+    // The gateway lives as long as the test.
+    std::mem::forget(stop);
+    started
+}
+
+fn retrying_client() -> idem_client::Retry<
+    Client<hyper_util::client::legacy::connect::HttpConnector, ReplayBody<Full<Bytes>>>,
+> {
+    let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
+    RetryLayer::new()
+        .deadline(Duration::from_secs(20))
+        .max_attempts(10)
+        .layer(http)
+}
+
 /// A duplicate sent while the first request still runs gets 409 with
 /// `Retry-After`; the client honours it, retries with the same key, and
 /// gets the replay. The upstream runs once.
@@ -20,23 +49,8 @@ use tower::{Layer, ServiceExt};
 async fn a_retry_during_the_first_attempt_waits_and_is_replayed() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let url = format!("http://{}", server.addr);
-    let config = Config::try_parse_from([
-        "idem-gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &url,
-        "--lease",
-        "2s",
-    ])
-    .expect("flags");
-    let (started, _stop, _task) = idem_gateway::start(config).await.expect("gateway");
-    let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
-    let client = RetryLayer::new()
-        .deadline(Duration::from_secs(20))
-        .max_attempts(10)
-        .layer(http);
+    let started = gateway(&server, &["--lease", "2s"]).await;
+    let client = retrying_client();
     let request = || {
         Request::post(format!("http://{}/slow", started.addr))
             .header("idempotency-key", "pay-42")
@@ -84,18 +98,8 @@ async fn a_retry_during_the_first_attempt_waits_and_is_replayed() {
 async fn a_conflict_is_final() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let url = format!("http://{}", server.addr);
-    let config = Config::try_parse_from([
-        "idem-gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &url,
-    ])
-    .expect("flags");
-    let (started, _stop, _task) = idem_gateway::start(config).await.expect("gateway");
-    let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
-    let client = RetryLayer::new().layer(http);
+    let started = gateway(&server, &[]).await;
+    let client = retrying_client();
     let request = |body: &'static str| {
         Request::post(format!("http://{}/orders", started.addr))
             .header("idempotency-key", "order-7")

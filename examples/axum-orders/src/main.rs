@@ -11,68 +11,15 @@
 //! `IDEM_LAYER=off` to serve the same app without the layer (the baseline
 //! of `bench/load.sh`).
 
-use std::{
-    collections::HashMap,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
-};
-
-use axum::{
-    Json, Router,
-    extract::{Path, State},
-    http::{StatusCode, header},
-    response::IntoResponse,
-    routing::{get, post},
-};
+use axum::Router;
 use idem_core::Store;
 use idem_layer::{IdempotencyLayer, TenantFromHeader};
 use idem_memory::MemoryStore;
 use idem_redis::RedisStore;
-use serde_json::{Value, json};
-
-#[derive(Clone, Default)]
-struct Orders {
-    next_id: Arc<AtomicU64>,
-    orders: Arc<Mutex<HashMap<u64, Value>>>,
-}
-
-async fn create(State(orders): State<Orders>, Json(request): Json<Value>) -> impl IntoResponse {
-    let id = orders.next_id.fetch_add(1, Ordering::Relaxed) + 1;
-    let order = json!({ "id": id, "order": request });
-    if let Ok(mut map) = orders.orders.lock() {
-        map.insert(id, order.clone());
-    }
-    (
-        StatusCode::CREATED,
-        [(header::LOCATION, format!("/orders/{id}"))],
-        Json(order),
-    )
-}
-
-async fn read(State(orders): State<Orders>, Path(id): Path<u64>) -> impl IntoResponse {
-    let order = orders
-        .orders
-        .lock()
-        .ok()
-        .and_then(|map| map.get(&id).cloned());
-    match order {
-        Some(order) => Json(order).into_response(),
-        None => StatusCode::NOT_FOUND.into_response(),
-    }
-}
-
-fn routes() -> Router {
-    Router::new()
-        .route("/orders", post(create))
-        .route("/orders/{id}", get(read))
-        .with_state(Orders::default())
-}
 
 /// The orders routes behind the layer on `store`, with the records API.
 fn protected_app<S: Store>(store: S) -> Router {
-    let routes = routes();
+    let routes = axum_orders::orders();
     let layer = IdempotencyLayer::new(store)
         .tenant(TenantFromHeader::new(http::HeaderName::from_static(
             "x-tenant-id",
@@ -89,7 +36,7 @@ async fn main() -> std::io::Result<()> {
     let protected = std::env::var("IDEM_LAYER").map_or(true, |v| v != "off");
     let store = std::env::var("IDEM_STORE").unwrap_or_else(|_| "memory".to_owned());
     let app = match (protected, store.as_str()) {
-        (false, _) => routes(),
+        (false, _) => axum_orders::orders(),
         (true, "memory") => protected_app(MemoryStore::new()),
         (true, url) => match RedisStore::from_url(url) {
             Ok(redis) => protected_app(redis),
