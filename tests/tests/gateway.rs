@@ -610,3 +610,36 @@ async fn http2_with_prior_knowledge_is_served() {
     assert_eq!(upstream.runs(), 1);
     gw.stop().await;
 }
+
+/// Keyless requests and other methods are not buffered: a body over the
+/// keyed limit streams straight through to the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unkeyed_bodies_stream_through_without_the_limit() {
+    let (upstream, _server, gw) = setup(&["--max-body", "1024"]).await;
+    let big = "x".repeat(64 * 1024);
+    let keyless = send(
+        &client(),
+        request(&gw, Method::POST, "/orders", None, None, &big),
+    )
+    .await;
+    assert_eq!(keyless.status, StatusCode::CREATED);
+    assert_eq!(
+        keyless.body, "{\"id\":1,\"bytes\":65536}",
+        "the upstream got the whole body"
+    );
+    let keyed = send(
+        &client(),
+        request(
+            &gw,
+            Method::POST,
+            "/orders",
+            Some("k"),
+            Some("Bearer a"),
+            &big,
+        ),
+    )
+    .await;
+    assert_eq!(keyed.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(upstream.runs(), 1);
+    gw.stop().await;
+}
