@@ -17,7 +17,7 @@ use std::{
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
 use http_body_util::Empty;
 use idem_core::{Attempt, Cancellation, IdempotencyKey, Record, Scope, ScopeHash, Store};
 use serde_json::{Value, json};
@@ -89,12 +89,8 @@ fn json_response(status: StatusCode, value: &Value) -> Response<RecordsBody> {
 }
 
 impl<S: Store> RecordsService<S> {
-    fn scope<B>(&self, request: &Request<B>) -> Result<ScopeHash, (ProblemCode, String)> {
-        let (parts, ()) = Request::new(()).into_parts();
-        let mut parts = parts;
-        parts.headers = request.headers().clone();
-        parts.extensions = request.extensions().clone();
-        let tenant = match self.config.tenant.tenant(&parts) {
+    fn scope(&self, parts: &Parts) -> Result<ScopeHash, (ProblemCode, String)> {
+        let tenant = match self.config.tenant.tenant(parts) {
             Some(tenant) => tenant,
             None if self.config.allow_anonymous => ANONYMOUS_TENANT.to_owned(),
             None => {
@@ -104,7 +100,7 @@ impl<S: Store> RecordsService<S> {
         };
         let (mut method, mut path, mut key) = (None, None, None);
         for (name, value) in
-            form_urlencoded::parse(request.uri().query().unwrap_or_default().as_bytes())
+            form_urlencoded::parse(parts.uri.query().unwrap_or_default().as_bytes())
         {
             match &*name {
                 "method" => method = Some(value.into_owned()),
@@ -124,7 +120,8 @@ impl<S: Store> RecordsService<S> {
     }
 
     async fn answer<B>(&self, request: Request<B>) -> Response<RecordsBody> {
-        let scope = match self.scope(&request) {
+        let (parts, _) = request.into_parts();
+        let scope = match self.scope(&parts) {
             Ok(scope) => scope,
             Err((code, detail)) => return problem(code, &detail, None),
         };
@@ -137,7 +134,7 @@ impl<S: Store> RecordsService<S> {
                 Some(Duration::from_secs(1)),
             )
         };
-        match *request.method() {
+        match parts.method {
             Method::GET => match store_call(&self.config, "get", self.store.get(&scope)).await {
                 Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record)),
                 Ok(None) => not_found(),
