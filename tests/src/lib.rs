@@ -47,6 +47,33 @@ impl Drop for TestServer {
     }
 }
 
+/// The gateway's configuration in front of `upstream` on `127.0.0.1:0`,
+/// with extra flags.
+pub fn gateway_config(upstream: std::net::SocketAddr, flags: &[&str]) -> idem_gateway::Config {
+    use clap::Parser;
+    let url = format!("http://{upstream}");
+    let mut args = vec![
+        "idem-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &url,
+    ];
+    args.extend_from_slice(flags);
+    idem_gateway::Config::try_parse_from(args).expect("valid flags")
+}
+
+/// Starts a gateway in front of `upstream` that lives as long as the test
+/// process.
+pub async fn start_gateway(upstream: &TestServer, flags: &[&str]) -> idem_gateway::Started {
+    let (started, stop, _task) = idem_gateway::start(gateway_config(upstream.addr, flags))
+        .await
+        .expect("gateway starts");
+    // Dropping the trigger would shut the gateway down.
+    std::mem::forget(stop);
+    started
+}
+
 /// A response read whole.
 #[derive(Debug)]
 pub struct Reply {

@@ -4,33 +4,12 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use clap::Parser;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use idem_client::{ReplayBody, RetryInfo, RetryLayer};
-use idem_gateway::Config;
-use idem_tests::{TestServer, upstream::Upstream};
+use idem_tests::{TestServer, start_gateway, upstream::Upstream};
 use tower::{Layer, ServiceExt};
-
-/// A gateway on `127.0.0.1:0` in front of `upstream`, with extra flags.
-async fn gateway(upstream: &TestServer, flags: &[&str]) -> idem_gateway::Started {
-    let url = format!("http://{}", upstream.addr);
-    let mut args = vec![
-        "idem-gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &url,
-    ];
-    args.extend_from_slice(flags);
-    let (started, stop, _task) = idem_gateway::start(Config::try_parse_from(args).expect("flags"))
-        .await
-        .expect("gateway");
-    // The gateway lives as long as the test.
-    std::mem::forget(stop);
-    started
-}
 
 fn retrying_client() -> idem_client::Retry<
     Client<hyper_util::client::legacy::connect::HttpConnector, ReplayBody<Full<Bytes>>>,
@@ -49,7 +28,7 @@ fn retrying_client() -> idem_client::Retry<
 async fn a_retry_during_the_first_attempt_waits_and_is_replayed() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let started = gateway(&server, &["--lease", "2s"]).await;
+    let started = start_gateway(&server, &["--lease", "2s"]).await;
     let client = retrying_client();
     let request = || {
         Request::post(format!("http://{}/slow", started.addr))
@@ -98,7 +77,7 @@ async fn a_retry_during_the_first_attempt_waits_and_is_replayed() {
 async fn a_conflict_is_final() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let started = gateway(&server, &[]).await;
+    let started = start_gateway(&server, &[]).await;
     let client = retrying_client();
     let request = |body: &'static str| {
         Request::post(format!("http://{}/orders", started.addr))

@@ -24,16 +24,7 @@ struct Gateway {
 
 impl Gateway {
     async fn start(upstream: &TestServer, flags: &[&str]) -> Self {
-        let url = format!("http://{}", upstream.addr);
-        let mut args = vec![
-            "idem-gateway",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &url,
-        ];
-        args.extend_from_slice(flags);
-        let config = Config::try_parse_from(args).expect("valid flags");
+        let config = idem_tests::gateway_config(upstream.addr, flags);
         let (started, stop, task) = idem_gateway::start(config).await.expect("gateway starts");
         Self {
             started,

@@ -9,29 +9,9 @@ use std::{
 };
 
 use bytes::Bytes;
-use clap::Parser;
 use http::{Request, StatusCode};
 use http_body_util::Full;
-use idem_gateway::Config;
-use idem_tests::{TestServer, client, send, upstream::Upstream};
-
-async fn gateway(upstream: &TestServer, flags: &[&str]) -> std::net::SocketAddr {
-    let url = format!("http://{}", upstream.addr);
-    let mut args = vec![
-        "idem-gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &url,
-    ];
-    args.extend_from_slice(flags);
-    let (started, stop, _task) = idem_gateway::start(Config::try_parse_from(args).expect("flags"))
-        .await
-        .expect("start");
-    // Leak the stop trigger: the gateway lives as long as the test.
-    std::mem::forget(stop);
-    started.addr
-}
+use idem_tests::{TestServer, client, send, start_gateway, upstream::Upstream};
 
 /// Sends raw bytes, then reads what comes back until EOF or `wait`.
 fn raw(
@@ -59,7 +39,9 @@ fn raw(
 async fn slow_loris_heads_are_cut_off() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let addr = gateway(&server, &["--header-timeout", "300ms"]).await;
+    let addr = start_gateway(&server, &["--header-timeout", "300ms"])
+        .await
+        .addr;
     let (answer, elapsed) = tokio::task::spawn_blocking(move || {
         raw(
             addr,
@@ -85,7 +67,9 @@ async fn slow_loris_heads_are_cut_off() {
 async fn a_keyed_body_that_never_ends_is_408() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let addr = gateway(&server, &["--body-timeout", "300ms"]).await;
+    let addr = start_gateway(&server, &["--body-timeout", "300ms"])
+        .await
+        .addr;
     let head = b"POST /orders HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nIdempotency-Key: k\r\nContent-Length: 100\r\n\r\n0123456789";
     let (answer, elapsed) = tokio::task::spawn_blocking(move || {
         raw(addr, &[head], Duration::ZERO, Duration::from_secs(3))
@@ -102,7 +86,7 @@ async fn a_keyed_body_that_never_ends_is_408() {
 async fn oversized_heads_are_refused() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let addr = gateway(&server, &[]).await;
+    let addr = start_gateway(&server, &[]).await.addr;
     let mut head = b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k\r\n".to_vec();
     for i in 0..200 {
         head.extend_from_slice(format!("x-filler-{i}: {}\r\n", "v".repeat(32)).as_bytes());
@@ -121,7 +105,7 @@ async fn oversized_heads_are_refused() {
 async fn a_body_one_byte_over_the_limit_never_executes() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let addr = gateway(&server, &["--max-body", "1000"]).await;
+    let addr = start_gateway(&server, &["--max-body", "1000"]).await.addr;
     let client = client();
     let request = |len: usize, key: &str| {
         Request::post(format!("http://{addr}/orders"))
@@ -142,7 +126,9 @@ async fn a_body_one_byte_over_the_limit_never_executes() {
 async fn ten_thousand_keys_from_one_tenant_stay_bounded() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let addr = gateway(&server, &["--memory-capacity", "4000"]).await;
+    let addr = start_gateway(&server, &["--memory-capacity", "4000"])
+        .await
+        .addr;
     let client = client();
     let request = move |key: String| {
         Request::post(format!("http://{addr}/orders"))
