@@ -144,6 +144,7 @@ impl<E: std::error::Error + 'static> std::error::Error for Error<E> {
     }
 }
 
+#[derive(Clone)]
 struct Config {
     max_attempts: u32,
     base_delay: Duration,
@@ -199,23 +200,7 @@ impl RetryLayer {
     }
 
     fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
-        if let Some(config) = Arc::get_mut(&mut self.config) {
-            change(config);
-            return self;
-        }
-        let current = &self.config;
-        let mut copy = Config {
-            max_attempts: current.max_attempts,
-            base_delay: current.base_delay,
-            max_delay: current.max_delay,
-            deadline: current.deadline,
-            body_limit: current.body_limit,
-            attempt_timeout: current.attempt_timeout,
-            key_methods: current.key_methods.clone(),
-            budget: Arc::clone(&current.budget),
-        };
-        change(&mut copy);
-        self.config = Arc::new(copy);
+        change(Arc::make_mut(&mut self.config));
         self
     }
 
