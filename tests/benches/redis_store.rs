@@ -64,7 +64,7 @@ async fn new_key(store: &RedisStore) {
     else {
         panic!("expected a fresh reservation");
     };
-    let completion = store.complete(&lease, outcome()).await.expect("complete");
+    let completion = store.complete(&lease, &outcome()).await.expect("complete");
     assert_eq!(completion, idem_core::Completion::Recorded);
 }
 
@@ -145,7 +145,7 @@ fn redis_store(c: &mut Criterion) {
     let replayed = request("replayed");
     runtime.block_on(async {
         if let Reservation::Acquired(lease) = store.reserve(&replayed).await.expect("reserve") {
-            let _ = store.complete(&lease, outcome()).await.expect("complete");
+            let _ = store.complete(&lease, &outcome()).await.expect("complete");
         }
     });
     group.bench_function("store_replay", |b| {

@@ -401,13 +401,13 @@ async fn lease_taken_over_while_the_first_owner_runs() {
     assert_eq!(second.generation, 2);
     assert_eq!(
         store
-            .complete(&second, response(201, b"second"))
+            .complete(&second, &response(201, b"second"))
             .await
             .expect("complete"),
         Completion::Recorded
     );
     match store
-        .complete(&first, response(201, b"first"))
+        .complete(&first, &response(201, b"first"))
         .await
         .expect("complete")
     {
@@ -500,14 +500,11 @@ async fn repeated_writes_of_one_attempt_are_recognised() {
     };
     let outcome = response(201, b"once");
     assert_eq!(
-        store
-            .complete(&lease, outcome.clone())
-            .await
-            .expect("complete"),
+        store.complete(&lease, &outcome).await.expect("complete"),
         Completion::Recorded
     );
     assert_eq!(
-        store.complete(&lease, outcome).await.expect("complete"),
+        store.complete(&lease, &outcome).await.expect("complete"),
         Completion::Recorded
     );
     let record = store

@@ -131,7 +131,7 @@ pub async fn completed_replays_exact_response<H: Harness>(h: &H) {
     let outcome = response(201, &binary_body());
     assert_eq!(
         h.store()
-            .complete(&lease, outcome.clone())
+            .complete(&lease, &outcome)
             .await
             .expect("complete"),
         Completion::Recorded
@@ -166,7 +166,7 @@ pub async fn not_stored_outcome_is_kept<H: Harness>(h: &H) {
     let outcome = Outcome::NotStored { status: 200 };
     assert_eq!(
         h.store()
-            .complete(&lease, outcome.clone())
+            .complete(&lease, &outcome)
             .await
             .expect("complete"),
         Completion::Recorded
@@ -192,7 +192,7 @@ pub async fn conflict_leaves_record_untouched<H: Harness>(h: &H) {
     // completed
     assert_eq!(
         h.store()
-            .complete(&lease, response(200, b"ok"))
+            .complete(&lease, &response(200, b"ok"))
             .await
             .expect("complete"),
         Completion::Recorded
@@ -274,7 +274,7 @@ pub async fn renewal_outlives_retention<H: Harness>(h: &H) {
     ));
     assert_eq!(
         h.store()
-            .complete(&lease, response(200, b"late but fine"))
+            .complete(&lease, &response(200, b"late but fine"))
             .await
             .expect("complete"),
         Completion::Recorded
@@ -325,7 +325,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
     ));
     assert!(matches!(
         h.store()
-            .complete(&first, response(201, b"first"))
+            .complete(&first, &response(201, b"first"))
             .await
             .expect("complete"),
         Completion::Fenced(Current::Processing { .. })
@@ -349,7 +349,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
     let second_outcome = response(202, b"second");
     assert_eq!(
         h.store()
-            .complete(&second, second_outcome.clone())
+            .complete(&second, &second_outcome)
             .await
             .expect("complete"),
         Completion::Recorded
@@ -360,7 +360,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
     }
     match h
         .store()
-        .complete(&first, response(500, b"again"))
+        .complete(&first, &response(500, b"again"))
         .await
         .expect("complete")
     {
@@ -396,7 +396,7 @@ pub async fn wrong_token_is_fenced<H: Harness>(h: &H) {
     };
     assert!(matches!(
         h.store()
-            .complete(&forged, response(200, b"x"))
+            .complete(&forged, &response(200, b"x"))
             .await
             .expect("complete"),
         Completion::Fenced(_)
@@ -411,7 +411,7 @@ pub async fn wrong_token_is_fenced<H: Harness>(h: &H) {
     ));
     assert_eq!(
         h.store()
-            .complete(&lease, response(200, b"x"))
+            .complete(&lease, &response(200, b"x"))
             .await
             .expect("complete"),
         Completion::Recorded
@@ -448,7 +448,7 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
     // The released attempt can write nothing any more.
     assert!(matches!(
         h.store()
-            .complete(&first, response(200, b"late"))
+            .complete(&first, &response(200, b"late"))
             .await
             .expect("complete"),
         Completion::Fenced(_)
@@ -469,7 +469,7 @@ pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
     }
     assert_eq!(
         h.store()
-            .complete(&lease, response(201, b"done"))
+            .complete(&lease, &response(201, b"done"))
             .await
             .expect("complete"),
         Completion::Fenced(Current::Cancelled)
@@ -504,7 +504,7 @@ pub async fn cancel_after_completion_reports_outcome<H: Harness>(h: &H) {
     let outcome = response(201, b"created");
     assert_eq!(
         h.store()
-            .complete(&lease, outcome.clone())
+            .complete(&lease, &outcome)
             .await
             .expect("complete"),
         Completion::Recorded
@@ -542,7 +542,7 @@ pub async fn expiry_after_retention<H: Harness>(h: &H) {
     let lease = acquire(h, &scope, 1).await;
     assert_eq!(
         h.store()
-            .complete(&lease, response(200, b"old"))
+            .complete(&lease, &response(200, b"old"))
             .await
             .expect("complete"),
         Completion::Recorded
@@ -591,7 +591,7 @@ pub async fn tenants_are_isolated<H: Harness>(h: &H) {
     let lease = acquire(h, &a, 1).await;
     assert_eq!(
         h.store()
-            .complete(&lease, response(201, b"a"))
+            .complete(&lease, &response(201, b"a"))
             .await
             .expect("complete"),
         Completion::Recorded

@@ -216,7 +216,7 @@ pub fn renew(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Renewal {
 pub fn complete(
     slot: &mut Option<Record>,
     lease: &Lease,
-    outcome: Outcome,
+    outcome: &Outcome,
     now_ms: u64,
 ) -> Completion {
     expire(slot, now_ms);
@@ -237,7 +237,8 @@ pub fn complete(
         end_current_attempt(record, AttemptOutcome::Completed { status }, now_ms);
         record.state = RecordState::Completed;
         record.owner = None;
-        record.outcome = Some(outcome);
+        // Copied only when it becomes the result; a fenced write needs only its status.
+        record.outcome = Some(outcome.clone());
         record.completed_at_ms = Some(now_ms);
         record.updated_at_ms = now_ms;
     }

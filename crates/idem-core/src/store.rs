@@ -200,7 +200,7 @@ pub trait Store: Send + Sync + 'static {
     fn complete(
         &self,
         lease: &Lease,
-        outcome: Outcome,
+        outcome: &Outcome,
     ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
 
     /// Frees the key after a temporary failure, if `lease` is still current.
@@ -243,7 +243,7 @@ impl<S: Store> Store for std::sync::Arc<S> {
     fn complete(
         &self,
         lease: &Lease,
-        outcome: Outcome,
+        outcome: &Outcome,
     ) -> impl Future<Output = Result<Completion, StoreError>> + Send {
         (**self).complete(lease, outcome)
     }

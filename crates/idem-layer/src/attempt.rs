@@ -183,7 +183,7 @@ where
         release().await;
         return Ok(Response::from_parts(parts, body));
     }
-    match store_call(config, "complete", store.complete(&lease, outcome.clone())).await {
+    match store_call(config, "complete", store.complete(&lease, &outcome)).await {
         Ok(Completion::Recorded) => m::count(Counted::Executed),
         Ok(Completion::Fenced(current)) => {
             m::count(Counted::Fenced);
@@ -214,7 +214,7 @@ async fn record_later<S: Store>(layer: IdempotencyLayer<S>, lease: Lease, outcom
         match store_call(
             &layer.config,
             "complete",
-            layer.store.complete(&lease, outcome.clone()),
+            layer.store.complete(&lease, &outcome),
         )
         .await
         {

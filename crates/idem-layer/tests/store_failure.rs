@@ -56,7 +56,7 @@ impl Store for Switched {
         self.gate().await?;
         self.inner.renew(lease).await
     }
-    async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<Completion, StoreError> {
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
         if self
             .mode
             .compare_exchange(FAIL_NEXT_COMPLETE, OK, Ordering::SeqCst, Ordering::SeqCst)

@@ -339,7 +339,7 @@ impl Store for MemoryStore {
         Ok(self.with_slot(&lease.scope, |slot, now| machine::renew(slot, lease, now)))
     }
 
-    async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<Completion, StoreError> {
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
         Ok(self.with_slot(&lease.scope, |slot, now| {
             machine::complete(slot, lease, outcome, now)
         }))

@@ -246,7 +246,7 @@ async fn run(ops: Vec<Op>) {
                 };
                 let expected = model.complete(key, id, status);
                 let actual = match store
-                    .complete(&lease, outcome(status))
+                    .complete(&lease, &outcome(status))
                     .await
                     .expect("complete")
                 {

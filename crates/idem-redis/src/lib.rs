@@ -742,14 +742,14 @@ impl Store for RedisStore {
         Ok(Renewal::Fenced(decode_current(&reply)?))
     }
 
-    async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<Completion, StoreError> {
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
         let mut invocation = self.scripts.complete.prepare_invoke();
         invocation.key(self.record_key(&lease.scope));
         lease_args(&mut invocation, lease);
         invocation
             .arg(lease.attempt.to_string())
             .arg(outcome.status());
-        match &outcome {
+        match outcome {
             Outcome::Stored(response) => {
                 invocation
                     .arg("1")
