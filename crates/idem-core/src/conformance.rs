@@ -536,6 +536,25 @@ pub async fn cancel_absent_is_not_found<H: Harness>(h: &H) {
     ));
 }
 
+/// A released record is vacant: cancel finds nothing, and the key stays
+/// free for the next request.
+pub async fn cancel_released_is_not_found<H: Harness>(h: &H) {
+    let scope = fresh_scope("released-cancel");
+    let lease = acquire(h, &scope, 1).await;
+    assert_eq!(
+        h.store().release(&lease).await.expect("release"),
+        Release::Released
+    );
+    assert_eq!(
+        h.store().cancel(scope.hash()).await.expect("cancel"),
+        Cancellation::NotFound
+    );
+    assert!(matches!(
+        reserve(h, &scope, 2).await,
+        Reservation::Acquired(_)
+    ));
+}
+
 /// After the retention window the key is new again.
 pub async fn expiry_after_retention<H: Harness>(h: &H) {
     let scope = fresh_scope("expire");
@@ -639,6 +658,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     cancel_processing_fences_completion(h).await;
     cancel_after_completion_reports_outcome(h).await;
     cancel_absent_is_not_found(h).await;
+    cancel_released_is_not_found(h).await;
     expiry_after_retention(h).await;
     attempt_history_is_bounded(h).await;
     tenants_are_isolated(h).await;
@@ -668,6 +688,7 @@ macro_rules! conformance_tests {
             cancel_processing_fences_completion,
             cancel_after_completion_reports_outcome,
             cancel_absent_is_not_found,
+            cancel_released_is_not_found,
             expiry_after_retention,
             attempt_history_is_bounded,
             tenants_are_isolated

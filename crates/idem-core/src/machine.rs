@@ -271,7 +271,10 @@ pub fn cancel(slot: &mut Option<Record>, now_ms: u64) -> Cancellation {
     match record.state {
         RecordState::Completed => Cancellation::AlreadyCompleted(record.clone()),
         RecordState::Cancelled => Cancellation::AlreadyCancelled(record.clone()),
-        RecordState::Processing | RecordState::Released => {
+        // A released record is vacant: the key is free, nothing runs, and
+        // cancelling it would block the key for the whole retention.
+        RecordState::Released => Cancellation::NotFound,
+        RecordState::Processing => {
             end_current_attempt(record, AttemptOutcome::Cancelled, now_ms);
             record.state = RecordState::Cancelled;
             record.owner = None;

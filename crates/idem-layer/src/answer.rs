@@ -41,10 +41,18 @@ pub(crate) fn storable_headers(
         .collect()
 }
 
-pub(crate) fn in_progress<B>(retry_after: Duration) -> Response<ResponseBody<B>> {
+/// The longest `Retry-After` hint of a `409 idempotency_in_progress`.
+const IN_PROGRESS_HINT: Duration = Duration::from_secs(2);
+
+/// `409 idempotency_in_progress`, with a short `Retry-After` hint: whole
+/// seconds, at least 1, at most 2 and never more than the lease left
+/// (rounded down). Most attempts finish well before their lease; a hint
+/// of the whole lease (30 s by default) would outlast a client's deadline.
+pub(crate) fn in_progress<B>(lease_left: Duration) -> Response<ResponseBody<B>> {
     m::count(Counted::InProgress);
     let detail = "a request with this Idempotency-Key is being processed; retry later";
-    problem(ProblemCode::InProgress, detail, Some(retry_after))
+    let hint = Duration::from_secs(lease_left.min(IN_PROGRESS_HINT).as_secs().max(1));
+    problem(ProblemCode::InProgress, detail, Some(hint))
 }
 
 pub(crate) fn cancelled<B>() -> Response<ResponseBody<B>> {

@@ -4,22 +4,25 @@
 use std::{collections::VecDeque, future::Future, panic::AssertUnwindSafe, time::Duration};
 
 use bytes::{Bytes, BytesMut};
-use futures_util::FutureExt;
+use futures_util::{
+    FutureExt,
+    future::{Either, select},
+};
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
-use idem_core::{Completion, Lease, Outcome, Release, Renewal, Store, StoredResponse};
+use idem_core::{Completion, Current, Lease, Outcome, Release, Renewal, Store, StoredResponse};
 use tower::Service;
 use tracing::Instrument;
 
 use crate::{
-    IdempotencyLayer, ResponseBody,
+    IdempotencyLayer, LateResponse, ResponseBody, UnknownOutcome,
     answer::{answer_current, storable_headers},
     body::BoxError,
     layer::Config,
     metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
-    service::store_call,
+    service::{deadline_after, store_call},
 };
 
 /// What the handler produced, read as far as the storable limit.
@@ -77,34 +80,178 @@ where
     Buffered::Complete { parts, body }
 }
 
-/// Drives `work` while renewing the lease every third of its length.
+/// Keeps the lease alive: renews it every third of its length; a failed
+/// renewal is retried promptly (every quarter period, at most 1 s) until
+/// the lease, as last renewed, would lapse. Returns when the lease is lost:
+/// fenced by a newer attempt or a cancellation, or lapsed because renewals
+/// kept failing.
+async fn keep_alive<S: Store>(config: &Config, store: &S, lease: &Lease) {
+    let period = (lease.ttl / 3).max(Duration::from_millis(1));
+    let retry = (period / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let mut held_until = deadline_after(lease.ttl);
+    let mut next = deadline_after(period);
+    loop {
+        tokio::time::sleep_until(next).await;
+        let sent = tokio::time::Instant::now();
+        match store_call(config, "renew", store.renew(lease)).await {
+            Ok(Renewal::Renewed) => {
+                held_until = sent.checked_add(lease.ttl).unwrap_or(held_until);
+                next = sent.checked_add(period).unwrap_or(held_until);
+            }
+            Ok(Renewal::Fenced(_)) => {
+                // The attempt keeps running: stopping a handler half-way is
+                // worse. Its completion will be fenced and kept as late
+                // evidence.
+                tracing::warn!("lease lost while the attempt runs");
+                return;
+            }
+            Err(error) => {
+                let now = tokio::time::Instant::now();
+                if now >= held_until {
+                    tracing::error!(%error, "lease renewal failed until the lease lapsed");
+                    return;
+                }
+                tracing::warn!(%error, "lease renewal failed; retrying");
+                next = (now + retry).min(held_until);
+            }
+        }
+    }
+}
+
+/// Drives `work` to its end while the lease is kept alive beside it (both
+/// polled concurrently: a slow renewal never stalls the work).
 async fn renewing<S: Store, T>(
     config: &Config,
     store: &S,
     lease: &Lease,
     work: impl Future<Output = T>,
 ) -> T {
-    let period = (config.lease / 3).max(Duration::from_millis(1));
-    let mut work = std::pin::pin!(work);
-    let mut renew = true;
-    loop {
-        tokio::select! {
-            biased;
-            output = &mut work => return output,
-            () = tokio::time::sleep(period), if renew => {
-                match store_call(config, "renew", store.renew(lease)).await {
-                    Ok(Renewal::Renewed) => {}
-                    Ok(Renewal::Fenced(_)) => {
-                        // Keep running: stopping a handler half-way is worse. Its
-                        // completion will be fenced and kept as late evidence.
-                        tracing::warn!("lease lost while the handler runs");
-                        renew = false;
-                    }
-                    Err(error) => tracing::warn!(%error, "lease renewal failed; retrying"),
-                }
-            }
+    let work = std::pin::pin!(work);
+    let keeper = std::pin::pin!(keep_alive(config, store, lease));
+    match select(work, keeper).await {
+        Either::Left((output, _)) => output,
+        Either::Right(((), work)) => work.await,
+    }
+}
+
+/// Drives `work` while the lease is held; `None` once it is lost.
+async fn while_held<S: Store, T>(
+    config: &Config,
+    store: &S,
+    lease: &Lease,
+    work: impl Future<Output = T>,
+) -> Option<T> {
+    let work = std::pin::pin!(work);
+    let keeper = std::pin::pin!(keep_alive(config, store, lease));
+    match select(work, keeper).await {
+        Either::Left((output, _)) => Some(output),
+        Either::Right(_) => None,
+    }
+}
+
+/// Releases the key after a temporary failure. Answers what the record
+/// says now when the lease was lost (the attempt was superseded or
+/// cancelled), so the attempt's client can get that instead.
+pub(crate) async fn release<S: Store>(
+    layer: &IdempotencyLayer<S>,
+    lease: &Lease,
+) -> Option<Current> {
+    m::count(Counted::Released);
+    match store_call(&layer.config, "release", layer.store.release(lease)).await {
+        Ok(Release::Released) => None,
+        Ok(Release::Fenced(current)) => {
+            m::count(Counted::Fenced);
+            Some(current)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "could not release the reservation");
+            None
         }
     }
+}
+
+/// Records what an attempt produced: stores the outcome, or releases the
+/// key when the predicate calls the status temporary. Answers what the
+/// record says now when the attempt was fenced. A completion that hits a
+/// store error is retried in the background while the lease is held.
+async fn settle<S: Store>(
+    layer: &IdempotencyLayer<S>,
+    lease: &Lease,
+    status: http::StatusCode,
+    outcome: Outcome,
+) -> Option<Current> {
+    if !(layer.config.should_store)(status) {
+        return release(layer, lease).await;
+    }
+    match store_call(
+        &layer.config,
+        "complete",
+        layer.store.complete(lease, &outcome),
+    )
+    .await
+    {
+        Ok(Completion::Recorded) => {
+            m::count(Counted::Executed);
+            None
+        }
+        Ok(Completion::Fenced(current)) => {
+            m::count(Counted::Fenced);
+            tracing::warn!("completion fenced: a newer attempt or a cancellation owns the record");
+            Some(current)
+        }
+        Err(error) => {
+            // The action ran; its client gets the real response, and the
+            // outcome is recorded in the background while the lease is
+            // held, so a store blip does not turn into a takeover and a
+            // second execution.
+            m::count(Counted::StoreError);
+            tracing::error!(%error, "could not record the outcome yet; retrying while the lease is held");
+            layer
+                .tasks
+                .spawn(record_later(layer.clone(), lease.clone(), outcome).in_current_span());
+            None
+        }
+    }
+}
+
+/// The outcome of a buffered response, and the body its client gets.
+fn outcome_of<B>(
+    buffered: Buffered<B>,
+) -> Result<(http::response::Parts, ResponseBody<B>, Outcome), BoxError>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    Ok(match buffered {
+        Buffered::Complete { parts, body } => {
+            let stored = StoredResponse {
+                status: parts.status.as_u16(),
+                headers: Vec::new(),
+                body: body.clone(),
+            };
+            (parts, ResponseBody::full(body), Outcome::Stored(stored))
+        }
+        Buffered::TooLarge {
+            parts,
+            prefix,
+            rest,
+        } => {
+            let status = parts.status.as_u16();
+            (
+                parts,
+                ResponseBody::prefixed(prefix, rest),
+                Outcome::NotStored { status },
+            )
+        }
+        Buffered::Failed(error) => return Err(error),
+    })
+}
+
+/// What the inner service produced.
+enum Produced<B> {
+    /// An answer, buffered up to the storable limit.
+    Answer(Buffered<B>),
+    /// A response whose outcome the inner service does not know.
+    Unknown(Response<B>, UnknownOutcome),
 }
 
 /// One execution of the handler under `lease`, and the recording of its
@@ -125,112 +272,130 @@ where
     let store = &*layer.store;
     let max_response = config.max_response;
     let work = AssertUnwindSafe(async move {
-        let response = inner.call(request).await?;
-        Ok(buffer(response, max_response).await)
+        let mut response = inner.call(request).await?;
+        if let Some(unknown) = response.extensions_mut().remove::<UnknownOutcome>() {
+            return Ok(Produced::Unknown(response, unknown));
+        }
+        Ok(Produced::Answer(buffer(response, max_response).await))
     })
     .catch_unwind();
-    let release = || async {
-        m::count(Counted::Released);
-        match store_call(config, "release", store.release(&lease)).await {
-            Ok(Release::Released) => {}
-            Ok(Release::Fenced(_)) => m::count(Counted::Fenced),
-            Err(error) => tracing::warn!(%error, "could not release the reservation"),
+    // A failed attempt releases the key; if it was superseded meanwhile,
+    // its client gets what the record says now instead of its own failure.
+    let (layer_ref, lease_ref) = (&layer, &lease);
+    let failed = |detail: String| async move {
+        match release(layer_ref, lease_ref).await.and_then(answer_current) {
+            Some(answer) => answer,
+            None => problem(ProblemCode::HandlerFailed, &detail, None),
         }
     };
     let buffered = match renewing(config, store, &lease, work).await {
-        Ok(Ok(buffered)) => buffered,
+        Ok(Ok(Produced::Answer(buffered))) => buffered,
+        Ok(Ok(Produced::Unknown(response, unknown))) => {
+            m::count(Counted::Unknown);
+            tracing::warn!(
+                status = response.status().as_u16(),
+                "outcome unknown: the key stays reserved while a late answer may come"
+            );
+            let late = unknown.take_late();
+            layer
+                .tasks
+                .spawn(await_late(layer.clone(), lease, late).in_current_span());
+            return Ok(response.map(ResponseBody::inner));
+        }
         Ok(Err(error)) => {
-            release().await;
-            return Err(error);
-        }
-        Err(_panic) => {
-            release().await;
-            return Ok(problem(
-                ProblemCode::HandlerFailed,
-                "the handler panicked",
-                None,
-            ));
-        }
-    };
-    let (parts, body, outcome) = match buffered {
-        Buffered::Complete { parts, body } => {
-            let stored = StoredResponse {
-                status: parts.status.as_u16(),
-                headers: storable_headers(&parts.headers, &config.replay_denylist),
-                body: body.clone(),
+            return match release(&layer, &lease).await.and_then(answer_current) {
+                Some(answer) => Ok(answer),
+                None => Err(error),
             };
-            (parts, ResponseBody::full(body), Outcome::Stored(stored))
         }
-        Buffered::TooLarge {
-            parts,
-            prefix,
-            rest,
-        } => {
-            let status = parts.status.as_u16();
-            (
-                parts,
-                ResponseBody::prefixed(prefix, rest),
-                Outcome::NotStored { status },
-            )
-        }
-        Buffered::Failed(error) => {
-            release().await;
-            let detail = format!("the handler's response body failed: {error}");
-            return Ok(problem(ProblemCode::HandlerFailed, &detail, None));
+        Err(_panic) => return Ok(failed("the handler panicked".to_owned()).await),
+    };
+    let (parts, body, mut outcome) = match outcome_of(buffered) {
+        Ok(produced) => produced,
+        Err(error) => {
+            return Ok(failed(format!("the handler's response body failed: {error}")).await);
         }
     };
-    if !(config.should_store)(parts.status) {
-        release().await;
-        return Ok(Response::from_parts(parts, body));
+    if let Outcome::Stored(stored) = &mut outcome {
+        stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
     }
-    match store_call(config, "complete", store.complete(&lease, &outcome)).await {
-        Ok(Completion::Recorded) => m::count(Counted::Executed),
-        Ok(Completion::Fenced(current)) => {
-            m::count(Counted::Fenced);
-            tracing::warn!("completion fenced: a newer attempt or a cancellation owns the record");
-            if let Some(answer) = answer_current(current) {
-                return Ok(answer);
-            }
-        }
-        Err(error) => {
-            // The handler ran; its client gets the real response, and the
-            // outcome is recorded in the background while the lease lives,
-            // so a store blip does not turn into a takeover and a second
-            // execution.
-            m::count(Counted::StoreError);
-            tracing::error!(%error, "could not record the outcome yet; retrying while the lease lives");
-            tokio::spawn(record_later(layer.clone(), lease, outcome).in_current_span());
-        }
+    match settle(&layer, &lease, parts.status, outcome)
+        .await
+        .and_then(answer_current)
+    {
+        Some(answer) => Ok(answer),
+        None => Ok(Response::from_parts(parts, body)),
     }
-    Ok(Response::from_parts(parts, body))
 }
 
-/// Retries a completion that failed on a store error, every 100 ms, until
-/// it is recorded or fenced, or the lease would have lapsed.
-async fn record_later<S: Store>(layer: IdempotencyLayer<S>, lease: Lease, outcome: Outcome) {
-    let deadline = tokio::time::Instant::now() + lease.ttl;
-    while tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        match store_call(
-            &layer.config,
-            "complete",
-            layer.store.complete(&lease, &outcome),
-        )
-        .await
-        {
-            Ok(Completion::Recorded) => {
-                m::count(Counted::Executed);
-                tracing::info!("outcome recorded after a store error");
-                return;
+/// After an unknown outcome: waits (bounded, renewing the lease) for the
+/// late answer and records it, so that a retry replays it. If none comes,
+/// the lease is left to lapse: a later retry takes over with the next
+/// generation, which the executor can see.
+async fn await_late<S: Store>(
+    layer: IdempotencyLayer<S>,
+    lease: Lease,
+    late: Option<futures_util::future::BoxFuture<'static, Option<LateResponse>>>,
+) {
+    let Some(late) = late else {
+        tracing::warn!("outcome unknown and no answer can come; the lease will lapse");
+        return;
+    };
+    let config = &*layer.config;
+    let max_response = config.max_response;
+    let answer = tokio::time::timeout(config.unknown_wait, async move {
+        let response = late.await?;
+        Some(buffer(response, max_response).await)
+    });
+    let produced = match renewing(config, &*layer.store, &lease, answer).await {
+        Ok(Some(buffered)) => outcome_of(buffered),
+        Ok(None) | Err(_) => {
+            tracing::warn!("no late answer came; the lease will lapse and a retry takes over");
+            return;
+        }
+    };
+    match produced {
+        Ok((parts, _, mut outcome)) => {
+            if let Outcome::Stored(stored) = &mut outcome {
+                stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
             }
-            Ok(Completion::Fenced(_)) => {
-                m::count(Counted::Fenced);
-                return;
-            }
-            Err(error) => tracing::debug!(%error, "recording the outcome failed again"),
+            tracing::info!(
+                status = parts.status.as_u16(),
+                "late answer arrived; recording it"
+            );
+            let _ = settle(&layer, &lease, parts.status, outcome).await;
+        }
+        Err(error) => {
+            tracing::warn!(%error, "the late answer's body failed; the lease will lapse");
         }
     }
-    tracing::error!(
-        "the outcome could not be recorded before the lease lapsed; a retry will take over"
-    );
+}
+
+/// Retries a completion that failed on a store error, every 100 ms, while
+/// the lease is held (renewing it), until it is recorded or fenced.
+async fn record_later<S: Store>(layer: IdempotencyLayer<S>, lease: Lease, outcome: Outcome) {
+    let config = &*layer.config;
+    let store = &*layer.store;
+    let retries = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            match store_call(config, "complete", store.complete(&lease, &outcome)).await {
+                Ok(Completion::Recorded) => {
+                    m::count(Counted::Executed);
+                    tracing::info!("outcome recorded after a store error");
+                    return;
+                }
+                Ok(Completion::Fenced(_)) => {
+                    m::count(Counted::Fenced);
+                    return;
+                }
+                Err(error) => tracing::debug!(%error, "recording the outcome failed again"),
+            }
+        }
+    };
+    if while_held(config, store, &lease, retries).await.is_none() {
+        tracing::error!(
+            "the outcome could not be recorded before the lease was lost; a retry will take over"
+        );
+    }
 }

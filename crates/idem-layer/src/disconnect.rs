@@ -6,25 +6,25 @@ use std::{
 };
 
 use idem_core::{Lease, Store};
+use tokio_util::task::TaskTracker;
 
-use crate::{
-    IdempotencyLayer,
-    metrics::{self as m, Outcome as Counted},
-    service::store_call,
-};
+use crate::IdempotencyLayer;
 
 /// Polls a future inline; if dropped before it finished, spawns the rest
 /// of it so it still runs to completion (on-disconnect `Detach` mode). This
 /// costs no task per request, yet a client disconnect never cancels a
 /// handler half-way.
+/// The spawned rest is tracked, so a graceful shutdown waits for it.
 pub(crate) struct RunToCompletion<F: Future + Send + 'static> {
     future: Option<std::pin::Pin<Box<F>>>,
+    tasks: TaskTracker,
 }
 
 impl<F: Future + Send + 'static> RunToCompletion<F> {
-    pub(crate) fn new(future: F) -> Self {
+    pub(crate) fn new(future: F, tasks: TaskTracker) -> Self {
         Self {
             future: Some(Box::pin(future)),
+            tasks,
         }
     }
 }
@@ -48,9 +48,12 @@ impl<F: Future + Send + 'static> Drop for RunToCompletion<F> {
             return;
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = future.await;
-            });
+            self.tasks.spawn_on(
+                async move {
+                    let _ = future.await;
+                },
+                &runtime,
+            );
         }
     }
 }
@@ -77,12 +80,12 @@ impl<S: Store> Drop for ReleaseOnDrop<S> {
             return;
         };
         let layer = self.layer.clone();
-        runtime.spawn(async move {
-            m::count(Counted::Released);
-            let released = store_call(&layer.config, "release", layer.store.release(&lease)).await;
-            if let Err(error) = released {
-                tracing::warn!(%error, "could not release the reservation of a dropped request");
-            }
-        });
+        let tasks = layer.tasks.clone();
+        tasks.spawn_on(
+            async move {
+                crate::attempt::release(&layer, &lease).await;
+            },
+            &runtime,
+        );
     }
 }

@@ -10,11 +10,14 @@
 //! The JSON body is hashed in its canonical form without writing the
 //! canonical text out: one pass over serde_json's parser writes tagged,
 //! length-prefixed tokens with object members in RFC 8785 order (UTF-16
-//! code units of the key) and numbers in their RFC 8785 spelling
-//! (ECMAScript `Number.prototype.toString`, via `ryu-js`). Two bodies get
-//! the same fingerprint exactly when their RFC 8785 forms are equal; the
-//! tests check this against the `serde_json_canonicalizer` crate, which
-//! [`canonical_json`] uses to produce the canonical text itself. A repeated
+//! code units of the key). Numbers are taken by their exact decimal value,
+//! not as IEEE 754 doubles: `1.0`, `1` and `1e0` are one value, but
+//! `10000000000000001` and `10000000000000000` differ, however many digits
+//! they have (RFC 8785 would round both to one double and so let a changed
+//! amount replay the first). Otherwise two bodies get the same fingerprint
+//! exactly when their RFC 8785 forms are equal; the tests check this
+//! against the `serde_json_canonicalizer` crate, which [`canonical_json`]
+//! uses to produce the canonical text itself. A repeated
 //! key, which RFC 8785 does not allow, makes the body raw bytes, as the
 //! canonicalizer does. Skipping the text and the `Value` tree makes this
 //! several times faster than canonicalizing.
@@ -67,12 +70,128 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 fn canonical_tokens(body: &[u8]) -> Option<Vec<u8>> {
     use serde::de::DeserializeSeed;
     let mut out = Vec::with_capacity(body.len() + 64);
+    let mut numbers = NumberTexts::new(body);
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    Canon { out: &mut out }
-        .deserialize(&mut deserializer)
-        .ok()?;
+    Canon {
+        out: &mut out,
+        numbers: &mut numbers,
+    }
+    .deserialize(&mut deserializer)
+    .ok()?;
     deserializer.end().ok()?;
     Some(out)
+}
+
+/// The number literals of a JSON text, in document order. serde_json hands
+/// the visitor numbers as doubles or 64-bit integers, which loses digits;
+/// the parser visits values in document order, so the visitor takes each
+/// number's own text from this scan instead. The scan relies on the text
+/// being valid JSON, which the parser checks.
+struct NumberTexts<'a> {
+    body: &'a [u8],
+    at: usize,
+}
+
+impl<'a> NumberTexts<'a> {
+    fn new(body: &'a [u8]) -> Self {
+        Self { body, at: 0 }
+    }
+
+    /// The next number literal outside strings.
+    fn next_number(&mut self) -> Option<&'a [u8]> {
+        let body = self.body;
+        let mut i = self.at;
+        while i < body.len() {
+            match body[i] {
+                b'"' => {
+                    i += 1;
+                    while i < body.len() && body[i] != b'"' {
+                        i += if body[i] == b'\\' { 2 } else { 1 };
+                    }
+                    i += 1;
+                }
+                b'-' | b'0'..=b'9' => {
+                    let start = i;
+                    while i < body.len()
+                        && matches!(body[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
+                    {
+                        i += 1;
+                    }
+                    self.at = i;
+                    return Some(&body[start..i]);
+                }
+                _ => i += 1,
+            }
+        }
+        self.at = i;
+        None
+    }
+}
+
+/// Writes the exact value of a JSON number literal in one spelling:
+/// `[-]digits e exponent` with no leading or trailing zeros in the digits
+/// (zero is `0`, whatever its sign or exponent). Two literals get the same
+/// spelling exactly when their values are equal.
+fn exact_number(out: &mut Vec<u8>, literal: &[u8]) {
+    let (negative, rest) = match literal.split_first() {
+        Some((b'-', rest)) => (true, rest),
+        _ => (false, literal),
+    };
+    let mantissa_end = rest
+        .iter()
+        .position(|b| matches!(b, b'e' | b'E'))
+        .unwrap_or(rest.len());
+    let (mantissa, exponent_text) = rest.split_at(mantissa_end);
+    let (int_part, frac_part) = match mantissa.iter().position(|b| *b == b'.') {
+        Some(dot) => (&mantissa[..dot], &mantissa[dot + 1..]),
+        None => (mantissa, &mantissa[..0]),
+    };
+    // The exponent saturates: JSON numbers whose exponents differ by more
+    // than i64 can say are beyond any real payload (serde_json refuses them
+    // long before).
+    let mut exponent: i64 = 0;
+    let mut exponent_digits = exponent_text.get(1..).unwrap_or_default();
+    let exponent_negative = match exponent_digits.first() {
+        Some(b'-') => {
+            exponent_digits = &exponent_digits[1..];
+            true
+        }
+        Some(b'+') => {
+            exponent_digits = &exponent_digits[1..];
+            false
+        }
+        _ => false,
+    };
+    for digit in exponent_digits {
+        exponent = exponent
+            .saturating_mul(10)
+            .saturating_add(i64::from(digit - b'0'));
+    }
+    if exponent_negative {
+        exponent = -exponent;
+    }
+    let digits_all = int_part.iter().chain(frac_part);
+    let mut digits: Vec<u8> = digits_all.copied().skip_while(|d| *d == b'0').collect();
+    exponent = exponent.saturating_sub(i64::try_from(frac_part.len()).unwrap_or(i64::MAX));
+    while digits.last() == Some(&b'0') {
+        digits.pop();
+        exponent = exponent.saturating_add(1);
+    }
+    out.push(b'd');
+    let start = out.len();
+    out.extend_from_slice(&[0; 8]);
+    if digits.is_empty() {
+        out.push(b'0');
+    } else {
+        if negative {
+            out.push(b'-');
+        }
+        out.extend_from_slice(&digits);
+        out.push(b'e');
+        out.extend_from_slice(itoa::Buffer::new().format(exponent).as_bytes());
+    }
+    let len = (out.len() - start - 8) as u64;
+    out[start..start + 8].copy_from_slice(&len.to_be_bytes());
 }
 
 /// Orders strings by their UTF-16 code units, as RFC 8785 sorts keys.
@@ -91,8 +210,9 @@ fn put_part(out: &mut Vec<u8>, tag: u8, part: &[u8]) {
 }
 
 /// Writes one JSON value's canonical tokens.
-struct Canon<'o> {
+struct Canon<'o, 'b> {
     out: &'o mut Vec<u8>,
+    numbers: &'o mut NumberTexts<'b>,
 }
 
 /// Reads an object key, borrowed from the input when it has no escapes.
@@ -129,25 +249,19 @@ impl<'de> serde::de::Visitor<'de> for Key {
     }
 }
 
-impl Canon<'_> {
-    /// RFC 8785 numbers are IEEE 754 doubles spelled as ECMAScript's
-    /// `Number.prototype.toString` does (via `ryu-js`); integers that a
-    /// double holds exactly take the fast path, with the same spelling.
-    fn number_f64(self, value: f64) {
-        let mut buffer = ryu_js::Buffer::new();
-        put_part(self.out, b'd', buffer.format(value).as_bytes());
-    }
-
-    fn number_u64(self, value: u64) {
-        if value <= 1 << 53 {
-            put_part(self.out, b'd', itoa::Buffer::new().format(value).as_bytes());
-        } else {
-            self.number_f64(value as f64);
+impl Canon<'_, '_> {
+    /// Any number: its exact value, from its own text.
+    fn number(self) {
+        match self.numbers.next_number() {
+            Some(literal) => exact_number(self.out, literal),
+            // Not reached for valid JSON; a distinct token keeps the
+            // fingerprint well defined anyway.
+            None => self.out.push(b'?'),
         }
     }
 }
 
-impl<'de> serde::de::DeserializeSeed<'de> for Canon<'_> {
+impl<'de> serde::de::DeserializeSeed<'de> for Canon<'_, '_> {
     type Value = ();
 
     fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
@@ -155,7 +269,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for Canon<'_> {
     }
 }
 
-impl<'de> serde::de::Visitor<'de> for Canon<'_> {
+impl<'de> serde::de::Visitor<'de> for Canon<'_, '_> {
     type Value = ();
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -172,24 +286,18 @@ impl<'de> serde::de::Visitor<'de> for Canon<'_> {
         Ok(())
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        self.number_u64(v);
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        self.number();
         Ok(())
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        if v >= 0 {
-            self.number_u64(v.unsigned_abs());
-        } else if v.unsigned_abs() <= 1 << 53 {
-            put_part(self.out, b'd', itoa::Buffer::new().format(v).as_bytes());
-        } else {
-            self.number_f64(v as f64);
-        }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        self.number();
         Ok(())
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
-        self.number_f64(v);
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        self.number();
         Ok(())
     }
 
@@ -206,6 +314,7 @@ impl<'de> serde::de::Visitor<'de> for Canon<'_> {
         while seq
             .next_element_seed(Canon {
                 out: &mut *self.out,
+                numbers: &mut *self.numbers,
             })?
             .is_some()
         {
@@ -227,6 +336,7 @@ impl<'de> serde::de::Visitor<'de> for Canon<'_> {
             put_part(self.out, b'k', key.as_bytes());
             map.next_value_seed(Canon {
                 out: &mut *self.out,
+                numbers: &mut *self.numbers,
             })?;
             if let Some((previous, _)) = members.last() {
                 match utf16_cmp(previous, &key) {
@@ -263,7 +373,7 @@ pub fn fingerprint(
     body: &[u8],
 ) -> Fingerprint {
     let mut hasher = Sha256::new();
-    hasher.update(b"idem-fingerprint-v1");
+    hasher.update(b"idem-fingerprint-v2");
     update_part(&mut hasher, operation.as_bytes());
     update_part(&mut hasher, parts.uri.path().as_bytes());
     update_part(

@@ -50,7 +50,15 @@ pub enum ConfigError {
     /// A zero lease, store timeout or limit.
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
+    /// A duration beyond [`MAX_DURATION`]: no clock arithmetic on it could
+    /// be trusted.
+    #[error("{0} must be at most 100 years")]
+    TooLong(&'static str),
 }
+
+/// The longest duration any setting accepts (100 years). Longer values are
+/// refused at start, so that no deadline computed from them can overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -71,10 +79,27 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) store_timeout: Duration,
     pub(crate) on_disconnect: OnDisconnect,
+    pub(crate) unknown_wait: Duration,
 }
 
 impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
+        let wait = match self.in_flight {
+            InFlight::Wait(bound) => bound,
+            InFlight::Reject => Duration::ZERO,
+        };
+        for (name, value) in [
+            ("the lease", self.lease),
+            ("the retention", self.retention),
+            ("the store timeout", self.store_timeout),
+            ("the body timeout", self.body_timeout),
+            ("the in-flight wait", wait),
+            ("the unknown-outcome wait", self.unknown_wait),
+        ] {
+            if value > MAX_DURATION {
+                return Err(ConfigError::TooLong(name));
+            }
+        }
         if self.lease.is_zero() {
             return Err(ConfigError::Zero("the lease"));
         }
@@ -147,6 +172,10 @@ pub fn default_replay_denylist() -> Vec<HeaderName> {
 pub struct IdempotencyLayer<S> {
     pub(crate) store: Arc<S>,
     pub(crate) config: Arc<Config>,
+    /// Work that outlives its request: detached handlers, completions
+    /// retried after a store error, answers awaited after an unknown
+    /// outcome. Shared by clones; [`IdempotencyLayer::drain`] waits for it.
+    pub(crate) tasks: tokio_util::task::TaskTracker,
 }
 
 impl<S> Clone for IdempotencyLayer<S> {
@@ -154,6 +183,7 @@ impl<S> Clone for IdempotencyLayer<S> {
         Self {
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            tasks: self.tasks.clone(),
         }
     }
 }
@@ -193,7 +223,9 @@ impl<S: Store> IdempotencyLayer<S> {
                 fail_open: false,
                 store_timeout: Duration::from_secs(1),
                 on_disconnect: OnDisconnect::Detach,
+                unknown_wait: Duration::from_secs(60),
             }),
+            tasks: tokio_util::task::TaskTracker::new(),
         }
     }
 
@@ -313,9 +345,38 @@ impl<S: Store> IdempotencyLayer<S> {
         self.with(|c| c.on_disconnect = mode)
     }
 
+    /// How long the layer keeps waiting, in the background and renewing
+    /// the lease, for the late answer of a request whose outcome is unknown
+    /// (default 60 s). See [`UnknownOutcome`](crate::UnknownOutcome).
+    pub fn unknown_outcome_wait(self, bound: Duration) -> Self {
+        self.with(|c| c.unknown_wait = bound)
+    }
+
     /// Checks the configuration.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.config.validate()
+    }
+
+    /// Waits, up to `bound`, for the work that outlives its requests:
+    /// handlers still running after their client left, outcomes being
+    /// recorded after a store error, late answers of unknown outcomes.
+    /// Call it at shutdown, after the server stopped taking requests, so
+    /// that no outcome is lost with the process. Answers how many of those
+    /// tasks were still running when the bound passed (0: all finished);
+    /// their records stay processing until their leases lapse.
+    pub async fn drain(&self, bound: Duration) -> usize {
+        self.tasks.close();
+        let finished = tokio::time::timeout(bound, self.tasks.wait()).await;
+        self.tasks.reopen();
+        match finished {
+            Ok(()) => 0,
+            Err(_) => self.tasks.len(),
+        }
+    }
+
+    /// How many tasks of the layer outlive their requests right now.
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.len()
     }
 
     /// The records API (GET and DELETE) on the same store and tenant

@@ -74,20 +74,24 @@ mod disconnect;
 pub mod fingerprint;
 mod layer;
 pub mod metrics;
+mod path;
 pub mod problem;
 pub mod records;
 mod service;
 pub mod tenant;
+mod unknown;
 
 pub use body::{BoxError, ResponseBody};
 pub use context::IdempotencyContext;
 pub use layer::{
-    ConfigError, HOP_BY_HOP, IdempotencyLayer, InFlight, OnDisconnect, default_replay_denylist,
-    default_should_store,
+    ConfigError, HOP_BY_HOP, IdempotencyLayer, InFlight, MAX_DURATION, OnDisconnect,
+    default_replay_denylist, default_should_store,
 };
+pub use path::normalize_path;
 pub use problem::{PROBLEM_JSON, ProblemCode, problem_document};
 pub use records::RecordsService;
 pub use service::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
 pub use tenant::{
     Tenant, TenantExtractor, TenantFromAuthorization, TenantFromExtension, TenantFromHeader,
 };
+pub use unknown::{LateResponse, UnknownOutcome};

@@ -2,7 +2,7 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `idem_requests_total` | counter | `outcome`: executed, replayed, conflict, in_progress, released, takeover, fenced, cancelled, store_error, fail_open, rejected |
+//! | `idem_requests_total` | counter | `outcome`: executed, replayed, conflict, in_progress, released, takeover, fenced, cancelled, store_error, fail_open, rejected, unknown |
 //! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get |
 //! | `idem_replay_age_seconds` | histogram | |
 //!
@@ -32,6 +32,7 @@ pub(crate) enum Outcome {
     StoreError,
     FailOpen,
     Rejected,
+    Unknown,
 }
 
 impl Outcome {
@@ -48,6 +49,7 @@ impl Outcome {
             Outcome::StoreError => "store_error",
             Outcome::FailOpen => "fail_open",
             Outcome::Rejected => "rejected",
+            Outcome::Unknown => "unknown",
         }
     }
 }

@@ -45,6 +45,11 @@ pub enum ProblemCode {
     RecordNotFound,
     /// 400: the records API query is missing a parameter.
     RecordQueryInvalid,
+    /// 400: the method equals a protected method but for case (`post`
+    /// where `POST` is protected). HTTP methods are case-sensitive, many
+    /// frameworks are not; rather than let it through unprotected, the
+    /// layer refuses it.
+    MethodCaseMismatch,
 }
 
 impl ProblemCode {
@@ -65,6 +70,7 @@ impl ProblemCode {
             ProblemCode::HandlerFailed => "handler_failed",
             ProblemCode::RecordNotFound => "idempotency_record_not_found",
             ProblemCode::RecordQueryInvalid => "idempotency_record_query_invalid",
+            ProblemCode::MethodCaseMismatch => "method_case_mismatch",
         }
     }
 
@@ -74,7 +80,8 @@ impl ProblemCode {
             ProblemCode::KeyMissing
             | ProblemCode::KeyInvalid
             | ProblemCode::BodyInvalid
-            | ProblemCode::RecordQueryInvalid => StatusCode::BAD_REQUEST,
+            | ProblemCode::RecordQueryInvalid
+            | ProblemCode::MethodCaseMismatch => StatusCode::BAD_REQUEST,
             ProblemCode::TenantMissing => StatusCode::UNAUTHORIZED,
             ProblemCode::InProgress | ProblemCode::ResponseNotStored => StatusCode::CONFLICT,
             ProblemCode::Cancelled => StatusCode::GONE,
@@ -103,6 +110,7 @@ impl ProblemCode {
             ProblemCode::HandlerFailed => "The handler failed",
             ProblemCode::RecordNotFound => "No record for this key",
             ProblemCode::RecordQueryInvalid => "Invalid records query",
+            ProblemCode::MethodCaseMismatch => "Method differs from a protected method by case",
         }
     }
 }

@@ -115,7 +115,11 @@ impl<S: Store> RecordsService<S> {
         };
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| (ProblemCode::KeyInvalid, e.to_string()))?;
-        let operation = format!("{} {}", method.to_ascii_uppercase(), path);
+        let operation = format!(
+            "{} {}",
+            method.to_ascii_uppercase(),
+            crate::normalize_path(&path)
+        );
         Ok(*Scope::new(tenant, operation, key).hash())
     }
 

@@ -26,6 +26,7 @@ use crate::{
     disconnect::{ReleaseOnDrop, RunToCompletion},
     layer::Config,
     metrics::{self as m, Outcome as Counted},
+    normalize_path,
     problem::{ProblemCode, problem},
     tenant::ANONYMOUS_TENANT,
 };
@@ -94,7 +95,22 @@ where
         // Take the service that was driven to readiness, leave a clone.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        if !self.layer.config.methods.contains(request.method()) {
+        let methods = &self.layer.config.methods;
+        if !methods.contains(request.method()) {
+            let method = request.method().as_str();
+            if methods
+                .iter()
+                .any(|m| m.as_str().eq_ignore_ascii_case(method))
+            {
+                // `post` where `POST` is protected: many servers treat it as
+                // POST, so it must not pass unprotected.
+                m::count(Counted::Rejected);
+                let detail = format!(
+                    "the method {method:?} differs from a protected method only by case; send it in upper case"
+                );
+                let refusal = problem(ProblemCode::MethodCaseMismatch, &detail, None);
+                return Box::pin(async move { Ok(refusal) });
+            }
             let future = inner.call(request);
             return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
         }
@@ -113,12 +129,35 @@ fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyError> {
     IdempotencyKey::parse(value.as_bytes()).map(Some)
 }
 
+/// The operation: the method and axum's route template when there is one,
+/// else the (already normalized) path.
 fn operation(parts: &Parts) -> String {
     #[cfg(feature = "axum")]
     if let Some(path) = parts.extensions.get::<axum::extract::MatchedPath>() {
         return format!("{} {}", parts.method, path.as_str());
     }
     format!("{} {}", parts.method, parts.uri.path())
+}
+
+/// Puts the request's path in normal form (see [`normalize_path`]), so
+/// that the scope, the fingerprint and the inner service all see one
+/// spelling. A path that cannot be rebuilt is left as it was.
+fn normalize_uri(parts: &mut Parts) {
+    let normal = match normalize_path(parts.uri.path()) {
+        std::borrow::Cow::Borrowed(_) => return,
+        std::borrow::Cow::Owned(normal) => normal,
+    };
+    let path_and_query = match parts.uri.query() {
+        Some(query) => format!("{normal}?{query}"),
+        None => normal,
+    };
+    let mut uri = std::mem::take(&mut parts.uri).into_parts();
+    let Ok(path_and_query) = path_and_query.parse() else {
+        parts.uri = http::Uri::from_parts(uri).unwrap_or_default();
+        return;
+    };
+    uri.path_and_query = Some(path_and_query);
+    parts.uri = http::Uri::from_parts(uri).unwrap_or_default();
 }
 
 async fn passthrough<I, ReqBody, ResBody>(
@@ -165,7 +204,8 @@ where
         }
     };
 
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
+    normalize_uri(&mut parts);
     let tenant = match config.tenant.tenant(&parts) {
         Some(tenant) => tenant,
         None if config.allow_anonymous => ANONYMOUS_TENANT.to_owned(),
@@ -247,6 +287,13 @@ where
     }
 }
 
+/// `now + bound`, saturating far in the future instead of overflowing.
+pub(crate) fn deadline_after(bound: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(bound)
+        .unwrap_or_else(|| now + crate::MAX_DURATION)
+}
+
 /// Runs a store call under the configured timeout and records its latency.
 pub(crate) async fn store_call<T>(
     config: &Config,
@@ -302,7 +349,7 @@ where
         let config = Arc::clone(&self.layer.config);
         let store = Arc::clone(&self.layer.store);
         let deadline = match config.in_flight {
-            InFlight::Wait(bound) => Some(tokio::time::Instant::now() + bound),
+            InFlight::Wait(bound) => Some(deadline_after(bound)),
             InFlight::Reject => None,
         };
         loop {
@@ -310,7 +357,13 @@ where
                 .await
             {
                 Ok(reservation) => reservation,
-                Err(error) if config.fail_open => {
+                // Fail-open covers a store that cannot be reached, never one
+                // that answered: a full store or a record it cannot decode
+                // may hold the key's outcome, and running again could
+                // execute it twice.
+                Err(error @ (StoreError::Unavailable(_) | StoreError::Timeout(_)))
+                    if config.fail_open =>
+                {
                     tracing::warn!(%error, "idempotency store failed; running the handler unprotected");
                     m::count(Counted::FailOpen);
                     let request = Request::from_parts(self.parts, ReqBody::from(self.body));
@@ -382,7 +435,12 @@ where
                 // The attempt runs inline while the client waits; if the
                 // client goes away, the unfinished attempt moves to a task
                 // of its own and its outcome is still recorded.
-                RunToCompletion::new(attempt(layer, inner, request, lease).in_current_span()).await
+                let tasks = layer.tasks.clone();
+                RunToCompletion::new(
+                    attempt(layer, inner, request, lease).in_current_span(),
+                    tasks,
+                )
+                .await
             }
             OnDisconnect::Release => {
                 let guard = ReleaseOnDrop {

@@ -167,6 +167,31 @@ impl ShardState {
         removed
     }
 
+    /// Adds an expiry to the heap. Renewals and new attempts add entries
+    /// while older ones stay until they surface, so when the heap holds
+    /// twice as many entries as the shard has records it is rebuilt from
+    /// the records: the heap stays bounded by the capacity, at an
+    /// amortized constant cost per write.
+    fn push_expiry(&mut self, at_ms: u64, scope: ScopeHash) {
+        self.expiries.push(Reverse((at_ms, scope)));
+        if self.expiries.len() > 2 * self.records.len() + 16 {
+            self.expiries = self
+                .records
+                .iter()
+                .filter_map(|(scope, slot)| {
+                    slot.as_ref()
+                        .as_ref()
+                        .map(|r| Reverse((r.expires_at_ms, *scope)))
+                })
+                .collect();
+        }
+    }
+
+    /// Entries in the expiry heap (for tests of its bound).
+    fn expiry_entries(&self) -> usize {
+        self.expiries.len()
+    }
+
     fn wake(&mut self, scope: &ScopeHash) {
         if let Some(notify) = self.waiters.remove(scope) {
             notify.notify_waiters();
@@ -210,6 +235,16 @@ impl MemoryStore {
         self.inner.capacity
     }
 
+    /// How many entries the expiry heaps hold in all: at most about twice
+    /// the records, whatever the number of renewals. For tests and gauges.
+    pub fn expiry_entries(&self) -> usize {
+        self.inner
+            .shards
+            .iter()
+            .map(|shard| shard.state.lock().expiry_entries())
+            .sum()
+    }
+
     fn now_ms(&self) -> u64 {
         let elapsed = tokio::time::Instant::now().saturating_duration_since(self.inner.base);
         self.inner
@@ -224,60 +259,88 @@ impl MemoryStore {
     }
 
     /// Runs one transition on a scope's slot under its shard lock, keeping
-    /// the record count, the expiry heap and the waiters in step.
+    /// the record count, the expiry heap and the waiters in step. A
+    /// transition on an empty slot takes a place in the count first,
+    /// atomically against the capacity, so reservations racing on
+    /// different shards never exceed it; with no place left a record the
+    /// transition created is dropped and the answer is `Err`. Only
+    /// `reserve` creates records; the other transitions leave an empty
+    /// slot empty and give the place back.
     fn with_slot<T>(
         &self,
         scope: &ScopeHash,
         apply: impl FnOnce(&mut Option<Record>, u64) -> T,
-    ) -> T {
+    ) -> Result<T, T> {
         let now_ms = self.now_ms();
+        let len = &self.inner.len;
         let mut state = self.shard(scope).state.lock();
         let swept = state.sweep(now_ms, SWEEP_PER_WRITE);
+        if swept > 0 {
+            len.fetch_sub(swept, Ordering::Relaxed);
+        }
         // (state, generation, expiry) before and after, to know whom to wake
         // and whether the expiry heap needs a new entry.
         let facts = |slot: &Option<Record>| {
             slot.as_ref()
                 .map(|r| (r.expires_at_ms, r.state, r.generation))
         };
-        let (existed, result, before, after) = match state.records.get_mut(scope) {
+        let (result, before, after) = match state.records.get_mut(scope) {
             Some(slot) => {
                 let before = facts(slot);
                 let result = apply(slot, now_ms);
-                (true, result, before, facts(slot))
+                let after = facts(slot);
+                if after.is_none() {
+                    state.records.remove(scope);
+                    len.fetch_sub(1, Ordering::Relaxed);
+                }
+                (result, before, after)
             }
             None => {
+                let capacity = self.inner.capacity;
+                let taken = len.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < capacity).then_some(n + 1)
+                });
                 let mut slot = None;
+                if taken.is_err() {
+                    // Full: a transition that creates nothing may still run.
+                    let result = apply(&mut slot, now_ms);
+                    return if slot.is_none() {
+                        Ok(result)
+                    } else {
+                        Err(result)
+                    };
+                }
                 let result = apply(&mut slot, now_ms);
                 let after = facts(&slot);
-                if slot.is_some() {
-                    state.records.insert(*scope, Box::new(slot));
+                match slot {
+                    Some(record) => {
+                        state.records.insert(*scope, Box::new(Some(record)));
+                    }
+                    None => {
+                        len.fetch_sub(1, Ordering::Relaxed);
+                    }
                 }
-                (false, result, None, after)
+                (result, None, after)
             }
         };
-        let exists = after.is_some();
-        if existed && !exists {
-            state.records.remove(scope);
-        }
         if before != after {
             state.wake(scope);
         }
         if let Some((expires_at_ms, ..)) = after
             && before.map(|b| b.0) != Some(expires_at_ms)
         {
-            state.expiries.push(Reverse((expires_at_ms, *scope)));
+            state.push_expiry(expires_at_ms, *scope);
         }
-        drop(state);
-        let len = &self.inner.len;
-        match (existed, exists) {
-            (false, true) => len.fetch_add(1, Ordering::Relaxed),
-            (true, false) => len.fetch_sub(1, Ordering::Relaxed),
-            _ => 0,
-        };
-        if swept > 0 {
-            len.fetch_sub(swept, Ordering::Relaxed);
-        }
-        result
+        Ok(result)
+    }
+
+    /// A transition that never creates a record, so never meets the cap.
+    fn with_existing<T>(
+        &self,
+        scope: &ScopeHash,
+        apply: impl FnOnce(&mut Option<Record>, u64) -> T,
+    ) -> T {
+        self.with_slot(scope, apply).unwrap_or_else(|result| result)
     }
 
     /// Removes expired records from every shard; used when the store is full.
@@ -307,50 +370,42 @@ impl MemoryStore {
         let notify = Arc::clone(state.waiters.entry(*scope).or_default());
         Some((notify.notified_owned(), lease_left))
     }
-
-    fn has_live_record(&self, scope: &ScopeHash) -> bool {
-        let now_ms = self.now_ms();
-        self.shard(scope)
-            .state
-            .lock()
-            .record(scope)
-            .is_some_and(|r| !r.is_expired(now_ms))
-    }
 }
 
 impl Store for MemoryStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
-        if self.len() >= self.inner.capacity && !self.has_live_record(scope) {
-            self.sweep_all();
-            if self.len() >= self.inner.capacity {
-                return Err(StoreError::Full {
-                    capacity: self.inner.capacity,
-                });
-            }
-        }
         let (attempt, token) = (AttemptId::new(), OwnerToken::new());
-        Ok(self.with_slot(scope, |slot, now| {
+        let reserve = |slot: &mut Option<Record>, now| {
             machine::reserve(slot, request, now, attempt, token)
-        }))
+        };
+        if let Ok(reservation) = self.with_slot(scope, reserve) {
+            return Ok(reservation);
+        }
+        // Full: make room from expired records, then try once more.
+        self.sweep_all();
+        self.with_slot(scope, reserve)
+            .map_err(|_| StoreError::Full {
+                capacity: self.inner.capacity,
+            })
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        Ok(self.with_slot(&lease.scope, |slot, now| machine::renew(slot, lease, now)))
+        Ok(self.with_existing(&lease.scope, |slot, now| machine::renew(slot, lease, now)))
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
-        Ok(self.with_slot(&lease.scope, |slot, now| {
+        Ok(self.with_existing(&lease.scope, |slot, now| {
             machine::complete(slot, lease, outcome, now)
         }))
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        Ok(self.with_slot(&lease.scope, |slot, now| machine::release(slot, lease, now)))
+        Ok(self.with_existing(&lease.scope, |slot, now| machine::release(slot, lease, now)))
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        Ok(self.with_slot(scope, machine::cancel))
+        Ok(self.with_existing(scope, machine::cancel))
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {

@@ -789,7 +789,10 @@ impl Store for RedisStore {
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
         let mut invocation = self.scripts.cancel.prepare_invoke();
-        invocation.key(self.record_key(scope));
+        // The id lets a retried call recognise its own earlier cancel.
+        invocation
+            .key(self.record_key(scope))
+            .arg(uuid::Uuid::new_v4().to_string());
         let reply = items(self.run(invocation, false).await?.0)?;
         let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
         let record = || match reply.get(1) {

@@ -1,17 +1,24 @@
--- No ARGV. Answers which side won and the record after it, as HGETALL pairs.
-local state, expires, retention_ms, outcome =
-  unpack(redis.call('HMGET', record, 'state', 'expires', 'retention_ms', 'cur_outcome'))
-if not live(state, expires) then
+-- ARGV: the cancel request's id (the same when a call is retried).
+-- Answers which side won and the record after it, as HGETALL pairs.
+local state, expires, retention_ms, outcome, cancel_id = unpack(redis.call('HMGET', record,
+  'state', 'expires', 'retention_ms', 'cur_outcome', 'cancel_id'))
+-- A released record is vacant: nothing runs, nothing to cancel.
+if not live(state, expires) or state == 'released' then
   return {'not_found'}
 end
 if state == 'completed' then
   return {'already_completed', redis.call('HGETALL', record)}
 end
 if state == 'cancelled' then
+  if cancel_id == ARGV[1] then
+    -- A retry of this very cancel whose reply was lost.
+    return {'cancelled', redis.call('HGETALL', record)}
+  end
   return {'already_cancelled', redis.call('HGETALL', record)}
 end
 local until_ms = now + tonumber(retention_ms)
-redis.call('HSET', record, 'state', 'cancelled', 'owner', '', 'updated', now, 'expires', until_ms)
+redis.call('HSET', record, 'state', 'cancelled', 'owner', '', 'updated', now, 'expires', until_ms,
+  'cancel_id', ARGV[1])
 if outcome == 'running' then
   redis.call('HSET', record, 'cur_outcome', 'cancelled', 'cur_end', now)
 end

@@ -13,6 +13,16 @@ local record = KEYS[1]
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
+-- Milliseconds since `at`, never negative: a clock that stepped back
+-- (failover, NTP) must not make a record unreadable.
+local function age(at)
+  local elapsed = now - tonumber(at)
+  if elapsed < 0 then
+    return 0
+  end
+  return elapsed
+end
+
 -- Whether the record is live; deletes one that outlived its expiry.
 local function live(state, expires)
   if not state then
@@ -74,7 +84,7 @@ local function rare()
     end
     local status, stored, headers, body, completed =
       unpack(redis.call('HMGET', record, 'status', 'stored', 'headers', 'body', 'completed'))
-    return {'completed', tonumber(status), stored, headers, body, now - tonumber(completed)}
+    return {'completed', tonumber(status), stored, headers, body, age(completed)}
   end
 
   -- Keeps a fenced write as late evidence on its attempt.

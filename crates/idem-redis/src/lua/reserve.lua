@@ -61,7 +61,16 @@ if f[3] ~= fp then
 end
 if state == 'processing' then
   if f[11] == attempt_id and f[12] == token then
-    -- A retry of this very reservation whose reply was lost.
+    -- A retry of this very reservation whose reply was lost: answer as the
+    -- first call did, a takeover when it superseded an attempt.
+    local raw = redis.call('HGET', record, 'hist')
+    if gen > 1 and raw and raw ~= '' then
+      local hist = cjson.decode(raw)
+      local last = hist[#hist]
+      if last and last.generation == gen - 1 and last.outcome.kind == 'superseded' then
+        return {'taken_over', gen, cjson.encode(last)}
+      end
+    end
     return {'acquired', gen}
   end
   local lease_until = tonumber(f[5])
@@ -75,4 +84,4 @@ end
 if state == 'cancelled' then
   return {'cancelled'}
 end
-return {'completed', tonumber(f[6]), f[7], f[8], f[9], now - tonumber(f[10])}
+return {'completed', tonumber(f[6]), f[7], f[8], f[9], age(f[10])}

@@ -1,0 +1,158 @@
+//! Request path normalization: one spelling per resource.
+//!
+//! `//orders`, `/./orders`, `/x/../orders` and `/%6Frders` name the same
+//! resource as `/orders` to most servers. If they were different operations
+//! to the layer, the same key sent under another spelling would start a new
+//! scope and run the action again. The layer scopes a request by its
+//! normalized path and, when the path changes, passes the request on with
+//! the normalized path, so that what runs is exactly what was scoped.
+
+use std::borrow::Cow;
+
+/// Whether a byte is an RFC 3986 unreserved character.
+fn unreserved(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~')
+}
+
+fn hex_value(byte: u8) -> Option<u8> {
+    match byte {
+        b'0'..=b'9' => Some(byte - b'0'),
+        b'a'..=b'f' => Some(byte - b'a' + 10),
+        b'A'..=b'F' => Some(byte - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Whether the path is already in normal form (the common case, checked
+/// without allocating).
+fn is_normal(path: &[u8]) -> bool {
+    if path.first() != Some(&b'/') {
+        return false;
+    }
+    let mut previous = 0u8;
+    for (i, &byte) in path.iter().enumerate() {
+        match byte {
+            b'/' if previous == b'/' => return false,
+            b'%' => return false,
+            b'.' if previous == b'/' => {
+                // "/." followed by "/", "./" or the end is a dot segment.
+                let rest = &path[i + 1..];
+                if rest.is_empty()
+                    || rest[0] == b'/'
+                    || (rest[0] == b'.' && (rest.len() == 1 || rest[1] == b'/'))
+                {
+                    return false;
+                }
+            }
+            _ => {}
+        }
+        previous = byte;
+    }
+    true
+}
+
+/// The normal form of a request path (RFC 3986 section 6.2.2):
+///
+/// * percent-encoded unreserved characters are decoded (`%7E` is `~`), and
+///   the hex digits of the remaining escapes are upper-cased;
+/// * repeated slashes are merged (`//a///b` is `/a/b`);
+/// * dot segments are removed (`/a/./b/../c` is `/a/c`; never above `/`);
+/// * an empty path is `/`.
+///
+/// A trailing slash is kept (`/orders/` stays a different path), as servers
+/// commonly route it differently.
+pub fn normalize_path(path: &str) -> Cow<'_, str> {
+    let bytes = path.as_bytes();
+    if is_normal(bytes) {
+        return Cow::Borrowed(path);
+    }
+    // Decode unreserved escapes, upper-case the others.
+    let mut decoded = Vec::with_capacity(bytes.len() + 1);
+    let mut i = 0;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        if byte == b'%'
+            && let (Some(hi), Some(lo)) = (
+                bytes.get(i + 1).copied().and_then(hex_value),
+                bytes.get(i + 2).copied().and_then(hex_value),
+            )
+        {
+            let value = hi * 16 + lo;
+            if unreserved(value) {
+                decoded.push(value);
+            } else {
+                decoded.push(b'%');
+                decoded.push(bytes[i + 1].to_ascii_uppercase());
+                decoded.push(bytes[i + 2].to_ascii_uppercase());
+            }
+            i += 3;
+            continue;
+        }
+        decoded.push(byte);
+        i += 1;
+    }
+    // Split into segments, dropping empty ones (repeated slashes) and
+    // resolving dot segments; remember a trailing slash.
+    let trailing = decoded.len() > 1
+        && (decoded.ends_with(b"/") || decoded.ends_with(b"/.") || decoded.ends_with(b"/.."));
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for segment in decoded.split(|b| *b == b'/') {
+        match segment {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            other => segments.push(other),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len() + 1);
+    for segment in &segments {
+        out.push('/');
+        // Every byte is ASCII or part of the original UTF-8 text, and
+        // segments split at ASCII '/' only.
+        out.push_str(&String::from_utf8_lossy(segment));
+    }
+    if out.is_empty() || (trailing && !segments.is_empty()) {
+        out.push('/');
+    }
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::normalize_path;
+
+    #[test]
+    fn aliases_name_one_path() {
+        let cases = [
+            ("/orders", "/orders"),
+            ("//orders", "/orders"),
+            ("/./orders", "/orders"),
+            ("/x/../orders", "/orders"),
+            ("/../orders", "/orders"),
+            ("/a//b///c", "/a/b/c"),
+            ("/a/./b/../c", "/a/c"),
+            ("/%6Frders", "/orders"),
+            ("/%7e%2D", "/~-"),
+            ("/a%2fb", "/a%2Fb"),
+            ("/a%2Fb", "/a%2Fb"),
+            ("/orders/", "/orders/"),
+            ("/orders/.", "/orders/"),
+            ("/orders/x/..", "/orders/"),
+            ("/", "/"),
+            ("", "/"),
+            ("/..", "/"),
+            ("/%2E%2E/orders", "/orders"),
+            ("/.well-known/x", "/.well-known/x"),
+            ("/a/..b", "/a/..b"),
+            ("/%", "/%"),
+            ("/%zz", "/%zz"),
+            ("/caf%C3%A9", "/caf%C3%A9"),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(normalize_path(input), expected, "{input:?}");
+            // Normalizing twice changes nothing.
+            assert_eq!(normalize_path(expected), expected, "{expected:?} again");
+        }
+    }
+}
