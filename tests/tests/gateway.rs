@@ -123,7 +123,11 @@ async fn replay_conflict_and_headers(flags: &[&str]) {
     assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
     assert_eq!(upstream.runs(), 1);
     let seen = upstream.seen.lock().expect("seen")[0].clone();
-    assert_eq!(seen.key.as_deref(), Some("k1"), "the key is forwarded");
+    assert_eq!(
+        seen.key.as_deref(),
+        Some("\"k1\""),
+        "the key is forwarded in its canonical sf-string form"
+    );
     assert_eq!(
         seen.attempt.as_deref(),
         Some("1"),

@@ -26,6 +26,7 @@ pin_project! {
     enum Kind<B> {
         Buffered { data: Option<Bytes> },
         Once { #[pin] body: B },
+        Prefixed { prefix: Option<Bytes>, body: Pin<Box<B>> },
     }
 }
 
@@ -45,6 +46,16 @@ impl<B> ReplayBody<B> {
             kind: Kind::Once { body },
         }
     }
+
+    /// Bytes already read from `body`, then the rest of it.
+    pub(crate) fn prefixed(prefix: Bytes, body: Pin<Box<B>>) -> Self {
+        Self {
+            kind: Kind::Prefixed {
+                prefix: (!prefix.is_empty()).then_some(prefix),
+                body,
+            },
+        }
+    }
 }
 
 impl<B> Body for ReplayBody<B>
@@ -62,6 +73,10 @@ where
         match self.project().kind.project() {
             KindProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
             KindProj::Once { body } => body.poll_frame(cx).map_err(Into::into),
+            KindProj::Prefixed { prefix, body } => match prefix.take() {
+                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                None => body.as_mut().poll_frame(cx).map_err(Into::into),
+            },
         }
     }
 
@@ -69,6 +84,7 @@ where
         match &self.kind {
             Kind::Buffered { data } => data.is_none(),
             Kind::Once { body } => body.is_end_stream(),
+            Kind::Prefixed { prefix, body } => prefix.is_none() && body.is_end_stream(),
         }
     }
 
@@ -78,6 +94,16 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Kind::Once { body } => body.size_hint(),
+            Kind::Prefixed { prefix, body } => {
+                let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
+                let inner = body.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(inner.lower().saturating_add(extra));
+                if let Some(upper) = inner.upper() {
+                    hint.set_upper(upper.saturating_add(extra));
+                }
+                hint
+            }
         }
     }
 }
@@ -90,6 +116,9 @@ impl<B> std::fmt::Debug for ReplayBody<B> {
                 .field("len", &data.as_ref().map_or(0, Bytes::len))
                 .finish(),
             Kind::Once { .. } => f.debug_struct("ReplayBody::Once").finish_non_exhaustive(),
+            Kind::Prefixed { .. } => f
+                .debug_struct("ReplayBody::Prefixed")
+                .finish_non_exhaustive(),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, Method, Request, Response, header, request::Parts};
 use http_body::Body;
 use http_body_util::{BodyExt, Limited};
@@ -327,6 +327,9 @@ enum Attempt<R, E> {
     TimedOut(Duration),
 }
 
+/// The most of a 409 body read to find its problem `code`.
+const IN_PROGRESS_BODY_LIMIT: usize = 64 * 1024;
+
 /// Whether an answer may be retried, and why ("503", "in_progress", ...).
 async fn classify<R>(
     response: Response<R>,
@@ -342,9 +345,29 @@ where
             Some(status.as_str().to_owned()),
         )),
         409 => {
-            // Only an idempotency layer's "in progress" is worth retrying.
+            // Only an idempotency layer's "in progress" is worth retrying;
+            // its problem document is small. A larger body is not one: it
+            // reaches the caller whole, read bytes first.
             let (parts, body) = response.into_parts();
-            let bytes = Limited::new(body, 64 * 1024).collect().await?.to_bytes();
+            let mut body = Box::pin(body);
+            let mut read = BytesMut::new();
+            while read.len() <= IN_PROGRESS_BODY_LIMIT {
+                match body.frame().await {
+                    Some(frame) => {
+                        if let Ok(data) = frame.map_err(Into::into)?.into_data() {
+                            read.extend_from_slice(&data);
+                        }
+                    }
+                    None => break,
+                }
+            }
+            let bytes = read.freeze();
+            if bytes.len() > IN_PROGRESS_BODY_LIMIT {
+                return Ok((
+                    Response::from_parts(parts, ReplayBody::prefixed(bytes, body)),
+                    None,
+                ));
+            }
             let code = serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
                 .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
@@ -371,7 +394,8 @@ where
     R: Body<Data = Bytes>,
     R::Error: Into<BoxError>,
 {
-    let deadline = tokio::time::Instant::now() + config.deadline;
+    // A deadline beyond what the clock can hold is no deadline.
+    let deadline = tokio::time::Instant::now().checked_add(config.deadline);
     let (mut parts, body) = request.into_parts();
     let mut key = parts
         .headers
@@ -462,7 +486,11 @@ where
             Some(StopReason::BodyNotReplayable)
         } else if attempts >= config.max_attempts {
             Some(StopReason::MaxAttempts)
-        } else if tokio::time::Instant::now() + delay > deadline {
+        } else if deadline.is_some_and(|deadline| {
+            tokio::time::Instant::now()
+                .checked_add(delay)
+                .is_none_or(|at| at > deadline)
+        }) {
             Some(StopReason::Deadline)
         } else if !config.budget.withdraw() {
             metrics::counter!("idem_client_budget_exhausted_total").increment(1);

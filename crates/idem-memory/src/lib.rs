@@ -376,9 +376,8 @@ impl Store for MemoryStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
         let (attempt, token) = (AttemptId::new(), OwnerToken::new());
-        let reserve = |slot: &mut Option<Record>, now| {
-            machine::reserve(slot, request, now, attempt, token)
-        };
+        let reserve =
+            |slot: &mut Option<Record>, now| machine::reserve(slot, request, now, attempt, token);
         if let Ok(reservation) = self.with_slot(scope, reserve) {
             return Ok(reservation);
         }

@@ -304,6 +304,30 @@ impl RedisStore {
         result
     }
 
+    /// Reads what the server (every node of a cluster that answers) says
+    /// about keeping records: its `maxmemory-policy` and persistence, from
+    /// `INFO`. See [`ServerSafety`].
+    pub async fn server_safety(&self) -> Result<ServerSafety, StoreError> {
+        let (lane, mut conn) = self.bounded(self.timeout, self.connection()).await?;
+        let info = async {
+            let mut cmd = redis::cmd("INFO");
+            cmd.arg("memory").arg("persistence");
+            match &mut conn {
+                Conn::Single(c) => cmd.query_async::<Value>(c).await,
+                Conn::Cluster(c) => cmd.query_async::<Value>(c).await,
+            }
+        };
+        let result = self
+            .bounded(self.timeout, async { info.await.map_err(unavailable) })
+            .await;
+        if result.is_err() {
+            self.lanes[lane].lock().take();
+        }
+        let mut text = String::new();
+        collect_text(&result?, &mut text);
+        Ok(ServerSafety::from_info(&text))
+    }
+
     async fn bounded<T>(
         &self,
         bound: Duration,
@@ -405,6 +429,74 @@ impl RedisStore {
         let (wanted, _) = self.wait_replicas?;
         let acked = acked?;
         (acked < wanted).then_some((acked, wanted))
+    }
+}
+
+/// What a Redis server says about keeping idem's records.
+///
+/// idem's records carry a TTL (their retention), so every eviction policy
+/// but `noeviction` can remove a live record under memory pressure,
+/// including the `volatile-*` ones; a removed record lets a retry execute
+/// again, silently. Without persistence (no AOF, no RDB snapshots) a
+/// restart forgets every record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerSafety {
+    /// Every `maxmemory_policy` the nodes reported (one per node).
+    pub eviction_policies: Vec<String>,
+    /// Whether every node that reported runs with `appendonly yes`.
+    pub append_only: bool,
+}
+
+impl ServerSafety {
+    fn from_info(info: &str) -> Self {
+        let mut eviction_policies = Vec::new();
+        let mut aof = Vec::new();
+        for line in info.lines() {
+            let line = line.trim();
+            if let Some(policy) = line.strip_prefix("maxmemory_policy:") {
+                eviction_policies.push(policy.to_owned());
+            } else if let Some(enabled) = line.strip_prefix("aof_enabled:") {
+                aof.push(enabled == "1");
+            }
+        }
+        Self {
+            eviction_policies,
+            append_only: !aof.is_empty() && aof.iter().all(|on| *on),
+        }
+    }
+
+    /// The policies that can evict idem's records (anything but
+    /// `noeviction`); empty when the server is safe.
+    pub fn evicting_policies(&self) -> Vec<&str> {
+        self.eviction_policies
+            .iter()
+            .map(String::as_str)
+            .filter(|policy| *policy != "noeviction")
+            .collect()
+    }
+}
+
+/// Every text in a reply, one after another (a cluster answers `INFO` per
+/// node).
+fn collect_text(value: &Value, out: &mut String) {
+    match value {
+        Value::BulkString(bytes) => {
+            out.push_str(&String::from_utf8_lossy(bytes));
+            out.push('\n');
+        }
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => {
+            out.push_str(text);
+            out.push('\n');
+        }
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|item| collect_text(item, out));
+        }
+        Value::Map(pairs) => pairs.iter().for_each(|(key, item)| {
+            collect_text(key, out);
+            collect_text(item, out);
+        }),
+        _ => {}
     }
 }
 

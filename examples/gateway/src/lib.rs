@@ -61,10 +61,10 @@ pub struct Config {
     #[arg(long, env = "IDEM_METHODS", default_value = "POST,PATCH", value_delimiter = ',', value_parser = parse_method)]
     pub methods: Vec<Method>,
     /// How long records are kept (humantime: 2s, 5m, 24h); must exceed the lease.
-    #[arg(long, env = "IDEM_RETENTION", default_value = "24h", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEM_RETENTION", default_value = "24h", value_parser = parse_duration)]
     pub retention: Duration,
     /// Lease length of a running request, renewed while it runs (humantime).
-    #[arg(long, env = "IDEM_LEASE", default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEM_LEASE", default_value = "30s", value_parser = parse_duration)]
     pub lease: Duration,
     /// Duplicates in flight: reject (409 at once) or wait:DURATION (wait for the outcome).
     #[arg(long, env = "IDEM_IN_FLIGHT", default_value = "reject", value_parser = parse_in_flight)]
@@ -79,20 +79,38 @@ pub struct Config {
     #[arg(long, env = "IDEM_RECORDS_PREFIX", default_value = "/_idempotency", value_parser = parse_prefix)]
     pub records_prefix: String,
     /// How long to wait for the upstream's response head before answering 504 (humantime).
-    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub upstream_timeout: Duration,
     /// How long a client may take to send a request head (humantime).
-    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub header_timeout: Duration,
     /// How long a keyed request's body may take to arrive, then 408 (humantime).
-    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub body_timeout: Duration,
     /// Most live records the memory store holds; new keys beyond get 503.
     #[arg(long, env = "IDEM_MEMORY_CAPACITY", default_value_t = 1_000_000)]
     pub memory_capacity: usize,
     /// Timeout of every store call (humantime).
-    #[arg(long, env = "IDEM_STORE_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "IDEM_STORE_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub store_timeout: Duration,
+    /// After an upstream timeout, how long to keep waiting for the upstream's late answer and record it (humantime).
+    #[arg(long, env = "IDEM_UNKNOWN_OUTCOME_WAIT", default_value = "60s", value_parser = parse_duration)]
+    pub unknown_outcome_wait: Duration,
+    /// At shutdown, how long to wait for detached requests and pending completions after the connections closed (humantime).
+    #[arg(long, env = "IDEM_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+    /// Accept a Redis whose maxmemory-policy can evict idem's records (they would be lost silently and retries would run again).
+    #[arg(long, env = "IDEM_ALLOW_REDIS_EVICTION", action = ArgAction::SetTrue)]
+    pub allow_redis_eviction: bool,
+}
+
+/// A humantime duration, at most [`idem_layer::MAX_DURATION`] (100 years).
+fn parse_duration(value: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(value).map_err(|e| e.to_string())?;
+    if duration > idem_layer::MAX_DURATION {
+        return Err("at most 100 years".to_owned());
+    }
+    Ok(duration)
 }
 
 fn parse_upstream(value: &str) -> Result<Uri, String> {
@@ -128,9 +146,7 @@ fn parse_in_flight(value: &str) -> Result<InFlight, String> {
     match value {
         "reject" => Ok(InFlight::Reject),
         _ => match value.strip_prefix("wait:") {
-            Some(bound) => humantime::parse_duration(bound)
-                .map(InFlight::Wait)
-                .map_err(|e| e.to_string()),
+            Some(bound) => parse_duration(bound).map(InFlight::Wait),
             None => Err("expected reject or wait:DURATION".to_owned()),
         },
     }
@@ -157,6 +173,10 @@ pub enum StartError {
     /// Binding or serving failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// The store could lose records silently (a Redis eviction policy that
+    /// can evict them), and that was not explicitly allowed.
+    #[error("{0}")]
+    UnsafeStore(String),
 }
 
 /// The Prometheus recorder, installed once per process.
@@ -199,7 +219,7 @@ pub async fn run(
             (demo.uri.clone(), Some(demo))
         }
     };
-    let router = if config.store == "memory" {
+    let (router, drain) = if config.store == "memory" {
         let store = MemoryStore::builder()
             .capacity(config.memory_capacity)
             .build();
@@ -208,6 +228,7 @@ pub async fn run(
         let store = RedisStore::builder(&config.store)
             .timeout(config.store_timeout)
             .build()?;
+        check_redis(&store, config.allow_redis_eviction).await?;
         router(&config, store, upstream.clone())?
     };
     let started = Started {
@@ -217,9 +238,58 @@ pub async fn run(
     };
     on_start(&started);
     serve(listener, router, config.header_timeout, shutdown).await;
+    // Connections are closed; what outlives its request (handlers whose
+    // client left, completions being retried, late upstream answers) gets
+    // up to the drain timeout to record its outcome.
+    let left = drain(config.drain_timeout).await;
+    if left == 0 {
+        tracing::info!("shutdown: every outcome recorded");
+    } else {
+        tracing::warn!(
+            left,
+            "shutdown: background work still running after the drain timeout; \
+             its records stay processing until their leases lapse"
+        );
+    }
     drop(demo);
     Ok(())
 }
+
+/// Refuses a Redis that can evict records unless allowed; warns when it
+/// persists nothing. A server that cannot be asked (down at start, `INFO`
+/// renamed) is logged and accepted: the store's own calls will tell.
+async fn check_redis(store: &RedisStore, allow_eviction: bool) -> Result<(), StartError> {
+    let safety = match store.server_safety().await {
+        Ok(safety) => safety,
+        Err(error) => {
+            tracing::warn!(%error, "could not read the Redis eviction policy and persistence");
+            return Ok(());
+        }
+    };
+    let evicting = safety.evicting_policies();
+    if !evicting.is_empty() {
+        let message = format!(
+            "Redis maxmemory-policy {} can evict idempotency records, and a retry of an evicted \
+             key runs again; set maxmemory-policy noeviction, or pass --allow-redis-eviction",
+            evicting.join(", ")
+        );
+        if !allow_eviction {
+            return Err(StartError::UnsafeStore(message));
+        }
+        tracing::warn!("{message} (allowed by --allow-redis-eviction)");
+    }
+    if !safety.append_only {
+        tracing::warn!(
+            "Redis runs without appendonly: a restart can forget records, and retries of \
+             forgotten keys run again; enable appendonly yes"
+        );
+    }
+    Ok(())
+}
+
+/// Waits for a layer's background work at shutdown, up to a bound;
+/// answers how much was left.
+type Drain = Box<dyn Fn(Duration) -> futures_util::future::BoxFuture<'static, usize> + Send>;
 
 /// Accepts connections until `shutdown`, then waits for in-flight requests.
 /// A client must send its request head within `header_timeout` (no
@@ -309,8 +379,13 @@ pub async fn start(
     }
 }
 
-fn router<S: Store>(config: &Config, store: S, upstream: Uri) -> Result<Router, StartError> {
+fn router<S: Store>(
+    config: &Config,
+    store: S,
+    upstream: Uri,
+) -> Result<(Router, Drain), StartError> {
     let mut layer = IdempotencyLayer::new(store)
+        .unknown_outcome_wait(config.unknown_outcome_wait)
         .methods(config.methods.clone())
         .lease(config.lease)
         .retention(config.retention)
@@ -340,7 +415,20 @@ fn router<S: Store>(config: &Config, store: S, upstream: Uri) -> Result<Router, 
         .layer(layer.clone())
         .service(proxy);
     let metrics = prometheus().clone();
-    Ok(Router::new()
+    let draining = layer.clone();
+    let drain: Drain = Box::new(move |bound| {
+        let layer = draining.clone();
+        Box::pin(async move { layer.drain(bound).await })
+    });
+    let protected_headers: Vec<HeaderName> = [
+        http::header::AUTHORIZATION,
+        idem_layer::IDEMPOTENCY_KEY,
+        proxy::IDEMPOTENCY_ATTEMPT,
+    ]
+    .into_iter()
+    .chain(config.tenant_header.clone())
+    .collect();
+    let router = Router::new()
         .route(
             "/healthz",
             get(move || async move {
@@ -358,7 +446,49 @@ fn router<S: Store>(config: &Config, store: S, upstream: Uri) -> Result<Router, 
             layer.records_service(),
         )
         .fallback_service(protected)
-        .layer(middleware::from_fn_with_state(LogState, log_request)))
+        .layer(middleware::from_fn_with_state(
+            ConnectionGuard(std::sync::Arc::new(protected_headers)),
+            refuse_connection_naming,
+        ))
+        .layer(middleware::from_fn_with_state(LogState, log_request));
+    Ok((router, drain))
+}
+
+/// Headers a `Connection` field must not name.
+#[derive(Clone)]
+struct ConnectionGuard(std::sync::Arc<Vec<HeaderName>>);
+
+/// A `Connection` field makes the headers it names hop-by-hop, so the
+/// gateway would strip them after the layer used them: the upstream would
+/// get an anonymous, keyless request. Such a request is refused with
+/// `400 connection_header_invalid`.
+async fn refuse_connection_naming(
+    State(guard): State<ConnectionGuard>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let names_protected = request
+        .headers()
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|name| {
+            guard
+                .0
+                .iter()
+                .any(|h| h.as_str().eq_ignore_ascii_case(name.trim()))
+        });
+    if names_protected {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "connection_header_invalid",
+            "Connection header names an end-to-end header",
+            "the Connection header may not name Authorization, Idempotency-Key, \
+             Idempotency-Attempt or the tenant header",
+        );
+    }
+    next.run(request).await
 }
 
 #[derive(Clone, Copy)]

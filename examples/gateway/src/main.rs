@@ -56,7 +56,9 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() {
+    // Logs go to stderr; stdout carries the banner only.
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )

@@ -14,7 +14,7 @@ use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
-use idem_layer::{HOP_BY_HOP, IdempotencyContext};
+use idem_layer::{HOP_BY_HOP, IDEMPOTENCY_KEY, IdempotencyContext, UnknownOutcome};
 
 /// The header that tells the upstream which attempt of a key this is.
 pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
@@ -32,6 +32,27 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// The upstream's response as the gateway answers it.
+fn upstream_response(response: Response<hyper::body::Incoming>) -> Response<Body> {
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, Body::new(body))
+}
+
+/// A key as an RFC 8941 sf-string: the one form that carries every key.
+fn canonical_key(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 2);
+    out.push('"');
+    for c in key.chars() {
+        if matches!(c, '"' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
 /// A tower service that forwards every request to the upstream. Bodies
 /// stream through; the idempotency layer in front buffers keyed requests.
 #[derive(Clone, Debug)]
@@ -47,7 +68,11 @@ impl Proxy {
     pub fn new(upstream: Uri, timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
+        // An answer with an obs-folded header is still an answer: unfolded
+        // rather than refused, so the action's outcome is not lost.
+        let client = Client::builder(TokioExecutor::new())
+            .http1_allow_obsolete_multiline_headers_in_responses(true)
+            .build(connector);
         Self {
             client,
             upstream,
@@ -78,24 +103,30 @@ impl Proxy {
         // The client's protocol is not the upstream connection's: the
         // pooled client speaks HTTP/1.1 to the upstream.
         *request.version_mut() = http::Version::HTTP_11;
-        let attempt = request
+        let protected = request
             .extensions()
             .get::<IdempotencyContext>()
-            .map(|ctx| ctx.generation);
+            .map(|ctx| (ctx.generation, canonical_key(ctx.key.as_str())));
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
-        if let Some(generation) = attempt {
+        // The gateway owns the attempt header: a client's is never passed on.
+        headers.remove(IDEMPOTENCY_ATTEMPT);
+        if let Some((generation, key)) = protected {
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(generation));
-        }
-        match tokio::time::timeout(self.timeout, self.client.request(request)).await {
-            Ok(Ok(response)) => {
-                let (mut parts, body) = response.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                Response::from_parts(parts, Body::new(body))
+            // One spelling of the key for every attempt, whatever the
+            // client sent (`abc` and `"abc"` name the same key).
+            if let Ok(key) = HeaderValue::from_str(&key) {
+                headers.insert(IDEMPOTENCY_KEY, key);
             }
-            Ok(Err(error)) => {
-                tracing::warn!(%error, "upstream request failed");
+        }
+        let mut pending = Box::pin(self.client.request(request));
+        match tokio::time::timeout(self.timeout, &mut pending).await {
+            Ok(Ok(response)) => upstream_response(response),
+            Ok(Err(error)) if error.is_connect() => {
+                // Provably never reached the upstream: the key may be
+                // released, a retry runs it for the first time.
+                tracing::warn!(%error, "upstream unreachable");
                 let detail = format!("the upstream could not be reached: {error}");
                 crate::problem(
                     StatusCode::BAD_GATEWAY,
@@ -104,14 +135,36 @@ impl Proxy {
                     &detail,
                 )
             }
+            Ok(Err(error)) => {
+                // The request may have reached the upstream (its answer
+                // could not be read, the connection broke): the outcome is
+                // unknown, and no answer will come any more.
+                tracing::warn!(%error, "upstream answer lost");
+                let detail = format!("the upstream's answer could not be read: {error}");
+                let mut response = crate::problem(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_answer_lost",
+                    "Bad gateway",
+                    &detail,
+                );
+                response.extensions_mut().insert(UnknownOutcome::new());
+                response
+            }
             Err(_) => {
+                // The upstream may still be running the action: the client
+                // gets 504 now, and the layer keeps waiting for the answer.
                 let detail = format!("the upstream did not answer within {:?}", self.timeout);
-                crate::problem(
+                let mut response = crate::problem(
                     StatusCode::GATEWAY_TIMEOUT,
                     "upstream_timeout",
                     "Gateway timeout",
                     &detail,
-                )
+                );
+                let late = async move { pending.await.ok().map(upstream_response) };
+                response
+                    .extensions_mut()
+                    .insert(UnknownOutcome::with_late_answer(late));
+                response
             }
         }
     }

@@ -1,0 +1,405 @@
+//! Bad days through the layer: unknown outcomes, renewals that fail,
+//! superseded attempts, path aliases, method case, big numbers, shutdown,
+//! and configuration values that once panicked.
+
+mod common;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use bytes::Bytes;
+use common::*;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use idem_core::{
+    Cancellation, Completion, Lease, Outcome, Record, Release, Renewal, Reservation,
+    ReserveRequest, ScopeHash, Store, StoreError,
+};
+use idem_layer::{BoxError, ConfigError, IdempotencyLayer, InFlight, UnknownOutcome};
+use idem_memory::MemoryStore;
+use tokio::sync::oneshot;
+use tower::{Layer, util::BoxCloneSyncService};
+
+/// Polls `check` every 10 ms until it holds or `within` passes.
+async fn eventually(within: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The memory store whose first `fail_renewals` renewals fail, as a store
+/// blip would.
+#[derive(Clone)]
+struct FlakyRenewals {
+    inner: MemoryStore,
+    fail_renewals: Arc<AtomicUsize>,
+    renewals: Arc<AtomicUsize>,
+}
+
+impl Store for FlakyRenewals {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
+        self.inner.reserve(request).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        self.renewals.fetch_add(1, Ordering::SeqCst);
+        let left = self.fail_renewals.load(Ordering::SeqCst);
+        if left > 0 {
+            self.fail_renewals.store(left - 1, Ordering::SeqCst);
+            return Err(StoreError::unavailable("connection reset"));
+        }
+        self.inner.renew(lease).await
+    }
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
+        self.inner.complete(lease, outcome).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
+        self.inner.release(lease).await
+    }
+    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
+        self.inner.cancel(scope).await
+    }
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        self.inner.get(scope).await
+    }
+}
+
+/// Two failed renewals in a row no longer let the lease lapse under a
+/// running handler: a failed renewal is retried within a quarter period,
+/// not a whole third of the lease later. Duplicates during the run get
+/// 409, never a takeover. (Before, renewals failed at 0.5 s and 1 s and the
+/// 1.5 s lease lapsed under the 3 s handler.)
+#[tokio::test]
+async fn failed_renewals_are_retried_before_the_lease_lapses() {
+    let store = FlakyRenewals {
+        inner: MemoryStore::new(),
+        fail_renewals: Arc::new(AtomicUsize::new(2)),
+        renewals: Arc::default(),
+    };
+    let probe = Probe::default();
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(idem_layer::TenantFromHeader::new(
+            http::HeaderName::from_static(TENANT),
+        ))
+        .lease(Duration::from_millis(1500));
+    let service = layer.layer(inner(&probe));
+    let first = tokio::spawn(send(&service, order_to("/sleep/3000", "renew-1")));
+    wait_calls(&probe, 1).await;
+    while !first.is_finished() {
+        let duplicate = send(&service, order_to("/sleep/3000", "renew-1")).await;
+        if duplicate.replayed() {
+            // The first finished and recorded its outcome.
+            break;
+        }
+        assert_eq!(duplicate.status, StatusCode::CONFLICT, "still in progress");
+        assert_eq!(duplicate.code().as_deref(), Some("idempotency_in_progress"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(probe.calls(), 1, "the handler ran once");
+    assert!(store.renewals.load(Ordering::SeqCst) >= 3);
+}
+
+fn order_to(path: &str, key: &str) -> Request<Full<Bytes>> {
+    post(path).key(key).tenant("t1").json("{}").build()
+}
+
+/// A handler whose attempt was cancelled while it ran, and which then
+/// failed, does not hand its client its own 500: the client gets what the
+/// record says (410 cancelled), as for a fenced completion.
+#[tokio::test]
+async fn superseded_attempts_client_gets_the_records_answer_on_failure() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store);
+    let service = service(&layer, &probe);
+    let records = layer.records_service();
+    // `/slow` waits at the gate; the gate's permits come after the cancel.
+    let first = tokio::spawn(send(&service, order_to("/slow", "sup-1")));
+    wait_calls(&probe, 1).await;
+    let cancel = send(
+        &records,
+        method(Method::DELETE, "/records?method=POST&path=/slow&key=sup-1")
+            .tenant("t1")
+            .build(),
+    )
+    .await;
+    assert_eq!(cancel.status, StatusCode::OK);
+    probe.gate.close();
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::GONE, "not the handler's own 500");
+    assert_eq!(first.code().as_deref(), Some("idempotency_cancelled"));
+}
+
+/// Where the test keeps the late answer's receiver until the inner service
+/// takes it.
+type LateSlot = Arc<std::sync::Mutex<Option<oneshot::Receiver<Response<Full<Bytes>>>>>>;
+
+/// An inner service that answers 504 with an unknown outcome and hands
+/// the real answer over later, when the test sends it.
+fn unknown_then_late(
+    late: LateSlot,
+    calls: Arc<AtomicUsize>,
+) -> BoxCloneSyncService<Request<Full<Bytes>>, Response<Full<Bytes>>, BoxError> {
+    BoxCloneSyncService::new(tower::service_fn(move |_: Request<Full<Bytes>>| {
+        let late = late.lock().expect("lock").take();
+        calls.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let mut response = Response::new(Full::new(Bytes::from_static(b"timed out")));
+            *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+            let marker = match late {
+                Some(late) => UnknownOutcome::with_late_answer(async move { late.await.ok() }),
+                None => UnknownOutcome::new(),
+            };
+            response.extensions_mut().insert(marker);
+            Ok::<_, BoxError>(response)
+        }
+    }))
+}
+
+/// An unknown outcome keeps the key: the client gets its 504, retries get
+/// 409 while the answer is awaited, the late answer is recorded and then
+/// replayed. The inner service ran once.
+#[tokio::test]
+async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
+    let store = MemoryStore::new();
+    let (send_late, late) = oneshot::channel();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = layer(&store);
+    let service = layer.layer(unknown_then_late(
+        Arc::new(std::sync::Mutex::new(Some(late))),
+        Arc::clone(&calls),
+    ));
+    let first = send(&service, order("unk-1", "{}")).await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    let retry = send(&service, order("unk-1", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "not released");
+    assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    let mut answer = Response::new(Full::new(Bytes::from_static(b"{\"order\":7}")));
+    *answer.status_mut() = StatusCode::CREATED;
+    send_late.send(answer).expect("late answer taken");
+    let replayed = eventually(Duration::from_secs(10), async || {
+        let retry = send(&service, order("unk-1", "{}")).await;
+        retry.status == StatusCode::CREATED && retry.replayed()
+    })
+    .await;
+    assert!(replayed, "the late answer is replayed");
+    let retry = send(&service, order("unk-1", "{}")).await;
+    assert_eq!(&retry.body[..], b"{\"order\":7}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// Without a late answer the lease lapses, and only then a retry takes over
+/// with the next generation.
+#[tokio::test(start_paused = true)]
+async fn unknown_outcome_without_an_answer_lapses_to_a_takeover() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = layer(&store).lease(Duration::from_secs(2));
+    let service = layer.layer(unknown_then_late(
+        Arc::new(std::sync::Mutex::new(None)),
+        Arc::clone(&calls),
+    ));
+    assert_eq!(
+        send(&service, order("unk-2", "{}")).await.status,
+        StatusCode::GATEWAY_TIMEOUT
+    );
+    tokio::time::advance(Duration::from_millis(1500)).await;
+    let retry = send(&service, order("unk-2", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    tokio::time::advance(Duration::from_millis(600)).await;
+    let takeover = send(&service, order("unk-2", "{}")).await;
+    assert_eq!(takeover.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let record = store
+        .get(idem_core::Scope::new("t1", "POST /orders", key("unk-2")).hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.generation, 2, "the takeover has the next generation");
+}
+
+fn key(k: &str) -> idem_core::IdempotencyKey {
+    idem_core::IdempotencyKey::parse(k.as_bytes()).expect("key")
+}
+
+/// `//orders`, `/./orders` and `/x/../orders` are `/orders`: one scope,
+/// one execution, and the handler sees the normalized path.
+#[tokio::test]
+async fn path_aliases_are_one_operation() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let service = service(&layer(&store), &probe);
+    let first = send(&service, order_to("//orders", "alias-1")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "reached /orders");
+    for alias in ["/./orders", "/x/../orders", "/orders", "/%6Frders"] {
+        let retry = send(&service, order_to(alias, "alias-1")).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{alias}");
+        assert!(retry.replayed(), "{alias} is replayed");
+        assert_eq!(retry.body, first.body);
+    }
+    assert_eq!(probe.calls(), 1);
+}
+
+/// `post` where `POST` is protected is refused, never passed through
+/// unprotected, even with a key required.
+#[tokio::test]
+async fn a_lowercase_method_is_refused() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let lower = Method::from_bytes(b"post").expect("method");
+    for layer in [layer(&store), layer(&store).require_key()] {
+        let service = service(&layer, &probe);
+        for keyed in [true, false] {
+            let mut request = method(lower.clone(), "/orders").tenant("t1").json("{}");
+            if keyed {
+                request = request.key("lower-1");
+            }
+            let answer = send(&service, request.build()).await;
+            assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+            assert_eq!(answer.code().as_deref(), Some("method_case_mismatch"));
+            assert_eq!(answer.content_type(), Some("application/problem+json"));
+        }
+    }
+    assert_eq!(probe.calls(), 0);
+}
+
+/// Two amounts beyond 2^53 that differ by one are different payloads.
+#[tokio::test]
+async fn big_numbers_that_differ_conflict() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let service = service(&layer(&store), &probe);
+    let first = send(&service, order("big-1", "{\"amount\":10000000000000001}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other = send(&service, order("big-1", "{\"amount\":10000000000000000}")).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.code().as_deref(), Some("idempotency_conflict"));
+    let same = send(
+        &service,
+        order("big-1", "{\"amount\":1.0000000000000001e16}"),
+    )
+    .await;
+    assert!(
+        same.replayed(),
+        "the same value in another spelling replays"
+    );
+    assert_eq!(probe.calls(), 1);
+}
+
+/// The 409 hint is short (1 or 2 s) whatever the lease, so a client with a
+/// default deadline keeps retrying.
+#[tokio::test]
+async fn in_progress_hint_is_short() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let service = service(&layer(&store).lease(Duration::from_secs(300)), &probe);
+    let first = tokio::spawn(send(&service, order_to("/slow", "hint-1")));
+    wait_calls(&probe, 1).await;
+    let busy = send(&service, order_to("/slow", "hint-1")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    let hint: u64 = busy
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .expect("seconds");
+    assert!((1..=2).contains(&hint), "Retry-After {hint}");
+    probe.open_gate(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::CREATED);
+}
+
+/// A handler that outlives its client is waited for by `drain`, and its
+/// outcome is recorded before `drain` returns.
+#[tokio::test]
+async fn drain_waits_for_detached_handlers() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store);
+    let service = service(&layer, &probe);
+    let client = tokio::spawn(send(&service, order_to("/slow", "drain-1")));
+    wait_calls(&probe, 1).await;
+    client.abort();
+    let _ = client.await;
+    assert!(
+        eventually(Duration::from_secs(10), async || layer.background_tasks()
+            == 1)
+        .await,
+        "the handler detached"
+    );
+    let drained = tokio::spawn({
+        let layer = layer.clone();
+        async move { layer.drain(Duration::from_secs(30)).await }
+    });
+    probe.open_gate(1);
+    assert_eq!(drained.await.expect("join"), 0, "nothing left behind");
+    let record = store
+        .get(idem_core::Scope::new("t1", "POST /slow", key("drain-1")).hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.state, idem_core::RecordState::Completed);
+    // A drain that runs out of time says how much it left.
+    let client = tokio::spawn(send(&service, order_to("/slow", "drain-2")));
+    wait_calls(&probe, 2).await;
+    client.abort();
+    let _ = client.await;
+    assert!(
+        eventually(Duration::from_secs(10), async || layer.background_tasks()
+            == 1)
+        .await
+    );
+    assert_eq!(layer.drain(Duration::from_millis(50)).await, 1);
+    probe.open_gate(1);
+}
+
+/// Durations no clock can add are refused at start, not panics later.
+#[test]
+fn absurd_durations_are_configuration_errors() {
+    let store = MemoryStore::new();
+    let years = |n: u64| Duration::from_secs(n * 365 * 24 * 3600);
+    let cases = [
+        layer(&store).retention(years(9000)),
+        layer(&store).in_flight(InFlight::Wait(years(292_400_000_000))),
+        layer(&store).lease(years(200)).retention(years(300)),
+    ];
+    for layer in cases {
+        assert!(
+            matches!(layer.validate(), Err(ConfigError::TooLong(_))),
+            "{layer:?}"
+        );
+    }
+    assert!(layer(&store).retention(years(99)).validate().is_ok());
+}
+
+/// The store is answering but cannot serve the key (full): fail-open does
+/// not run the handler unprotected.
+#[tokio::test]
+async fn fail_open_does_not_cover_a_store_that_answered() {
+    let store = MemoryStore::builder().capacity(1).build();
+    let probe = Probe::default();
+    let service = service(&layer(&store).fail_open(), &probe);
+    assert_eq!(
+        send(&service, order("full-1", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    let full = send(&service, order("full-2", "{}")).await;
+    assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        full.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(probe.calls(), 1, "not run unprotected");
+}
