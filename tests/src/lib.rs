@@ -1,6 +1,7 @@
 //! Shared helpers for idem's end-to-end tests: servers on free loopback
 //! ports and a small HTTP client.
 
+pub mod cutter;
 pub mod redis_server;
 pub mod upstream;
 

@@ -181,6 +181,49 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_record() {
     assert_eq!(upstream.runs(), 1);
 }
 
+/// SIGTERM after the client went away: the gateway's connections are
+/// closed at once, but it waits for the detached request (up to
+/// `--drain-timeout`), records its outcome and only then exits; after a
+/// restart the retry is replayed, not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_waits_for_requests_whose_client_left() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let redis_url = redis.url();
+    let args = ["--upstream", &upstream_url, "--store", &redis_url];
+
+    let mut gateway = Process::start(&args);
+    let lost = tokio::spawn(send(&client(), gateway.post("/slow", "left-1")));
+    upstream.wait_runs(1).await;
+    lost.abort(); // the client goes away
+    let _ = lost.await;
+    // Give the gateway a moment to see the disconnect, so that the request
+    // is detached before the signal (the case that used to be lost).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gateway.terminate();
+    upstream.gate.add_permits(1);
+    let status = tokio::task::spawn_blocking(move || {
+        let status = gateway.child.wait();
+        drop(gateway);
+        status
+    })
+    .await
+    .expect("join")
+    .expect("wait");
+    assert!(status.success(), "exits cleanly: {status:?}");
+
+    let restarted = Process::start(&args);
+    let replay = post(&restarted, "/slow", "left-1").await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed(), "its outcome was recorded before exit");
+    assert_eq!(&replay.body[..], b"slow run 1");
+    assert_eq!(upstream.runs(), 1);
+}
+
 #[test]
 fn invalid_flags_are_one_line_errors_not_panics() {
     let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
@@ -199,6 +242,20 @@ fn invalid_flags_are_one_line_errors_not_panics() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("retention"), "{stderr}");
     assert!(!stderr.contains("panicked"));
+    // Values no clock can hold are refused the same way.
+    for flags in [
+        ["--in-flight", "wait:292400000000y"],
+        ["--retention", "9000y"],
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(flags)
+            .args(["--listen", "127.0.0.1:0"])
+            .output()
+            .expect("run");
+        assert_eq!(output.status.code(), Some(2), "{flags:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
 }
 
 /// An upstream whose next connection is accepted and then held unread: the

@@ -1,0 +1,103 @@
+//! A TCP proxy on loopback that can swallow the next reply and drop the
+//! connection: a reply lost after the server applied the command, as a
+//! broken network does it.
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+
+/// The proxy; stops accepting on drop.
+#[derive(Debug)]
+pub struct ReplyCutter {
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    armed: Arc<AtomicBool>,
+    cuts: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ReplyCutter {
+    /// Proxies `127.0.0.1:0` to `target`.
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let armed = Arc::new(AtomicBool::new(false));
+        let cuts = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn({
+            let (armed, cuts) = (Arc::clone(&armed), Arc::clone(&cuts));
+            async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let Ok(server) = TcpStream::connect(target).await else {
+                        continue;
+                    };
+                    tokio::spawn(pipe(client, server, Arc::clone(&armed), Arc::clone(&cuts)));
+                }
+            }
+        });
+        Self {
+            addr,
+            armed,
+            cuts,
+            task,
+        }
+    }
+
+    /// The next reply from the server, on any connection, is dropped with
+    /// its connection.
+    pub fn cut_next_reply(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// How many replies were cut.
+    pub fn cuts(&self) -> usize {
+        self.cuts.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for ReplyCutter {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn pipe(
+    mut client: TcpStream,
+    mut server: TcpStream,
+    armed: Arc<AtomicBool>,
+    cuts: Arc<AtomicUsize>,
+) {
+    let (mut up, mut down) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
+    loop {
+        tokio::select! {
+            read = client.read(&mut up) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if server.write_all(&up[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            read = server.read(&mut down) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if armed.swap(false, Ordering::SeqCst) {
+                        cuts.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    if client.write_all(&down[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+        }
+    }
+}

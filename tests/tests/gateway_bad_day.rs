@@ -1,0 +1,434 @@
+//! Bad days through the gateway over real HTTP: upstream timeouts and
+//! unreadable answers (unknown outcomes), path aliases, method case, big
+//! numbers, released records, proxy headers and flags that once panicked.
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use bytes::Bytes;
+use clap::Parser;
+use http::{Method, Request, StatusCode};
+use http_body_util::Full;
+use idem_tests::{Reply, TestServer, client, send, start_gateway, upstream::Upstream};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+
+fn keyed(
+    gateway: SocketAddr,
+    method: Method,
+    path: &str,
+    key: &str,
+    body: &str,
+) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(format!("http://{gateway}{path}"))
+        .header("idempotency-key", key)
+        .header("authorization", "Bearer alice")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+        .expect("request")
+}
+
+async fn post(gateway: SocketAddr, path: &str, key: &str) -> Reply {
+    send(&client(), keyed(gateway, Method::POST, path, key, "{}")).await
+}
+
+/// Retries `attempt` every 50 ms until `done` holds, for at most `within`.
+async fn until(
+    within: Duration,
+    mut attempt: impl AsyncFnMut() -> Reply,
+    done: impl Fn(&Reply) -> bool,
+) -> Reply {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let reply = attempt().await;
+        if done(&reply) || tokio::time::Instant::now() >= deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The upstream takes longer than the gateway waits: the client gets 504,
+/// retries get 409 (no second execution while the first may still run),
+/// and when the upstream's answer arrives it is recorded and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_timeout_keeps_the_key_and_records_the_late_answer() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &["--upstream-timeout", "200ms"]).await;
+    let first = post(gateway.addr, "/slow", "late-1").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(first.code().as_deref(), Some("upstream_timeout"));
+    for _ in 0..3 {
+        let retry = post(gateway.addr, "/slow", "late-1").await;
+        assert_eq!(
+            retry.status,
+            StatusCode::CONFLICT,
+            "the key is not released"
+        );
+        assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    }
+    assert_eq!(upstream.runs(), 1);
+    upstream.gate.add_permits(1);
+    let replay = until(
+        Duration::from_secs(10),
+        async || post(gateway.addr, "/slow", "late-1").await,
+        Reply::replayed,
+    )
+    .await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed(), "the late answer is replayed");
+    assert_eq!(&replay.body[..], b"slow run 1");
+    assert_eq!(upstream.runs(), 1, "the upstream ran once");
+}
+
+/// When the late answer does not come within the wait, the lease lapses
+/// and only then a retry takes over, with `Idempotency-Attempt: 2`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_never_answers_is_taken_over_after_the_lease() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(
+        &server,
+        &[
+            "--upstream-timeout",
+            "100ms",
+            "--unknown-outcome-wait",
+            "100ms",
+            "--lease",
+            "1s",
+        ],
+    )
+    .await;
+    assert_eq!(
+        post(gateway.addr, "/slow", "never-1").await.status,
+        StatusCode::GATEWAY_TIMEOUT
+    );
+    let busy = post(gateway.addr, "/slow", "never-1").await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    // After the lease (measured by the store), a retry takes over.
+    let takeover = until(
+        Duration::from_secs(10),
+        async || post(gateway.addr, "/slow", "never-1").await,
+        |r| r.status != StatusCode::CONFLICT,
+    )
+    .await;
+    assert_eq!(takeover.status, StatusCode::GATEWAY_TIMEOUT);
+    upstream.gate.add_permits(2);
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].attempt.as_deref(), Some("1"));
+    assert_eq!(seen[1].attempt.as_deref(), Some("2"));
+}
+
+/// A raw upstream that answers every request with `answer` and counts the
+/// requests it got.
+async fn raw_upstream(answer: &'static [u8]) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let count = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&count);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counter = Arc::clone(&counter);
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 64 * 1024];
+                let mut read = Vec::new();
+                // Read the head and the small body (content-length 2).
+                while let Ok(n) = stream.read(&mut buffer).await {
+                    if n == 0 {
+                        return;
+                    }
+                    read.extend_from_slice(&buffer[..n]);
+                    if let Some(head) = read.windows(4).position(|w| w == b"\r\n\r\n")
+                        && read.len() >= head + 4 + 2
+                    {
+                        break;
+                    }
+                }
+                counter.fetch_add(1, Ordering::SeqCst);
+                let _ = stream.write_all(answer).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    (addr, count)
+}
+
+fn gateway_to(upstream: SocketAddr, flags: &[&str]) -> idem_gateway::Config {
+    let url = format!("http://{upstream}");
+    let mut args = vec![
+        "idem-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &url,
+    ];
+    args.extend_from_slice(flags);
+    idem_gateway::Config::try_parse_from(args).expect("flags")
+}
+
+async fn start(config: idem_gateway::Config) -> SocketAddr {
+    let (started, stop, _task) = idem_gateway::start(config).await.expect("gateway starts");
+    std::mem::forget(stop);
+    started.addr
+}
+
+/// An answer the gateway cannot read: 502, and the key stays reserved
+/// (the upstream may have acted), so retries get 409, not a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_answer_keeps_the_key() {
+    let (upstream, count) = raw_upstream(b"THIS IS NOT HTTP\r\n\r\n").await;
+    let gateway = start(gateway_to(upstream, &[])).await;
+    let first = post(gateway, "/orders", "garbage-1").await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(first.code().as_deref(), Some("upstream_answer_lost"));
+    let retry = post(gateway, "/orders", "garbage-1").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+}
+
+/// An answer with an obs-folded header is an answer: stored and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_obs_folded_answer_is_recorded() {
+    let (upstream, count) = raw_upstream(
+        b"HTTP/1.1 201 Created\r\nX-Folded: a\r\n b\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+    )
+    .await;
+    let gateway = start(gateway_to(upstream, &[])).await;
+    let first = post(gateway, "/orders", "fold-1").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = post(gateway, "/orders", "fold-1").await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(&replay.body[..], b"ok");
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+}
+
+/// A refused connection provably never reached the upstream: the key is
+/// released at once and the retry is a first run, not a 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_releases_the_key() {
+    let closed = {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        listener.local_addr().expect("addr")
+    };
+    let gateway = start(gateway_to(closed, &[])).await;
+    for _ in 0..2 {
+        let answer = post(gateway, "/orders", "refused-1").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(answer.code().as_deref(), Some("upstream_unreachable"));
+    }
+}
+
+/// `//orders`, `/./orders` and `/x/../orders` are one scope, and the
+/// upstream gets the normalized path once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_aliases_are_one_scope_and_forwarded_normalized() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    let first = post(gateway.addr, "//orders", "alias-1").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    for alias in ["/./orders", "/x/../orders", "/orders"] {
+        let replay = post(gateway.addr, alias, "alias-1").await;
+        assert!(replay.replayed(), "{alias}");
+        assert_eq!(replay.body, first.body);
+    }
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].path, "/orders");
+}
+
+/// `post` is never forwarded unprotected, with or without `--require-key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowercase_method_is_refused() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    for flags in [&[][..], &["--require-key"][..]] {
+        let gateway = start_gateway(&server, flags).await;
+        let lower = Method::from_bytes(b"post").expect("method");
+        let answer = send(
+            &client(),
+            keyed(gateway.addr, lower, "/orders", "lower-1", "{}"),
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+        assert_eq!(answer.code().as_deref(), Some("method_case_mismatch"));
+    }
+    assert_eq!(upstream.runs(), 0);
+}
+
+/// Amounts beyond 2^53 that differ are a conflict, not a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_amounts_that_differ_conflict() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    let http = client();
+    let send_amount = |body: &'static str| {
+        send(
+            &http,
+            keyed(gateway.addr, Method::POST, "/orders", "amount-1", body),
+        )
+    };
+    assert_eq!(
+        send_amount("{\"amount\":10000000000000001}").await.status,
+        StatusCode::CREATED
+    );
+    let other = send_amount("{\"amount\":10000000000000000}").await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.code().as_deref(), Some("idempotency_conflict"));
+    assert_eq!(upstream.runs(), 1);
+}
+
+/// A released record (after a 503) has nothing to cancel: 404, and the key
+/// stays free for the retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_released_record_is_not_found() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    assert_eq!(
+        post(gateway.addr, "/status/503", "released-1").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let cancel = send(
+        &client(),
+        Request::delete(format!(
+            "http://{}/_idempotency/records?method=POST&path=/status/503&key=released-1",
+            gateway.addr
+        ))
+        .header("authorization", "Bearer alice")
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
+    )
+    .await;
+    assert_eq!(cancel.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        cancel.code().as_deref(),
+        Some("idempotency_record_not_found")
+    );
+    assert_eq!(
+        post(gateway.addr, "/status/503", "released-1").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(upstream.runs(), 2, "the retry ran: the key was free");
+}
+
+/// `Connection` may not strip the headers the layer used; the upstream
+/// gets one spelling of the key; a client's `Idempotency-Attempt` never
+/// reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_headers_are_the_gateways_own() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    for named in [
+        "authorization",
+        "Idempotency-Key",
+        "keep-alive, idempotency-attempt",
+    ] {
+        let mut request = keyed(gateway.addr, Method::POST, "/orders", "conn-1", "{}");
+        request
+            .headers_mut()
+            .insert("connection", named.parse().expect("value"));
+        let answer = send(&client(), request).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{named}");
+        assert_eq!(answer.code().as_deref(), Some("connection_header_invalid"));
+    }
+    assert_eq!(upstream.runs(), 0);
+    // Bare and quoted spellings name one key, forwarded one way.
+    let bare = post(gateway.addr, "/orders", "spell-1").await;
+    assert_eq!(bare.status, StatusCode::CREATED);
+    let quoted = post(gateway.addr, "/orders", "\"spell-1\"").await;
+    assert!(quoted.replayed());
+    // An unkeyed request with a forged attempt header.
+    let mut forged = Request::post(format!("http://{}/orders", gateway.addr))
+        .header("idempotency-attempt", "7")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    forged
+        .headers_mut()
+        .insert("content-type", "application/json".parse().expect("value"));
+    assert_eq!(send(&client(), forged).await.status, StatusCode::CREATED);
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].key.as_deref(), Some("\"spell-1\""));
+    assert_eq!(seen[0].attempt.as_deref(), Some("1"));
+    assert_eq!(seen[1].key, None);
+    assert_eq!(
+        seen[1].attempt, None,
+        "the client's attempt header is dropped"
+    );
+}
+
+/// Durations no clock can hold are refused when the flags are read.
+#[test]
+fn absurd_durations_are_refused_at_start() {
+    for flags in [
+        &["--in-flight", "wait:292400000000y"][..],
+        &["--retention", "9000y"][..],
+        &["--lease", "200y"][..],
+        &["--upstream-timeout", "1000y"][..],
+    ] {
+        let mut args = vec!["idem-gateway"];
+        args.extend_from_slice(flags);
+        assert!(
+            idem_gateway::Config::try_parse_from(&args).is_err(),
+            "{flags:?} accepted"
+        );
+    }
+}
+
+/// A client with idem-client's defaults meets the gateway's 409: the short
+/// `Retry-After` keeps it within its deadline, so it retries until the
+/// first attempt's outcome is replayed. (A hint of the whole lease, 30 s,
+/// made it give up at the first 409.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_client_waits_out_a_409() {
+    use idem_client::{ReplayBody, RetryInfo, RetryLayer};
+    use tower::{Layer, ServiceExt};
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    let first = tokio::spawn(post(gateway.addr, "/slow", "client-1"));
+    upstream.wait_runs(1).await;
+    // The inner client tells when the gateway answered 409.
+    let (met_409, mut on_409) = tokio::sync::watch::channel(0usize);
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<ReplayBody<Full<Bytes>>>()
+        .map_response(move |response: http::Response<hyper::body::Incoming>| {
+            if response.status() == StatusCode::CONFLICT {
+                met_409.send_modify(|n| *n += 1);
+            }
+            response
+        });
+    let retrying = RetryLayer::new().layer(http);
+    let second = tokio::spawn(retrying.oneshot(keyed(
+        gateway.addr,
+        Method::POST,
+        "/slow",
+        "client-1",
+        "{}",
+    )));
+    on_409.wait_for(|n| *n >= 1).await.expect("a 409 was met");
+    upstream.gate.add_permits(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::CREATED);
+    let second = second.await.expect("join").expect("the client's answer");
+    assert_eq!(second.status(), StatusCode::CREATED);
+    assert!(second.headers().contains_key("idempotent-replayed"));
+    let info = second.extensions().get::<RetryInfo>().expect("info");
+    assert!(info.attempts >= 2);
+    assert_eq!(upstream.runs(), 1);
+}

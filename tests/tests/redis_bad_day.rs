@@ -1,0 +1,207 @@
+//! Bad days on a real Redis: replies lost after the server applied the
+//! write, a clock that steps back, corrupt records with fail-open, and a
+//! server that could evict records.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use idem_core::{
+    Cancellation, Fingerprint, IdempotencyKey, Reservation, ReserveRequest, Scope, Store,
+};
+use idem_redis::RedisStore;
+use idem_tests::{
+    TestServer, client, cutter::ReplyCutter, redis_server::RedisServer, send, upstream::Upstream,
+};
+
+fn request(key: &str, lease: Duration) -> ReserveRequest {
+    ReserveRequest {
+        scope: Scope::new(
+            "tenant",
+            "POST /orders",
+            IdempotencyKey::parse(key.as_bytes()).expect("key"),
+        ),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease,
+        retention: Duration::from_secs(3600),
+    }
+}
+
+/// A store through a proxy that can cut a reply, with every lane warmed so
+/// the cut hits the call under test, not a connection being set up.
+async fn store_behind_cutter(redis: &RedisServer) -> (RedisStore, ReplyCutter) {
+    let target = format!("127.0.0.1:{}", redis.port).parse().expect("addr");
+    let cutter = ReplyCutter::start(target).await;
+    let store = RedisStore::builder(&format!("redis://{}", cutter.addr))
+        .lanes(2)
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("store");
+    for n in 0..8 {
+        let nothing = request(&format!("warm-{n}"), Duration::from_secs(1));
+        store.get(nothing.scope.hash()).await.expect("warm-up");
+    }
+    (store, cutter)
+}
+
+/// A takeover whose reply was lost is retried on a new connection, and the
+/// retry answers `TakenOver` with the superseded attempt, as the first
+/// call would have, never `Acquired`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_takeover_still_reports_the_superseded_attempt() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let (store, cutter) = store_behind_cutter(&redis).await;
+    let short = request("lost-takeover", Duration::from_millis(200));
+    let first = match store.reserve(&short).await.expect("reserve") {
+        Reservation::Acquired(lease) => lease,
+        other => panic!("unexpected {other:?}"),
+    };
+    // The lease is measured by Redis's clock: wait until it has lapsed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cutter.cut_next_reply();
+    match store.reserve(&short).await.expect("reserve after the cut") {
+        Reservation::TakenOver { lease, superseded } => {
+            assert_eq!(lease.generation, 2);
+            assert_eq!(superseded.id, first.attempt);
+            assert_eq!(superseded.generation, 1);
+        }
+        other => panic!("a lost takeover reply came back as {other:?}"),
+    }
+    assert_eq!(cutter.cuts(), 1, "the reply was cut");
+}
+
+/// A cancel whose reply was lost is retried and still answers `Cancelled`
+/// (the call did cancel), not `AlreadyCancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_cancel_reports_its_own_cancellation() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let (store, cutter) = store_behind_cutter(&redis).await;
+    let req = request("lost-cancel", Duration::from_secs(30));
+    assert!(matches!(
+        store.reserve(&req).await.expect("reserve"),
+        Reservation::Acquired(_)
+    ));
+    cutter.cut_next_reply();
+    let cancel = store.cancel(req.scope.hash()).await.expect("cancel");
+    assert!(
+        matches!(cancel, Cancellation::Cancelled(_)),
+        "a lost cancel reply came back as {cancel:?}"
+    );
+    assert_eq!(cutter.cuts(), 1);
+    // A second, separate cancel is told it came late.
+    assert!(matches!(
+        store.cancel(req.scope.hash()).await.expect("cancel"),
+        Cancellation::AlreadyCancelled(_)
+    ));
+}
+
+fn post(gateway: std::net::SocketAddr, key: &str) -> Request<Full<Bytes>> {
+    Request::post(format!("http://{gateway}/orders"))
+        .header("idempotency-key", key)
+        .header("authorization", "Bearer alice")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{\"sku\":\"book\"}")))
+        .expect("request")
+}
+
+/// The record's completion time lies ahead of Redis's clock, as after the
+/// clock stepped back (failover to a node behind, NTP): the record is
+/// still replayed, not refused as corrupt (which fail-open would have
+/// turned into a second execution on every retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_that_steps_back_still_replays() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let gateway = idem_tests::start_gateway(&server, &["--store", &url, "--fail-open"]).await;
+    let first = send(&client(), post(gateway.addr, "clock-1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // Move the completion an hour into Redis's future.
+    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let record = keys.lines().next().expect("one record").trim().to_owned();
+    let completed = redis.cli(&["HGET", &record, "completed"]);
+    let ahead = completed.trim().parse::<u64>().expect("ms") + 3_600_000;
+    redis.cli(&["HSET", &record, "completed", &ahead.to_string()]);
+    for _ in 0..3 {
+        let replay = send(&client(), post(gateway.addr, "clock-1")).await;
+        assert_eq!(replay.status, StatusCode::CREATED);
+        assert!(replay.replayed());
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(upstream.runs(), 1);
+}
+
+/// A record the store answers with but cannot decode is a 503 even with
+/// fail-open: the store answered, and the key may hold an outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_never_covers_a_corrupt_record() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let gateway = idem_tests::start_gateway(&server, &["--store", &url, "--fail-open"]).await;
+    let first = send(&client(), post(gateway.addr, "corrupt-1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let record = keys.lines().next().expect("one record").trim().to_owned();
+    redis.cli(&["HSET", &record, "status", "not-a-number"]);
+    for _ in 0..3 {
+        let answer = send(&client(), post(gateway.addr, "corrupt-1")).await;
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            answer.code().as_deref(),
+            Some("idempotency_store_unavailable")
+        );
+    }
+    assert_eq!(upstream.runs(), 1, "never run again unprotected");
+}
+
+/// A Redis that can evict records is refused at start unless allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_is_refused_unless_allowed() {
+    let Some(lru) = RedisServer::spawn_with(&["--maxmemory-policy", "allkeys-lru"]) else {
+        return;
+    };
+    let Some(safe) = RedisServer::spawn_with(&["--appendonly", "yes"]) else {
+        return;
+    };
+    let upstream = TestServer::start(Upstream::default().router()).await;
+    let url = lru.url();
+    let refused = idem_gateway::start(idem_tests::gateway_config(
+        upstream.addr,
+        &["--store", &url],
+    ))
+    .await;
+    match refused {
+        Err(idem_gateway::StartError::UnsafeStore(message)) => {
+            assert!(message.contains("allkeys-lru"), "{message}");
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("an allkeys-lru Redis was accepted"),
+    }
+    let allowed = idem_gateway::start(idem_tests::gateway_config(
+        upstream.addr,
+        &["--store", &url, "--allow-redis-eviction"],
+    ))
+    .await;
+    assert!(allowed.is_ok(), "allowed explicitly");
+
+    let store = RedisStore::from_url(&lru.url()).expect("store");
+    let safety = store.server_safety().await.expect("INFO");
+    assert_eq!(safety.evicting_policies(), vec!["allkeys-lru"]);
+    assert!(!safety.append_only);
+    let store = RedisStore::from_url(&safe.url()).expect("store");
+    let safety = store.server_safety().await.expect("INFO");
+    assert!(safety.evicting_policies().is_empty());
+    assert!(safety.append_only);
+}
