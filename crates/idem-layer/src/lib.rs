@@ -29,14 +29,26 @@
 //! | same key, other payload | `422 idempotency_conflict` |
 //! | cancelled through the records API | `410 idempotency_cancelled` |
 //! | malformed or repeated key | `400 idempotency_key_invalid` |
+//! | method equal to a protected one but for case (`post`) | `400 method_case_mismatch` |
 //! | no tenant | `401 idempotency_tenant_missing` |
 //! | body over the limit | `413 request_body_too_large`, handler not run |
 //! | store down or slow | `503 idempotency_store_unavailable` + `Retry-After` |
 //!
 //! Handler outcomes 2xx, 3xx and 4xx (except 408, 425, 429) are stored.
 //! 5xx, 408, 425, 429, errors and panics release the key so the client may
-//! retry. Every refusal is `application/problem+json` with a stable `code`
-//! (see [`ProblemCode`]).
+//! retry. A response carrying [`UnknownOutcome`] (a proxy's upstream
+//! timeout: the action may have run) neither stores nor releases: the key
+//! stays reserved and a late answer is recorded. Every refusal is
+//! `application/problem+json` with a stable `code` (see [`ProblemCode`]).
+//!
+//! The operation is the method and axum's route template when there is
+//! one, else the path in normal form ([`normalize_path`]: `//orders`,
+//! `/./orders` and `/x/../orders` are `/orders`); the inner service then
+//! gets the normalized path, so what runs is what was scoped.
+//!
+//! At shutdown, call [`IdempotencyLayer::drain`] after the server stopped:
+//! it waits for handlers whose client left and outcomes still being
+//! recorded.
 //!
 //! # Choices where the contract is silent
 //!
@@ -49,10 +61,18 @@
 //! * A released key (after a temporary failure) is free again for any
 //!   payload: the next request starts a new attempt.
 //! * If the outcome cannot be recorded because the store failed after the
-//!   handler ran, the client still gets the real response, and the record
-//!   stays processing until its lease lapses.
+//!   handler ran, the client still gets the real response, and recording is
+//!   retried in the background (renewing the lease) while the lease is
+//!   held; after that the record stays processing until its lease lapses.
 //! * A fenced attempt (taken over or cancelled while running) gets what the
-//!   record says now; if the record is vacant its own response.
+//!   record says now, whether it succeeded or failed; if the record is
+//!   vacant its own response.
+//! * `409 idempotency_in_progress` carries `Retry-After: 1` or `2` (never
+//!   more than the lease left, rounded down, and at least 1): most attempts
+//!   end well within their lease, and a client's deadline should not be
+//!   spent waiting for all of it.
+//! * Fail-open covers a store that cannot be reached or timed out, never a
+//!   store that answered (full, or a record it cannot decode).
 //!
 //! # Body types
 //!

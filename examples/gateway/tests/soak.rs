@@ -1,6 +1,9 @@
 //! Chaos soak: 64 concurrent clients, a pool of keys with many duplicates
 //! and some changed payloads, two gateway processes on one Redis, gateways
-//! killed and restarted at random, Redis paused and resumed. An independent
+//! killed (SIGKILL) or stopped (SIGTERM) and restarted, Redis paused and
+//! resumed, and one upstream execution in 30 slower than the gateways'
+//! upstream timeout (an unknown outcome: 504, the key kept, the late
+//! answer recorded). An independent
 //! ledger in the upstream then checks every promise and prints the figures.
 //!
 //! Short profile (the default, about a minute with setup; CI runs it):
@@ -30,6 +33,8 @@ const KEYS: u64 = 60;
 const CLIENTS: usize = 64;
 /// The gateways' lease (`--lease`).
 const LEASE: Duration = Duration::from_secs(2);
+/// The gateways' upstream timeout (`--upstream-timeout`).
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// One execution in the upstream.
 #[derive(Debug, Clone)]
@@ -78,8 +83,14 @@ async fn pay(
         started,
         body: body.clone(),
     });
-    // Some work, so that duplicates overlap and kills land mid-request.
-    tokio::time::sleep(Duration::from_millis(n as u64 % 40)).await;
+    // Some work, so that duplicates overlap and kills land mid-request;
+    // one in 30 outlasts the gateways' upstream timeout.
+    let work = if n % 30 == 0 {
+        UPSTREAM_TIMEOUT + Duration::from_millis(500)
+    } else {
+        Duration::from_millis(n as u64 % 40)
+    };
+    tokio::time::sleep(work).await;
     (StatusCode::CREATED, body)
 }
 
@@ -132,6 +143,17 @@ impl Gateway {
     fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then waits for the graceful exit (connections closed,
+    /// detached work drained).
+    fn terminate(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
             let _ = child.wait();
         }
     }
@@ -200,7 +222,9 @@ async fn chaos_soak() {
         "--store-timeout",
         "250ms",
         "--upstream-timeout",
-        "5s",
+        "1s",
+        "--drain-timeout",
+        "10s",
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -214,15 +238,18 @@ async fn chaos_soak() {
     let started = Instant::now();
     let deadline = started + Duration::from_secs(seconds);
     let kills: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let terminations = Arc::new(AtomicUsize::new(0));
     let pauses: Arc<Mutex<Vec<(Instant, Instant)>>> = Arc::default();
 
-    // Chaos: every 2.5 s kill and restart a gateway; every other time also
-    // pause Redis for 600 ms.
+    // Chaos: every 2.5 s stop and restart a gateway, two times in three
+    // with SIGKILL (its owners are lost), else with SIGTERM (it drains and
+    // loses nothing); every other time also pause Redis for 600 ms.
     let chaos = {
-        let (gateways, kills, pauses) = (
+        let (gateways, kills, pauses, terminations) = (
             Arc::clone(&gateways),
             Arc::clone(&kills),
             Arc::clone(&pauses),
+            Arc::clone(&terminations),
         );
         let redis = Arc::new(redis);
         let redis_for_chaos = Arc::clone(&redis);
@@ -232,7 +259,19 @@ async fn chaos_soak() {
                 std::thread::sleep(Duration::from_millis(2500));
                 round += 1;
                 let victim = (round % 2) as usize;
-                {
+                if round.is_multiple_of(3) {
+                    // Outside the lock: the graceful exit takes a while.
+                    let mut gateway = {
+                        let mut gateways = gateways.lock().expect("gateways");
+                        Gateway {
+                            child: gateways[victim].child.take(),
+                            port: gateways[victim].port,
+                            args: Vec::new(),
+                        }
+                    };
+                    gateway.terminate();
+                    terminations.fetch_add(1, Ordering::SeqCst);
+                } else {
                     let mut gateways = gateways.lock().expect("gateways");
                     gateways[victim].kill();
                     kills.lock().expect("kills").push(Instant::now());
@@ -351,8 +390,9 @@ async fn chaos_soak() {
         doubled.is_empty(),
         "two executions in one generation: {doubled:?}"
     );
-    // 2. Re-executions only after a lost owner (a killed gateway) or a store
-    //    outage, and always with a higher generation.
+    // 2. Re-executions only after a lost owner (a killed gateway, never a
+    //    gracefully stopped one, nor an upstream timeout) or a store outage,
+    //    and always with a higher generation.
     let mut re_executions = 0;
     for runs in by_scope.values() {
         for pair in runs.windows(2) {
@@ -458,9 +498,11 @@ async fn chaos_soak() {
         by_scope.len()
     );
     println!(
-        "  chaos: {} gateway kills, {} Redis pauses",
+        "  chaos: {} gateway kills, {} graceful stops, {} Redis pauses, {} upstream timeouts (504)",
         kills.len(),
-        pauses.len()
+        terminations.load(Ordering::SeqCst),
+        pauses.len(),
+        count(StatusCode::GATEWAY_TIMEOUT)
     );
     println!(
         "  violations: 0 double executions per generation, 0 differing replays, 0 cross-tenant, 0 executions during outages, 0 false 422s"
@@ -468,6 +510,10 @@ async fn chaos_soak() {
     assert!(
         successes > 100 && replays > 0 && conflicts > 0,
         "the soak exercised too little"
+    );
+    assert!(
+        count(StatusCode::GATEWAY_TIMEOUT) > 0 && terminations.load(Ordering::SeqCst) > 0,
+        "the soak saw no upstream timeout or no graceful stop"
     );
     drop(gateways);
     drop(redis);
