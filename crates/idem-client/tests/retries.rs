@@ -512,3 +512,45 @@ mod properties {
         }
     }
 }
+
+/// A `Retry-After` beyond what any clock can add stops at the deadline
+/// with the answer in hand; it never panics.
+#[tokio::test(start_paused = true)]
+async fn an_absurd_retry_after_stops_at_the_deadline() {
+    let (script, url) = scripted_server(vec![(
+        503,
+        vec![("retry-after", "99999999999999999999".to_owned())],
+        "busy",
+    )])
+    .await;
+    let client = RetryLayer::new().layer(http());
+    let (status, info, _) = send(&client, post(&url, "{}")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(info.stopped, Some(StopReason::Deadline));
+    assert_eq!(script.hits(), 1);
+    // A deadline no clock can hold is no deadline, not a panic.
+    let (script, url) =
+        scripted_server(vec![(503, vec![("retry-after", "1".to_owned())], "busy")]).await;
+    let client = RetryLayer::new()
+        .deadline(Duration::from_secs(u64::MAX))
+        .layer(http());
+    let (status, info, _) = send(&client, post(&url, "{}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(info.attempts, 2);
+    assert_eq!(script.hits(), 2);
+}
+
+/// A 409 whose body exceeds what the client reads to find a problem code
+/// is not an error: it reaches the caller whole and is not retried.
+#[tokio::test(start_paused = true)]
+async fn a_large_409_body_reaches_the_caller_whole() {
+    let big: &'static str = Box::leak("x".repeat(200 * 1024).into_boxed_str());
+    let (script, url) = scripted_server(vec![(409, vec![], big)]).await;
+    let client = RetryLayer::new().layer(http());
+    let (status, info, body) = send(&client, post(&url, "{}")).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(body.len(), big.len());
+    assert_eq!(body, big);
+    assert_eq!(info.attempts, 1);
+    assert_eq!(script.hits(), 1);
+}
