@@ -68,6 +68,7 @@ struct Scripts {
     release: Script,
     cancel: Script,
     get: Script,
+    abandon: Script,
 }
 
 impl Scripts {
@@ -80,6 +81,7 @@ impl Scripts {
             release: script(include_str!("lua/release.lua")),
             cancel: script(include_str!("lua/cancel.lua")),
             get: script(include_str!("lua/get.lua")),
+            abandon: script(include_str!("lua/abandon.lua")),
         }
     }
 }
@@ -369,6 +371,17 @@ impl RedisStore {
         invocation: ScriptInvocation<'_>,
         wait: bool,
     ) -> Result<(Value, Option<usize>), StoreError> {
+        self.run_on(invocation, wait, &mut None).await
+    }
+
+    /// [`run`](Self::run), telling in `used` the connection the script was
+    /// last sent on (as soon as it is sent).
+    async fn run_on(
+        &self,
+        invocation: ScriptInvocation<'_>,
+        wait: bool,
+        used: &mut Option<Conn>,
+    ) -> Result<(Value, Option<usize>), StoreError> {
         let bound = self.timeout + self.wait_replicas.map_or(Duration::ZERO, |w| w.1);
         let mut lane = None;
         let call = async {
@@ -376,6 +389,7 @@ impl RedisStore {
             loop {
                 let (index, mut conn) = self.connection().await?;
                 lane = Some(index);
+                *used = Some(conn.clone());
                 match self.invoke(&invocation, &mut conn, wait).await {
                     Err(error) if connection_broken(&error) => {
                         // The server most likely went away: every lane's
@@ -429,6 +443,62 @@ impl RedisStore {
         let (wanted, _) = self.wait_replicas?;
         let acked = acked?;
         (acked < wanted).then_some((acked, wanted))
+    }
+}
+
+/// Frees a reservation whose call was given up after its script was sent:
+/// on drop, while it still holds the connection the script went out on, it
+/// sends the abandon script on that same connection, which the server runs
+/// after the reservation (one connection's commands run in order), so a
+/// reservation queued behind a paused server never leaves an owner that
+/// nobody runs. Retried until the server answers, for at most a lease
+/// (after which a takeover frees the key anyway).
+struct Abandon {
+    script: Script,
+    key: String,
+    attempt: String,
+    token: String,
+    conn: Option<Conn>,
+    within: Duration,
+}
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (script, key, attempt, token, within) = (
+            self.script.clone(),
+            std::mem::take(&mut self.key),
+            std::mem::take(&mut self.attempt),
+            std::mem::take(&mut self.token),
+            self.within,
+        );
+        runtime.spawn(async move {
+            let abandon = async {
+                loop {
+                    let mut invocation = script.prepare_invoke();
+                    invocation.key(&key).arg(&attempt).arg(&token);
+                    let sent: redis::RedisResult<Value> = match &mut conn {
+                        Conn::Single(c) => invocation.invoke_async(c).await,
+                        Conn::Cluster(c) => invocation.invoke_async(c).await,
+                    };
+                    match sent {
+                        Ok(_) => return,
+                        Err(error) => {
+                            tracing::debug!(%error, "abandoning a given-up reservation failed; retrying");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
+                }
+            };
+            if tokio::time::timeout(within, abandon).await.is_err() {
+                tracing::warn!("a given-up reservation could not be freed; its lease will lapse");
+            }
+        });
     }
 }
 
@@ -771,7 +841,20 @@ impl Store for RedisStore {
             .arg(request.scope.operation())
             .arg(request.scope.key().as_str())
             .arg(ATTEMPT_HISTORY);
-        let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
+        // If this call is given up (it times out, or its caller's timeout
+        // drops it) after the script was sent, the guard frees the
+        // reservation by its owner token once the server answers.
+        let mut guard = Abandon {
+            script: self.scripts.abandon.clone(),
+            key: self.record_key(scope),
+            attempt: attempt.to_string(),
+            token: token.0.to_string(),
+            conn: None,
+            within: request.lease,
+        };
+        let (reply, acked) = self
+            .run_on(invocation, self.wait_replicas.is_some(), &mut guard.conn)
+            .await?;
         let reply = items(reply)?;
         let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
         let lease = |generation: u64| Lease {
@@ -819,6 +902,8 @@ impl Store for RedisStore {
                 "the reservation reached {acked} of {wanted} replicas in time"
             )));
         }
+        // Answered and decoded: the caller owns what it reserved.
+        guard.conn = None;
         Ok(reservation)
     }
 
