@@ -3,7 +3,9 @@
 //! Each server runs with `--save "" --appendonly no` in its own temporary
 //! directory, is killed and waited for on drop, and prints its log when the
 //! test that owned it panicked. A missing `redis-server` fails the test when
-//! `CI=true`, and skips it with a notice elsewhere.
+//! `CI` is set to anything non-empty (`.ci/run` sets it), and elsewhere
+//! skips it with a notice written straight to stderr, past the test
+//! harness's output capture, so it shows in the test summary.
 
 use std::{
     io::{Read, Write},
@@ -46,13 +48,30 @@ pub fn redis_available() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !found {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "redis-server is not installed, and CI=true: the Redis tests must run"
-        );
-        eprintln!("NOTICE: redis-server is not installed; skipping this Redis test");
+        skip_or_fail("redis-server");
     }
     found
+}
+
+/// Whether this run is CI: `CI` set to anything but empty (`true`, `1`).
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+}
+
+/// A test whose server binary is missing: a failure in CI; elsewhere a
+/// skip, announced on stderr directly (`eprintln!` would be captured and
+/// hidden from the summary of a passing test).
+pub fn skip_or_fail(binary: &str) {
+    assert!(
+        !in_ci(),
+        "{binary} is not installed, and CI is set: the tests that need it must run"
+    );
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("a test");
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED {test}: {binary} is not installed (set CI=true to make this a failure)"
+    );
 }
 
 /// One `redis-server` process.

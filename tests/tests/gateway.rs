@@ -471,10 +471,16 @@ async fn redis_paused_is_503_within_the_timeout_and_upstream_untouched() {
     let flags = redis_flags(&redis.url());
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let (upstream, _server, gw) = setup(&flags).await;
-    assert_eq!(
-        post(&gw, "/orders", "before", "{}").await.status,
-        StatusCode::CREATED
-    );
+    // Warm every connection lane of the store, so the call below is really
+    // queued behind the paused server.
+    for n in 0..8 {
+        assert_eq!(
+            post(&gw, "/orders", &format!("before-{n}"), "{}")
+                .await
+                .status,
+            StatusCode::CREATED
+        );
+    }
     redis.pause();
     let started = Instant::now();
     let reply = post(&gw, "/orders", "during", "{}").await;
@@ -499,10 +505,28 @@ async fn redis_paused_is_503_within_the_timeout_and_upstream_untouched() {
     assert_eq!(health.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(
         upstream.runs(),
-        1,
+        8,
         "nothing executed while the store was unreachable"
     );
     redis.resume();
+    // Recovery: the key that got 503 is free and runs once, well within
+    // its 30 s lease; the earlier keys replay.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let recovered = loop {
+        let reply = post(&gw, "/orders", "during", "{}").await;
+        if reply.status == StatusCode::CREATED || Instant::now() >= deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        recovered.status,
+        StatusCode::CREATED,
+        "{:?}",
+        recovered.code()
+    );
+    assert_eq!(upstream.runs(), 9);
+    assert!(post(&gw, "/orders", "before-0", "{}").await.replayed());
     gw.stop().await;
 }
 

@@ -16,7 +16,7 @@ use std::{
     process::{Child, Command, Stdio},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -33,6 +33,9 @@ const KEYS: u64 = 60;
 const CLIENTS: usize = 64;
 /// The gateways' lease (`--lease`).
 const LEASE: Duration = Duration::from_secs(2);
+/// How long a key stays in the clients' pool: past the lease and a
+/// restart, so that lost owners' keys are retried and taken over.
+const KEY_LIFETIME_SECS: u64 = 8;
 /// The gateways' upstream timeout (`--upstream-timeout`).
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -44,6 +47,8 @@ struct Execution {
     attempt: u64,
     payload: Bytes,
     started: Instant,
+    /// How long the upstream worked on it.
+    work: Duration,
     body: Bytes,
 }
 
@@ -75,36 +80,39 @@ async fn pay(
         "{{\"tenant\":\"{tenant}\",\"key\":\"{key}\",\"execution\":{n}}}"
     ));
     let attempt = text("idempotency-attempt").parse().unwrap_or(0);
+    // Some work, so that duplicates overlap and kills land mid-request;
+    // one in 30 outlasts the gateways' upstream timeout.
+    let work = if n % 30 == 0 {
+        UPSTREAM_TIMEOUT + Duration::from_millis(500)
+    } else {
+        Duration::from_millis((n as u64 % 10) * 30)
+    };
     ledger.executions.lock().expect("ledger").push(Execution {
         tenant,
         key,
         attempt,
         payload,
         started,
+        work,
         body: body.clone(),
     });
-    // Some work, so that duplicates overlap and kills land mid-request;
-    // one in 30 outlasts the gateways' upstream timeout.
-    let work = if n % 30 == 0 {
-        UPSTREAM_TIMEOUT + Duration::from_millis(500)
-    } else {
-        Duration::from_millis(n as u64 % 40)
-    };
     tokio::time::sleep(work).await;
     (StatusCode::CREATED, body)
 }
 
 struct Gateway {
     child: Option<Child>,
-    port: u16,
+    /// Where it listens now: each start binds a fresh port, published
+    /// here for the clients, so no port is reused across restarts.
+    port: Arc<AtomicU16>,
     args: Vec<String>,
 }
 
 impl Gateway {
-    fn start(port: u16, args: &[String]) -> Self {
+    fn start(args: &[String]) -> Self {
         let mut gateway = Self {
             child: None,
-            port,
+            port: Arc::new(AtomicU16::new(0)),
             args: args.to_vec(),
         };
         gateway.spawn();
@@ -112,32 +120,24 @@ impl Gateway {
     }
 
     fn spawn(&mut self) {
-        let listen = format!("127.0.0.1:{}", self.port);
-        for _ in 0..50 {
-            let mut child = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
-                .args(["--listen", &listen])
-                .args(&self.args)
-                .env("RUST_LOG", "error")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn gateway");
-            let stdout = child.stdout.take().expect("stdout");
-            let mut lines = BufReader::new(stdout).lines();
-            if lines
-                .next()
-                .and_then(Result::ok)
-                .is_some_and(|l| l.starts_with("idem-gateway listening"))
-            {
-                std::thread::spawn(move || lines.for_each(drop));
-                self.child = Some(child);
-                return;
-            }
-            // The port may still be held by the killed process's sockets.
-            let _ = child.wait();
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("the gateway could not restart on port {}", self.port);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(&self.args)
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn gateway");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let first = lines.next().and_then(Result::ok).unwrap_or_default();
+        let port = first
+            .strip_prefix("idem-gateway listening on http://127.0.0.1:")
+            .and_then(|p| p.trim().parse::<u16>().ok())
+            .unwrap_or_else(|| panic!("unexpected first line {first:?}"));
+        std::thread::spawn(move || lines.for_each(drop));
+        self.port.store(port, Ordering::SeqCst);
+        self.child = Some(child);
     }
 
     fn kill(&mut self) {
@@ -163,14 +163,6 @@ impl Drop for Gateway {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
 }
 
 /// What a client sent and got.
@@ -229,11 +221,9 @@ async fn chaos_soak() {
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    let ports = [free_port(), free_port()];
-    let gateways = Arc::new(Mutex::new([
-        Gateway::start(ports[0], &args),
-        Gateway::start(ports[1], &args),
-    ]));
+    let gateways = [Gateway::start(&args), Gateway::start(&args)];
+    let ports = [Arc::clone(&gateways[0].port), Arc::clone(&gateways[1].port)];
+    let gateways = Arc::new(Mutex::new(gateways));
 
     let started = Instant::now();
     let deadline = started + Duration::from_secs(seconds);
@@ -265,7 +255,7 @@ async fn chaos_soak() {
                         let mut gateways = gateways.lock().expect("gateways");
                         Gateway {
                             child: gateways[victim].child.take(),
-                            port: gateways[victim].port,
+                            port: Arc::clone(&gateways[victim].port),
                             args: Vec::new(),
                         }
                     };
@@ -279,11 +269,14 @@ async fn chaos_soak() {
                 std::thread::sleep(Duration::from_millis(200));
                 gateways.lock().expect("gateways")[victim].spawn();
                 if round.is_multiple_of(2) {
-                    let from = Instant::now();
+                    // The window is when Redis certainly was stopped: from
+                    // after SIGSTOP was delivered to before SIGCONT is sent.
                     redis_for_chaos.pause();
+                    let from = Instant::now();
                     std::thread::sleep(Duration::from_millis(600));
+                    let to = Instant::now();
                     redis_for_chaos.resume();
-                    pauses.lock().expect("pauses").push((from, Instant::now()));
+                    pauses.lock().expect("pauses").push((from, to));
                 }
             }
         });
@@ -306,13 +299,20 @@ async fn chaos_soak() {
     let outcomes: Arc<Mutex<Vec<Outcome>>> = Arc::default();
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
-        let (http, outcomes, next) = (http.clone(), Arc::clone(&outcomes), next.clone());
+        let (http, outcomes, next, ports) = (
+            http.clone(),
+            Arc::clone(&outcomes),
+            next.clone(),
+            ports.clone(),
+        );
         clients.push(tokio::spawn(async move {
             while Instant::now() < deadline {
                 let r = next();
-                // The key pool rolls over every 2 s, so executions (and
-                // kills landing on them) go on for the whole run.
-                let epoch = started.elapsed().as_secs() / 2;
+                // The key pool rolls over every 8 s: fresh keys keep
+                // executions (and kills landing on them) going for the whole
+                // run, and a killed gateway's keys are still retried after
+                // their 2 s lease lapsed, so takeovers happen.
+                let epoch = started.elapsed().as_secs() / KEY_LIFETIME_SECS;
                 let (tenant, key) = (r % TENANTS, (r >> 8) % KEYS + epoch * KEYS);
                 // 4 % of requests change the payload of a key.
                 let variant = if (r >> 20) % 25 == 0 {
@@ -320,7 +320,7 @@ async fn chaos_soak() {
                 } else {
                     0
                 };
-                let port = ports[((r >> 40) % 2) as usize];
+                let port = ports[((r >> 40) % 2) as usize].load(Ordering::SeqCst);
                 let body = payload(tenant, key, variant);
                 let (tenant, key) = (format!("tenant-{tenant}"), format!("key-{key}"));
                 let request = Request::post(format!("http://127.0.0.1:{port}/pay"))
@@ -401,17 +401,28 @@ async fn chaos_soak() {
                 pair[1].attempt > pair[0].attempt,
                 "re-execution without a higher generation: {pair:?}"
             );
-            // The owner may have died just before its request reached the
-            // upstream, so look back one lease from the first execution.
-            let since = pair[0].started - LEASE;
-            let lost_owner = kills.iter().any(|k| *k >= since && *k <= pair[1].started)
+            // The owner was lost while it held the first execution: killed
+            // between its reservation (a little before the upstream saw the
+            // request) and its completion (a little after the upstream
+            // answered), or cut off from Redis for that long.
+            let since = pair[0].started - Duration::from_millis(250);
+            let until = pair[0].started + pair[0].work + Duration::from_millis(500);
+            let lost_owner = kills.iter().any(|k| *k >= since && *k <= until)
                 || pauses
                     .iter()
-                    .any(|(from, _)| *from >= since && *from <= pair[1].started);
+                    .any(|(from, to)| *to >= since && *from <= until);
             assert!(
                 lost_owner,
                 "re-execution of {}/{} without a lost owner",
                 pair[0].tenant, pair[0].key
+            );
+            // Only after the lost owner's lease lapsed (it was taken a little
+            // before the first execution started).
+            assert!(
+                pair[1].started + Duration::from_millis(250) >= pair[0].started + LEASE,
+                "takeover of {}/{} before the lease lapsed",
+                pair[0].tenant,
+                pair[0].key
             );
             assert_eq!(
                 pair[0].payload, pair[1].payload,
@@ -483,7 +494,7 @@ async fn chaos_soak() {
     let count = |status: StatusCode| outcomes.iter().filter(|o| o.status == Some(status)).count();
     let transport = outcomes.iter().filter(|o| o.status.is_none()).count();
     println!(
-        "SOAK {seconds}s: {} requests from {CLIENTS} clients, {} scopes live at a time",
+        "SOAK {seconds}s: {} requests from {CLIENTS} clients, {} scopes live at a time, each for {KEY_LIFETIME_SECS} s",
         outcomes.len(),
         TENANTS * KEYS
     );
@@ -493,7 +504,7 @@ async fn chaos_soak() {
         count(StatusCode::SERVICE_UNAVAILABLE)
     );
     println!(
-        "  upstream executions: {} in {} scopes; re-executions after a lost owner: {re_executions}",
+        "  upstream executions: {} in {} scopes; takeovers after a lost owner: {re_executions}",
         executions.len(),
         by_scope.len()
     );
@@ -514,6 +525,10 @@ async fn chaos_soak() {
     assert!(
         count(StatusCode::GATEWAY_TIMEOUT) > 0 && terminations.load(Ordering::SeqCst) > 0,
         "the soak saw no upstream timeout or no graceful stop"
+    );
+    assert!(
+        re_executions > 0,
+        "no takeover happened: the re-execution checks checked nothing"
     );
     drop(gateways);
     drop(redis);
