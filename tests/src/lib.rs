@@ -129,3 +129,32 @@ pub fn send(
         }
     }
 }
+
+/// An HTTP client for `idem-client`'s retry layer that reports every `409`
+/// it receives on the returned channel (a running count), so a test can
+/// wait until a retrying client has met a request in progress instead of
+/// sleeping and hoping it did.
+pub fn client_counting_409s() -> (
+    impl tower::Service<
+        Request<idem_client::ReplayBody<Full<Bytes>>>,
+        Response = http::Response<hyper::body::Incoming>,
+        Error = hyper_util::client::legacy::Error,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static,
+    tokio::sync::watch::Receiver<usize>,
+) {
+    use tower::ServiceExt;
+    let (met, seen) = tokio::sync::watch::channel(0usize);
+    let met = std::sync::Arc::new(met);
+    let http = Client::builder(TokioExecutor::new())
+        .build_http::<idem_client::ReplayBody<Full<Bytes>>>()
+        .map_response(move |response: http::Response<hyper::body::Incoming>| {
+            if response.status() == StatusCode::CONFLICT {
+                met.send_modify(|n| *n += 1);
+            }
+            response
+        });
+    (http, seen)
+}

@@ -40,9 +40,14 @@ async fn a_retry_during_the_first_attempt_waits_and_is_replayed() {
 
     let first = tokio::spawn(client.clone().oneshot(request()));
     upstream.wait_runs(1).await;
-    let duplicate = tokio::spawn(client.clone().oneshot(request()));
-    // Let the duplicate meet the running attempt at least once.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (http, mut met_409) = idem_tests::client_counting_409s();
+    let noticing = RetryLayer::new()
+        .deadline(Duration::from_secs(20))
+        .max_attempts(10)
+        .layer(http);
+    let duplicate = tokio::spawn(noticing.oneshot(request()));
+    // The duplicate meets the running attempt at least once.
+    met_409.wait_for(|n| *n >= 1).await.expect("a 409 was met");
     upstream.gate.add_permits(1);
 
     let first = first.await.expect("join").expect("response");

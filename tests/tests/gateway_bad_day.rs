@@ -397,7 +397,7 @@ fn absurd_durations_are_refused_at_start() {
 /// made it give up at the first 409.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_client_waits_out_a_409() {
-    use idem_client::{ReplayBody, RetryInfo, RetryLayer};
+    use idem_client::{RetryInfo, RetryLayer};
     use tower::{Layer, ServiceExt};
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
@@ -405,15 +405,7 @@ async fn the_default_client_waits_out_a_409() {
     let first = tokio::spawn(post(gateway.addr, "/slow", "client-1"));
     upstream.wait_runs(1).await;
     // The inner client tells when the gateway answered 409.
-    let (met_409, mut on_409) = tokio::sync::watch::channel(0usize);
-    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<ReplayBody<Full<Bytes>>>()
-        .map_response(move |response: http::Response<hyper::body::Incoming>| {
-            if response.status() == StatusCode::CONFLICT {
-                met_409.send_modify(|n| *n += 1);
-            }
-            response
-        });
+    let (http, mut on_409) = idem_tests::client_counting_409s();
     let retrying = RetryLayer::new().layer(http);
     let second = tokio::spawn(retrying.oneshot(keyed(
         gateway.addr,

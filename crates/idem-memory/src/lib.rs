@@ -235,6 +235,24 @@ impl MemoryStore {
         self.inner.capacity
     }
 
+    /// How many duplicates are waiting right now (in-flight wait mode) for a
+    /// running attempt's outcome. For tests and gauges.
+    pub fn waiting(&self) -> usize {
+        self.inner
+            .shards
+            .iter()
+            .map(|shard| {
+                shard
+                    .state
+                    .lock()
+                    .waiters
+                    .values()
+                    .map(|notify| Arc::strong_count(notify) - 1)
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
     /// How many entries the expiry heaps hold in all: at most about twice
     /// the records, whatever the number of renewals. For tests and gauges.
     pub fn expiry_entries(&self) -> usize {

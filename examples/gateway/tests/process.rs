@@ -73,6 +73,27 @@ async fn post(gateway: &Process, path: &str, key: &str) -> Reply {
     send(&client(), gateway.post(path, key)).await
 }
 
+/// The lease of the crash tests: long enough that a restarted debug binary
+/// answers while it lives, on a loaded machine too.
+const LEASE: &str = "6s";
+
+/// Retries until the answer is no longer `409 idempotency_in_progress`
+/// (the lease lapsed and a retry took over), within 30 s.
+async fn until_not_in_progress(gateway: &Process, path: &str, key: &str) -> Reply {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let reply = post(gateway, path, key).await;
+        if reply.code().as_deref() != Some("idempotency_in_progress") {
+            return reply;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still in progress 30 s later"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_request_then_restarted_on_the_same_redis() {
     let Some(redis) = RedisServer::spawn() else {
@@ -88,7 +109,7 @@ async fn killed_mid_request_then_restarted_on_the_same_redis() {
         "--store",
         &redis_url,
         "--lease",
-        "2s",
+        LEASE,
         "--retention",
         "1h",
     ];
@@ -100,7 +121,11 @@ async fn killed_mid_request_then_restarted_on_the_same_redis() {
     let _ = lost.await;
 
     let second = Process::start(&args);
-    let busy = post(&second, "/slow", "crash-1").await;
+    // A takeover would wait at the upstream's gate: bound the wait, so a
+    // restart slower than the lease fails here instead of hanging.
+    let busy = tokio::time::timeout(Duration::from_secs(10), post(&second, "/slow", "crash-1"))
+        .await
+        .expect("answered while the lease lives");
     assert_eq!(
         busy.status,
         StatusCode::CONFLICT,
@@ -115,11 +140,10 @@ async fn killed_mid_request_then_restarted_on_the_same_redis() {
     assert!((1..=2).contains(&retry_after));
     assert_eq!(upstream.runs(), 1);
 
-    tokio::time::sleep(Duration::from_millis(2200)).await;
-    let takeover = tokio::spawn(send(&client(), second.post("/slow", "crash-1")));
-    upstream.wait_runs(2).await;
+    // Both runs may finish now: the killed owner's (still waiting in the
+    // upstream) and the takeover's once the lease has lapsed.
     upstream.gate.add_permits(2);
-    let takeover = takeover.await.expect("join");
+    let takeover = until_not_in_progress(&second, "/slow", "crash-1").await;
     assert_eq!(takeover.status, StatusCode::CREATED);
     {
         let seen = upstream.seen.lock().expect("seen");
@@ -324,7 +348,7 @@ async fn crash_before_the_upstream_is_called() {
         "--store",
         &redis_url,
         "--lease",
-        "2s",
+        LEASE,
         "--retention",
         "1h",
     ];
@@ -342,8 +366,7 @@ async fn crash_before_the_upstream_is_called() {
     let second = Process::start(&args);
     let busy = post(&second, "/orders", "crash-before").await;
     assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
-    tokio::time::sleep(Duration::from_millis(2200)).await;
-    let takeover = post(&second, "/orders", "crash-before").await;
+    let takeover = until_not_in_progress(&second, "/orders", "crash-before").await;
     assert_eq!(takeover.status, StatusCode::CREATED);
     assert_eq!(
         up.upstream.runs(),
