@@ -134,6 +134,7 @@ pub fn send(
 /// it receives on the returned channel (a running count), so a test can
 /// wait until a retrying client has met a request in progress instead of
 /// sleeping and hoping it did.
+#[allow(clippy::type_complexity)] // an opaque service and its channel
 pub fn client_counting_409s() -> (
     impl tower::Service<
         Request<idem_client::ReplayBody<Full<Bytes>>>,
