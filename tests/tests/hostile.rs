@@ -56,10 +56,9 @@ async fn slow_loris_heads_are_cut_off() {
         elapsed < Duration::from_secs(3),
         "the connection was held for {elapsed:?}"
     );
-    assert!(
-        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
-        "{answer:?}"
-    );
+    // hyper closes a connection whose head is late without an answer (no
+    // 408): the read ends at EOF, long before its 5 s timeout.
+    assert!(answer.is_empty(), "{answer:?}");
     assert_eq!(upstream.runs(), 0);
 }
 

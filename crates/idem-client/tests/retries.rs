@@ -560,3 +560,66 @@ async fn a_large_409_body_reaches_the_caller_whole() {
     assert_eq!(info.attempts, 1);
     assert_eq!(script.hits(), 1);
 }
+
+/// 408, 425, 429, 502, 503 and 504 are temporary: retried with the same
+/// key. 500 is the server's own failure: answered, not retried.
+#[tokio::test(start_paused = true)]
+async fn temporary_statuses_are_retried_and_500_is_not() {
+    for status in [408, 425, 429, 502, 503, 504] {
+        let (script, url) = scripted_server(vec![(status, vec![], "later")]).await;
+        let client = RetryLayer::new().layer(http());
+        let (got, info, body) = send(&client, post(&url, "{}")).await;
+        assert_eq!(got, StatusCode::OK, "{status} is retried");
+        assert_eq!(body, "done");
+        assert_eq!(info.attempts, 2);
+        let keys = script.keys();
+        assert!(keys[0].is_some() && keys[0] == keys[1], "{status}: one key");
+    }
+    let (script, url) = scripted_server(vec![(500, vec![], "broken")]).await;
+    let client = RetryLayer::new().layer(http());
+    let (got, info, _) = send(&client, post(&url, "{}")).await;
+    assert_eq!(got, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(info.attempts, 1);
+    assert_eq!(script.hits(), 1);
+}
+
+/// An attempt that outlasts the attempt timeout is retried with the same
+/// key; the answer of the retry is returned.
+#[tokio::test]
+async fn an_attempt_timeout_is_retried_with_the_same_key() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let keys: Arc<Mutex<Vec<Option<String>>>> = Arc::default();
+    let (c, k) = (Arc::clone(&calls), Arc::clone(&keys));
+    let url = serve(Router::new().route(
+        "/",
+        any(move |headers: HeaderMap| {
+            let (calls, keys) = (Arc::clone(&c), Arc::clone(&k));
+            async move {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                keys.lock().expect("keys").push(
+                    headers
+                        .get("idempotency-key")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned),
+                );
+                if n == 0 {
+                    // The first attempt hangs past the attempt timeout.
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                }
+                "done"
+            }
+        }),
+    ))
+    .await;
+    let client = RetryLayer::new()
+        .attempt_timeout(Duration::from_millis(200))
+        .base_delay(Duration::from_millis(10))
+        .layer(http());
+    let (status, info, body) = send(&client, post(&url, "{}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, "done");
+    assert_eq!(info.attempts, 2);
+    let keys = keys.lock().expect("keys").clone();
+    assert_eq!(keys.len(), 2);
+    assert!(keys[0].is_some() && keys[0] == keys[1]);
+}

@@ -239,9 +239,58 @@ async fn a_failed_completion_is_recorded_in_the_background() {
     store.mode.store(FAIL_NEXT_COMPLETE, Ordering::SeqCst);
     let first = send(&svc, order("k", "{}")).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    let retry = send(&svc, order("k", "{}")).await;
+    // Until the background completion lands, a retry is told 409.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let retry = loop {
+        let retry = send(&svc, order("k", "{}")).await;
+        if retry.status != StatusCode::CONFLICT || tokio::time::Instant::now() >= deadline {
+            break retry;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(retry.replayed(), "{:?} {:?}", retry.status, retry.code());
     assert_eq!(retry.body, first.body);
     assert_eq!(probe.calls(), 1);
+}
+
+/// When the store stays down, the background completion gives up once the
+/// lease (which it renews while it can) has lapsed: no task lingers, and
+/// after the store is back a retry takes over with the next generation.
+#[tokio::test]
+async fn the_background_completion_gives_up_when_the_lease_lapses() {
+    let store = switched();
+    let probe = Probe::default();
+    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let svc = layer.layer(inner(&probe));
+    let first = tokio::spawn(send(&svc, order_at("/slow", "k")));
+    wait_calls(&probe, 1).await;
+    store.mode.store(FAIL, Ordering::SeqCst);
+    probe.open_gate(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::CREATED);
+    assert_eq!(layer.background_tasks(), 1, "recording in the background");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while layer.background_tasks() > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the background completion never gave up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    store.mode.store(OK, Ordering::SeqCst);
+    probe.open_gate(1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let retry = loop {
+        let retry = send(&svc, order_at("/slow", "k")).await;
+        if retry.status != StatusCode::CONFLICT || tokio::time::Instant::now() >= deadline {
+            break retry;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed(), "a takeover, not a replay");
+    assert_eq!(probe.calls(), 2);
+}
+
+fn order_at(path: &str, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    post(path).key(key).tenant("t1").json("{}").build()
 }

@@ -21,12 +21,18 @@ struct Process {
 impl Process {
     /// Starts the binary and waits for the line that says where it listens.
     fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args)
-            .env("RUST_LOG", "warn")
+        Self::spawn(
+            Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+                .args(["--listen", "127.0.0.1:0"])
+                .args(args)
+                .env("RUST_LOG", "error")
+                .stderr(Stdio::inherit()),
+        )
+    }
+
+    fn spawn(command: &mut Command) -> Self {
+        let mut child = command
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn idem-gateway");
         let stdout = child.stdout.take().expect("stdout");
@@ -47,10 +53,25 @@ impl Process {
     }
 
     fn terminate(&self) {
+        self.signal("-TERM");
+    }
+
+    fn signal(&self, signal: &str) {
         let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([signal, &self.child.id().to_string()])
             .status();
         assert!(status.is_ok_and(|s| s.success()));
+    }
+
+    /// Waits for the process to exit; answers whether it exited cleanly.
+    async fn exited_cleanly(mut self) -> bool {
+        tokio::task::spawn_blocking(move || {
+            let status = self.child.wait();
+            drop(self);
+            status.is_ok_and(|s| s.success())
+        })
+        .await
+        .expect("join")
     }
 
     fn post(&self, path: &str, key: &str) -> Request<Full<Bytes>> {
@@ -430,4 +451,160 @@ async fn crash_after_completion_before_the_client_reads() {
         "the bytes the upstream produced"
     );
     assert_eq!(upstream.runs(), 1);
+}
+
+/// Every setting given as an `IDEM_*` environment variable, through the
+/// process, each checked by what it changes: `--require-key`, `--methods`,
+/// `--tenant-header` with `--allow-anonymous`, `--records-prefix`,
+/// `--in-flight wait:`, `--fail-open` (and its count in `/metrics`), and
+/// the request log on stderr, which never holds the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_from_the_environment_take_effect() {
+    let Some(mut redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let log = std::env::temp_dir().join(format!("idem-gateway-env-{}.log", std::process::id()));
+    let gateway = Process::spawn(
+        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .env("IDEM_LISTEN", "127.0.0.1:0")
+            .env("IDEM_UPSTREAM", format!("http://{}", server.addr))
+            .env("IDEM_STORE", redis.url())
+            .env("IDEM_TENANT_HEADER", "x-tenant")
+            .env("IDEM_ALLOW_ANONYMOUS", "true")
+            .env("IDEM_REQUIRE_KEY", "true")
+            .env("IDEM_METHODS", "POST,PUT")
+            .env("IDEM_RECORDS_PREFIX", "/ops")
+            .env("IDEM_IN_FLIGHT", "wait:20s")
+            .env("IDEM_FAIL_OPEN", "true")
+            .env("IDEM_STORE_TIMEOUT", "300ms")
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).expect("log file")),
+    );
+    let http = client();
+    let request = |method: &str, path: &str, key: Option<&str>, tenant: Option<&str>| {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{}", gateway.addr, path))
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            builder = builder.header("idempotency-key", key);
+        }
+        if let Some(tenant) = tenant {
+            builder = builder.header("x-tenant", tenant);
+        }
+        builder
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    // IDEM_REQUIRE_KEY
+    let keyless = send(&http, request("POST", "/orders", None, Some("a"))).await;
+    assert_eq!(keyless.code().as_deref(), Some("idempotency_key_missing"));
+    // IDEM_TENANT_HEADER: one key, two tenants, two executions.
+    let secret = "secret-key-4711";
+    for tenant in ["a", "b"] {
+        let first = send(
+            &http,
+            request("POST", "/orders", Some(secret), Some(tenant)),
+        )
+        .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(!first.replayed(), "tenant {tenant} runs its own");
+    }
+    assert_eq!(upstream.runs(), 2);
+    // IDEM_ALLOW_ANONYMOUS: no tenant is the anonymous tenant, not 401.
+    let anonymous = send(&http, request("POST", "/orders", Some("anon-1"), None)).await;
+    assert_eq!(anonymous.status, StatusCode::CREATED);
+    assert!(
+        send(&http, request("POST", "/orders", Some("anon-1"), None))
+            .await
+            .replayed()
+    );
+    // IDEM_METHODS: PUT is protected (its stored 405 replays), PATCH is not.
+    for _ in 0..2 {
+        send(&http, request("PUT", "/orders", Some("put-1"), Some("a"))).await;
+    }
+    assert!(
+        send(&http, request("PUT", "/orders", Some("put-1"), Some("a")))
+            .await
+            .replayed()
+    );
+    let patch = send(
+        &http,
+        request("PATCH", "/orders", Some("patch-1"), Some("a")),
+    )
+    .await;
+    assert!(!patch.replayed());
+    assert!(
+        !send(
+            &http,
+            request("PATCH", "/orders", Some("patch-1"), Some("a"))
+        )
+        .await
+        .replayed()
+    );
+    // IDEM_RECORDS_PREFIX
+    let record = send(
+        &http,
+        Request::get(format!(
+            "http://{}/ops/records?method=POST&path=/orders&key={secret}",
+            gateway.addr
+        ))
+        .header("x-tenant", "a")
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
+    )
+    .await;
+    assert_eq!(record.status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&record.body).expect("json");
+    assert_eq!(json["state"], "completed");
+    // IDEM_IN_FLIGHT=wait: a duplicate waits for the running attempt and
+    // gets its replay instead of an immediate 409.
+    let before = upstream.runs();
+    let first = tokio::spawn(send(
+        &http,
+        request("POST", "/slow", Some("wait-1"), Some("a")),
+    ));
+    upstream.wait_runs(before + 1).await;
+    let duplicate = tokio::spawn(send(
+        &http,
+        request("POST", "/slow", Some("wait-1"), Some("a")),
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!duplicate.is_finished(), "the duplicate waits (no 409)");
+    upstream.gate.add_permits(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::CREATED);
+    let waited = duplicate.await.expect("join");
+    assert_eq!(waited.status, StatusCode::CREATED);
+    assert!(waited.replayed());
+    // IDEM_FAIL_OPEN: with Redis gone, a keyed request runs unprotected and
+    // is counted.
+    let runs = upstream.runs();
+    redis.kill();
+    let open = send(&http, request("POST", "/orders", Some("open-1"), Some("a"))).await;
+    assert_eq!(open.status, StatusCode::CREATED);
+    assert_eq!(upstream.runs(), runs + 1);
+    let metrics = send(
+        &http,
+        Request::get(format!("http://{}/metrics", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    for expected in [
+        "idem_requests_total{outcome=\"fail_open\"} 1",
+        "idem_requests_total{outcome=\"executed\"}",
+        "idem_requests_total{outcome=\"replayed\"}",
+        "idem_store_duration_seconds",
+    ] {
+        assert!(text.contains(expected), "{expected} missing from:\n{text}");
+    }
+    // SIGINT stops it cleanly too.
+    gateway.signal("-INT");
+    assert!(gateway.exited_cleanly().await);
+    let log = std::fs::read_to_string(&log).expect("log");
+    assert!(log.contains("/orders") && log.contains("201"), "{log}");
+    assert!(!log.contains(secret), "the key leaked into the log:\n{log}");
 }
