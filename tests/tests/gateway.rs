@@ -275,20 +275,24 @@ async fn records_api_and_cancel(flags: &[&str]) {
 }
 
 async fn client_disconnect_records_the_outcome(flags: &[&str]) {
+    use tokio::io::AsyncWriteExt;
     let (upstream, _server, gw) = setup(flags).await;
-    let client = client();
-    let request = request(
-        &gw,
-        Method::POST,
-        "/slow",
-        Some("d1"),
-        Some("Bearer alice"),
-        "{}",
-    );
-    let lost = tokio::spawn(async move { send(&client, request).await });
+    // A raw connection, so the disconnect certainly happens: the socket is
+    // closed while the upstream runs, and nothing was read from it.
+    let mut socket = tokio::net::TcpStream::connect(gw.started.addr)
+        .await
+        .expect("connect");
+    socket
+        .write_all(
+            b"POST /slow HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n\
+              Idempotency-Key: d1\r\nContent-Type: application/json\r\n\
+              Content-Length: 2\r\n\r\n{}",
+        )
+        .await
+        .expect("write");
     upstream.wait_runs(1).await;
-    lost.abort(); // the connection goes away mid-request
-    let _ = lost.await;
+    socket.shutdown().await.expect("shutdown");
+    drop(socket);
     upstream.gate.add_permits(1);
     let deadline = Instant::now() + Duration::from_secs(10);
     let retry = loop {
