@@ -83,6 +83,31 @@ impl IdempotencyKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The key as an RFC 8941 sf-string (`"abc"`, with `"` and `\\`
+    /// escaped): the one header form that carries every key, and the form
+    /// the gateway forwards upstream whatever spelling the client sent.
+    pub fn to_sf_string(&self) -> String {
+        let mut out = String::with_capacity(self.0.len() + 2);
+        out.push('"');
+        for c in self.0.chars() {
+            if matches!(c, '"' | '\\') {
+                out.push('\\');
+            }
+            out.push(c);
+        }
+        out.push('"');
+        out
+    }
+}
+
+/// The key as text. `Debug` redacts it (keys may be guessable business
+/// identifiers, kept out of logs by default); `Display` is for code that
+/// means to show it.
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 impl fmt::Debug for IdempotencyKey {

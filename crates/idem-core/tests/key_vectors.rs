@@ -73,3 +73,22 @@ mod hostile {
         }
     }
 }
+
+/// The sf-string form parses back to the same key, and `Display` shows the
+/// key while `Debug` keeps it out of logs.
+#[test]
+fn sf_string_form_round_trips() {
+    for header in [
+        r#"abc"#,
+        r#""a b""#,
+        r#""quote\"d""#,
+        r#""back\\slash""#,
+        r#"~!#$%&'()*+,-./:;<=>?@[]^_`{|}"#,
+    ] {
+        let key = IdempotencyKey::parse(header.as_bytes()).expect("key");
+        let again = IdempotencyKey::parse(key.to_sf_string().as_bytes()).expect("sf-string");
+        assert_eq!(again, key, "{header}");
+        assert_eq!(key.to_string(), key.as_str());
+        assert_eq!(format!("{key:?}"), r#"IdempotencyKey("<redacted>")"#);
+    }
+}

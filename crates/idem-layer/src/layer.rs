@@ -9,6 +9,7 @@ use tower::Layer;
 use crate::{
     Idempotency, RecordsService,
     fingerprint::FingerprintFn,
+    problem::ProblemHook,
     tenant::{Tenant, TenantExtractor, TenantFromExtension},
 };
 
@@ -80,6 +81,30 @@ pub(crate) struct Config {
     pub(crate) store_timeout: Duration,
     pub(crate) on_disconnect: OnDisconnect,
     pub(crate) unknown_wait: Duration,
+    pub(crate) problem_type_base: Option<Arc<str>>,
+    pub(crate) problem_hook: Option<Arc<ProblemHook>>,
+}
+
+impl Config {
+    /// Whether problem answers are shaped (a type base or a hook is set).
+    pub(crate) fn shapes_problems(&self) -> bool {
+        self.problem_type_base.is_some() || self.problem_hook.is_some()
+    }
+
+    /// A problem answer with the configured type base and hook applied.
+    pub(crate) fn shape<B>(
+        &self,
+        response: http::Response<crate::ResponseBody<B>>,
+    ) -> http::Response<crate::ResponseBody<B>> {
+        if !self.shapes_problems() {
+            return response;
+        }
+        crate::problem::shape(
+            self.problem_type_base.as_deref(),
+            self.problem_hook.as_deref(),
+            response,
+        )
+    }
 }
 
 impl Config {
@@ -224,6 +249,8 @@ impl<S: Store> IdempotencyLayer<S> {
                 store_timeout: Duration::from_secs(1),
                 on_disconnect: OnDisconnect::Detach,
                 unknown_wait: Duration::from_secs(60),
+                problem_type_base: None,
+                problem_hook: None,
             }),
             tasks: tokio_util::task::TaskTracker::new(),
         }
@@ -350,6 +377,43 @@ impl<S: Store> IdempotencyLayer<S> {
     /// (default 60 s). See [`UnknownOutcome`](crate::UnknownOutcome).
     pub fn unknown_outcome_wait(self, bound: Duration) -> Self {
         self.with(|c| c.unknown_wait = bound)
+    }
+
+    /// The base of every problem's `type` (default `urn:idem:problem:`):
+    /// with `"https://docs.example.com/errors/"` a conflict's `type` is
+    /// `https://docs.example.com/errors/idempotency_conflict`, so that
+    /// errors link to documentation, as the IETF draft asks.
+    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
+        let base: Arc<str> = Arc::from(base.into());
+        self.with(|c| c.problem_type_base = Some(base))
+    }
+
+    /// Replaces problem answers (of the layer and of its records API):
+    /// `hook` gets each [`Problem`](crate::Problem) and answers the response
+    /// to send instead, or `None` to keep idem's own. Whatever it answers,
+    /// the outcome stays the same: a refused request was not executed.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::Response;
+    /// use idem_layer::{IdempotencyLayer, Problem};
+    /// use idem_memory::MemoryStore;
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).problem_hook(|problem: &Problem| {
+    ///     let body = format!("{{\"error\":\"{}\"}}", problem.code.as_str());
+    ///     Response::builder()
+    ///         .status(problem.status)
+    ///         .header("content-type", "application/json")
+    ///         .body(Bytes::from(body))
+    ///         .ok()
+    /// });
+    /// ```
+    pub fn problem_hook(
+        self,
+        hook: impl Fn(&crate::Problem) -> Option<http::Response<bytes::Bytes>> + Send + Sync + 'static,
+    ) -> Self {
+        let hook: Arc<ProblemHook> = Arc::new(hook);
+        self.with(|c| c.problem_hook = Some(hook))
     }
 
     /// Checks the configuration.

@@ -74,6 +74,23 @@
 //! * Fail-open covers a store that cannot be reached or timed out, never a
 //!   store that answered (full, or a record it cannot decode).
 //!
+//! # Types a handler meets
+//!
+//! The idem-core types of [`IdempotencyContext`] are re-exported, so a
+//! service depends on `idem-layer` alone:
+//!
+//! ```
+//! use idem_layer::{Attempt, AttemptId, IdempotencyContext, IdempotencyKey, ScopeHash};
+//!
+//! fn describe(ctx: &IdempotencyContext) -> String {
+//!     let key: &IdempotencyKey = &ctx.key;
+//!     let attempt: AttemptId = ctx.attempt;
+//!     let scope: ScopeHash = ctx.scope;
+//!     let superseded: Option<&Attempt> = ctx.superseded.as_ref();
+//!     format!("{key} attempt {attempt} in {scope}, took over: {}", superseded.is_some())
+//! }
+//! ```
+//!
 //! # Body types
 //!
 //! The inner service receives the request with its body rebuilt from the
@@ -103,12 +120,19 @@ mod unknown;
 
 pub use body::{BoxError, ResponseBody};
 pub use context::IdempotencyContext;
+/// The idem-core types a handler meets, re-exported so that a service
+/// needs no direct idem-core dependency.
+pub use idem_core::{
+    Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeHash,
+};
 pub use layer::{
     ConfigError, HOP_BY_HOP, IdempotencyLayer, InFlight, MAX_DURATION, OnDisconnect,
     default_replay_denylist, default_should_store,
 };
 pub use path::normalize_path;
-pub use problem::{PROBLEM_JSON, ProblemCode, problem_document};
+pub use problem::{
+    DEFAULT_TYPE_BASE, PROBLEM_JSON, Problem, ProblemCode, ProblemHook, problem_document,
+};
 pub use records::RecordsService;
 pub use service::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
 pub use tenant::{

@@ -45,6 +45,10 @@ pub enum ProblemCode {
     RecordNotFound,
     /// 400: the records API query is missing a parameter.
     RecordQueryInvalid,
+    /// 500: a handler asked for the [`IdempotencyContext`](crate::IdempotencyContext)
+    /// of a keyed request the layer did not run for (the layer is not
+    /// applied to the route, or the method is not protected).
+    LayerMissing,
     /// 400: the method equals a protected method but for case (`post`
     /// where `POST` is protected). HTTP methods are case-sensitive, many
     /// frameworks are not; rather than let it through unprotected, the
@@ -71,6 +75,7 @@ impl ProblemCode {
             ProblemCode::RecordNotFound => "idempotency_record_not_found",
             ProblemCode::RecordQueryInvalid => "idempotency_record_query_invalid",
             ProblemCode::MethodCaseMismatch => "method_case_mismatch",
+            ProblemCode::LayerMissing => "idempotency_layer_missing",
         }
     }
 
@@ -89,7 +94,9 @@ impl ProblemCode {
             ProblemCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProblemCode::Conflict => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemCode::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ProblemCode::HandlerFailed => StatusCode::INTERNAL_SERVER_ERROR,
+            ProblemCode::HandlerFailed | ProblemCode::LayerMissing => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
         }
     }
@@ -111,22 +118,87 @@ impl ProblemCode {
             ProblemCode::RecordNotFound => "No record for this key",
             ProblemCode::RecordQueryInvalid => "Invalid records query",
             ProblemCode::MethodCaseMismatch => "Method differs from a protected method by case",
+            ProblemCode::LayerMissing => "The idempotency layer did not run for this request",
         }
     }
 }
+
+/// The default base of a problem's `type`: `urn:idem:problem:<code>`.
+pub const DEFAULT_TYPE_BASE: &str = "urn:idem:problem:";
 
 /// An RFC 9457 problem document with a `code` member, as every idem
 /// component writes it (`type` is `urn:idem:problem:<code>`). For codes of
 /// other components too, such as the gateway's `upstream_unreachable`.
 pub fn problem_document(status: StatusCode, code: &str, title: &str, detail: &str) -> Bytes {
+    document(DEFAULT_TYPE_BASE, status, code, title, detail)
+}
+
+fn document(type_base: &str, status: StatusCode, code: &str, title: &str, detail: &str) -> Bytes {
     let body = serde_json::json!({
-        "type": format!("urn:idem:problem:{code}"),
+        "type": format!("{type_base}{code}"),
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
         "code": code,
     });
     Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+/// A refusal of the layer, as a [problem hook](crate::IdempotencyLayer::problem_hook)
+/// sees it. Also in the extensions of every problem response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Problem {
+    /// The stable code.
+    pub code: ProblemCode,
+    /// The status it is sent with.
+    pub status: StatusCode,
+    /// A short, fixed title.
+    pub title: &'static str,
+    /// What happened, for the caller; never internals such as a store's
+    /// error text, which go to the logs.
+    pub detail: String,
+    /// The `Retry-After` in seconds, when there is one.
+    pub retry_after: Option<u64>,
+}
+
+impl Problem {
+    /// The problem document with `type` = `type_base` + code.
+    pub fn document(&self, type_base: &str) -> Bytes {
+        document(
+            type_base,
+            self.status,
+            self.code.as_str(),
+            self.title,
+            &self.detail,
+        )
+    }
+}
+
+/// Replaces a problem response: given the problem, answer the response to
+/// send instead (its body as bytes), or `None` to keep idem's own.
+pub type ProblemHook = dyn Fn(&Problem) -> Option<Response<Bytes>> + Send + Sync;
+
+/// Applies the configured type base and problem hook to a problem answer
+/// of the layer; other responses pass unchanged.
+pub(crate) fn shape<B>(
+    type_base: Option<&str>,
+    hook: Option<&ProblemHook>,
+    mut response: Response<ResponseBody<B>>,
+) -> Response<ResponseBody<B>> {
+    let Some(problem) = response.extensions().get::<Problem>().cloned() else {
+        return response;
+    };
+    if let Some(replacement) = hook.and_then(|hook| hook(&problem)) {
+        let (mut parts, body) = replacement.into_parts();
+        parts.extensions.insert(problem.code);
+        parts.extensions.insert(problem);
+        return Response::from_parts(parts, ResponseBody::full(body));
+    }
+    if let Some(base) = type_base {
+        *response.body_mut() = ResponseBody::full(problem.document(base));
+    }
+    response
 }
 
 /// The `content-type` of problem documents.
@@ -143,15 +215,22 @@ pub(crate) fn problem<B>(
     let bytes = problem_document(code.status(), code.as_str(), code.title(), detail);
     let mut response = Response::new(ResponseBody::full(bytes));
     *response.status_mut() = code.status();
+    let retry_after = retry_after.map(retry_after_secs);
     response.extensions_mut().insert(code);
+    response.extensions_mut().insert(Problem {
+        code,
+        status: code.status(),
+        title: code.title(),
+        detail: detail.to_owned(),
+        retry_after,
+    });
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-    if let Some(wait) = retry_after {
-        response.headers_mut().insert(
-            header::RETRY_AFTER,
-            HeaderValue::from(retry_after_secs(wait)),
-        );
+    if let Some(secs) = retry_after {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
     }
     response
 }

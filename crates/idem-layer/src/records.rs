@@ -6,7 +6,37 @@
 //! another tenant's record, like an absent one, reads as
 //! `404 idempotency_record_not_found`. `path` is the route as the layer saw
 //! it: axum's route template (`/orders/{id}`) when the layer runs inside a
-//! `Router`, else the request path.
+//! `Router`, else the request path (normalized, as the layer scopes it).
+//!
+//! `GET` answers `200` with the record:
+//!
+//! ```json
+//! {
+//!   "scope": "<64 hex: the scope hash>",
+//!   "tenant": "acme", "operation": "POST /orders", "key": "order-1",
+//!   "state": "completed",             // processing | completed | cancelled | released
+//!   "generation": 1,                  // the newest attempt's lease generation
+//!   "fingerprint": "<64 hex>",
+//!   "created_at": "2026-11-30T10:00:00.000Z", "updated_at": "…",
+//!   "completed_at": "…",              // null until completed
+//!   "expires_at": "…",
+//!   "status": 201,                    // the stored response's status, null before
+//!   "stored": true,                   // false when the response was too large to keep
+//!   "attempts": [{
+//!     "id": "<uuid>", "generation": 1,
+//!     "started_at": "…", "ended_at": "…",
+//!     "outcome": {"kind": "completed", "status": 201},  // running | completed | released | superseded | cancelled
+//!     "late": null                    // a fenced attempt's own late outcome
+//!   }]
+//! }
+//! ```
+//!
+//! `DELETE` answers `200` with `{"result": …, "record": …}`, where `result`
+//! says which side won: `cancelled` (the record was processing and is now
+//! cancelled; the running attempt's completion will be fenced),
+//! `already_completed` (completion won: the record is unchanged and holds
+//! the outcome, which retries replay) or `already_cancelled`. An absent or
+//! released record (nothing runs, nothing to cancel) is `404`.
 
 use std::{
     convert::Infallible,
@@ -73,7 +103,10 @@ impl<S: Store, B: Send + 'static> Service<Request<B>> for RecordsService<S> {
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let this = self.clone();
-        Box::pin(async move { Ok(this.answer(request).await) })
+        Box::pin(async move {
+            let answer = this.answer(request).await;
+            Ok(this.config.shape(answer))
+        })
     }
 }
 
@@ -131,10 +164,10 @@ impl<S: Store> RecordsService<S> {
         };
         let not_found = || problem(ProblemCode::RecordNotFound, "no record for this key", None);
         let unavailable = |error: idem_core::StoreError| {
-            let detail = format!("the idempotency store could not be reached: {error}");
+            tracing::warn!(%error, "idempotency store call failed");
             problem(
                 ProblemCode::StoreUnavailable,
-                &detail,
+                "the idempotency store is unavailable; retry shortly",
                 Some(Duration::from_secs(1)),
             )
         };

@@ -109,12 +109,18 @@ where
                     "the method {method:?} differs from a protected method only by case; send it in upper case"
                 );
                 let refusal = problem(ProblemCode::MethodCaseMismatch, &detail, None);
+                let refusal = self.layer.config.shape(refusal);
                 return Box::pin(async move { Ok(refusal) });
             }
             let future = inner.call(request);
             return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
         }
-        Box::pin(handle(self.layer.clone(), inner, request))
+        let layer = self.layer.clone();
+        if layer.config.shapes_problems() {
+            let config = Arc::clone(&layer.config);
+            return Box::pin(async move { Ok(config.shape(handle(layer, inner, request).await?)) });
+        }
+        Box::pin(handle(layer, inner, request))
     }
 }
 
@@ -312,15 +318,14 @@ pub(crate) async fn store_call<T>(
 fn store_unavailable<B>(error: &StoreError) -> Response<ResponseBody<B>> {
     m::count(Counted::StoreError);
     tracing::warn!(%error, "idempotency store call failed");
+    // What went wrong inside is for the logs (above), not for the caller.
     let detail = match error {
-        StoreError::Full { capacity } => format!(
-            "the idempotency store is full ({capacity} live records); retry after records expire"
-        ),
-        other => format!("the idempotency store could not be reached: {other}"),
+        StoreError::Full { .. } => "the idempotency store is full; retry after records expire",
+        _ => "the idempotency store is unavailable; retry shortly",
     };
     problem(
         ProblemCode::StoreUnavailable,
-        &detail,
+        detail,
         Some(Duration::from_secs(1)),
     )
 }

@@ -3,11 +3,84 @@
 //! The tenant is the first part of every scope (IDEM-01): two tenants using
 //! the same key never see each other's records. It must come from the
 //! authenticated caller, never from the key.
+//!
+//! What each extractor keeps (the tenant is stored in every record, shown
+//! by the records API and put in [`IdempotencyContext`](crate::IdempotencyContext)):
+//!
+//! | extractor | the tenant stored | use it when |
+//! |---|---|---|
+//! | [`TenantFromExtension`] (default) | the extension's `Display` form | your auth middleware resolved the caller to an id |
+//! | [`TenantFromHeader::new`] / [`from_static`](TenantFromHeader::from_static) | the header value as sent | a trusted proxy sets a plain account id |
+//! | [`TenantFromHeader::hashed`] | `hdr:` + a keyed hash of the value | the header is a credential (an API key) |
+//! | [`TenantFromAuthorization`] | `auth:` + a hash of the normalized `Authorization` value, keyed with [`keyed`](TenantFromAuthorization::keyed) | the credential is the caller |
+//! | a closure `Fn(&http::request::Parts) -> Option<String>` | what it returns | anything else |
+//!
+//! A header that carries a secret must not be stored as it is: use the
+//! hashed forms, with a secret key shared by every instance (a plain
+//! SHA-256 of a short password is reversible by a dictionary).
+//!
+//! ```
+//! use http::request::Parts;
+//! use idem_layer::{IdempotencyLayer, TenantFromHeader};
+//! use idem_memory::MemoryStore;
+//!
+//! // A header with an API key: stored only as a keyed hash.
+//! let secret = b"a deployment secret shared by every instance".to_vec();
+//! let layer = IdempotencyLayer::new(MemoryStore::new())
+//!     .tenant(TenantFromHeader::hashed("x-api-key", secret));
+//!
+//! // A closure: write the argument's type out, or inference fails (E0282).
+//! let layer = IdempotencyLayer::new(MemoryStore::new()).tenant(|parts: &Parts| {
+//!     parts.headers.get("x-account").and_then(|v| v.to_str().ok()).map(str::to_owned)
+//! });
+//! ```
 
-use std::fmt::Display;
+use std::{fmt::Display, sync::Arc};
 
+use hmac::{Hmac, Mac};
 use http::{HeaderName, request::Parts};
 use sha2::{Digest, Sha256};
+
+/// How credential-derived tenants are hashed: plain SHA-256, or HMAC-SHA256
+/// under a secret key.
+#[derive(Clone)]
+enum Hashing {
+    Plain,
+    Keyed(Arc<[u8]>),
+}
+
+impl std::fmt::Debug for Hashing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Hashing::Plain => "Plain",
+            Hashing::Keyed(_) => "Keyed(<secret>)",
+        })
+    }
+}
+
+impl Hashing {
+    /// `prefix` + the hex digest of `value`.
+    fn tenant(&self, prefix: &str, value: &[u8]) -> String {
+        let digest: [u8; 32] = match self {
+            Hashing::Plain => Sha256::digest(value).into(),
+            Hashing::Keyed(key) => match <Hmac<Sha256> as Mac>::new_from_slice(key) {
+                Ok(mut mac) => {
+                    mac.update(value);
+                    mac.finalize().into_bytes().into()
+                }
+                // HMAC takes keys of every length: not reached.
+                Err(_) => Sha256::digest(value).into(),
+            },
+        };
+        let mut out = String::with_capacity(prefix.len() + 64);
+        out.push_str(prefix);
+        for byte in digest {
+            out.push(char::from_digit(u32::from(byte >> 4), 16).unwrap_or('0'));
+            out.push(char::from_digit(u32::from(byte & 0xf), 16).unwrap_or('0'));
+        }
+        out
+    }
+}
 
 /// The tenant used for keyed requests without one, when anonymous callers
 /// are allowed. It cannot be produced by the built-in extractors (they
@@ -76,28 +149,110 @@ impl<T: Display + Send + Sync + 'static> TenantExtractor for TenantFromExtension
 
 /// Reads the tenant from a request header set by a trusted proxy or
 /// authentication layer. An empty or non-UTF-8 value counts as missing.
+/// [`new`](Self::new) keeps the value as it is; [`hashed`](Self::hashed)
+/// keeps only a keyed hash of it (for headers that carry a credential).
 #[derive(Debug, Clone)]
-pub struct TenantFromHeader(HeaderName);
+pub struct TenantFromHeader {
+    name: HeaderName,
+    hashing: Option<Hashing>,
+}
 
 impl TenantFromHeader {
-    /// An extractor for header `name`.
+    /// An extractor for header `name`; the tenant is the value as sent.
     pub fn new(name: HeaderName) -> Self {
-        Self(name)
+        Self {
+            name,
+            hashing: None,
+        }
+    }
+
+    /// [`new`](Self::new) with a header name known when the program is
+    /// written. Panics if `name` is not a valid lowercase header name, as
+    /// [`HeaderName::from_static`] does.
+    pub fn from_static(name: &'static str) -> Self {
+        Self::new(HeaderName::from_static(name))
+    }
+
+    /// An extractor for a header that carries a credential (an API key):
+    /// the tenant is `hdr:` + the HMAC-SHA256 of the value under `secret`,
+    /// so no record, log line or records API answer holds the credential or
+    /// a hash a dictionary could reverse. Every instance serving the same
+    /// records must use the same secret. Panics if `name` is not a valid
+    /// lowercase header name.
+    pub fn hashed(name: &'static str, secret: impl Into<Vec<u8>>) -> Self {
+        Self {
+            name: HeaderName::from_static(name),
+            hashing: Some(Hashing::Keyed(Arc::from(secret.into()))),
+        }
     }
 }
 
 impl TenantExtractor for TenantFromHeader {
     fn tenant(&self, parts: &Parts) -> Option<String> {
-        let value = parts.headers.get(&self.0)?.to_str().ok()?.trim();
-        (!value.is_empty()).then(|| value.to_owned())
+        let value = parts.headers.get(&self.name)?.to_str().ok()?.trim();
+        if value.is_empty() {
+            return None;
+        }
+        Some(match &self.hashing {
+            None => value.to_owned(),
+            Some(hashing) => hashing.tenant("hdr:", value.as_bytes()),
+        })
     }
 }
 
-/// Uses the SHA-256 (hex) of the `Authorization` value as the tenant, so
-/// each credential gets its own records without the layer keeping the
+/// Uses a hash of the `Authorization` value as the tenant, so each
+/// credential gets its own records without the layer keeping the
 /// credential itself.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct TenantFromAuthorization;
+///
+/// The value is normalized first: the scheme is case-insensitive and the
+/// whitespace between scheme and credentials does not matter, so
+/// `bearer x` and `Bearer  x` are one caller. The hash is a plain SHA-256
+/// by default; [`keyed`](Self::keyed) makes it an HMAC under a deployment
+/// secret, which a dictionary cannot reverse (recommended: a Basic
+/// password or a short token is otherwise recoverable from a record).
+#[derive(Debug, Clone)]
+pub struct TenantFromAuthorization {
+    hashing: Hashing,
+}
+
+impl Default for TenantFromAuthorization {
+    fn default() -> Self {
+        Self {
+            hashing: Hashing::Plain,
+        }
+    }
+}
+
+impl TenantFromAuthorization {
+    /// The plain SHA-256 form.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The HMAC-SHA256 form under `secret`, shared by every instance.
+    pub fn keyed(secret: impl Into<Vec<u8>>) -> Self {
+        Self {
+            hashing: Hashing::Keyed(Arc::from(secret.into())),
+        }
+    }
+}
+
+/// `scheme credentials` with the scheme lowercased and one space between.
+fn normalize_authorization(value: &[u8]) -> Vec<u8> {
+    let value = value.trim_ascii();
+    let split = value
+        .iter()
+        .position(|b| b.is_ascii_whitespace())
+        .unwrap_or(value.len());
+    let (scheme, rest) = value.split_at(split);
+    let mut out = scheme.to_ascii_lowercase();
+    let rest = rest.trim_ascii();
+    if !rest.is_empty() {
+        out.push(b' ');
+        out.extend_from_slice(rest);
+    }
+    out
+}
 
 impl TenantExtractor for TenantFromAuthorization {
     fn tenant(&self, parts: &Parts) -> Option<String> {
@@ -105,12 +260,9 @@ impl TenantExtractor for TenantFromAuthorization {
         if value.trim_ascii().is_empty() {
             return None;
         }
-        let digest = Sha256::digest(value);
-        let mut hex = String::with_capacity(64);
-        for byte in digest {
-            hex.push(char::from_digit(u32::from(byte >> 4), 16).unwrap_or('0'));
-            hex.push(char::from_digit(u32::from(byte & 0xf), 16).unwrap_or('0'));
-        }
-        Some(format!("auth:{hex}"))
+        Some(
+            self.hashing
+                .tenant("auth:", &normalize_authorization(value)),
+        )
     }
 }

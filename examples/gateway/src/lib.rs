@@ -48,9 +48,12 @@ pub struct Config {
     /// Record store: memory, redis://host:port[/db], or redis+cluster://h1:p1,h2:p2,...
     #[arg(long, env = "IDEM_STORE", default_value = "memory", value_parser = parse_store)]
     pub store: String,
-    /// Take the tenant from this header; without it, the tenant is the SHA-256 of the Authorization value.
+    /// Take the tenant from this header; without it, the tenant is a hash of the normalized Authorization value.
     #[arg(long, env = "IDEM_TENANT_HEADER", value_parser = parse_header_name)]
     pub tenant_header: Option<HeaderName>,
+    /// Secret key of the Authorization tenant hash (HMAC-SHA256), the same on every gateway sharing a store; without it the hash is a plain SHA-256.
+    #[arg(long, env = "IDEM_TENANT_SECRET", hide_env_values = true, value_parser = parse_secret)]
+    pub tenant_secret: Option<Secret>,
     /// Keyed requests without a tenant share one anonymous tenant instead of getting 401.
     #[arg(long, env = "IDEM_ALLOW_ANONYMOUS", action = ArgAction::SetTrue)]
     pub allow_anonymous: bool,
@@ -102,6 +105,30 @@ pub struct Config {
     /// Accept a Redis whose maxmemory-policy can evict idem's records (they would be lost silently and retries would run again).
     #[arg(long, env = "IDEM_ALLOW_REDIS_EVICTION", action = ArgAction::SetTrue)]
     pub allow_redis_eviction: bool,
+}
+
+/// A secret flag value; `Debug` never shows it.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+fn parse_secret(value: &str) -> Result<Secret, String> {
+    if value.len() < 16 {
+        return Err("the secret must be at least 16 bytes".to_owned());
+    }
+    Ok(Secret(value.to_owned()))
 }
 
 /// A humantime duration, at most [`idem_layer::MAX_DURATION`] (100 years).
@@ -396,7 +423,16 @@ fn router<S: Store>(
         .store_timeout(config.store_timeout);
     layer = match &config.tenant_header {
         Some(name) => layer.tenant(TenantFromHeader::new(name.clone())),
-        None => layer.tenant(TenantFromAuthorization),
+        None => match &config.tenant_secret {
+            Some(secret) => layer.tenant(TenantFromAuthorization::keyed(secret.as_bytes())),
+            None => {
+                tracing::warn!(
+                    "tenants are plain SHA-256 hashes of Authorization values, which a dictionary \
+                     can reverse for short secrets; set --tenant-secret (the same on every gateway)"
+                );
+                layer.tenant(TenantFromAuthorization::new())
+            }
+        },
     };
     if config.allow_anonymous {
         layer = layer.allow_anonymous();

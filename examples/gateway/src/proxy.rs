@@ -39,20 +39,6 @@ fn upstream_response(response: Response<hyper::body::Incoming>) -> Response<Body
     Response::from_parts(parts, Body::new(body))
 }
 
-/// A key as an RFC 8941 sf-string: the one form that carries every key.
-fn canonical_key(key: &str) -> String {
-    let mut out = String::with_capacity(key.len() + 2);
-    out.push('"');
-    for c in key.chars() {
-        if matches!(c, '"' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out.push('"');
-    out
-}
-
 /// A tower service that forwards every request to the upstream. Bodies
 /// stream through; the idempotency layer in front buffers keyed requests.
 #[derive(Clone, Debug)]
@@ -106,7 +92,7 @@ impl Proxy {
         let protected = request
             .extensions()
             .get::<IdempotencyContext>()
-            .map(|ctx| (ctx.generation, canonical_key(ctx.key.as_str())));
+            .map(|ctx| (ctx.generation, ctx.key.to_sf_string()));
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);

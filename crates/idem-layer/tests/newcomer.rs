@@ -1,0 +1,294 @@
+//! What a newcomer meets: the context extractor, tenants that keep no
+//! secret, problem answers that leak nothing and can be shaped.
+
+mod common;
+
+use axum::{Router, routing::post};
+use bytes::Bytes;
+use common::{Answer, send};
+use http::{Request, Response, StatusCode, header};
+use http_body_util::Full;
+use idem_core::{
+    Cancellation, Completion, Lease, Outcome, Record, Release, Renewal, Reservation,
+    ReserveRequest, Scope, Store, StoreError,
+};
+use idem_layer::{
+    IdempotencyContext, IdempotencyKey, IdempotencyLayer, Problem, ScopeHash,
+    TenantFromAuthorization, TenantFromHeader,
+};
+use idem_memory::MemoryStore;
+
+async fn pay(ctx: IdempotencyContext) -> String {
+    format!(
+        "key={} generation={} tenant={}",
+        ctx.key, ctx.generation, ctx.tenant
+    )
+}
+
+async fn note(ctx: Option<IdempotencyContext>) -> &'static str {
+    if ctx.is_some() { "keyed" } else { "unkeyed" }
+}
+
+fn app(layer: IdempotencyLayer<MemoryStore>) -> Router {
+    let protected = Router::new()
+        .route("/payments", post(pay))
+        .route("/notes", post(note))
+        .route_service("/records", layer.records_service())
+        .layer(layer);
+    // A route outside the layer that still asks for the context.
+    protected.merge(Router::new().route("/unprotected", post(pay)))
+}
+
+fn request(path: &str, key: Option<&str>, headers: &[(&str, &str)]) -> Request<Full<Bytes>> {
+    let mut builder = Request::post(path).header("content-type", "application/json");
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    builder
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .expect("request")
+}
+
+fn code(answer: &Answer) -> Option<String> {
+    answer.code()
+}
+
+#[tokio::test]
+async fn the_context_extractor_says_what_happened() {
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).tenant(TenantFromHeader::from_static("x-tenant"));
+    let app = app(layer);
+    let tenant = [("x-tenant", "acme")];
+    let keyed = send(&app, request("/payments", Some("p-1"), &tenant)).await;
+    assert_eq!(keyed.status, StatusCode::OK);
+    assert_eq!(&keyed.body[..], b"key=p-1 generation=1 tenant=acme");
+    // Unkeyed, on a route that needs the context: 400, not an opaque 500.
+    let unkeyed = send(&app, request("/payments", None, &tenant)).await;
+    assert_eq!(unkeyed.status, StatusCode::BAD_REQUEST);
+    assert_eq!(code(&unkeyed).as_deref(), Some("idempotency_key_missing"));
+    assert_eq!(unkeyed.content_type(), Some("application/problem+json"));
+    // Keyed, but the layer does not cover the route: a clear 500.
+    let uncovered = send(&app, request("/unprotected", Some("p-2"), &tenant)).await;
+    assert_eq!(uncovered.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        code(&uncovered).as_deref(),
+        Some("idempotency_layer_missing")
+    );
+    // The optional form takes both.
+    let keyed = send(&app, request("/notes", Some("n-1"), &tenant)).await;
+    assert_eq!(&keyed.body[..], b"keyed");
+    let unkeyed = send(&app, request("/notes", None, &tenant)).await;
+    assert_eq!(&unkeyed.body[..], b"unkeyed");
+}
+
+/// A header that carries an API key is kept only as a keyed hash: not in
+/// the record, not in the records API, not in the handler's context.
+#[tokio::test]
+async fn a_hashed_header_tenant_keeps_no_secret() {
+    let store = MemoryStore::new();
+    let layer = IdempotencyLayer::new(store.clone()).tenant(TenantFromHeader::hashed(
+        "x-api-key",
+        b"0123456789abcdef".to_vec(),
+    ));
+    let app = app(layer);
+    let api_key = "sk_live_4711";
+    let first = send(
+        &app,
+        request("/payments", Some("h-1"), &[("x-api-key", api_key)]),
+    )
+    .await;
+    let body = String::from_utf8_lossy(&first.body).into_owned();
+    assert!(!body.contains(api_key), "{body}");
+    let tenant = body.split("tenant=").nth(1).expect("tenant").to_owned();
+    assert!(
+        tenant.starts_with("hdr:") && tenant.len() == 4 + 64,
+        "{tenant}"
+    );
+    // The same key is the same tenant (a replay); another is another.
+    let again = send(
+        &app,
+        request("/payments", Some("h-1"), &[("x-api-key", api_key)]),
+    )
+    .await;
+    assert!(again.replayed());
+    let other = send(
+        &app,
+        request("/payments", Some("h-1"), &[("x-api-key", "sk_live_4712")]),
+    )
+    .await;
+    assert!(!other.replayed());
+    // The record and the records API hold the hash only.
+    let key = IdempotencyKey::parse(b"h-1").expect("key");
+    let record = store
+        .get(Scope::new(tenant.clone(), "POST /payments", key).hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.tenant, tenant);
+    let shown = send(
+        &app,
+        Request::get("/records?method=POST&path=/payments&key=h-1")
+            .header("x-api-key", api_key)
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(shown.status, StatusCode::OK);
+    assert!(!String::from_utf8_lossy(&shown.body).contains(api_key));
+    // Under another secret the same value is another tenant.
+    let elsewhere = TenantFromHeader::hashed("x-api-key", b"another secret, 16+".to_vec());
+    let (parts, ()) = Request::post("/")
+        .header("x-api-key", api_key)
+        .body(())
+        .expect("request")
+        .into_parts();
+    use idem_layer::TenantExtractor;
+    assert_ne!(elsewhere.tenant(&parts), Some(tenant));
+}
+
+/// `bearer x`, `Bearer x` and `Bearer   x` are one caller; a keyed hash
+/// differs from the plain one.
+#[tokio::test]
+async fn authorization_tenants_are_normalized_and_keyed() {
+    use idem_layer::TenantExtractor;
+    let tenant_of = |extractor: &TenantFromAuthorization, value: &str| {
+        let (parts, ()) = Request::post("/")
+            .header(header::AUTHORIZATION, value)
+            .body(())
+            .expect("request")
+            .into_parts();
+        extractor.tenant(&parts).expect("tenant")
+    };
+    let plain = TenantFromAuthorization::new();
+    let one = tenant_of(&plain, "Bearer x");
+    for spelling in ["bearer x", "BEARER x", "Bearer   x", " Bearer\tx "] {
+        assert_eq!(tenant_of(&plain, spelling), one, "{spelling:?}");
+    }
+    assert_ne!(tenant_of(&plain, "Bearer y"), one);
+    assert_ne!(
+        tenant_of(&plain, "Bearer X"),
+        one,
+        "credentials keep their case"
+    );
+    let keyed = TenantFromAuthorization::keyed(b"a deployment secret".to_vec());
+    assert_ne!(tenant_of(&keyed, "Bearer x"), one);
+    assert_eq!(
+        tenant_of(&keyed, "bearer  x"),
+        tenant_of(&keyed, "Bearer x")
+    );
+}
+
+/// A store that is down.
+#[derive(Clone)]
+struct Down;
+
+impl Store for Down {
+    async fn reserve(&self, _: &ReserveRequest) -> Result<Reservation, StoreError> {
+        Err(StoreError::unavailable("Connection refused (os error 111)"))
+    }
+    async fn renew(&self, _: &Lease) -> Result<Renewal, StoreError> {
+        Err(StoreError::unavailable("Connection refused (os error 111)"))
+    }
+    async fn complete(&self, _: &Lease, _: &Outcome) -> Result<Completion, StoreError> {
+        Err(StoreError::unavailable("Connection refused (os error 111)"))
+    }
+    async fn release(&self, _: &Lease) -> Result<Release, StoreError> {
+        Err(StoreError::unavailable("Connection refused (os error 111)"))
+    }
+    async fn cancel(&self, _: &ScopeHash) -> Result<Cancellation, StoreError> {
+        Err(StoreError::unavailable("Connection refused (os error 111)"))
+    }
+    async fn get(&self, _: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        Err(StoreError::unavailable("Connection refused (os error 111)"))
+    }
+}
+
+/// A 503 says the store is unavailable, not why (that is in the logs); the
+/// problem `type` can point at documentation; a hook can replace the
+/// answer entirely, for the layer and its records API alike.
+#[tokio::test]
+async fn problems_leak_nothing_and_can_be_shaped() {
+    let tenant = [("x-tenant", "acme")];
+    let plain = IdempotencyLayer::new(Down).tenant(TenantFromHeader::from_static("x-tenant"));
+    let app = Router::new().route("/payments", post(pay)).layer(plain);
+    let down = send(&app, request("/payments", Some("d-1"), &tenant)).await;
+    assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
+    let text = String::from_utf8_lossy(&down.body).into_owned();
+    assert!(
+        !text.contains("os error") && !text.contains("refused"),
+        "{text}"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&down.body).expect("json");
+    assert_eq!(
+        json["type"],
+        "urn:idem:problem:idempotency_store_unavailable"
+    );
+
+    let documented = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(TenantFromHeader::from_static("x-tenant"))
+        .problem_type_base("https://docs.example.com/errors/");
+    let app = Router::new()
+        .route("/payments", post(pay))
+        .layer(documented);
+    let missing = send(&app, request("/payments", Some("bad key"), &tenant));
+    let json: serde_json::Value = serde_json::from_slice(&missing.await.body).expect("json");
+    assert_eq!(
+        json["type"],
+        "https://docs.example.com/errors/idempotency_key_invalid"
+    );
+    assert_eq!(json["code"], "idempotency_key_invalid");
+
+    let hooked = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(TenantFromHeader::from_static("x-tenant"))
+        .problem_hook(|problem: &Problem| {
+            Response::builder()
+                .status(problem.status)
+                .header("content-type", "application/vnd.acme.error+json")
+                .body(Bytes::from(format!(
+                    "{{\"error\":\"{}\"}}",
+                    problem.code.as_str()
+                )))
+                .ok()
+        });
+    let records = hooked.records_service();
+    let app = Router::new()
+        .route("/payments", post(pay))
+        .route_service("/records", records)
+        .layer(hooked);
+    let conflict = async |body: &'static str| {
+        send(
+            &app,
+            Request::post("/payments")
+                .header("content-type", "application/json")
+                .header("idempotency-key", "c-1")
+                .header("x-tenant", "acme")
+                .body(Full::new(Bytes::from_static(body.as_bytes())))
+                .expect("request"),
+        )
+        .await
+    };
+    assert_eq!(conflict("{\"a\":1}").await.status, StatusCode::OK);
+    let replaced = conflict("{\"a\":2}").await;
+    assert_eq!(replaced.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        replaced.content_type(),
+        Some("application/vnd.acme.error+json")
+    );
+    assert_eq!(&replaced.body[..], b"{\"error\":\"idempotency_conflict\"}");
+    let absent = send(
+        &app,
+        Request::get("/records?method=POST&path=/payments&key=nothing")
+            .header("x-tenant", "acme")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(absent.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        &absent.body[..],
+        b"{\"error\":\"idempotency_record_not_found\"}"
+    );
+}
