@@ -33,6 +33,16 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Running Redis for idem
+//!
+//! A record lost is a retry executed twice. Run Redis with `appendonly yes`
+//! (a Redis that keeps nothing on disk forgets every record on restart) and
+//! `maxmemory-policy noeviction`: records carry a TTL, so every other
+//! policy, `volatile-*` included, can evict live records under memory
+//! pressure. [`RedisStore::server_safety`] reads both from `INFO`; the
+//! gateway refuses an evicting policy unless told otherwise and warns
+//! without AOF. A record takes about 2 KB.
+//!
 //! # Replication
 //!
 //! Redis replicates asynchronously: a reservation acknowledged by a primary
