@@ -560,7 +560,12 @@ async fn two_gateways_on_one_redis_execute_once() {
         tasks.push(tokio::spawn(async move { send(&client, request).await }));
     }
     upstream.wait_runs(1).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The 19 duplicates are answered (409) while the one execution is held.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tasks.iter().filter(|t| t.is_finished()).count() < 19 {
+        assert!(Instant::now() < deadline, "duplicates not answered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     upstream.gate.add_permits(1);
     for task in tasks {
         let status = task.await.expect("join").status;

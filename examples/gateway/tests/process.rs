@@ -56,6 +56,19 @@ impl Process {
         self.signal("-TERM");
     }
 
+    /// Waits until the gateway stopped accepting connections: its graceful
+    /// shutdown has begun.
+    async fn wait_until_closed(&self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(&self.addr).await.is_ok() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "still accepting 20 s after the signal"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     fn signal(&self, signal: &str) {
         let status = Command::new("kill")
             .args([signal, &self.child.id().to_string()])
@@ -201,7 +214,8 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_record() {
     let in_flight = tokio::spawn(send(&client(), gateway.post("/slow", "drain-1")));
     upstream.wait_runs(1).await;
     gateway.terminate();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The shutdown has begun (no new connections) while the request runs.
+    gateway.wait_until_closed().await;
     upstream.gate.add_permits(1);
     let reply = in_flight.await.expect("join");
     assert_eq!(
@@ -250,6 +264,9 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     // is detached before the signal (the case that used to be lost).
     tokio::time::sleep(Duration::from_millis(200)).await;
     gateway.terminate();
+    // Connections are closed and the drain has begun before the upstream
+    // answers: only the drain can record this outcome.
+    gateway.wait_until_closed().await;
     upstream.gate.add_permits(1);
     let status = tokio::task::spawn_blocking(move || {
         let status = gateway.child.wait();
