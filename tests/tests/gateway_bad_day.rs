@@ -12,7 +12,6 @@ use std::{
 };
 
 use bytes::Bytes;
-use clap::Parser;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
 use idem_tests::{Reply, TestServer, client, send, start_gateway, upstream::Upstream};
@@ -165,19 +164,6 @@ async fn raw_upstream(answer: &'static [u8]) -> (SocketAddr, Arc<AtomicUsize>) {
     (addr, count)
 }
 
-fn gateway_to(upstream: SocketAddr, flags: &[&str]) -> idem_gateway::Config {
-    let url = format!("http://{upstream}");
-    let mut args = vec![
-        "idem-gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &url,
-    ];
-    args.extend_from_slice(flags);
-    idem_gateway::Config::try_parse_from(args).expect("flags")
-}
-
 async fn start(config: idem_gateway::Config) -> SocketAddr {
     let (started, stop, _task) = idem_gateway::start(config).await.expect("gateway starts");
     std::mem::forget(stop);
@@ -189,7 +175,7 @@ async fn start(config: idem_gateway::Config) -> SocketAddr {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreadable_answer_keeps_the_key() {
     let (upstream, count) = raw_upstream(b"THIS IS NOT HTTP\r\n\r\n").await;
-    let gateway = start(gateway_to(upstream, &[])).await;
+    let gateway = start(idem_tests::gateway_config(upstream, &[])).await;
     let first = post(gateway, "/orders", "garbage-1").await;
     assert_eq!(first.status, StatusCode::BAD_GATEWAY);
     assert_eq!(first.code().as_deref(), Some("upstream_answer_lost"));
@@ -205,7 +191,7 @@ async fn an_obs_folded_answer_is_recorded() {
         b"HTTP/1.1 201 Created\r\nX-Folded: a\r\n b\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
     )
     .await;
-    let gateway = start(gateway_to(upstream, &[])).await;
+    let gateway = start(idem_tests::gateway_config(upstream, &[])).await;
     let first = post(gateway, "/orders", "fold-1").await;
     assert_eq!(first.status, StatusCode::CREATED);
     let replay = post(gateway, "/orders", "fold-1").await;
@@ -223,7 +209,7 @@ async fn a_refused_connection_releases_the_key() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         listener.local_addr().expect("addr")
     };
-    let gateway = start(gateway_to(closed, &[])).await;
+    let gateway = start(idem_tests::gateway_config(closed, &[])).await;
     for _ in 0..2 {
         let answer = post(gateway, "/orders", "refused-1").await;
         assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
@@ -385,7 +371,7 @@ fn absurd_durations_are_refused_at_start() {
         let mut args = vec!["idem-gateway"];
         args.extend_from_slice(flags);
         assert!(
-            idem_gateway::Config::try_parse_from(&args).is_err(),
+            <idem_gateway::Config as clap::Parser>::try_parse_from(&args).is_err(),
             "{flags:?} accepted"
         );
     }

@@ -109,6 +109,29 @@ fn post(gateway: std::net::SocketAddr, key: &str) -> Request<Full<Bytes>> {
         .expect("request")
 }
 
+/// A gateway with fail-open on `redis`, one order it completed, and the
+/// Redis key of that order's record.
+async fn gateway_with_one_record(
+    redis: &RedisServer,
+    key: &str,
+) -> (
+    Upstream,
+    TestServer,
+    std::net::SocketAddr,
+    idem_tests::Reply,
+    String,
+) {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let gateway = idem_tests::start_gateway(&server, &["--store", &url, "--fail-open"]).await;
+    let first = send(&client(), post(gateway.addr, key)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let record = keys.lines().next().expect("one record").trim().to_owned();
+    (upstream, server, gateway.addr, first, record)
+}
+
 /// The record's completion time lies ahead of Redis's clock, as after the
 /// clock stepped back (failover to a node behind, NTP): the record is
 /// still replayed, not refused as corrupt (which fail-open would have
@@ -118,20 +141,14 @@ async fn a_clock_that_steps_back_still_replays() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let upstream = Upstream::default();
-    let server = TestServer::start(upstream.router()).await;
-    let url = redis.url();
-    let gateway = idem_tests::start_gateway(&server, &["--store", &url, "--fail-open"]).await;
-    let first = send(&client(), post(gateway.addr, "clock-1")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    let (upstream, _server, gateway, first, record) =
+        gateway_with_one_record(&redis, "clock-1").await;
     // Move the completion an hour into Redis's future.
-    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
-    let record = keys.lines().next().expect("one record").trim().to_owned();
     let completed = redis.cli(&["HGET", &record, "completed"]);
     let ahead = completed.trim().parse::<u64>().expect("ms") + 3_600_000;
     redis.cli(&["HSET", &record, "completed", &ahead.to_string()]);
     for _ in 0..3 {
-        let replay = send(&client(), post(gateway.addr, "clock-1")).await;
+        let replay = send(&client(), post(gateway, "clock-1")).await;
         assert_eq!(replay.status, StatusCode::CREATED);
         assert!(replay.replayed());
         assert_eq!(replay.body, first.body);
@@ -146,17 +163,11 @@ async fn fail_open_never_covers_a_corrupt_record() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let upstream = Upstream::default();
-    let server = TestServer::start(upstream.router()).await;
-    let url = redis.url();
-    let gateway = idem_tests::start_gateway(&server, &["--store", &url, "--fail-open"]).await;
-    let first = send(&client(), post(gateway.addr, "corrupt-1")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
-    let record = keys.lines().next().expect("one record").trim().to_owned();
+    let (upstream, _server, gateway, _, record) =
+        gateway_with_one_record(&redis, "corrupt-1").await;
     redis.cli(&["HSET", &record, "status", "not-a-number"]);
     for _ in 0..3 {
-        let answer = send(&client(), post(gateway.addr, "corrupt-1")).await;
+        let answer = send(&client(), post(gateway, "corrupt-1")).await;
         assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(
             answer.code().as_deref(),

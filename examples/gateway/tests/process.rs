@@ -210,7 +210,7 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_record() {
     let redis_url = redis.url();
     let args = ["--upstream", &upstream_url, "--store", &redis_url];
 
-    let mut gateway = Process::start(&args);
+    let gateway = Process::start(&args);
     let in_flight = tokio::spawn(send(&client(), gateway.post("/slow", "drain-1")));
     upstream.wait_runs(1).await;
     gateway.terminate();
@@ -223,15 +223,7 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_record() {
         StatusCode::CREATED,
         "the in-flight request finished"
     );
-    let status = tokio::task::spawn_blocking(move || {
-        let status = gateway.child.wait();
-        drop(gateway);
-        status
-    })
-    .await
-    .expect("join")
-    .expect("wait");
-    assert!(status.success(), "exits cleanly: {status:?}");
+    assert!(gateway.exited_cleanly().await, "exits cleanly");
 
     let restarted = Process::start(&args);
     let replay = post(&restarted, "/slow", "drain-1").await;
@@ -255,7 +247,7 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     let redis_url = redis.url();
     let args = ["--upstream", &upstream_url, "--store", &redis_url];
 
-    let mut gateway = Process::start(&args);
+    let gateway = Process::start(&args);
     let lost = tokio::spawn(send(&client(), gateway.post("/slow", "left-1")));
     upstream.wait_runs(1).await;
     lost.abort(); // the client goes away
@@ -268,15 +260,7 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     // answers: only the drain can record this outcome.
     gateway.wait_until_closed().await;
     upstream.gate.add_permits(1);
-    let status = tokio::task::spawn_blocking(move || {
-        let status = gateway.child.wait();
-        drop(gateway);
-        status
-    })
-    .await
-    .expect("join")
-    .expect("wait");
-    assert!(status.success(), "exits cleanly: {status:?}");
+    assert!(gateway.exited_cleanly().await, "exits cleanly");
 
     let restarted = Process::start(&args);
     let replay = post(&restarted, "/slow", "left-1").await;
