@@ -425,13 +425,7 @@ fn router<S: Store>(
         Some(name) => layer.tenant(TenantFromHeader::new(name.clone())),
         None => match &config.tenant_secret {
             Some(secret) => layer.tenant(TenantFromAuthorization::keyed(secret.as_bytes())),
-            None => {
-                tracing::warn!(
-                    "tenants are plain SHA-256 hashes of Authorization values, which a dictionary \
-                     can reverse for short secrets; set --tenant-secret (the same on every gateway)"
-                );
-                layer.tenant(TenantFromAuthorization::new())
-            }
+            None => layer.tenant(TenantFromAuthorization::new()),
         },
     };
     if config.allow_anonymous {
@@ -444,6 +438,12 @@ fn router<S: Store>(
         layer = layer.fail_open();
     }
     layer.validate()?;
+    if config.tenant_header.is_none() && config.tenant_secret.is_none() {
+        tracing::warn!(
+            "tenants are plain SHA-256 hashes of Authorization values, which a dictionary \
+             can reverse for short secrets; set --tenant-secret (the same on every gateway)"
+        );
+    }
     let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
     let proxy = Proxy::new(upstream, config.upstream_timeout);
