@@ -237,8 +237,10 @@ pub fn complete(
         end_current_attempt(record, AttemptOutcome::Completed { status }, now_ms);
         record.state = RecordState::Completed;
         record.owner = None;
-        // Copied only when it becomes the result; a fenced write needs only its status.
-        record.outcome = Some(outcome.clone());
+        // Copied only when it becomes the result (a fenced write needs only
+        // its status), into buffers of its own: a body sliced from a
+        // connection's read buffer would keep that whole buffer alive.
+        record.outcome = Some(outcome.compacted());
         record.completed_at_ms = Some(now_ms);
         record.updated_at_ms = now_ms;
     }

@@ -115,6 +115,40 @@ impl Outcome {
             Outcome::NotStored { status } => *status,
         }
     }
+
+    /// A copy that owns its bytes in two exactly sized allocations (the
+    /// body, and every header value in one buffer). A response body is often
+    /// a slice of a connection's read buffer (8 KiB or more); a store that
+    /// keeps the outcome in memory keeps this copy, so a record never pins
+    /// that buffer.
+    pub fn compacted(&self) -> Outcome {
+        match self {
+            Outcome::NotStored { status } => Outcome::NotStored { status: *status },
+            Outcome::Stored(response) => {
+                let total = response.headers.iter().map(|(_, v)| v.len()).sum();
+                let mut values = bytes::BytesMut::with_capacity(total);
+                for (_, value) in &response.headers {
+                    values.extend_from_slice(value);
+                }
+                let values = values.freeze();
+                let mut at = 0;
+                let headers = response
+                    .headers
+                    .iter()
+                    .map(|(name, value)| {
+                        let slice = values.slice(at..at + value.len());
+                        at += value.len();
+                        (name.clone(), slice)
+                    })
+                    .collect();
+                Outcome::Stored(StoredResponse {
+                    status: response.status,
+                    headers,
+                    body: Bytes::copy_from_slice(&response.body),
+                })
+            }
+        }
+    }
 }
 
 /// The lifecycle state of a record.

@@ -101,3 +101,43 @@ async fn new_attempts_do_not_grow_the_expiry_heap() {
         "{entries} heap entries for 10 records after 20,000 attempts"
     );
 }
+
+/// A stored body sliced from a large read buffer does not keep that buffer
+/// alive: the record owns a copy of just the body and header values.
+#[tokio::test]
+async fn a_record_does_not_pin_the_buffer_its_body_came_from() {
+    use bytes::Bytes;
+    use idem_core::{Completion, Outcome, StoredResponse};
+    let store = MemoryStore::new();
+    let lease = match store.reserve(&request(0, 0)).await.expect("reserve") {
+        Reservation::Acquired(lease) => lease,
+        other => panic!("unexpected {other:?}"),
+    };
+    let buffer = Bytes::from(vec![b'x'; 8192]);
+    let outcome = Outcome::Stored(StoredResponse {
+        status: 201,
+        headers: vec![("location".to_owned(), buffer.slice(100..110))],
+        body: buffer.slice(0..66),
+    });
+    assert_eq!(
+        store.complete(&lease, &outcome).await.expect("complete"),
+        Completion::Recorded
+    );
+    drop(outcome);
+    assert!(
+        buffer.is_unique(),
+        "the record still refers to the 8 KiB buffer"
+    );
+    let record = store
+        .get(request(0, 0).scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    match record.outcome {
+        Some(Outcome::Stored(stored)) => {
+            assert_eq!(stored.body, buffer.slice(0..66));
+            assert_eq!(stored.headers[0].1, buffer.slice(100..110));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}

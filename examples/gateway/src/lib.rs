@@ -215,6 +215,18 @@ fn prometheus() -> &'static PrometheusHandle {
         // Another recorder may already be installed (tests); then the
         // handle renders what this one sees: nothing.
         let _ = metrics::set_global_recorder(recorder);
+        // Histogram samples are drained into their buckets on a scrape or
+        // by upkeep; without upkeep, a gateway nobody scrapes would keep
+        // every sample (about 27 bytes a keyed request).
+        let upkeep = handle.clone();
+        let _ = std::thread::Builder::new()
+            .name("metrics-upkeep".to_owned())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(Duration::from_secs(5));
+                    upkeep.run_upkeep();
+                }
+            });
         handle
     })
 }
