@@ -465,10 +465,13 @@ async fn chaos_soak() {
             outcome.tenant, outcome.key
         );
     }
-    // 5. Nothing executed while the store was unreachable.
+    // 5. Nothing executed while the store was unreachable. A request
+    //    reserved just before SIGSTOP reaches the upstream a moment later
+    //    (the gateway's own latency, longer on a loaded machine): the same
+    //    250 ms allowance as for a lost owner.
     for execution in &executions {
         let inside = pauses.iter().any(|(from, to)| {
-            execution.started > *from + Duration::from_millis(100) && execution.started < *to
+            execution.started > *from + Duration::from_millis(250) && execution.started < *to
         });
         assert!(
             !inside,
