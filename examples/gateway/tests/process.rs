@@ -609,3 +609,29 @@ async fn settings_from_the_environment_take_effect() {
     assert!(log.contains("/orders") && log.contains("201"), "{log}");
     assert!(!log.contains(secret), "the key leaked into the log:\n{log}");
 }
+
+/// Every flag of `--help` is bound to its `IDEM_*` variable (upper snake
+/// case of the flag), so the environment can set each of them.
+#[test]
+fn every_flag_has_its_environment_variable() {
+    let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+        .arg("--help")
+        .output()
+        .expect("run");
+    let help = String::from_utf8_lossy(&output.stdout).into_owned();
+    let flags: Vec<&str> = help
+        .split_whitespace()
+        .filter(|word| word.starts_with("--") && *word != "--help" && *word != "--version")
+        .collect();
+    assert!(flags.len() >= 20, "{help}");
+    for flag in flags {
+        let flag = flag.trim_end_matches([',', '.']);
+        let variable = format!(
+            "[env: IDEM_{}",
+            flag.trim_start_matches("--")
+                .replace('-', "_")
+                .to_uppercase()
+        );
+        assert!(help.contains(&variable), "{flag} has no {variable}]");
+    }
+}
