@@ -48,6 +48,7 @@ impl<F: Future + Send + 'static> Drop for RunToCompletion<F> {
             return;
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            tracing::info!("client went away; the attempt runs on and records its outcome");
             self.tasks.spawn_on(
                 async move {
                     let _ = future.await;

@@ -246,15 +246,32 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     let upstream_url = format!("http://{}", server.addr);
     let redis_url = redis.url();
     let args = ["--upstream", &upstream_url, "--store", &redis_url];
+    let log = std::env::temp_dir().join(format!("idem-gateway-left-{}.log", std::process::id()));
 
-    let gateway = Process::start(&args);
+    let gateway = Process::spawn(
+        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).expect("log file")),
+    );
     let lost = tokio::spawn(send(&client(), gateway.post("/slow", "left-1")));
     upstream.wait_runs(1).await;
     lost.abort(); // the client goes away
     let _ = lost.await;
-    // Give the gateway a moment to see the disconnect, so that the request
-    // is detached before the signal (the case that used to be lost).
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The gateway saw it go: the request now runs detached, the case whose
+    // outcome used to be lost at shutdown.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("client went away")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the gateway never saw the client go"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     gateway.terminate();
     // Connections are closed and the drain has begun before the upstream
     // answers: only the drain can record this outcome.
