@@ -255,7 +255,8 @@ pub struct Record {
     pub lease_expires_at_ms: u64,
     /// Lease length, applied on every reservation and renewal.
     pub lease_ms: u64,
-    /// Retention window, counted from the last state change.
+    /// Retention window, counted from the reservation that started the newest
+    /// attempt (renewal extends it, so a running attempt never expires).
     pub retention_ms: u64,
     /// When the record was first reserved.
     pub created_at_ms: u64,

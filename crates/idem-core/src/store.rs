@@ -30,7 +30,8 @@ pub struct ReserveRequest {
     pub fingerprint: Fingerprint,
     /// Lease length.
     pub lease: Duration,
-    /// How long the record is kept after its last state change.
+    /// How long the record is kept, counted from the reservation that starts
+    /// an attempt (renewals extend it while the attempt runs).
     pub retention: Duration,
 }
 

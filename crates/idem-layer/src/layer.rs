@@ -316,7 +316,7 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// The largest response stored for replay (default 1 MiB). A larger
     /// response reaches the first caller; retries get
-    /// `502 idempotency_response_not_stored` and the handler is not run
+    /// `409 idempotency_response_not_stored` and the handler is not run
     /// again.
     pub fn max_response(self, bytes: usize) -> Self {
         self.with(|c| c.max_response = bytes)
