@@ -137,5 +137,6 @@ pub use records::RecordsService;
 pub use service::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
 pub use tenant::{
     Tenant, TenantExtractor, TenantFromAuthorization, TenantFromExtension, TenantFromHeader,
+    TenantFromKeyedAuthorization,
 };
 pub use unknown::{LateResponse, UnknownOutcome};

@@ -206,35 +206,34 @@ impl TenantExtractor for TenantFromHeader {
 ///
 /// The value is normalized first: the scheme is case-insensitive and the
 /// whitespace between scheme and credentials does not matter, so
-/// `bearer x` and `Bearer  x` are one caller. The hash is a plain SHA-256
-/// by default; [`keyed`](Self::keyed) makes it an HMAC under a deployment
-/// secret, which a dictionary cannot reverse (recommended: a Basic
-/// password or a short token is otherwise recoverable from a record).
-#[derive(Debug, Clone)]
-pub struct TenantFromAuthorization {
-    hashing: Hashing,
-}
-
-impl Default for TenantFromAuthorization {
-    fn default() -> Self {
-        Self {
-            hashing: Hashing::Plain,
-        }
-    }
-}
+/// `bearer x` and `Bearer  x` are one caller. The hash is a plain SHA-256;
+/// [`keyed`](Self::keyed) gives an extractor whose hash is an HMAC under a
+/// deployment secret, which a dictionary cannot reverse (recommended: a
+/// Basic password or a short token is otherwise recoverable from a record).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TenantFromAuthorization;
 
 impl TenantFromAuthorization {
     /// The plain SHA-256 form.
     pub fn new() -> Self {
-        Self::default()
+        Self
     }
 
-    /// The HMAC-SHA256 form under `secret`, shared by every instance.
-    pub fn keyed(secret: impl Into<Vec<u8>>) -> Self {
-        Self {
+    /// The HMAC-SHA256 form under `secret`, shared by every instance that
+    /// serves the same records.
+    pub fn keyed(secret: impl Into<Vec<u8>>) -> TenantFromKeyedAuthorization {
+        TenantFromKeyedAuthorization {
             hashing: Hashing::Keyed(Arc::from(secret.into())),
         }
     }
+}
+
+/// [`TenantFromAuthorization`] with a keyed hash: the tenant is `auth:` +
+/// the HMAC-SHA256 of the normalized `Authorization` value under a secret.
+/// Made by [`TenantFromAuthorization::keyed`].
+#[derive(Debug, Clone)]
+pub struct TenantFromKeyedAuthorization {
+    hashing: Hashing,
 }
 
 /// `scheme credentials` with the scheme lowercased and one space between.
@@ -254,15 +253,23 @@ fn normalize_authorization(value: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The tenant of the `Authorization` value, hashed as `hashing` says.
+fn authorization_tenant(parts: &Parts, hashing: &Hashing) -> Option<String> {
+    let value = parts.headers.get(http::header::AUTHORIZATION)?.as_bytes();
+    if value.trim_ascii().is_empty() {
+        return None;
+    }
+    Some(hashing.tenant("auth:", &normalize_authorization(value)))
+}
+
 impl TenantExtractor for TenantFromAuthorization {
     fn tenant(&self, parts: &Parts) -> Option<String> {
-        let value = parts.headers.get(http::header::AUTHORIZATION)?.as_bytes();
-        if value.trim_ascii().is_empty() {
-            return None;
-        }
-        Some(
-            self.hashing
-                .tenant("auth:", &normalize_authorization(value)),
-        )
+        authorization_tenant(parts, &Hashing::Plain)
+    }
+}
+
+impl TenantExtractor for TenantFromKeyedAuthorization {
+    fn tenant(&self, parts: &Parts) -> Option<String> {
+        authorization_tenant(parts, &self.hashing)
     }
 }

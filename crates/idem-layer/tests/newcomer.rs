@@ -154,14 +154,14 @@ async fn a_hashed_header_tenant_keeps_no_secret() {
 #[tokio::test]
 async fn authorization_tenants_are_normalized_and_keyed() {
     use idem_layer::TenantExtractor;
-    let tenant_of = |extractor: &TenantFromAuthorization, value: &str| {
+    fn tenant_of(extractor: &dyn TenantExtractor, value: &str) -> String {
         let (parts, ()) = Request::post("/")
             .header(header::AUTHORIZATION, value)
             .body(())
             .expect("request")
             .into_parts();
         extractor.tenant(&parts).expect("tenant")
-    };
+    }
     let plain = TenantFromAuthorization::new();
     let one = tenant_of(&plain, "Bearer x");
     for spelling in ["bearer x", "BEARER x", "Bearer   x", " Bearer\tx "] {
