@@ -10,11 +10,18 @@
 //! The JSON body is hashed in its canonical form without writing the
 //! canonical text out: one pass over serde_json's parser writes tagged,
 //! length-prefixed tokens with object members in RFC 8785 order (UTF-16
-//! code units of the key). Numbers are taken by their exact decimal value,
-//! not as IEEE 754 doubles: `1.0`, `1` and `1e0` are one value, but
-//! `10000000000000001` and `10000000000000000` differ, however many digits
-//! they have (RFC 8785 would round both to one double and so let a changed
-//! amount replay the first). Otherwise two bodies get the same fingerprint
+//! code units of the key) and numbers in their RFC 8785 spelling
+//! (ECMAScript `Number.prototype.toString`, via `ryu-js`), with one
+//! exception: RFC 8785 rounds every number to an IEEE 754 double, so
+//! `10000000000000001` and `10000000000000000` would be one payload and a
+//! changed amount would replay the first. A number literal whose exact
+//! value is not the exact value of its double's RFC 8785 spelling (it has
+//! more digits than a double keeps) is hashed by its exact decimal value,
+//! under a tag no RFC 8785 spelling gets. So two numbers that differ in
+//! value never share a fingerprint, `1.0000000000000001e16` and
+//! `10000000000000001` do, and every number a JSON serializer writes (its
+//! own shortest spelling) is hashed as before: fingerprints made before
+//! this rule stay valid. Otherwise two bodies get the same fingerprint
 //! exactly when their RFC 8785 forms are equal; the tests check this
 //! against the `serde_json_canonicalizer` crate, which [`canonical_json`]
 //! uses to produce the canonical text itself. A repeated
@@ -133,6 +140,7 @@ impl<'a> NumberTexts<'a> {
 /// (zero is `0`, whatever its sign or exponent). Two literals get the same
 /// spelling exactly when their values are equal.
 fn exact_number(out: &mut Vec<u8>, literal: &[u8]) {
+    out.clear();
     let (negative, rest) = match literal.split_first() {
         Some((b'-', rest)) => (true, rest),
         _ => (false, literal),
@@ -177,9 +185,6 @@ fn exact_number(out: &mut Vec<u8>, literal: &[u8]) {
         digits.pop();
         exponent = exponent.saturating_add(1);
     }
-    out.push(b'd');
-    let start = out.len();
-    out.extend_from_slice(&[0; 8]);
     if digits.is_empty() {
         out.push(b'0');
     } else {
@@ -190,8 +195,17 @@ fn exact_number(out: &mut Vec<u8>, literal: &[u8]) {
         out.push(b'e');
         out.extend_from_slice(itoa::Buffer::new().format(exponent).as_bytes());
     }
-    let len = (out.len() - start - 8) as u64;
-    out[start..start + 8].copy_from_slice(&len.to_be_bytes());
+}
+
+/// A plain integer literal of at most 15 digits: a double holds it
+/// exactly, and its RFC 8785 spelling is the literal itself (JSON has no
+/// leading zeros), except `-0`, which is `0`.
+fn small_integer(literal: &[u8]) -> Option<&[u8]> {
+    let digits = literal.strip_prefix(b"-").unwrap_or(literal);
+    if digits.is_empty() || digits.len() > 15 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(if literal == b"-0" { b"0" } else { literal })
 }
 
 /// Orders strings by their UTF-16 code units, as RFC 8785 sorts keys.
@@ -250,13 +264,33 @@ impl<'de> serde::de::Visitor<'de> for Key {
 }
 
 impl Canon<'_, '_> {
-    /// Any number: its exact value, from its own text.
-    fn number(self) {
-        match self.numbers.next_number() {
-            Some(literal) => exact_number(self.out, literal),
+    /// A number, given as the double serde_json parsed: its RFC 8785
+    /// spelling when that spelling has exactly the literal's value, else
+    /// the literal's exact value under tag `x`. Injective: two literals of
+    /// equal value get one token (their doubles, and so their spellings,
+    /// are equal); of different values, either both keep their spelling,
+    /// which then differ because each equals its own value, or one is
+    /// tagged `x` with its exact value.
+    fn number(self, double: f64) {
+        let Some(literal) = self.numbers.next_number() else {
             // Not reached for valid JSON; a distinct token keeps the
             // fingerprint well defined anyway.
-            None => self.out.push(b'?'),
+            self.out.push(b'?');
+            return;
+        };
+        if let Some(spelled) = small_integer(literal) {
+            put_part(self.out, b'd', spelled);
+            return;
+        }
+        let mut buffer = ryu_js::Buffer::new();
+        let spelled = buffer.format(double).as_bytes();
+        let (mut exact, mut of_spelled) = (Vec::new(), Vec::new());
+        exact_number(&mut exact, literal);
+        exact_number(&mut of_spelled, spelled);
+        if exact == of_spelled {
+            put_part(self.out, b'd', spelled);
+        } else {
+            put_part(self.out, b'x', &exact);
         }
     }
 }
@@ -286,18 +320,18 @@ impl<'de> serde::de::Visitor<'de> for Canon<'_, '_> {
         Ok(())
     }
 
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        self.number();
+    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
+        self.number(v as f64);
         Ok(())
     }
 
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        self.number();
+    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
+        self.number(v as f64);
         Ok(())
     }
 
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        self.number();
+    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
+        self.number(v);
         Ok(())
     }
 
@@ -373,7 +407,7 @@ pub fn fingerprint(
     body: &[u8],
 ) -> Fingerprint {
     let mut hasher = Sha256::new();
-    hasher.update(b"idem-fingerprint-v2");
+    hasher.update(b"idem-fingerprint-v1");
     update_part(&mut hasher, operation.as_bytes());
     update_part(&mut hasher, parts.uri.path().as_bytes());
     update_part(

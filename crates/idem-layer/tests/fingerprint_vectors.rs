@@ -198,3 +198,41 @@ mod canonical_equivalence {
         );
     }
 }
+
+/// Fingerprints of bodies whose numbers a double holds as written are the
+/// ones the layer computed before numbers were made exact (captured from
+/// that version): records made before an upgrade still match their
+/// retries. Only numbers with more digits than a double keeps changed.
+#[test]
+fn fingerprints_of_ordinary_numbers_are_unchanged() {
+    let print = |body: &str| {
+        let (parts, ()) = Request::post("/orders")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts();
+        fingerprint(
+            "POST /orders",
+            &parts,
+            &[http::header::CONTENT_TYPE],
+            body.as_bytes(),
+        )
+        .to_hex()
+    };
+    for (body, before) in [
+        (
+            r#"{"amount":100,"currency":"eur","items":[1,2,3]}"#,
+            "e0e1b06d3e9af1339e749ac94cab1db163effe8dc77856555c92bf6ec2edee5c",
+        ),
+        (
+            r#"{"a":12.34,"b":-0.5,"c":1e21,"d":0.1,"e":-0}"#,
+            "8e73f75fb0b363b08fd82277bb5338c706f30fe697a8173dabc103796858dea6",
+        ),
+        (
+            r#"[1.5e300,2.5E-7,0.000001,1234567.125]"#,
+            "c533c177232ac38f238f494bfebcddb5d73e434ae7ef6e40fcd56a8a3a9c50c6",
+        ),
+    ] {
+        assert_eq!(print(body), before, "{body}");
+    }
+}
