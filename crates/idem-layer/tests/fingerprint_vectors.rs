@@ -3,6 +3,21 @@
 use http::Request;
 use idem_layer::fingerprint::fingerprint;
 
+/// The fingerprint of `POST /orders` with this content type and body.
+fn order_fingerprint(content_type: &str, body: &str) -> idem_core::Fingerprint {
+    let (parts, ()) = Request::post("/orders")
+        .header("content-type", content_type)
+        .body(())
+        .expect("request")
+        .into_parts();
+    fingerprint(
+        "POST /orders",
+        &parts,
+        &[http::header::CONTENT_TYPE],
+        body.as_bytes(),
+    )
+}
+
 #[test]
 fn fingerprint_vectors() {
     let mut checked = 0;
@@ -12,19 +27,7 @@ fn fingerprint_vectors() {
     {
         let case: serde_json::Value = serde_json::from_str(line).expect("json");
         let content_type = case["content_type"].as_str().expect("content_type");
-        let print = |body: &str| {
-            let (parts, ()) = Request::post("/orders")
-                .header("content-type", content_type)
-                .body(())
-                .expect("request")
-                .into_parts();
-            fingerprint(
-                "POST /orders",
-                &parts,
-                &[http::header::CONTENT_TYPE],
-                body.as_bytes(),
-            )
-        };
+        let print = |body: &str| order_fingerprint(content_type, body);
         let a = print(case["body_a"].as_str().expect("body_a"));
         let b = print(case["body_b"].as_str().expect("body_b"));
         let same = case["same_fingerprint"]
@@ -205,20 +208,7 @@ mod canonical_equivalence {
 /// retries. Only numbers with more digits than a double keeps changed.
 #[test]
 fn fingerprints_of_ordinary_numbers_are_unchanged() {
-    let print = |body: &str| {
-        let (parts, ()) = Request::post("/orders")
-            .header("content-type", "application/json")
-            .body(())
-            .expect("request")
-            .into_parts();
-        fingerprint(
-            "POST /orders",
-            &parts,
-            &[http::header::CONTENT_TYPE],
-            body.as_bytes(),
-        )
-        .to_hex()
-    };
+    let print = |body: &str| order_fingerprint("application/json", body).to_hex();
     for (body, before) in [
         (
             r#"{"amount":100,"currency":"eur","items":[1,2,3]}"#,

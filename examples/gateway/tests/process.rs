@@ -128,25 +128,46 @@ async fn until_not_in_progress(gateway: &Process, path: &str, key: &str) -> Repl
     }
 }
 
+/// A private Redis and a counting upstream, and the flags that put a
+/// gateway between them; `None` when Redis is not installed (outside CI).
+struct OnRedis {
+    _redis: RedisServer,
+    upstream: Upstream,
+    _server: TestServer,
+    args: Vec<String>,
+}
+
+impl OnRedis {
+    async fn start(extra: &[&str]) -> Option<Self> {
+        let redis = RedisServer::spawn()?;
+        let upstream = Upstream::default();
+        let server = TestServer::start(upstream.router()).await;
+        let mut args = vec![
+            "--upstream".to_owned(),
+            format!("http://{}", server.addr),
+            "--store".to_owned(),
+            redis.url(),
+        ];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        Some(Self {
+            _redis: redis,
+            upstream,
+            _server: server,
+            args,
+        })
+    }
+
+    fn args(&self) -> Vec<&str> {
+        self.args.iter().map(String::as_str).collect()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_request_then_restarted_on_the_same_redis() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some(setup) = OnRedis::start(&["--lease", LEASE, "--retention", "1h"]).await else {
         return;
     };
-    let upstream = Upstream::default();
-    let server = TestServer::start(upstream.router()).await;
-    let upstream_url = format!("http://{}", server.addr);
-    let redis_url = redis.url();
-    let args = [
-        "--upstream",
-        &upstream_url,
-        "--store",
-        &redis_url,
-        "--lease",
-        LEASE,
-        "--retention",
-        "1h",
-    ];
+    let (upstream, args) = (&setup.upstream, setup.args());
 
     let mut first = Process::start(&args);
     let lost = tokio::spawn(send(&client(), first.post("/slow", "crash-1")));
@@ -201,14 +222,10 @@ async fn killed_mid_request_then_restarted_on_the_same_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_lets_in_flight_requests_finish_and_record() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some(setup) = OnRedis::start(&[]).await else {
         return;
     };
-    let upstream = Upstream::default();
-    let server = TestServer::start(upstream.router()).await;
-    let upstream_url = format!("http://{}", server.addr);
-    let redis_url = redis.url();
-    let args = ["--upstream", &upstream_url, "--store", &redis_url];
+    let (upstream, args) = (&setup.upstream, setup.args());
 
     let gateway = Process::start(&args);
     let in_flight = tokio::spawn(send(&client(), gateway.post("/slow", "drain-1")));
@@ -238,20 +255,16 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_record() {
 /// restart the retry is replayed, not run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_waits_for_requests_whose_client_left() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some(setup) = OnRedis::start(&[]).await else {
         return;
     };
-    let upstream = Upstream::default();
-    let server = TestServer::start(upstream.router()).await;
-    let upstream_url = format!("http://{}", server.addr);
-    let redis_url = redis.url();
-    let args = ["--upstream", &upstream_url, "--store", &redis_url];
+    let (upstream, args) = (&setup.upstream, setup.args());
     let log = std::env::temp_dir().join(format!("idem-gateway-left-{}.log", std::process::id()));
 
     let gateway = Process::spawn(
         Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .args(["--listen", "127.0.0.1:0"])
-            .args(args)
+            .args(&args)
             .env("RUST_LOG", "info")
             .stderr(std::fs::File::create(&log).expect("log file")),
     );
