@@ -628,7 +628,9 @@ async fn settings_from_the_environment_take_effect() {
         "idem_requests_total{outcome=\"fail_open\"} 1",
         "idem_requests_total{outcome=\"executed\"}",
         "idem_requests_total{outcome=\"replayed\"}",
-        "idem_store_duration_seconds",
+        "idem_store_duration_seconds_bucket{op=\"reserve\",le=\"0.001\"}",
+        "idem_store_duration_seconds_count{op=\"reserve\"}",
+        "idem_replay_age_seconds_bucket{le=\"60\"}",
     ] {
         assert!(text.contains(expected), "{expected} missing from:\n{text}");
     }
