@@ -38,10 +38,13 @@ impl Process {
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let first = lines.next().and_then(Result::ok).unwrap_or_default();
-        let addr = first
-            .strip_prefix("idem-gateway listening on http://")
-            .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
-            .to_owned();
+        let Some(addr) = first.strip_prefix("idem-gateway listening on http://") else {
+            // Never leave the process running behind a failed test.
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("unexpected first line {first:?}");
+        };
+        let addr = addr.to_owned();
         // Keep draining stdout so the process never blocks on it.
         std::thread::spawn(move || lines.for_each(drop));
         Self { child, addr }

@@ -131,10 +131,15 @@ impl Gateway {
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let first = lines.next().and_then(Result::ok).unwrap_or_default();
-        let port = first
+        let Some(port) = first
             .strip_prefix("idem-gateway listening on http://127.0.0.1:")
             .and_then(|p| p.trim().parse::<u16>().ok())
-            .unwrap_or_else(|| panic!("unexpected first line {first:?}"));
+        else {
+            // Never leave the process running behind a failed test.
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("unexpected first line {first:?}");
+        };
         std::thread::spawn(move || lines.for_each(drop));
         self.port.store(port, Ordering::SeqCst);
         self.child = Some(child);
