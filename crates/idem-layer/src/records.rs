@@ -57,7 +57,7 @@ use crate::{
     ResponseBody,
     layer::Config,
     problem::{ProblemCode, problem},
-    service::store_call,
+    service::{store_call, unavailable_problem},
     tenant::ANONYMOUS_TENANT,
 };
 
@@ -163,14 +163,7 @@ impl<S: Store> RecordsService<S> {
             Err((code, detail)) => return problem(code, &detail, None),
         };
         let not_found = || problem(ProblemCode::RecordNotFound, "no record for this key", None);
-        let unavailable = |error: idem_core::StoreError| {
-            tracing::warn!(%error, "idempotency store call failed");
-            problem(
-                ProblemCode::StoreUnavailable,
-                "the idempotency store is unavailable; retry shortly",
-                Some(Duration::from_secs(1)),
-            )
-        };
+        let unavailable = |error: idem_core::StoreError| unavailable_problem(&error);
         match parts.method {
             Method::GET => match store_call(&self.config, "get", self.store.get(&scope)).await {
                 Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record)),

@@ -317,6 +317,12 @@ pub(crate) async fn store_call<T>(
 
 fn store_unavailable<B>(error: &StoreError) -> Response<ResponseBody<B>> {
     m::count(Counted::StoreError);
+    unavailable_problem(error)
+}
+
+/// `503 idempotency_store_unavailable` for a failed store call, of the
+/// layer and of the records API alike; the error itself is logged.
+pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBody<B>> {
     tracing::warn!(%error, "idempotency store call failed");
     // What went wrong inside is for the logs (above), not for the caller.
     let detail = match error {

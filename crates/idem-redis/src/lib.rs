@@ -299,45 +299,38 @@ impl RedisStore {
 
     /// Checks that the server answers (`PING`), within the timeout.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let (lane, mut conn) = self.bounded(self.timeout, self.connection()).await?;
-        let ping = async {
-            let cmd = redis::cmd("PING");
-            match &mut conn {
-                Conn::Single(c) => cmd.query_async::<()>(c).await,
-                Conn::Cluster(c) => cmd.query_async::<()>(c).await,
-            }
-        };
-        let result = self
-            .bounded(self.timeout, async { ping.await.map_err(unavailable) })
-            .await;
-        if result.is_err() {
-            self.lanes[lane].lock().take();
-        }
-        result
+        self.command(redis::cmd("PING")).await
     }
 
     /// Reads what the server (every node of a cluster that answers) says
     /// about keeping records: its `maxmemory-policy` and persistence, from
     /// `INFO`. See [`ServerSafety`].
     pub async fn server_safety(&self) -> Result<ServerSafety, StoreError> {
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("memory").arg("persistence");
+        let info: Value = self.command(cmd).await?;
+        let mut text = String::new();
+        collect_text(&info, &mut text);
+        Ok(ServerSafety::from_info(&text))
+    }
+
+    /// Runs one plain command on a lane's connection, within the timeout;
+    /// a lane whose call failed is refilled on its next use.
+    async fn command<T: redis::FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
         let (lane, mut conn) = self.bounded(self.timeout, self.connection()).await?;
-        let info = async {
-            let mut cmd = redis::cmd("INFO");
-            cmd.arg("memory").arg("persistence");
+        let call = async {
             match &mut conn {
-                Conn::Single(c) => cmd.query_async::<Value>(c).await,
-                Conn::Cluster(c) => cmd.query_async::<Value>(c).await,
+                Conn::Single(c) => cmd.query_async::<T>(c).await,
+                Conn::Cluster(c) => cmd.query_async::<T>(c).await,
             }
         };
         let result = self
-            .bounded(self.timeout, async { info.await.map_err(unavailable) })
+            .bounded(self.timeout, async { call.await.map_err(unavailable) })
             .await;
         if result.is_err() {
             self.lanes[lane].lock().take();
         }
-        let mut text = String::new();
-        collect_text(&result?, &mut text);
-        Ok(ServerSafety::from_info(&text))
+        result
     }
 
     async fn bounded<T>(
