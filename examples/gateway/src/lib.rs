@@ -545,18 +545,8 @@ async fn refuse_connection_naming(
     request: Request,
     next: Next,
 ) -> Response {
-    let names_protected = request
-        .headers()
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|name| {
-            guard
-                .0
-                .iter()
-                .any(|h| h.as_str().eq_ignore_ascii_case(name.trim()))
-        });
+    let names_protected =
+        proxy::connection_names(request.headers()).any(|name| guard.0.contains(&name));
     if names_protected {
         return problem(
             StatusCode::BAD_REQUEST,

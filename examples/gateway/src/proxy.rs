@@ -19,14 +19,18 @@ use idem_layer::{HOP_BY_HOP, IDEMPOTENCY_KEY, IdempotencyContext, UnknownOutcome
 /// The header that tells the upstream which attempt of a key this is.
 pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
 
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
+/// The header names a `Connection` field lists (it makes them hop-by-hop).
+pub(crate) fn connection_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
+    headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
+}
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = connection_names(headers).collect();
     for name in HOP_BY_HOP.iter().chain(&named) {
         headers.remove(name);
     }
