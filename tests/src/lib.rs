@@ -2,6 +2,7 @@
 //! ports and a small HTTP client.
 
 pub mod cutter;
+pub mod postgres_server;
 pub mod redis_server;
 pub mod upstream;
 

@@ -2,7 +2,7 @@
 //! [`Store`] trait and the state machine every store implements.
 //!
 //! This crate does no I/O. The Tower layer lives in `idem-layer`; stores
-//! live in `idem-memory` and `idem-redis`.
+//! live in `idem-memory`, `idem-redis` and `idem-postgres`.
 //!
 //! # The state machine
 //!
@@ -21,6 +21,7 @@
 //! [`machine`] holds these rules as pure functions; [`conformance`] (feature
 //! `conformance`) checks that a store follows them.
 
+pub mod handoff;
 mod key;
 pub mod machine;
 mod record;
@@ -30,6 +31,7 @@ mod store;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use handoff::{CompletionSlot, DeferredCompletion};
 pub use key::{IdempotencyKey, KeyError};
 pub use record::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, LateEvidence, Lease, Outcome, OwnerToken,

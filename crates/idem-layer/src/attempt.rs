@@ -11,7 +11,10 @@ use futures_util::{
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
-use idem_core::{Completion, Current, Lease, Outcome, Release, Renewal, Store, StoredResponse};
+use idem_core::{
+    Completion, CompletionSlot, Current, DeferredCompletion, Lease, Outcome, Release, Renewal,
+    Store, StoredResponse,
+};
 use tower::Service;
 use tracing::Instrument;
 
@@ -259,7 +262,7 @@ enum Produced<B> {
 pub(crate) async fn attempt<I, S, ReqBody, ResBody>(
     layer: IdempotencyLayer<S>,
     mut inner: I,
-    request: Request<ReqBody>,
+    mut request: Request<ReqBody>,
     lease: Lease,
 ) -> Result<Response<ResponseBody<ResBody>>, I::Error>
 where
@@ -271,6 +274,9 @@ where
     let config = &*layer.config;
     let store = &*layer.store;
     let max_response = config.max_response;
+    // Where a handler leaves a transaction to commit with the outcome.
+    let slot = CompletionSlot::new();
+    request.extensions_mut().insert(slot.clone());
     let work = AssertUnwindSafe(async move {
         let mut response = inner.call(request).await?;
         if let Some(unknown) = response.extensions_mut().remove::<UnknownOutcome>() {
@@ -319,13 +325,67 @@ where
     if let Outcome::Stored(stored) = &mut outcome {
         stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
     }
-    match settle(&layer, &lease, parts.status, outcome)
-        .await
-        .and_then(answer_current)
-    {
-        Some(answer) => Ok(answer),
-        None => Ok(Response::from_parts(parts, body)),
+    let answer = match slot.take() {
+        Some(deferred) if (config.should_store)(parts.status) => {
+            settle_in_transaction(&layer, &lease, deferred, outcome).await
+        }
+        // Not recorded: a deferred transaction is dropped, which rolls
+        // back what the handler wrote, and the key is released.
+        _ => settle(&layer, &lease, parts.status, outcome)
+            .await
+            .and_then(answer_current),
+    };
+    Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
+}
+
+/// Records the outcome through the transaction the handler left: one
+/// commit makes the handler's writes and the outcome durable together.
+/// `None` lets the handler's response through; otherwise its client gets
+/// the answer, since nothing the handler wrote was committed (or whether
+/// it was is unknown).
+async fn settle_in_transaction<S: Store, B>(
+    layer: &IdempotencyLayer<S>,
+    lease: &Lease,
+    deferred: Box<dyn DeferredCompletion>,
+    outcome: Outcome,
+) -> Option<Response<ResponseBody<B>>> {
+    let commit = deferred.commit(lease.clone(), outcome);
+    match store_call(&layer.config, "complete", commit).await {
+        Ok(Completion::Recorded) => {
+            m::count(Counted::Executed);
+            None
+        }
+        Ok(Completion::Fenced(current)) => {
+            m::count(Counted::Fenced);
+            tracing::warn!(
+                "transactional completion fenced: a newer attempt or a cancellation owns the \
+                 record; the handler's writes were rolled back"
+            );
+            Some(answer_current(current).unwrap_or_else(|| {
+                unavailable(
+                    "the attempt lost its lease before its transaction committed; nothing was \
+                     committed; retry",
+                )
+            }))
+        }
+        Err(error) => {
+            m::count(Counted::StoreError);
+            tracing::error!(%error, "the transaction with the outcome did not commit, or its commit is unknown");
+            Some(unavailable(
+                "the transaction holding the outcome did not commit, or its commit is unknown; \
+                 a retry replays the outcome if it did and runs again if it did not",
+            ))
+        }
     }
+}
+
+/// `503 idempotency_store_unavailable` with a 1 s `Retry-After`.
+fn unavailable<B>(detail: &str) -> Response<ResponseBody<B>> {
+    problem(
+        ProblemCode::StoreUnavailable,
+        detail,
+        Some(Duration::from_secs(1)),
+    )
 }
 
 /// After an unknown outcome: waits (bounded, renewing the lease) for the

@@ -1,0 +1,97 @@
+//! Completion inside a transaction the handler holds.
+//!
+//! A store that keeps records in the same database as the handler's own
+//! data (PostgreSQL, say) can make the outcome and the handler's writes
+//! durable in one commit. The layer puts a [`CompletionSlot`] in the
+//! request extensions of every attempt it runs; the handler writes its rows
+//! in a transaction and puts that transaction into the slot as a
+//! [`DeferredCompletion`] instead of committing it. When the handler's
+//! response has been read and is to be recorded, the layer hands the
+//! outcome to the deferred completion, which writes it in the same
+//! transaction, fenced like any completion, and commits both at once. The
+//! layer then does not call [`Store::complete`](crate::Store::complete).
+//!
+//! When the response is not to be recorded (a temporary failure, a panic, a
+//! failed body) the layer drops the deferred completion: the transaction
+//! rolls back with everything the handler wrote, and the key is released.
+
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::{Arc, Mutex},
+};
+
+use crate::{Completion, Lease, Outcome, StoreError};
+
+/// A boxed, sendable future.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// A transaction that commits together with the attempt's outcome.
+pub trait DeferredCompletion: Send + 'static {
+    /// Records `outcome` as the completion of `lease` inside the held
+    /// transaction, fenced on the lease's generation and owner token, and
+    /// commits.
+    ///
+    /// * [`Completion::Recorded`]: one commit made the outcome and the
+    ///   handler's writes durable.
+    /// * [`Completion::Fenced`]: the lease was lost; nothing of the
+    ///   transaction was committed.
+    /// * An error: the commit may or may not have happened (the outcome and
+    ///   the writes are durable together or not at all); a retry replays or
+    ///   runs again accordingly.
+    fn commit(
+        self: Box<Self>,
+        lease: Lease,
+        outcome: Outcome,
+    ) -> BoxFuture<Result<Completion, StoreError>>;
+}
+
+/// Where a handler leaves its [`DeferredCompletion`] for the layer.
+///
+/// Present in the request extensions of every attempt the layer executes;
+/// absent when the layer did not run (an unkeyed request, say), in which
+/// case the handler commits its transaction itself.
+#[derive(Clone, Default)]
+pub struct CompletionSlot(Arc<Mutex<Option<Box<dyn DeferredCompletion>>>>);
+
+impl CompletionSlot {
+    /// An empty slot.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Leaves `completion` for the layer. A slot holds one: if it is
+    /// taken, `completion` is given back.
+    pub fn put(
+        &self,
+        completion: Box<dyn DeferredCompletion>,
+    ) -> Result<(), Box<dyn DeferredCompletion>> {
+        let mut slot = match self.0.lock() {
+            Ok(slot) => slot,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if slot.is_some() {
+            return Err(completion);
+        }
+        *slot = Some(completion);
+        Ok(())
+    }
+
+    /// Takes what the handler left, if anything.
+    pub fn take(&self) -> Option<Box<dyn DeferredCompletion>> {
+        match self.0.lock() {
+            Ok(mut slot) => slot.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        }
+    }
+}
+
+impl fmt::Debug for CompletionSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let full = self.0.lock().map(|slot| slot.is_some()).unwrap_or(false);
+        f.debug_struct("CompletionSlot")
+            .field("full", &full)
+            .finish()
+    }
+}

@@ -1,0 +1,625 @@
+//! A PostgreSQL [`Store`] for idem: the idempotency record lives in the
+//! same database as the handler's data, and the handler's writes and the
+//! outcome can commit in one transaction.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_postgres::PgStore;
+//!
+//! let store = PgStore::from_url("postgres://app@127.0.0.1/app")?;
+//! store.migrate().await?; // or apply `sql/idem_records.sql` yourself
+//! # Ok(()) }
+//! ```
+//!
+//! # How records are kept
+//!
+//! One table (`idem_records` by default) holds one row per scope, indexed
+//! by expiry. Time (lease lapse, retention) is the database's
+//! `clock_timestamp()`, never the application's. Every write after the
+//! reservation is fenced by generation and owner token in its `WHERE`.
+//!
+//! * A new key is one statement: an `INSERT … ON CONFLICT DO NOTHING` that
+//!   also reads the row it collided with, so a replay, a conflict or a
+//!   `409` is answered by the same round trip.
+//! * Completion and renewal are one `UPDATE` each.
+//! * Takeovers, releases, cancellations and fenced writes run the shared
+//!   state machine ([`idem_core::machine`]) in a short transaction around
+//!   `SELECT … FOR UPDATE` of the one row.
+//! * PostgreSQL has no TTL: a background sweep deletes expired records in
+//!   bounded batches (every minute by default, [`PgStoreBuilder::sweep_every`]),
+//!   never one whose attempt still holds a live lease; [`PgStore::sweep`]
+//!   runs one by hand.
+//!
+//! # Completion in the handler's transaction
+//!
+//! With the layer on a `PgStore`, a handler takes an [`IdemTransaction`]
+//! (an axum extractor; the store must be in the router's state), writes its
+//! rows in it and calls [`IdemTransaction::commit`]. Under the layer that
+//! hands the transaction over: once the response is read, the layer writes
+//! the outcome in the same transaction, fenced on the attempt's lease, and
+//! one `COMMIT` makes the rows and the completed record durable, or
+//! neither. An attempt that lost its lease (taken over, cancelled) commits
+//! nothing. Without the layer (an unkeyed request) `commit` commits at once.
+
+mod row;
+mod tx;
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use idem_core::{
+    Cancellation, Completion, Lease, Outcome, OwnerToken, Record, Release, Renewal, Reservation,
+    ReserveRequest, ScopeHash, Store, StoreError, machine,
+};
+use sqlx::{
+    PgPool, Row,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+
+pub use tx::{CommitError, IdemTransaction};
+
+/// The SQL that creates the records table and its index, for the default
+/// table name `idem_records` (what [`PgStore::migrate`] runs).
+pub const SCHEMA: &str = include_str!("../sql/idem_records.sql");
+
+/// The database's clock, in milliseconds since the epoch.
+const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+/// How many times a reservation retries when its row vanished (swept)
+/// between two statements.
+const RESERVE_TRIES: usize = 5;
+
+/// A configuration the store cannot use.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PgConfigError {
+    /// The connection URL could not be parsed.
+    #[error("invalid PostgreSQL URL: {0}")]
+    Url(#[source] sqlx::Error),
+    /// The table name is not a plain lower-case SQL identifier.
+    #[error(
+        "invalid table name {0:?}: use a lower-case SQL identifier of at most 50 characters \
+         (letters, digits, _)"
+    )]
+    Table(String),
+    /// Neither a URL nor a pool was given.
+    #[error("no PostgreSQL URL or pool was given")]
+    NoDatabase,
+}
+
+/// The statements, with the table name in place.
+struct Sql {
+    table: String,
+    reserve: String,
+    complete: String,
+    renew: String,
+    lock: String,
+    read: String,
+    update: String,
+    delete: String,
+    sweep: String,
+}
+
+impl Sql {
+    fn new(table: &str) -> Self {
+        let fence = "r.scope = $1 AND r.state = 'processing' AND r.generation = $2 \
+                     AND r.owner = $3 AND r.expires_at_ms > t.now";
+        let selected = row::SELECTED;
+        Self {
+            table: table.to_owned(),
+            reserve: format!(
+                "WITH t AS (SELECT {NOW_MS} AS now), \
+                 ins AS (INSERT INTO {table} (scope, tenant, operation, key, fingerprint, state, \
+                   generation, owner, lease_ms, retention_ms, lease_expires_at_ms, created_at_ms, \
+                   updated_at_ms, expires_at_ms, attempts) \
+                   SELECT $1, $2, $3, $4, $5, 'processing', 1, $6, $7::bigint, $8::bigint, \
+                   t.now + $7::bigint, t.now, t.now, t.now + $8::bigint, \
+                   jsonb_build_array(jsonb_build_object('id', $9::uuid, 'generation', 1, \
+                     'started_at_ms', t.now, 'ended_at_ms', NULL, \
+                     'outcome', jsonb_build_object('kind', 'running'), 'late', NULL)) \
+                   FROM t ON CONFLICT (scope) DO NOTHING RETURNING 1) \
+                 SELECT t.now AS now_ms, (SELECT count(*) FROM ins) AS inserted, {selected} \
+                 FROM t LEFT JOIN {table} r ON r.scope = $1"
+            ),
+            complete: format!(
+                "WITH t AS (SELECT {NOW_MS} AS now) \
+                 UPDATE {table} r SET state = 'completed', owner = NULL, status = $4, \
+                   stored = $5, header_names = $6, header_values = $7, body = $8, \
+                   completed_at_ms = t.now, updated_at_ms = t.now, \
+                   attempts = COALESCE((SELECT jsonb_agg(CASE \
+                     WHEN (a->>'generation')::bigint = r.generation \
+                       AND a->'outcome'->>'kind' = 'running' \
+                     THEN a || jsonb_build_object('ended_at_ms', t.now, 'outcome', \
+                       jsonb_build_object('kind', 'completed', 'status', $4::integer)) \
+                     ELSE a END ORDER BY i) \
+                     FROM jsonb_array_elements(r.attempts) WITH ORDINALITY AS x(a, i)), '[]') \
+                 FROM t WHERE {fence} RETURNING 1"
+            ),
+            renew: format!(
+                "WITH t AS (SELECT {NOW_MS} AS now) \
+                 UPDATE {table} r SET lease_ms = $4, lease_expires_at_ms = t.now + $4, \
+                   expires_at_ms = GREATEST(r.expires_at_ms, t.now + $4) \
+                 FROM t WHERE {fence} RETURNING 1"
+            ),
+            lock: format!(
+                "SELECT {NOW_MS} AS now_ms, {selected} FROM {table} r WHERE r.scope = $1 FOR UPDATE"
+            ),
+            read: format!(
+                "SELECT {NOW_MS} AS now_ms, {selected} FROM {table} r WHERE r.scope = $1"
+            ),
+            update: format!(
+                "UPDATE {table} SET ({columns}) = ({values}) WHERE scope = $1 AND generation = $22",
+                columns = row::COLUMNS,
+                values = row::placeholders(),
+            ),
+            delete: format!("DELETE FROM {table} WHERE scope = $1"),
+            sweep: format!(
+                "WITH t AS (SELECT {NOW_MS} AS now) \
+                 DELETE FROM {table} WHERE scope IN (SELECT e.scope FROM {table} e, t \
+                   WHERE e.expires_at_ms <= t.now \
+                     AND NOT (e.state = 'processing' AND e.lease_expires_at_ms > t.now) \
+                   ORDER BY e.expires_at_ms LIMIT $1 FOR UPDATE OF e SKIP LOCKED)"
+            ),
+        }
+    }
+}
+
+fn valid_table(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && name.len() <= 50
+}
+
+/// Aborts the sweep task when the store's last handle is dropped.
+struct Sweeper(tokio::task::JoinHandle<()>);
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+struct Inner {
+    pool: PgPool,
+    sql: Sql,
+    sweep_batch: i64,
+    _sweeper: Option<Sweeper>,
+}
+
+/// The PostgreSQL store. Cheap to clone; clones share the pool.
+#[derive(Clone)]
+pub struct PgStore {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgStore")
+            .field("table", &self.inner.sql.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`PgStore`].
+#[derive(Debug)]
+pub struct PgStoreBuilder {
+    url: Option<String>,
+    pool: Option<PgPool>,
+    table: String,
+    max_connections: u32,
+    sweep_every: Option<Duration>,
+    sweep_batch: u32,
+}
+
+impl PgStoreBuilder {
+    /// Connects to this URL (`postgres://user:password@host:port/db`,
+    /// lazily: the first store call opens the first connection).
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.url = Some(url.into());
+        self
+    }
+
+    /// Uses this pool (the application's own, say) instead of a URL.
+    pub fn pool(mut self, pool: PgPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// The records table (default `idem_records`): a plain lower-case
+    /// identifier, resolved through the connection's `search_path`.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The pool size when connecting by URL (default 16). A handler that
+    /// holds an [`IdemTransaction`] holds one connection while it runs.
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How often the background sweep deletes expired records (default
+    /// every 60 s; `None` for no background sweep, for example when a job
+    /// calls [`PgStore::sweep`]). The sweep starts when the store is built
+    /// inside a tokio runtime.
+    pub fn sweep_every(mut self, every: Option<Duration>) -> Self {
+        self.sweep_every = every.filter(|every| !every.is_zero());
+        self
+    }
+
+    /// How many records one sweep statement deletes at most (default
+    /// 1,000); a sweep runs statements until one deletes fewer.
+    pub fn sweep_batch(mut self, batch: u32) -> Self {
+        self.sweep_batch = batch.max(1);
+        self
+    }
+
+    /// Builds the store.
+    pub fn build(self) -> Result<PgStore, PgConfigError> {
+        if !valid_table(&self.table) {
+            return Err(PgConfigError::Table(self.table));
+        }
+        let pool = match (self.pool, self.url) {
+            (Some(pool), _) => pool,
+            (None, Some(url)) => {
+                let options: PgConnectOptions = url.parse().map_err(PgConfigError::Url)?;
+                PgPoolOptions::new()
+                    .max_connections(self.max_connections)
+                    .acquire_timeout(Duration::from_secs(5))
+                    .connect_lazy_with(options.application_name("idem"))
+            }
+            (None, None) => return Err(PgConfigError::NoDatabase),
+        };
+        let sql = Sql::new(&self.table);
+        let sweep_batch = i64::from(self.sweep_batch);
+        let sweeper = self
+            .sweep_every
+            .zip(tokio::runtime::Handle::try_current().ok())
+            .map(|(every, runtime)| {
+                let sweeping = Sweeping {
+                    pool: pool.clone(),
+                    sql: sql.sweep.clone(),
+                    batch: sweep_batch,
+                };
+                Sweeper(runtime.spawn(sweeping.every(every)))
+            });
+        Ok(PgStore {
+            inner: Arc::new(Inner {
+                pool,
+                sql,
+                sweep_batch,
+                _sweeper: sweeper,
+            }),
+        })
+    }
+}
+
+/// What the background sweep needs (not the store, so that the task does
+/// not keep the store alive).
+struct Sweeping {
+    pool: PgPool,
+    sql: String,
+    batch: i64,
+}
+
+impl Sweeping {
+    async fn every(self, every: Duration) {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            match self.run().await {
+                Ok(0) => {}
+                Ok(deleted) => tracing::debug!(deleted, "swept expired idempotency records"),
+                Err(error) => tracing::warn!(%error, "sweeping expired idempotency records failed"),
+            }
+        }
+    }
+
+    /// Deletes expired records, a bounded batch per statement, until a
+    /// statement deletes fewer than a batch.
+    async fn run(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let deleted = sqlx::query(&self.sql)
+                .bind(self.batch)
+                .execute(&self.pool)
+                .await
+                .map_err(failed)?
+                .rows_affected();
+            total += deleted;
+            if deleted < u64::try_from(self.batch).unwrap_or(u64::MAX) {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+/// A driver error as a store error: a row that cannot be decoded is
+/// corrupt, anything else is the database being unavailable.
+fn failed(error: sqlx::Error) -> StoreError {
+    match error {
+        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
+            StoreError::Corrupt(error.to_string())
+        }
+        other => StoreError::unavailable(other),
+    }
+}
+
+impl PgStore {
+    /// A builder with the defaults.
+    pub fn builder() -> PgStoreBuilder {
+        PgStoreBuilder {
+            url: None,
+            pool: None,
+            table: "idem_records".to_owned(),
+            max_connections: 16,
+            sweep_every: Some(Duration::from_secs(60)),
+            sweep_batch: 1_000,
+        }
+    }
+
+    /// A store on this URL with the defaults.
+    pub fn from_url(url: &str) -> Result<Self, PgConfigError> {
+        Self::builder().url(url).build()
+    }
+
+    /// A store on the application's pool with the defaults.
+    pub fn from_pool(pool: PgPool) -> Self {
+        PgStore::builder()
+            .pool(pool)
+            .build()
+            .unwrap_or_else(|_| unreachable!("the default table name is valid"))
+    }
+
+    /// The pool the store uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The records table's name.
+    pub fn table(&self) -> &str {
+        &self.inner.sql.table
+    }
+
+    /// Creates the records table and its index if they do not exist
+    /// ([`SCHEMA`] with the configured table name).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let schema = SCHEMA.replace("idem_records", self.table());
+        sqlx::raw_sql(&schema)
+            .execute(self.pool())
+            .await
+            .map_err(failed)?;
+        Ok(())
+    }
+
+    /// Deletes every expired record (in batches) and answers how many. A
+    /// record whose attempt still holds a live lease is never deleted.
+    pub async fn sweep(&self) -> Result<u64, StoreError> {
+        Sweeping {
+            pool: self.inner.pool.clone(),
+            sql: self.inner.sql.sweep.clone(),
+            batch: self.inner.sweep_batch,
+        }
+        .run()
+        .await
+    }
+
+    /// The fenced completion `UPDATE` of `lease` with `outcome`, to run on
+    /// any executor (the pool, or a handler's transaction).
+    fn complete_query<'q>(
+        &'q self,
+        lease: &Lease,
+        outcome: &Outcome,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        let (status, stored, names, values, body) = row::outcome_columns(outcome);
+        sqlx::query(&self.inner.sql.complete)
+            .bind(lease.scope.as_bytes().to_vec())
+            .bind(row::ms(lease.generation))
+            .bind(lease.token.0)
+            .bind(status)
+            .bind(stored)
+            .bind(names)
+            .bind(values)
+            .bind(body)
+    }
+
+    /// Runs one transition of the state machine on the locked row of
+    /// `scope`, and writes the record back if it changed. `None` when the
+    /// row is absent and `absent_retries` is set (a reservation then tries
+    /// its insert again rather than race another inserter).
+    async fn transition<T>(
+        &self,
+        scope: &ScopeHash,
+        absent_retries: bool,
+        apply: impl FnOnce(&mut Option<Record>, u64) -> T,
+    ) -> Result<Option<T>, StoreError> {
+        let mut tx = self.inner.pool.begin().await.map_err(failed)?;
+        let found = sqlx::query(&self.inner.sql.lock)
+            .bind(scope.as_bytes().to_vec())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(failed)?;
+        let (before, now_ms) = match found {
+            Some(found) => {
+                let now: i64 = found.try_get("now_ms").map_err(failed)?;
+                (Some(row::decode(&found)?), u64::try_from(now).unwrap_or(0))
+            }
+            None if absent_retries => return Ok(None),
+            // Without a row, no transition reads the clock.
+            None => (None, 0),
+        };
+        let mut slot = before.clone();
+        let answer = apply(&mut slot, now_ms);
+        if slot != before {
+            match (&slot, &before) {
+                (Some(record), Some(old)) => {
+                    let query = row::bind_record(sqlx::query(&self.inner.sql.update), record)?;
+                    query
+                        .bind(row::ms(old.generation))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(failed)?;
+                }
+                (None, Some(_)) => {
+                    sqlx::query(&self.inner.sql.delete)
+                        .bind(scope.as_bytes().to_vec())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(failed)?;
+                }
+                // A transition never creates a record on an absent row
+                // here (reservations retry their insert instead).
+                (_, None) => return Ok(None),
+            }
+        }
+        tx.commit().await.map_err(failed)?;
+        Ok(Some(answer))
+    }
+
+    /// Fenced one-statement writes: `Some(())` when the row was written.
+    async fn fenced_write(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<bool, StoreError> {
+        let done = query
+            .execute(&self.inner.pool)
+            .await
+            .map_err(failed)?
+            .rows_affected();
+        Ok(done == 1)
+    }
+}
+
+fn vacant<T>(answer: Option<T>, otherwise: T) -> T {
+    answer.unwrap_or(otherwise)
+}
+
+impl Store for PgStore {
+    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
+        let attempt = idem_core::AttemptId::new();
+        let token = OwnerToken::new();
+        let scope = *request.scope.hash();
+        let lease_ms = row::ms(u64::try_from(request.lease.as_millis()).unwrap_or(u64::MAX));
+        let retention_ms =
+            row::ms(u64::try_from(request.retention.as_millis()).unwrap_or(u64::MAX));
+        for _ in 0..RESERVE_TRIES {
+            let found = sqlx::query(&self.inner.sql.reserve)
+                .bind(scope.as_bytes().to_vec())
+                .bind(request.scope.tenant())
+                .bind(request.scope.operation())
+                .bind(request.scope.key().as_str())
+                .bind(request.fingerprint.as_bytes().to_vec())
+                .bind(token.0)
+                .bind(lease_ms)
+                .bind(retention_ms)
+                .bind(attempt.0)
+                .fetch_one(&self.inner.pool)
+                .await
+                .map_err(failed)?;
+            let inserted: i64 = found.try_get("inserted").map_err(failed)?;
+            if inserted == 1 {
+                return Ok(Reservation::Acquired(Lease {
+                    scope,
+                    attempt,
+                    generation: 1,
+                    token,
+                    ttl: request.lease,
+                }));
+            }
+            let existing: Option<Vec<u8>> = found.try_get("scope").map_err(failed)?;
+            if existing.is_some() {
+                // Answers that change nothing (a replay, a conflict, a live
+                // lease, a cancellation) come from the row just read.
+                let now: i64 = found.try_get("now_ms").map_err(failed)?;
+                let mut slot = Some(row::decode(&found)?);
+                let now_ms = u64::try_from(now).unwrap_or(0);
+                match machine::reserve(&mut slot, request, now_ms, attempt, token) {
+                    Reservation::Acquired(_) | Reservation::TakenOver { .. } => {}
+                    unchanged => return Ok(unchanged),
+                }
+            }
+            let locked = self
+                .transition(&scope, true, |slot, now_ms| {
+                    machine::reserve(slot, request, now_ms, attempt, token)
+                })
+                .await?;
+            if let Some(reservation) = locked {
+                return Ok(reservation);
+            }
+        }
+        Err(StoreError::unavailable(
+            "the record kept vanishing between reading and locking it",
+        ))
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        let ttl = row::ms(u64::try_from(lease.ttl.as_millis()).unwrap_or(u64::MAX));
+        let query = sqlx::query(&self.inner.sql.renew)
+            .bind(lease.scope.as_bytes().to_vec())
+            .bind(row::ms(lease.generation))
+            .bind(lease.token.0)
+            .bind(ttl);
+        if self.fenced_write(query).await? {
+            return Ok(Renewal::Renewed);
+        }
+        let answer = self
+            .transition(&lease.scope, false, |slot, now_ms| {
+                machine::renew(slot, lease, now_ms)
+            })
+            .await?;
+        Ok(vacant(answer, Renewal::Fenced(idem_core::Current::Vacant)))
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
+        if self
+            .fenced_write(self.complete_query(lease, outcome))
+            .await?
+        {
+            return Ok(Completion::Recorded);
+        }
+        let answer = self
+            .transition(&lease.scope, false, |slot, now_ms| {
+                machine::complete(slot, lease, outcome, now_ms)
+            })
+            .await?;
+        Ok(vacant(
+            answer,
+            Completion::Fenced(idem_core::Current::Vacant),
+        ))
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
+        let answer = self
+            .transition(&lease.scope, false, |slot, now_ms| {
+                machine::release(slot, lease, now_ms)
+            })
+            .await?;
+        Ok(vacant(answer, Release::Fenced(idem_core::Current::Vacant)))
+    }
+
+    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
+        let answer = self
+            .transition(scope, false, machine::cancel)
+            .await?;
+        Ok(vacant(answer, Cancellation::NotFound))
+    }
+
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        let found = sqlx::query(&self.inner.sql.read)
+            .bind(scope.as_bytes().to_vec())
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(failed)?;
+        let Some(found) = found else {
+            return Ok(None);
+        };
+        let now: i64 = found.try_get("now_ms").map_err(failed)?;
+        let record = row::decode(&found)?;
+        Ok((!record.is_expired(u64::try_from(now).unwrap_or(0))).then_some(record))
+    }
+}

@@ -1,0 +1,182 @@
+//! A private PostgreSQL server for tests, on a free loopback port.
+//!
+//! One server per test binary, started on first use (`initdb` into a
+//! temporary directory, `fsync` off); each test takes a database of its own
+//! ([`PgServer::database`]). The server runs under a small shell that
+//! waits on a pipe from the test process: when the test binary exits,
+//! however it exits, the pipe closes and the shell stops the server and
+//! removes its directory. PostgreSQL refuses to run as root, so as root the
+//! server runs as the `postgres` user (through `runuser`).
+//!
+//! Without PostgreSQL's binaries the tests skip with a notice, except in
+//! CI, where that fails (see [`skip_or_fail`](crate::redis_server::skip_or_fail)).
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::{Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+use crate::redis_server::{free_port, skip_or_fail};
+
+/// The shared server of this test binary.
+#[derive(Debug)]
+pub struct PgServer {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    bin: PathBuf,
+    dir: PathBuf,
+    as_postgres: bool,
+    _shell: Mutex<(Child, ChildStdin)>,
+}
+
+static SHARED: OnceLock<Option<PgServer>> = OnceLock::new();
+
+/// The directory holding `initdb`, `postgres` and `psql`.
+fn bin_dir() -> Option<PathBuf> {
+    let on_path = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    let debian = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()
+        .and_then(|dirs| {
+            let mut versions: Vec<PathBuf> = dirs.flatten().map(|d| d.path().join("bin")).collect();
+            versions.sort();
+            versions.pop()
+        });
+    [on_path, debian]
+        .into_iter()
+        .flatten()
+        .find(|dir| dir.join("initdb").exists() && dir.join("postgres").exists())
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+}
+
+impl PgServer {
+    /// The server of this test binary, started on first use; `None` when
+    /// PostgreSQL is not installed (outside CI).
+    pub fn shared() -> Option<&'static PgServer> {
+        SHARED.get_or_init(Self::spawn).as_ref()
+    }
+
+    fn spawn() -> Option<PgServer> {
+        let Some(bin) = bin_dir() else {
+            skip_or_fail("PostgreSQL (initdb, postgres)");
+            return None;
+        };
+        let as_postgres = is_root();
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("idem-pg-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        if as_postgres {
+            let chown = Command::new("chown")
+                .args(["postgres:postgres"])
+                .arg(&dir)
+                .status();
+            assert!(chown.is_ok_and(|s| s.success()), "chown the data directory");
+        }
+        let data = dir.join("data");
+        let initdb = Self::command(as_postgres, &bin.join("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+            .output()
+            .expect("run initdb");
+        assert!(
+            initdb.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&initdb.stderr)
+        );
+        // The shell stops the server when the test binary's end of the
+        // pipe closes.
+        let script = format!(
+            "'{postgres}' -D '{data}' -p {port} -k '{dir}' -c listen_addresses=127.0.0.1 \
+             -c fsync=off -c synchronous_commit=off -c full_page_writes=off \
+             -c max_connections=300 -c shared_buffers=64MB >'{dir}/log' 2>&1 &\n\
+             pid=$!\ncat >/dev/null\nkill -QUIT $pid\nwait $pid\nrm -rf '{dir}'\n",
+            postgres = bin.join("postgres").display(),
+            data = data.display(),
+            dir = dir.display(),
+        );
+        let mut shell = Self::command(as_postgres, Path::new("sh"))
+            .args(["-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start postgres");
+        let stdin = shell.stdin.take().expect("the shell's stdin");
+        let server = PgServer {
+            port,
+            bin,
+            dir,
+            as_postgres,
+            _shell: Mutex::new((shell, stdin)),
+        };
+        server.wait_ready();
+        Some(server)
+    }
+
+    fn command(as_postgres: bool, program: &Path) -> Command {
+        if as_postgres {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(program);
+            command
+        } else {
+            Command::new(program)
+        }
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if self.psql("postgres", "SELECT 1").is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!(
+            "postgres on port {} did not start:\n{}",
+            self.port,
+            std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+        );
+    }
+
+    /// Runs one SQL command with `psql` on `database`; its output, or its
+    /// error text.
+    pub fn psql(&self, database: &str, sql: &str) -> Result<String, String> {
+        let output = Command::new(self.bin.join("psql"))
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-U", "postgres", "-d", database, "-X", "-q", "-A", "-t"])
+            .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
+            .output()
+            .map_err(|error| error.to_string())?;
+        if output.status.success() {
+            Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+        } else {
+            Err(String::from_utf8_lossy(&output.stderr).into_owned())
+        }
+    }
+
+    /// A new, empty database for one test: its URL.
+    pub fn database(&self) -> String {
+        let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+        self.psql("postgres", &format!("CREATE DATABASE {name}"))
+            .expect("create a database");
+        format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
+    }
+
+    /// Whether the server runs as the `postgres` user.
+    pub fn runs_as_postgres(&self) -> bool {
+        self.as_postgres
+    }
+}

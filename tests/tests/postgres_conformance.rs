@@ -1,0 +1,215 @@
+//! The store conformance suite on a private PostgreSQL server, on the
+//! database's real clock; the sweep; the schema file.
+
+use std::time::Duration;
+
+use idem_core::{Reservation, ReserveRequest, Store, conformance::Harness};
+use idem_postgres::PgStore;
+use idem_tests::postgres_server::PgServer;
+
+struct PgHarness {
+    store: PgStore,
+}
+
+impl Harness for PgHarness {
+    type Store = PgStore;
+
+    fn store(&self) -> &PgStore {
+        &self.store
+    }
+
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+
+    fn lease(&self) -> Duration {
+        Duration::from_millis(900)
+    }
+
+    fn retention(&self) -> Duration {
+        Duration::from_millis(2500)
+    }
+}
+
+/// A store on a fresh database of the shared server; `None` skips (no
+/// PostgreSQL, outside CI).
+async fn store() -> Option<PgStore> {
+    let server = PgServer::shared()?;
+    let store = PgStore::from_url(&server.database()).expect("store");
+    store.migrate().await.expect("migrate");
+    Some(store)
+}
+
+async fn harness() -> Option<PgHarness> {
+    Some(PgHarness {
+        store: store().await?,
+    })
+}
+
+idem_core::conformance_tests!(harness);
+
+fn request(key: &str, lease: Duration, retention: Duration) -> ReserveRequest {
+    ReserveRequest {
+        scope: idem_core::conformance::fresh_scope(key),
+        fingerprint: idem_core::conformance::fingerprint(1),
+        lease,
+        retention,
+    }
+}
+
+/// The sweep deletes expired records and only those; a record whose
+/// attempt holds a live lease stays even when its expiry has passed.
+#[tokio::test]
+async fn the_sweep_deletes_expired_records_but_never_a_live_lease() {
+    let Some(store) = store().await else { return };
+    let short = Duration::from_millis(300);
+    let long = Duration::from_secs(3600);
+    for n in 0..5 {
+        let reserved = store
+            .reserve(&request(&format!("old-{n}"), short, short))
+            .await
+            .expect("reserve");
+        assert!(matches!(reserved, Reservation::Acquired(_)));
+    }
+    let kept = request("kept", long, long);
+    assert!(matches!(
+        store.reserve(&kept).await.expect("reserve"),
+        Reservation::Acquired(_)
+    ));
+    let live = request("live", long, long);
+    assert!(matches!(
+        store.reserve(&live).await.expect("reserve"),
+        Reservation::Acquired(_)
+    ));
+    // A record whose expiry passed while its lease is live (written by
+    // hand: the state machine never makes one) must survive the sweep.
+    sqlx::query("UPDATE idem_records SET expires_at_ms = 0 WHERE scope = $1")
+        .bind(live.scope.hash().as_bytes().to_vec())
+        .execute(store.pool())
+        .await
+        .expect("update");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(store.sweep().await.expect("sweep"), 5);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_records")
+        .fetch_one(store.pool())
+        .await
+        .expect("count");
+    assert_eq!(left, 2);
+    assert_eq!(store.sweep().await.expect("sweep"), 0);
+}
+
+/// A sweep in batches deletes everything expired, batch after batch.
+#[tokio::test]
+async fn the_sweep_runs_batch_after_batch() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let store = PgStore::builder()
+        .url(server.database())
+        .table("records_in_batches")
+        .sweep_batch(7)
+        .sweep_every(None)
+        .build()
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let short = Duration::from_millis(200);
+    for n in 0..30 {
+        let _ = store
+            .reserve(&request(&format!("k-{n}"), short, short))
+            .await
+            .expect("reserve");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(store.sweep().await.expect("sweep"), 30);
+}
+
+/// The background sweep runs on its own.
+#[tokio::test]
+async fn the_background_sweep_deletes_expired_records() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let store = PgStore::builder()
+        .url(server.database())
+        .sweep_every(Some(Duration::from_millis(100)))
+        .build()
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let short = Duration::from_millis(200);
+    let _ = store
+        .reserve(&request("soon-gone", short, short))
+        .await
+        .expect("reserve");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_records")
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        if left == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never swept");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The schema file users apply by hand is what `migrate` runs, and
+/// applying it twice is harmless; a bad table name is refused.
+#[tokio::test]
+async fn the_schema_file_applies_twice_and_bad_table_names_are_refused() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    let database = url.rsplit('/').next().expect("database name").to_owned();
+    server
+        .psql(&database, idem_postgres::SCHEMA)
+        .expect("schema");
+    server
+        .psql(&database, idem_postgres::SCHEMA)
+        .expect("schema again");
+    let store = PgStore::from_url(&url).expect("store");
+    let reserved = store
+        .reserve(&request(
+            "by-hand",
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+        ))
+        .await
+        .expect("reserve on the hand-made table");
+    assert!(matches!(reserved, Reservation::Acquired(_)));
+    for bad in ["", "Records", "a-b", "a;drop table x", "public.records"] {
+        assert!(
+            matches!(
+                PgStore::builder().url(&url).table(bad).build(),
+                Err(idem_postgres::PgConfigError::Table(_))
+            ),
+            "{bad:?} was accepted"
+        );
+    }
+}
+
+/// An unreachable database is a store error, never a panic or a hang.
+#[tokio::test]
+async fn an_unreachable_database_is_unavailable() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let store =
+        PgStore::from_url(&format!("postgres://postgres@127.0.0.1:{port}/none")).expect("store");
+    let error = store
+        .reserve(&request(
+            "nowhere",
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+        ))
+        .await
+        .expect_err("no database");
+    assert!(
+        matches!(error, idem_core::StoreError::Unavailable(_)),
+        "{error:?}"
+    );
+}
