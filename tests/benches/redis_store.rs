@@ -13,13 +13,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
-use idem_core::{
-    IdempotencyKey, Outcome, Reservation, ReserveRequest, Scope, Store, StoredResponse,
-    conformance::fingerprint,
-};
+use idem_core::{Reservation, Store, conformance::fingerprint};
 use idem_redis::RedisStore;
+use idem_tests::bench::{outcome, request};
 use idem_tests::redis_server::RedisServer;
 
 const COMMON: &str = include_str!("../../crates/idem-redis/src/lua/common.lua");
@@ -27,30 +24,6 @@ const RESERVE: &str = include_str!("../../crates/idem-redis/src/lua/reserve.lua"
 const COMPLETE: &str = include_str!("../../crates/idem-redis/src/lua/complete.lua");
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
-
-fn request(key: &str) -> ReserveRequest {
-    ReserveRequest {
-        scope: Scope::new(
-            "bench",
-            "POST /orders",
-            IdempotencyKey::parse(key.as_bytes()).expect("key"),
-        ),
-        fingerprint: fingerprint(1),
-        lease: Duration::from_secs(30),
-        retention: Duration::from_secs(600),
-    }
-}
-
-fn outcome() -> Outcome {
-    Outcome::Stored(StoredResponse {
-        status: 201,
-        headers: vec![(
-            "content-type".to_owned(),
-            Bytes::from_static(b"application/json"),
-        )],
-        body: Bytes::from_static(b"{\"id\":42,\"status\":\"created\"}"),
-    })
-}
 
 fn fresh_key() -> String {
     format!("key-{}", COUNTER.fetch_add(1, Ordering::Relaxed))

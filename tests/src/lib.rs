@@ -160,3 +160,77 @@ pub fn client_counting_409s() -> (
         });
     (http, seen)
 }
+
+/// A conformance harness for a store on a real server: the server's own
+/// clock, moved by sleeping, with a short lease and retention so the
+/// time-based checks run in seconds. Holds whatever must outlive the store
+/// (the server processes).
+pub struct RealClock<S> {
+    store: S,
+    _keep: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl<S> RealClock<S> {
+    /// `store`, keeping `keep` alive as long as the harness.
+    pub fn new(store: S, keep: impl std::any::Any + Send + Sync) -> Self {
+        Self {
+            store,
+            _keep: Box::new(keep),
+        }
+    }
+}
+
+impl<S: idem_core::Store> idem_core::conformance::Harness for RealClock<S> {
+    type Store = S;
+
+    fn store(&self) -> &S {
+        &self.store
+    }
+
+    async fn advance(&self, by: std::time::Duration) {
+        tokio::time::sleep(by).await;
+    }
+
+    fn lease(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(900)
+    }
+
+    fn retention(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(2500)
+    }
+}
+
+/// Store requests and outcomes shared by the benchmarks.
+pub mod bench {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use idem_core::{IdempotencyKey, Outcome, ReserveRequest, Scope, StoredResponse};
+
+    /// A reservation of `key` for the `bench` tenant (30 s lease, 10 min
+    /// retention).
+    pub fn request(key: &str) -> ReserveRequest {
+        ReserveRequest {
+            scope: Scope::new(
+                "bench",
+                "POST /orders",
+                IdempotencyKey::parse(key.as_bytes()).expect("key"),
+            ),
+            fingerprint: idem_core::conformance::fingerprint(1),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(600),
+        }
+    }
+
+    /// A small JSON response.
+    pub fn outcome() -> Outcome {
+        Outcome::Stored(StoredResponse {
+            status: 201,
+            headers: vec![(
+                "content-type".to_owned(),
+                Bytes::from_static(b"application/json"),
+            )],
+            body: Bytes::from_static(b"{\"id\":42,\"status\":\"created\"}"),
+        })
+    }
+}

@@ -9,7 +9,7 @@
 //! server runs as the `postgres` user (through `runuser`).
 //!
 //! Without PostgreSQL's binaries the tests skip with a notice, except in
-//! CI, where that fails (see [`skip_or_fail`](crate::redis_server::skip_or_fail)).
+//! CI, where that fails (see [`skip_or_fail`]).
 
 use std::{
     path::{Path, PathBuf},

@@ -3,33 +3,9 @@
 
 use std::time::Duration;
 
-use idem_core::{Reservation, ReserveRequest, Store, conformance::Harness};
+use idem_core::{Reservation, ReserveRequest, Store};
 use idem_postgres::PgStore;
-use idem_tests::postgres_server::PgServer;
-
-struct PgHarness {
-    store: PgStore,
-}
-
-impl Harness for PgHarness {
-    type Store = PgStore;
-
-    fn store(&self) -> &PgStore {
-        &self.store
-    }
-
-    async fn advance(&self, by: Duration) {
-        tokio::time::sleep(by).await;
-    }
-
-    fn lease(&self) -> Duration {
-        Duration::from_millis(900)
-    }
-
-    fn retention(&self) -> Duration {
-        Duration::from_millis(2500)
-    }
-}
+use idem_tests::{RealClock, postgres_server::PgServer};
 
 /// A store on a fresh database of the shared server; `None` skips (no
 /// PostgreSQL, outside CI).
@@ -40,10 +16,8 @@ async fn store() -> Option<PgStore> {
     Some(store)
 }
 
-async fn harness() -> Option<PgHarness> {
-    Some(PgHarness {
-        store: store().await?,
-    })
+async fn harness() -> Option<RealClock<PgStore>> {
+    Some(RealClock::new(store().await?, ()))
 }
 
 idem_core::conformance_tests!(harness);

@@ -3,49 +3,18 @@
 
 use std::{sync::Arc, time::Duration};
 
-use idem_core::{Store, conformance::Harness};
+use idem_core::Store;
 use idem_redis::RedisStore;
-use idem_tests::redis_server::{RedisCluster, RedisServer};
-
-struct RedisHarness {
-    store: RedisStore,
-    _servers: Servers,
-}
-
-#[expect(dead_code, reason = "the servers are held until the harness drops")]
-enum Servers {
-    Single(RedisServer),
-    Cluster(RedisCluster),
-}
-
-impl Harness for RedisHarness {
-    type Store = RedisStore;
-
-    fn store(&self) -> &RedisStore {
-        &self.store
-    }
-
-    async fn advance(&self, by: Duration) {
-        tokio::time::sleep(by).await;
-    }
-
-    fn lease(&self) -> Duration {
-        Duration::from_millis(900)
-    }
-
-    fn retention(&self) -> Duration {
-        Duration::from_millis(2500)
-    }
-}
+use idem_tests::{
+    RealClock,
+    redis_server::{RedisCluster, RedisServer},
+};
 
 /// A harness on a fresh single server; `None` skips (no Redis, outside CI).
-async fn single() -> Option<RedisHarness> {
+async fn single() -> Option<RealClock<RedisStore>> {
     let server = RedisServer::spawn()?;
     let store = RedisStore::from_url(&server.url()).expect("store");
-    Some(RedisHarness {
-        store,
-        _servers: Servers::Single(server),
-    })
+    Some(RealClock::new(store, server))
 }
 
 mod single_node {
@@ -78,9 +47,6 @@ async fn cluster_passes_the_whole_suite_and_spreads_records() {
         let keys: u64 = node.cli(&["DBSIZE"]).trim().parse().expect("dbsize");
         assert!(keys > 0, "node {} holds no record", node.port);
     }
-    let harness = Arc::new(RedisHarness {
-        store,
-        _servers: Servers::Cluster(cluster),
-    });
+    let harness = Arc::new(RealClock::new(store, cluster));
     idem_core::conformance::run_all(harness).await;
 }

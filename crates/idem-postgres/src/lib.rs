@@ -603,9 +603,7 @@ impl Store for PgStore {
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        let answer = self
-            .transition(scope, false, machine::cancel)
-            .await?;
+        let answer = self.transition(scope, false, machine::cancel).await?;
         Ok(vacant(answer, Cancellation::NotFound))
     }
 

@@ -58,3 +58,130 @@ pub fn orders() -> Router {
         .route("/orders/{id}", get(read))
         .with_state(Orders::default())
 }
+
+/// The orders API on PostgreSQL: each order is a row of the `orders` table,
+/// inserted in the handler's [`IdemTransaction`](idem_postgres::IdemTransaction), so that under the layer
+/// the order and the completed idempotency record commit together.
+pub mod pg {
+    use axum::{
+        Json, Router,
+        extract::{Path, State},
+        http::{HeaderMap, StatusCode, header},
+        response::{IntoResponse, Response},
+        routing::{get, post},
+    };
+    use idem_postgres::{IdemTransaction, PgStore};
+    use serde_json::{Value, json};
+
+    /// Creates the records table and the `orders` table if missing.
+    pub async fn migrate(store: &PgStore) -> Result<(), idem_core::StoreError> {
+        store.migrate().await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, body jsonb NOT NULL)",
+        )
+        .execute(store.pool())
+        .await
+        .map_err(idem_core::StoreError::unavailable)?;
+        Ok(())
+    }
+
+    /// A database error: logged, answered 503 (the layer releases the key
+    /// and the transaction rolls back).
+    fn failed(error: impl std::fmt::Display) -> Response {
+        eprintln!("axum-orders: database error: {error}");
+        (StatusCode::SERVICE_UNAVAILABLE, "database unavailable").into_response()
+    }
+
+    async fn create(
+        headers: HeaderMap,
+        mut tx: IdemTransaction,
+        Json(request): Json<Value>,
+    ) -> Response {
+        let inserted: Result<i64, _> =
+            sqlx::query_scalar("INSERT INTO orders (body) VALUES ($1::text::jsonb) RETURNING id")
+                .bind(request.to_string())
+                .fetch_one(&mut *tx)
+                .await;
+        let id = match inserted {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
+        if super::hooks::hold(&headers, "before-commit") {
+            super::hooks::hold_forever("before commit").await;
+        }
+        if let Err(error) = tx.commit().await {
+            return failed(error);
+        }
+        let order = json!({ "id": id, "order": request });
+        (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/orders/{id}"))],
+            Json(order),
+        )
+            .into_response()
+    }
+
+    async fn read(State(store): State<PgStore>, Path(id): Path<i64>) -> Response {
+        let found: Result<Option<String>, _> =
+            sqlx::query_scalar("SELECT body::text FROM orders WHERE id = $1")
+                .bind(id)
+                .fetch_optional(store.pool())
+                .await;
+        match found {
+            Ok(Some(body)) => {
+                let order: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                Json(json!({ "id": id, "order": order })).into_response()
+            }
+            Ok(None) => StatusCode::NOT_FOUND.into_response(),
+            Err(error) => failed(error),
+        }
+    }
+
+    /// The orders routes on `store` (the layer is added by the caller).
+    pub fn orders(store: PgStore) -> Router {
+        Router::new()
+            .route("/orders", post(create))
+            .route("/orders/{id}", get(read))
+            .with_state(store)
+    }
+}
+
+/// Crash points for the example's process tests, active only with
+/// `ORDERS_TEST_HOOKS=1`: a request with `x-test-hold: before-commit` holds
+/// after its insert, before handing its transaction over;
+/// `x-test-hold: after-commit` is held (by [`hold_after`](hooks::hold_after),
+/// outside the idempotency layer) once the layer has committed. Each prints
+/// one line on stderr when it starts holding, so a test can kill the
+/// process at that point.
+pub mod hooks {
+    use axum::{extract::Request, http::HeaderMap, middleware::Next, response::Response};
+
+    fn enabled() -> bool {
+        std::env::var("ORDERS_TEST_HOOKS").is_ok_and(|v| v == "1")
+    }
+
+    /// Whether the request asks to be held at `point` (hooks enabled).
+    pub fn hold(headers: &HeaderMap, point: &str) -> bool {
+        enabled()
+            && headers
+                .get("x-test-hold")
+                .is_some_and(|value| value.as_bytes() == point.as_bytes())
+    }
+
+    /// Says where it holds, then never returns.
+    pub async fn hold_forever(point: &str) {
+        eprintln!("axum-orders: holding {point}");
+        std::future::pending::<()>().await;
+    }
+
+    /// Middleware outside the layer: holds requests marked `after-commit`
+    /// once their response (and its commit) is done.
+    pub async fn hold_after(request: Request, next: Next) -> Response {
+        let held = hold(request.headers(), "after-commit");
+        let response = next.run(request).await;
+        if held {
+            hold_forever("after commit").await;
+        }
+        response
+    }
+}

@@ -1,55 +1,80 @@
 //! Run with `cargo run --release -p axum-orders`.
 //!
-//! An orders API behind the idempotency layer, on the memory store:
-//! `POST /orders` creates an order with a fresh id (201 + `Location`),
-//! `GET /orders/{id}` reads it back, and the records API lives at
-//! `/_idempotency/records`. The tenant is the `x-tenant-id` header;
-//! requests without one share the anonymous tenant.
+//! An orders API behind the idempotency layer: `POST /orders` creates an
+//! order with a fresh id (201 + `Location`), `GET /orders/{id}` reads it
+//! back, and the records API lives at `/_idempotency/records`. The tenant is
+//! the `x-tenant-id` header; requests without one share the anonymous
+//! tenant.
 //!
 //! Environment: `IDEM_LISTEN` (default `127.0.0.1:3000`), `IDEM_STORE`
-//! (`memory`, the default, or a `redis://` or `redis+cluster://` URL), and
-//! `IDEM_LAYER=off` to serve the same app without the layer (the baseline
-//! of `bench/load.sh`).
+//! (`memory`, the default; a `redis://` or `redis+cluster://` URL; or a
+//! `postgres://` URL, where the orders are rows of an `orders` table
+//! written in the same transaction as the completed record),
+//! `IDEM_LEASE` (default `30s`), and `IDEM_LAYER=off` to serve the same app
+//! without the layer (the baseline of `bench/load.sh`).
+
+use std::time::Duration;
 
 use axum::Router;
 use idem_core::Store;
 use idem_layer::{IdempotencyLayer, TenantFromHeader};
 use idem_memory::MemoryStore;
+use idem_postgres::PgStore;
 use idem_redis::RedisStore;
 
-/// The orders routes behind the layer on `store`, with the records API.
-fn protected_app<S: Store>(store: S) -> Router {
-    let routes = axum_orders::orders();
+fn exit(error: impl std::fmt::Display) -> ! {
+    eprintln!("axum-orders: {error}");
+    std::process::exit(2);
+}
+
+/// `routes` behind the layer on `store`, with the records API.
+fn protected<S: Store>(routes: Router, store: S, lease: Duration) -> Router {
     let layer = IdempotencyLayer::new(store)
         .tenant(TenantFromHeader::new(http::HeaderName::from_static(
             "x-tenant-id",
         )))
-        .allow_anonymous();
+        .allow_anonymous()
+        .lease(lease);
     routes
         .route_service("/_idempotency/records", layer.records_service())
         .layer(layer)
+        .layer(axum::middleware::from_fn(axum_orders::hooks::hold_after))
 }
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let listen = std::env::var("IDEM_LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
-    let protected = std::env::var("IDEM_LAYER").map_or(true, |v| v != "off");
+    let protect = std::env::var("IDEM_LAYER").map_or(true, |v| v != "off");
     let store = std::env::var("IDEM_STORE").unwrap_or_else(|_| "memory".to_owned());
-    let app = match (protected, store.as_str()) {
-        (false, _) => axum_orders::orders(),
-        (true, "memory") => protected_app(MemoryStore::new()),
-        (true, url) => match RedisStore::from_url(url) {
-            Ok(redis) => protected_app(redis),
-            Err(error) => {
-                eprintln!("axum-orders: {error}");
-                std::process::exit(2);
-            }
-        },
+    let lease = match std::env::var("IDEM_LEASE") {
+        Ok(text) => humantime::parse_duration(&text)
+            .unwrap_or_else(|error| exit(format!("IDEM_LEASE={text:?}: {error}"))),
+        Err(_) => Duration::from_secs(30),
+    };
+    let app = if store.starts_with("postgres://") || store.starts_with("postgresql://") {
+        let pg = PgStore::from_url(&store).unwrap_or_else(|error| exit(error));
+        if let Err(error) = axum_orders::pg::migrate(&pg).await {
+            exit(format!("could not create the tables: {error}"));
+        }
+        let routes = axum_orders::pg::orders(pg.clone());
+        if protect {
+            protected(routes, pg, lease)
+        } else {
+            routes
+        }
+    } else if !protect {
+        axum_orders::orders()
+    } else if store == "memory" {
+        protected(axum_orders::orders(), MemoryStore::new(), lease)
+    } else {
+        let redis = RedisStore::from_url(&store).unwrap_or_else(|error| exit(error));
+        protected(axum_orders::orders(), redis, lease)
     };
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     let addr = listener.local_addr()?;
-    let mode = if protected {
-        format!("idempotency layer on, {store} store")
+    let shown = store.split('@').next_back().unwrap_or(&store);
+    let mode = if protect {
+        format!("idempotency layer on, {shown} store")
     } else {
         "idempotency layer OFF".to_owned()
     };

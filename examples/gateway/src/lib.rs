@@ -45,7 +45,7 @@ pub struct Config {
     /// Upstream base URL (http://host:port); without it, a built-in demo orders API is started.
     #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
     pub upstream: Option<Uri>,
-    /// Record store: memory, redis://host:port[/db], or redis+cluster://h1:p1,h2:p2,...
+    /// Record store: memory, redis://host:port[/db], redis+cluster://h1:p1,h2:p2,..., or postgres://user@host:port/db (the records table is created if missing)
     #[arg(long, env = "IDEM_STORE", default_value = "memory", value_parser = parse_store)]
     pub store: String,
     /// Take the tenant from this header; without it, the tenant is a hash of the normalized Authorization value.
@@ -155,9 +155,21 @@ fn parse_store(value: &str) -> Result<String, String> {
     if value == "memory" {
         return Ok(value.to_owned());
     }
+    if is_postgres(value) {
+        return idem_postgres::PgStore::builder()
+            .url(value)
+            .sweep_every(None)
+            .build()
+            .map(|_| value.to_owned())
+            .map_err(|e| e.to_string());
+    }
     RedisStore::from_url(value)
         .map(|_| value.to_owned())
         .map_err(|e| e.to_string())
+}
+
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 fn parse_header_name(value: &str) -> Result<HeaderName, String> {
@@ -197,6 +209,9 @@ pub enum StartError {
     /// The store URL could not be used.
     #[error("{0}")]
     Store(#[from] idem_redis::BuildError),
+    /// The PostgreSQL store could not be built or its table created.
+    #[error("{0}")]
+    Postgres(String),
     /// Binding or serving failed.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -292,6 +307,13 @@ pub async fn run(
         let store = MemoryStore::builder()
             .capacity(config.memory_capacity)
             .build();
+        router(&config, store, upstream.clone())?
+    } else if is_postgres(&config.store) {
+        let store = idem_postgres::PgStore::from_url(&config.store)
+            .map_err(|error| StartError::Postgres(error.to_string()))?;
+        store.migrate().await.map_err(|error| {
+            StartError::Postgres(format!("could not create the records table: {error}"))
+        })?;
         router(&config, store, upstream.clone())?
     } else {
         let store = RedisStore::builder(&config.store)

@@ -1,0 +1,336 @@
+//! The layer on PostgreSQL with the handler's transaction: the order rows
+//! and the outcome commit together or not at all, and an attempt that lost
+//! its lease (cancelled, taken over) commits nothing.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    Router,
+    extract::{FromRef, State},
+    routing::post,
+};
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use idem_core::{
+    Completion, CompletionSlot, Current, Outcome, RecordState, Reservation, ReserveRequest, Store,
+    StoredResponse,
+    conformance::{fingerprint, fresh_scope},
+};
+use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_postgres::{CommitError, IdemTransaction, PgStore};
+use idem_tests::postgres_server::PgServer;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+#[derive(Clone)]
+struct AppState {
+    store: PgStore,
+    /// Permits for handlers that wait (`x-wait: 1`) after their insert.
+    gate: Arc<Semaphore>,
+    /// One permit per handler that reached its wait.
+    waiting: Arc<Semaphore>,
+}
+
+impl FromRef<AppState> for PgStore {
+    fn from_ref(state: &AppState) -> PgStore {
+        state.store.clone()
+    }
+}
+
+/// Inserts an order in the handler's transaction, hands it to the layer,
+/// and answers 201 with the order's id; `x-status` picks another status,
+/// `x-wait` waits for a permit between the insert and the commit.
+async fn create(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    mut tx: IdemTransaction,
+) -> (StatusCode, String) {
+    let id: i64 = sqlx::query_scalar("INSERT INTO orders (note) VALUES ('x') RETURNING id")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("insert");
+    if headers.contains_key("x-wait") {
+        state.waiting.add_permits(1);
+        state.gate.acquire().await.expect("gate").forget();
+    }
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(201);
+    tx.commit().await.expect("hand over");
+    (
+        StatusCode::from_u16(status).expect("status"),
+        format!("{{\"order\":{id}}}"),
+    )
+}
+
+struct App {
+    router: Router,
+    store: PgStore,
+    state: AppState,
+}
+
+async fn app() -> Option<App> {
+    let server = PgServer::shared()?;
+    let store = PgStore::from_url(&server.database()).expect("store");
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE orders (id bigserial PRIMARY KEY, note text)")
+        .execute(store.pool())
+        .await
+        .expect("orders table");
+    let state = AppState {
+        store: store.clone(),
+        gate: Arc::new(Semaphore::new(0)),
+        waiting: Arc::new(Semaphore::new(0)),
+    };
+    let layer =
+        IdempotencyLayer::new(store.clone()).tenant(TenantFromHeader::from_static("x-tenant-id"));
+    let router = Router::new()
+        .route("/orders", post(create))
+        .with_state(state.clone())
+        .layer(layer);
+    Some(App {
+        router,
+        store,
+        state,
+    })
+}
+
+impl App {
+    async fn orders(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM orders")
+            .fetch_one(self.store.pool())
+            .await
+            .expect("count")
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn code(&self) -> Option<String> {
+        let json: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
+        Some(json.get("code")?.as_str()?.to_owned())
+    }
+}
+
+async fn call(router: &Router, key: Option<&str>, extra: &[(&str, &str)]) -> Reply {
+    let mut request = Request::post("/orders").header("x-tenant-id", "acme");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    for (name, value) in extra {
+        request = request.header(*name, *value);
+    }
+    let response = router
+        .clone()
+        .oneshot(request.body(axum::body::Body::empty()).expect("request"))
+        .await
+        .expect("infallible");
+    let (parts, body) = response.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.expect("body").to_bytes(),
+    }
+}
+
+/// The order and the completed record commit together; the duplicate
+/// replays the exact bytes and inserts nothing.
+#[tokio::test]
+async fn the_order_and_the_outcome_commit_together() {
+    let Some(app) = app().await else { return };
+    let first = call(&app.router, Some("k1"), &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(app.orders().await, 1);
+    let replay = call(&app.router, Some("k1"), &[]).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay
+            .headers
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert_eq!(app.orders().await, 1);
+    let state: String = sqlx::query_scalar("SELECT state FROM idem_records")
+        .fetch_one(app.store.pool())
+        .await
+        .expect("record");
+    assert_eq!(state, "completed");
+}
+
+/// A response the layer does not record (a 5xx) rolls the order back and
+/// releases the key: the retry runs again and leaves exactly one order.
+#[tokio::test]
+async fn a_temporary_failure_rolls_the_order_back() {
+    let Some(app) = app().await else { return };
+    let failed = call(&app.router, Some("k2"), &[("x-status", "503")]).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        app.orders().await,
+        0,
+        "the failed attempt's order was committed"
+    );
+    let retry = call(&app.router, Some("k2"), &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(app.orders().await, 1);
+}
+
+/// A request the layer does not run for (no key) commits at once.
+#[tokio::test]
+async fn without_the_layer_commit_commits_at_once() {
+    let Some(app) = app().await else { return };
+    let reply = call(&app.router, None, &[]).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(app.orders().await, 1);
+    let records: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_records")
+        .fetch_one(app.store.pool())
+        .await
+        .expect("count");
+    assert_eq!(records, 0);
+}
+
+/// Cancelled while the handler runs: its transaction commits nothing and
+/// its client gets 410.
+#[tokio::test]
+async fn a_cancelled_attempt_commits_nothing() {
+    let Some(app) = app().await else { return };
+    let router = app.router.clone();
+    let running = tokio::spawn(async move { call(&router, Some("k3"), &[("x-wait", "1")]).await });
+    app.state.waiting.acquire().await.expect("waiting").forget();
+    let scope = idem_core::Scope::new(
+        "acme",
+        "POST /orders",
+        idem_core::IdempotencyKey::parse(b"k3").expect("key"),
+    );
+    assert!(matches!(
+        app.store.cancel(scope.hash()).await.expect("cancel"),
+        idem_core::Cancellation::Cancelled(_)
+    ));
+    app.state.gate.add_permits(1);
+    let reply = running.await.expect("task");
+    assert_eq!(reply.status, StatusCode::GONE);
+    assert_eq!(reply.code().as_deref(), Some("idempotency_cancelled"));
+    assert_eq!(
+        app.orders().await,
+        0,
+        "a cancelled attempt committed its order"
+    );
+}
+
+/// A lease taken over while its owner still ran: the owner's deferred
+/// completion is fenced, its rows roll back, the record keeps the new
+/// attempt, and the superseded attempt's history says it gave its work up.
+#[tokio::test]
+async fn a_superseded_attempt_commits_nothing() {
+    let Some(app) = app().await else { return };
+    let store = &app.store;
+    let scope = fresh_scope("taken");
+    let request = ReserveRequest {
+        scope: scope.clone(),
+        fingerprint: fingerprint(1),
+        lease: Duration::from_millis(300),
+        retention: Duration::from_secs(60),
+    };
+    let Reservation::Acquired(first) = store.reserve(&request).await.expect("reserve") else {
+        panic!("not acquired");
+    };
+    let slot = CompletionSlot::new();
+    let mut tx = IdemTransaction::begin(store, Some(slot.clone()))
+        .await
+        .expect("begin");
+    sqlx::query("INSERT INTO orders (note) VALUES ('superseded')")
+        .execute(&mut *tx)
+        .await
+        .expect("insert");
+    tx.commit().await.expect("hand over");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let Reservation::TakenOver { lease: second, .. } =
+        store.reserve(&request).await.expect("reserve")
+    else {
+        panic!("not taken over");
+    };
+    let outcome = Outcome::Stored(StoredResponse {
+        status: 201,
+        headers: Vec::new(),
+        body: Bytes::from_static(b"late"),
+    });
+    let deferred = slot.take().expect("the handed-over transaction");
+    let answer = deferred.commit(first, outcome).await.expect("commit");
+    assert!(
+        matches!(answer, Completion::Fenced(Current::Processing { .. })),
+        "{answer:?}"
+    );
+    assert_eq!(
+        app.orders().await,
+        0,
+        "a superseded attempt committed its order"
+    );
+    let record = store.get(scope.hash()).await.expect("get").expect("record");
+    assert_eq!(record.state, RecordState::Processing);
+    assert_eq!(record.generation, second.generation);
+    assert!(record.attempts[0].late.is_some(), "no late evidence kept");
+}
+
+/// One outcome commits with one transaction: a second hand-over is refused.
+#[tokio::test]
+async fn a_second_transaction_cannot_be_handed_over() {
+    let Some(app) = app().await else { return };
+    let slot = CompletionSlot::new();
+    let first = IdemTransaction::begin(&app.store, Some(slot.clone()))
+        .await
+        .expect("begin");
+    let second = IdemTransaction::begin(&app.store, Some(slot.clone()))
+        .await
+        .expect("begin");
+    assert!(first.is_deferred());
+    first.commit().await.expect("first hand-over");
+    assert!(matches!(
+        second.commit().await,
+        Err(CommitError::AlreadyHandedOver)
+    ));
+}
+
+/// The gateway on `--store postgres://…`: it creates the table, the
+/// upstream runs once, the duplicate replays the same bytes.
+#[tokio::test]
+async fn the_gateway_runs_on_postgres() {
+    use idem_tests::{TestServer, start_gateway, upstream::Upstream};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&origin, &["--store", &url]).await;
+    let post = || {
+        Request::post(format!("http://{}/orders", gateway.addr))
+            .header("idempotency-key", "gw-1")
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from_static(
+                b"{\"sku\":\"book\"}",
+            )))
+            .expect("request")
+    };
+    let first = idem_tests::send(&idem_tests::client(), post()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let second = idem_tests::send(&idem_tests::client(), post()).await;
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(upstream.runs(), 1);
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idem_records WHERE state = 'completed'")
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+    assert_eq!(completed, 1);
+}
