@@ -387,7 +387,8 @@ async fn healthz_metrics_and_invalid_flags() {
     for bad in [
         vec!["--lease", "10x"],
         vec!["--in-flight", "sometimes"],
-        vec!["--store", "postgres://x"],
+        vec!["--store", "mysql://x"],
+        vec!["--store", "postgres://x:notaport/db"],
         vec!["--upstream", "ftp://x"],
         vec!["--methods", "PO ST"],
         vec!["--records-prefix", "x"],
