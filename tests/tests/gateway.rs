@@ -425,6 +425,9 @@ fn redis_flags(url: &str) -> Vec<String> {
         url.to_owned(),
         "--store-timeout".to_owned(),
         "300ms".to_owned(),
+        // Two gateways on one Redis must derive the same tenants.
+        "--tenant-secret".to_owned(),
+        "the test gateways' shared tenant secret".to_owned(),
     ]
 }
 

@@ -148,11 +148,24 @@ pub enum StoreError {
     /// The call did not finish within its timeout.
     #[error("store call timed out after {0:?}")]
     Timeout(Duration),
-    /// The store holds its maximum number of live records.
+    /// The store holds its maximum number of live records (or bytes).
     #[error("store is full: {capacity} live records")]
     Full {
         /// The configured record cap.
         capacity: usize,
+        /// When a place is expected to free up: the earliest expiry the
+        /// store knows of (at least one second).
+        retry_after: Duration,
+    },
+    /// The tenant holds its quota of live records; other tenants are not
+    /// affected. The layer answers `429 idempotency_quota_exceeded`.
+    #[error("the tenant holds its quota of {quota} live records")]
+    QuotaExceeded {
+        /// The per-tenant quota.
+        quota: usize,
+        /// When the tenant's earliest record is expected to expire (at
+        /// least one second).
+        retry_after: Duration,
     },
     /// A stored record could not be decoded.
     #[error("stored record is corrupt: {0}")]

@@ -54,6 +54,10 @@ pub enum ProblemCode {
     /// frameworks are not; rather than let it through unprotected, the
     /// layer refuses it.
     MethodCaseMismatch,
+    /// 429: the caller's tenant holds its quota of live records in the
+    /// store; other tenants are not affected. `Retry-After` says when its
+    /// earliest record expires.
+    QuotaExceeded,
 }
 
 impl ProblemCode {
@@ -76,6 +80,7 @@ impl ProblemCode {
             ProblemCode::RecordQueryInvalid => "idempotency_record_query_invalid",
             ProblemCode::MethodCaseMismatch => "method_case_mismatch",
             ProblemCode::LayerMissing => "idempotency_layer_missing",
+            ProblemCode::QuotaExceeded => "idempotency_quota_exceeded",
         }
     }
 
@@ -98,6 +103,7 @@ impl ProblemCode {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
+            ProblemCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -119,6 +125,7 @@ impl ProblemCode {
             ProblemCode::RecordQueryInvalid => "Invalid records query",
             ProblemCode::MethodCaseMismatch => "Method differs from a protected method by case",
             ProblemCode::LayerMissing => "The idempotency layer did not run for this request",
+            ProblemCode::QuotaExceeded => "The caller holds its quota of idempotency records",
         }
     }
 }

@@ -325,15 +325,24 @@ fn store_unavailable<B>(error: &StoreError) -> Response<ResponseBody<B>> {
 pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBody<B>> {
     tracing::warn!(%error, "idempotency store call failed");
     // What went wrong inside is for the logs (above), not for the caller.
-    let detail = match error {
-        StoreError::Full { .. } => "the idempotency store is full; retry after records expire",
-        _ => "the idempotency store is unavailable; retry shortly",
+    let (code, detail, retry_after) = match error {
+        StoreError::Full { retry_after, .. } => (
+            ProblemCode::StoreUnavailable,
+            "the idempotency store is full; retry after records expire",
+            *retry_after,
+        ),
+        StoreError::QuotaExceeded { retry_after, .. } => (
+            ProblemCode::QuotaExceeded,
+            "the caller holds its quota of idempotency records; retry after its oldest expire",
+            *retry_after,
+        ),
+        _ => (
+            ProblemCode::StoreUnavailable,
+            "the idempotency store is unavailable; retry shortly",
+            Duration::from_secs(1),
+        ),
     };
-    problem(
-        ProblemCode::StoreUnavailable,
-        detail,
-        Some(Duration::from_secs(1)),
-    )
+    problem(code, detail, Some(retry_after))
 }
 
 /// A keyed request on its way through the state machine.

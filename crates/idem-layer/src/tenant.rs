@@ -273,3 +273,10 @@ impl TenantExtractor for TenantFromKeyedAuthorization {
         authorization_tenant(parts, &self.hashing)
     }
 }
+
+/// `prefix` + the hex HMAC-SHA256 of `value` under `secret`: the form the
+/// keyed extractors store, for tenants resolved elsewhere (a verified
+/// token's claim, say) that should be kept the same way.
+pub fn keyed_tenant(secret: &[u8], prefix: &str, value: &[u8]) -> String {
+    Hashing::Keyed(Arc::from(secret)).tenant(prefix, value)
+}

@@ -4,10 +4,17 @@
 //! * **Sharded.** Records live in 64 independently locked shards (by the
 //!   scope hash), so there is no global lock on the request path.
 //! * **Bounded.** [`MemoryStoreBuilder::capacity`] caps the live records
-//!   (default 1,000,000). When the cap is reached and nothing has expired, a
-//!   new reservation fails with [`StoreError::Full`] (the layer answers
-//!   `503 idempotency_store_unavailable`): a live record is never evicted,
-//!   since that would let a retry execute twice.
+//!   (default 1,000,000; released records do not count) and
+//!   [`MemoryStoreBuilder::max_bytes`] their estimated bytes (default
+//!   1 GiB). When either is reached and nothing has expired, a new
+//!   reservation fails with [`StoreError::Full`], whose `retry_after` is the
+//!   time until the earliest record expires (the layer answers
+//!   `503 idempotency_store_unavailable` with that `Retry-After`): a live
+//!   record is never evicted, since that would let a retry execute twice.
+//! * **Fair.** [`MemoryStoreBuilder::tenant_quota`] caps the live records
+//!   of each tenant, so one caller cannot fill the store for everyone: a
+//!   tenant at its quota gets [`StoreError::QuotaExceeded`] (`429
+//!   idempotency_quota_exceeded` from the layer) while others go on.
 //! * **Incremental expiry.** Each shard keeps a min-heap of expiry times;
 //!   every write pops a few expired records, so no sweep stops the world.
 //!   An expired record is also invisible to reads the moment it expires.
@@ -46,17 +53,44 @@ use tokio::sync::{Notify, futures::OwnedNotified};
 /// How many expired records one write removes from its shard at most.
 const SWEEP_PER_WRITE: usize = 8;
 
+/// How many expired records a full store removes from each shard at most
+/// before it refuses a new key.
+const FULL_SWEEP_PER_SHARD: usize = 64;
+
 /// Builder for [`MemoryStore`].
 #[derive(Debug, Clone)]
 pub struct MemoryStoreBuilder {
     capacity: usize,
+    max_bytes: usize,
+    tenant_quota: Option<usize>,
     shards: usize,
 }
 
 impl MemoryStoreBuilder {
-    /// The most live records the store holds (default 1,000,000).
+    /// The most live records the store holds (default 1,000,000). Released
+    /// records (the key is free again) do not count.
     pub fn capacity(mut self, capacity: usize) -> Self {
         self.capacity = capacity;
+        self
+    }
+
+    /// The most bytes the records may take, as the store estimates them
+    /// (stored bodies and headers, plus about half a kilobyte per record;
+    /// default 1 GiB). A new key beyond it is refused like a full store; a
+    /// completion whose response would cross it is recorded without the
+    /// response (its retries get `409 idempotency_response_not_stored`), so
+    /// the action is never run twice and the bound holds.
+    pub fn max_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// The most live records one tenant may hold (default: no quota beyond
+    /// the capacity). A tenant at its quota gets
+    /// [`StoreError::QuotaExceeded`] (`429` from the layer) for new keys;
+    /// other tenants are not affected.
+    pub fn tenant_quota(mut self, quota: Option<usize>) -> Self {
+        self.tenant_quota = quota;
         self
     }
 
@@ -79,6 +113,11 @@ impl MemoryStoreBuilder {
                 mask: self.shards - 1,
                 capacity: self.capacity,
                 len: AtomicUsize::new(0),
+                max_bytes: self.max_bytes,
+                bytes: AtomicUsize::new(0),
+                tenant_quota: self.tenant_quota,
+                tenants: (0..TENANT_SHARDS).map(|_| Mutex::default()).collect(),
+                tenant_hasher: std::collections::hash_map::RandomState::new(),
                 base: now,
                 base_ms,
             }),
@@ -97,9 +136,82 @@ struct Inner {
     shards: Box<[Shard]>,
     mask: usize,
     capacity: usize,
+    /// Live records that count against the capacity (not released ones).
     len: AtomicUsize,
+    max_bytes: usize,
+    /// The estimated bytes of every record held.
+    bytes: AtomicUsize,
+    tenant_quota: Option<usize>,
+    /// Live records per tenant (by a keyed hash of the tenant), sharded.
+    tenants: Box<[Mutex<HashMap<u64, TenantCount>>]>,
+    tenant_hasher: std::collections::hash_map::RandomState,
     base: tokio::time::Instant,
     base_ms: u64,
+}
+
+/// How many locks the per-tenant counts are spread over.
+const TENANT_SHARDS: usize = 16;
+
+/// What the store estimates one record takes besides its variable parts
+/// (the map entry, the box, the record, its attempt history).
+const RECORD_OVERHEAD: usize = 512;
+
+/// What the store estimates each stored header takes besides its bytes.
+const HEADER_OVERHEAD: usize = 48;
+
+#[derive(Debug, Default, Clone, Copy)]
+struct TenantCount {
+    records: usize,
+    /// The earliest expiry of the tenant's records, as far as known: set
+    /// when a record is made, cleared when the tenant holds none.
+    earliest_expiry_ms: u64,
+}
+
+/// The estimated bytes of a stored outcome.
+fn outcome_weight(outcome: &Outcome) -> usize {
+    match outcome {
+        Outcome::NotStored { .. } => 0,
+        Outcome::Stored(response) => {
+            response.body.len()
+                + response
+                    .headers
+                    .iter()
+                    .map(|(name, value)| HEADER_OVERHEAD + name.len() + value.len())
+                    .sum::<usize>()
+        }
+    }
+}
+
+/// The estimated bytes of a record.
+fn weight_of(r: &Record) -> usize {
+    RECORD_OVERHEAD
+        + r.tenant.len()
+        + r.operation.len()
+        + r.key.len()
+        + r.outcome.as_ref().map_or(0, outcome_weight)
+}
+
+/// The estimated bytes of a slot.
+fn weight(slot: &Option<Record>) -> usize {
+    slot.as_ref().map_or(0, weight_of)
+}
+
+/// Whether a record takes a place in the capacity and its tenant's quota:
+/// every record but a released one (its key is free again).
+fn occupies(slot: &Option<Record>) -> bool {
+    slot.as_ref()
+        .is_some_and(|r| r.state != RecordState::Released)
+}
+
+/// Why a new record was refused.
+enum Refused {
+    Full,
+    Quota(Duration),
+}
+
+/// At least a second: the shortest `Retry-After` a client is told.
+fn at_least_a_second(ms: u64) -> Duration {
+    Duration::from_millis(ms).max(Duration::from_secs(1))
 }
 
 /// The scope hash is already uniform: use its first eight bytes.
@@ -145,8 +257,9 @@ impl ShardState {
             .and_then(|slot| slot.as_ref().as_ref())
     }
 
-    /// Removes up to `limit` expired records; returns how many.
-    fn sweep(&mut self, now_ms: u64, limit: usize) -> usize {
+    /// Removes up to `limit` expired records, handing each to `removed`
+    /// (for the store's counts); returns how many.
+    fn sweep(&mut self, now_ms: u64, limit: usize, gone: &mut impl FnMut(&Record)) -> usize {
         let mut removed = 0;
         let mut popped = 0;
         while popped < limit {
@@ -159,7 +272,11 @@ impl ShardState {
             };
             popped += 1;
             if self.record(&scope).is_some_and(|r| r.is_expired(now_ms)) {
-                self.records.remove(&scope);
+                if let Some(slot) = self.records.remove(&scope)
+                    && let Some(record) = slot.as_ref()
+                {
+                    gone(record);
+                }
                 self.wake(&scope);
                 removed += 1;
             }
@@ -215,12 +332,14 @@ impl MemoryStore {
     pub fn builder() -> MemoryStoreBuilder {
         MemoryStoreBuilder {
             capacity: 1_000_000,
+            max_bytes: 1 << 30,
+            tenant_quota: None,
             shards: 64,
         }
     }
 
-    /// How many records the store holds, including expired ones not yet
-    /// swept.
+    /// How many live records count against the capacity: every record but
+    /// released ones, including expired ones not yet swept.
     pub fn len(&self) -> usize {
         self.inner.len.load(Ordering::Relaxed)
     }
@@ -276,71 +395,143 @@ impl MemoryStore {
         &self.inner.shards[index & self.inner.mask]
     }
 
+    fn tenant_key(&self, tenant: &str) -> u64 {
+        use std::hash::BuildHasher;
+        self.inner.tenant_hasher.hash_one(tenant)
+    }
+
+    fn tenant_shard(&self, key: u64) -> &Mutex<HashMap<u64, TenantCount>> {
+        // The low bits pick the map's bucket; use high ones for the shard.
+        &self.inner.tenants[(key >> 58) as usize % TENANT_SHARDS]
+    }
+
+    /// Takes a place for a new live record of `tenant`: in the capacity,
+    /// within the byte bound, and in the tenant's quota, atomically
+    /// against other reservations.
+    fn take_place(&self, tenant: u64, now_ms: u64) -> Result<(), Refused> {
+        let inner = &*self.inner;
+        if inner.bytes.load(Ordering::Relaxed) + RECORD_OVERHEAD > inner.max_bytes {
+            return Err(Refused::Full);
+        }
+        let capacity = inner.capacity;
+        inner
+            .len
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < capacity).then_some(n + 1)
+            })
+            .map_err(|_| Refused::Full)?;
+        let mut tenants = self.tenant_shard(tenant).lock();
+        let count = tenants.entry(tenant).or_default();
+        if let Some(quota) = inner.tenant_quota
+            && count.records >= quota
+        {
+            let wait = count.earliest_expiry_ms.saturating_sub(now_ms);
+            drop(tenants);
+            inner.len.fetch_sub(1, Ordering::Relaxed);
+            return Err(Refused::Quota(at_least_a_second(wait)));
+        }
+        count.records += 1;
+        Ok(())
+    }
+
+    /// Gives a place back (the record was released, expired or dropped).
+    fn give_place(&self, tenant: u64) {
+        self.inner.len.fetch_sub(1, Ordering::Relaxed);
+        let mut tenants = self.tenant_shard(tenant).lock();
+        if let Some(count) = tenants.get_mut(&tenant) {
+            count.records = count.records.saturating_sub(1);
+            if count.records == 0 {
+                tenants.remove(&tenant);
+            }
+        }
+    }
+
+    /// Notes a new record's expiry as its tenant's earliest, if earlier.
+    fn note_expiry(&self, tenant: u64, expires_at_ms: u64) {
+        let mut tenants = self.tenant_shard(tenant).lock();
+        if let Some(count) = tenants.get_mut(&tenant)
+            && (count.earliest_expiry_ms == 0 || expires_at_ms < count.earliest_expiry_ms)
+        {
+            count.earliest_expiry_ms = expires_at_ms;
+        }
+    }
+
+    /// Counts a record leaving the store (swept).
+    fn forget(&self, record: &Record) {
+        self.inner
+            .bytes
+            .fetch_sub(weight_of(record), Ordering::Relaxed);
+        if record.state != RecordState::Released {
+            self.give_place(self.tenant_key(&record.tenant));
+        }
+    }
+
     /// Runs one transition on a scope's slot under its shard lock, keeping
-    /// the record count, the expiry heap and the waiters in step. A
-    /// transition on an empty slot takes a place in the count first,
-    /// atomically against the capacity, so reservations racing on
-    /// different shards never exceed it; with no place left a record the
-    /// transition created is dropped and the answer is `Err`. Only
-    /// `reserve` creates records; the other transitions leave an empty
-    /// slot empty and give the place back.
+    /// the counts (live records, bytes, per-tenant records), the expiry heap
+    /// and the waiters in step. A reservation on a slot that holds no live
+    /// record (absent, or released) takes a place first, atomically against
+    /// the capacity, the byte bound and its tenant's quota, and is refused
+    /// (`Err`) without running when there is none. A transition that ends a
+    /// live record (release, expiry) gives its place back.
     fn with_slot<T>(
         &self,
         scope: &ScopeHash,
+        reserving_for: Option<&str>,
         apply: impl FnOnce(&mut Option<Record>, u64) -> T,
-    ) -> Result<T, T> {
+    ) -> Result<T, Refused> {
         let now_ms = self.now_ms();
-        let len = &self.inner.len;
         let mut state = self.shard(scope).state.lock();
-        let swept = state.sweep(now_ms, SWEEP_PER_WRITE);
-        if swept > 0 {
-            len.fetch_sub(swept, Ordering::Relaxed);
-        }
+        state.sweep(now_ms, SWEEP_PER_WRITE, &mut |record| self.forget(record));
         // (state, generation, expiry) before and after, to know whom to wake
         // and whether the expiry heap needs a new entry.
         let facts = |slot: &Option<Record>| {
             slot.as_ref()
                 .map(|r| (r.expires_at_ms, r.state, r.generation))
         };
-        let (result, before, after) = match state.records.get_mut(scope) {
-            Some(slot) => {
-                let before = facts(slot);
-                let result = apply(slot, now_ms);
-                let after = facts(slot);
-                if after.is_none() {
-                    state.records.remove(scope);
-                    len.fetch_sub(1, Ordering::Relaxed);
-                }
-                (result, before, after)
-            }
-            None => {
-                let capacity = self.inner.capacity;
-                let taken = len.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                    (n < capacity).then_some(n + 1)
-                });
-                let mut slot = None;
-                if taken.is_err() {
-                    // Full: a transition that creates nothing may still run.
-                    let result = apply(&mut slot, now_ms);
-                    return if slot.is_none() {
-                        Ok(result)
-                    } else {
-                        Err(result)
-                    };
-                }
-                let result = apply(&mut slot, now_ms);
-                let after = facts(&slot);
-                match slot {
-                    Some(record) => {
-                        state.records.insert(*scope, Box::new(Some(record)));
-                    }
-                    None => {
-                        len.fetch_sub(1, Ordering::Relaxed);
-                    }
-                }
-                (result, None, after)
-            }
+        let mut vacant = None;
+        let existed = state.records.contains_key(scope);
+        let slot: &mut Option<Record> = match state.records.get_mut(scope) {
+            Some(slot) => slot,
+            None => &mut vacant,
         };
+        let (before, before_weight, before_live) = (facts(slot), weight(slot), occupies(slot));
+        let tenant = match (reserving_for, slot.as_ref()) {
+            (_, Some(record)) => self.tenant_key(&record.tenant),
+            (Some(tenant), None) => self.tenant_key(tenant),
+            (None, None) => 0,
+        };
+        let took = reserving_for.is_some() && !before_live;
+        if took {
+            self.take_place(tenant, now_ms)?;
+        }
+        let result = apply(slot, now_ms);
+        let (after, after_weight, after_live) = (facts(slot), weight(slot), occupies(slot));
+        match (before_live || took, after_live) {
+            (true, false) => self.give_place(tenant),
+            (false, true) => {
+                // Only a reservation makes a record live, and it took a
+                // place above; not reached.
+            }
+            _ => {}
+        }
+        if took && let Some((expires_at_ms, ..)) = after {
+            self.note_expiry(tenant, expires_at_ms);
+        }
+        let bytes = &self.inner.bytes;
+        if after_weight > before_weight {
+            bytes.fetch_add(after_weight - before_weight, Ordering::Relaxed);
+        } else if before_weight > after_weight {
+            bytes.fetch_sub(before_weight - after_weight, Ordering::Relaxed);
+        }
+        match (existed, vacant.take()) {
+            (true, _) if after.is_none() => {
+                state.records.remove(scope);
+            }
+            (false, Some(record)) => {
+                state.records.insert(*scope, Box::new(Some(record)));
+            }
+            _ => {}
+        }
         if before != after {
             state.wake(scope);
         }
@@ -352,24 +543,69 @@ impl MemoryStore {
         Ok(result)
     }
 
-    /// A transition that never creates a record, so never meets the cap.
+    /// A transition that never makes a record live, so never meets a bound.
     fn with_existing<T>(
         &self,
         scope: &ScopeHash,
         apply: impl FnOnce(&mut Option<Record>, u64) -> T,
     ) -> T {
-        self.with_slot(scope, apply).unwrap_or_else(|result| result)
+        let mut apply = Some(apply);
+        match self.with_slot(scope, None, |slot, now| {
+            apply.take().map(|apply| apply(slot, now))
+        }) {
+            Ok(Some(result)) => result,
+            // `with_slot` refuses only reservations, and runs `apply` once.
+            _ => unreachable!("a transition without a reservation is never refused"),
+        }
     }
 
-    /// Removes expired records from every shard; used when the store is full.
+    /// Removes expired records from every shard, a bounded number from
+    /// each (so a full store never stops the world to sweep); used when the
+    /// store is full.
     fn sweep_all(&self) {
         let now_ms = self.now_ms();
         for shard in &self.inner.shards {
-            let swept = shard.state.lock().sweep(now_ms, usize::MAX);
-            if swept > 0 {
-                self.inner.len.fetch_sub(swept, Ordering::Relaxed);
-            }
+            shard
+                .state
+                .lock()
+                .sweep(now_ms, FULL_SWEEP_PER_SHARD, &mut |record| {
+                    self.forget(record);
+                });
         }
+    }
+
+    /// When the earliest record the store knows of expires, from now.
+    fn earliest_expiry(&self) -> Duration {
+        let now_ms = self.now_ms();
+        let earliest = self
+            .inner
+            .shards
+            .iter()
+            .filter_map(|shard| {
+                let state = shard.state.lock();
+                state.expiries.peek().map(|Reverse((at, _))| *at)
+            })
+            .min()
+            .unwrap_or(now_ms);
+        at_least_a_second(earliest.saturating_sub(now_ms))
+    }
+
+    /// The estimated bytes the records take (see
+    /// [`MemoryStoreBuilder::max_bytes`]).
+    pub fn bytes(&self) -> usize {
+        self.inner.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The byte bound.
+    pub fn max_bytes(&self) -> usize {
+        self.inner.max_bytes
+    }
+
+    /// Whether a new key would be refused for want of room right now (the
+    /// capacity or the byte bound is reached), before expired records are
+    /// swept. For health checks and gauges.
+    pub fn is_full(&self) -> bool {
+        self.len() >= self.inner.capacity || self.bytes() + RECORD_OVERHEAD > self.inner.max_bytes
     }
 
     /// Registers interest in a scope whose lease is live, under the shard
@@ -393,17 +629,28 @@ impl MemoryStore {
 impl Store for MemoryStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
+        let tenant = Some(request.scope.tenant());
         let (attempt, token) = (AttemptId::new(), OwnerToken::new());
         let reserve =
             |slot: &mut Option<Record>, now| machine::reserve(slot, request, now, attempt, token);
-        if let Ok(reservation) = self.with_slot(scope, reserve) {
-            return Ok(reservation);
+        let refused = match self.with_slot(scope, tenant, reserve) {
+            Ok(reservation) => return Ok(reservation),
+            Err(refused) => refused,
+        };
+        if let Refused::Full = refused {
+            // Make room from expired records, then try once more.
+            self.sweep_all();
         }
-        // Full: make room from expired records, then try once more.
-        self.sweep_all();
-        self.with_slot(scope, reserve)
-            .map_err(|_| StoreError::Full {
-                capacity: self.inner.capacity,
+        self.with_slot(scope, tenant, reserve)
+            .map_err(|refused| match refused {
+                Refused::Full => StoreError::Full {
+                    capacity: self.inner.capacity,
+                    retry_after: self.earliest_expiry(),
+                },
+                Refused::Quota(retry_after) => StoreError::QuotaExceeded {
+                    quota: self.inner.tenant_quota.unwrap_or(usize::MAX),
+                    retry_after,
+                },
             })
     }
 
@@ -412,6 +659,23 @@ impl Store for MemoryStore {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
+        // A response that would cross the byte bound is recorded without
+        // its bytes: the action ran and must not run again, but the bound
+        // holds.
+        let fits = self.bytes() + outcome_weight(outcome) <= self.inner.max_bytes;
+        let not_stored;
+        let outcome = if fits {
+            outcome
+        } else {
+            tracing::warn!(
+                status = outcome.status(),
+                "the memory store is at its byte bound; the outcome is recorded without its response"
+            );
+            not_stored = Outcome::NotStored {
+                status: outcome.status(),
+            };
+            &not_stored
+        };
         Ok(self.with_existing(&lease.scope, |slot, now| {
             machine::complete(slot, lease, outcome, now)
         }))

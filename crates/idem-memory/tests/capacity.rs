@@ -53,7 +53,7 @@ fn concurrent_reservations_never_exceed_the_capacity() {
                                 Ok(Reservation::Acquired(_)) => {
                                     acquired.fetch_add(1, Ordering::Relaxed);
                                 }
-                                Err(StoreError::Full { capacity }) => {
+                                Err(StoreError::Full { capacity, .. }) => {
                                     assert_eq!(capacity, CAPACITY);
                                 }
                                 other => panic!("unexpected answer {other:?}"),
@@ -94,7 +94,8 @@ async fn new_attempts_do_not_grow_the_expiry_heap() {
             );
         }
     }
-    assert_eq!(store.len(), 10);
+    // The ten records are held, released: none counts against the capacity.
+    assert_eq!(store.len(), 0);
     let entries = store.expiry_entries();
     assert!(
         (10..=2 * 10 + 16).contains(&entries),
@@ -140,4 +141,158 @@ async fn a_record_does_not_pin_the_buffer_its_body_came_from() {
         }
         other => panic!("unexpected {other:?}"),
     }
+}
+
+fn tenant_request(tenant: &str, n: usize, retention: Duration) -> ReserveRequest {
+    ReserveRequest {
+        scope: Scope::new(
+            tenant,
+            "POST /orders",
+            IdempotencyKey::parse(format!("k-{n}").as_bytes()).expect("key"),
+        ),
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        lease: Duration::from_secs(30),
+        retention,
+    }
+}
+
+/// A tenant at its quota is refused with an honest wait (until its
+/// earliest record expires); another tenant's new keys still work; a
+/// released record stops counting.
+#[tokio::test(start_paused = true)]
+async fn a_tenant_at_its_quota_leaves_other_tenants_working() {
+    let store = MemoryStore::builder()
+        .capacity(100)
+        .tenant_quota(Some(5))
+        .build();
+    let hour = Duration::from_secs(3600);
+    let mut leases = Vec::new();
+    for n in 0..5 {
+        match store.reserve(&tenant_request("flood", n, hour)).await {
+            Ok(Reservation::Acquired(lease)) => leases.push(lease),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    tokio::time::advance(Duration::from_secs(60)).await;
+    match store.reserve(&tenant_request("flood", 99, hour)).await {
+        Err(StoreError::QuotaExceeded { quota, retry_after }) => {
+            assert_eq!(quota, 5);
+            // The earliest record expires an hour after it was made, a
+            // minute ago.
+            assert!(
+                retry_after > Duration::from_secs(3500) && retry_after <= hour,
+                "{retry_after:?}"
+            );
+        }
+        other => panic!("expected the quota, got {other:?}"),
+    }
+    // A key the tenant holds is still served (its lease lapsed: a
+    // takeover, which needs no new place).
+    assert!(matches!(
+        store.reserve(&tenant_request("flood", 0, hour)).await,
+        Ok(Reservation::TakenOver { .. })
+    ));
+    for n in 0..5 {
+        assert!(matches!(
+            store.reserve(&tenant_request("other", n, hour)).await,
+            Ok(Reservation::Acquired(_))
+        ));
+    }
+    // Releasing one frees a place in the quota.
+    let lease = leases.pop().expect("a lease");
+    assert_eq!(
+        store.release(&lease).await.expect("release"),
+        Release::Released
+    );
+    assert!(matches!(
+        store.reserve(&tenant_request("flood", 99, hour)).await,
+        Ok(Reservation::Acquired(_))
+    ));
+    assert_eq!(store.len(), 10);
+}
+
+/// A full store answers with the time until its earliest record expires,
+/// and admits a new key once one has.
+#[tokio::test(start_paused = true)]
+async fn a_full_store_says_when_room_frees_up() {
+    let store = MemoryStore::builder().capacity(3).build();
+    for n in 0..3 {
+        let retention = Duration::from_secs(100 * (n as u64 + 1));
+        assert!(matches!(
+            store.reserve(&tenant_request("t", n, retention)).await,
+            Ok(Reservation::Acquired(_))
+        ));
+    }
+    tokio::time::advance(Duration::from_secs(40)).await;
+    match store
+        .reserve(&tenant_request("t", 9, Duration::from_secs(60)))
+        .await
+    {
+        Err(StoreError::Full {
+            capacity,
+            retry_after,
+        }) => {
+            assert_eq!(capacity, 3);
+            assert_eq!(retry_after, Duration::from_secs(60));
+        }
+        other => panic!("expected full, got {other:?}"),
+    }
+    assert!(store.is_full());
+    tokio::time::advance(Duration::from_secs(61)).await;
+    assert!(matches!(
+        store
+            .reserve(&tenant_request("t", 9, Duration::from_secs(60)))
+            .await,
+        Ok(Reservation::Acquired(_))
+    ));
+}
+
+/// The byte bound holds: a response that would cross it is recorded
+/// without its bytes (a retry is told it cannot be replayed, the action is
+/// not run again), and new keys are refused once the bound is reached.
+#[tokio::test]
+async fn the_byte_bound_holds_while_a_tenant_floods() {
+    use bytes::Bytes;
+    use idem_core::{Completion, Outcome, StoredResponse};
+    let max = 64 * 1024;
+    let store = MemoryStore::builder().max_bytes(max).build();
+    let big = |n: u8| {
+        Outcome::Stored(StoredResponse {
+            status: 201,
+            headers: vec![("content-type".to_owned(), Bytes::from_static(b"text/plain"))],
+            body: Bytes::from(vec![n; 10_000]),
+        })
+    };
+    let hour = Duration::from_secs(3600);
+    let (mut stored, mut not_stored, mut refused) = (0, 0, 0);
+    for n in 0..40 {
+        match store.reserve(&tenant_request("flood", n, hour)).await {
+            Ok(Reservation::Acquired(lease)) => {
+                assert_eq!(
+                    store
+                        .complete(&lease, &big(n as u8))
+                        .await
+                        .expect("complete"),
+                    Completion::Recorded
+                );
+                let record = store.get(&lease.scope).await.expect("get").expect("record");
+                match record.outcome {
+                    Some(Outcome::Stored(_)) => stored += 1,
+                    Some(Outcome::NotStored { status: 201 }) => not_stored += 1,
+                    other => panic!("unexpected outcome {other:?}"),
+                }
+            }
+            Err(StoreError::Full { .. }) => refused += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(
+            store.bytes() <= max,
+            "{} bytes over a bound of {max}",
+            store.bytes()
+        );
+    }
+    assert!(stored >= 5, "only {stored} responses stored");
+    assert!(not_stored > 0, "no response was recorded without its bytes");
+    assert!(refused > 0, "no new key was refused at the bound");
+    assert!(store.is_full());
 }

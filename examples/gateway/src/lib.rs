@@ -6,6 +6,7 @@
 //! gateway in-process on a real listener.
 
 mod demo;
+mod jwt;
 mod proxy;
 
 use std::{future::Future, net::SocketAddr, sync::OnceLock, time::Duration};
@@ -22,7 +23,7 @@ use axum::{
 use clap::{ArgAction, Parser};
 use idem_core::{ScopeHash, Store};
 use idem_layer::{
-    IdempotencyLayer, InFlight, ProblemCode, TenantFromAuthorization, TenantFromHeader,
+    IdempotencyLayer, InFlight, ProblemCode, Tenant, TenantFromAuthorization, TenantFromHeader,
 };
 use idem_memory::MemoryStore;
 use idem_redis::RedisStore;
@@ -48,12 +49,24 @@ pub struct Config {
     /// Record store: memory, redis://host:port[/db], redis+cluster://h1:p1,h2:p2,..., or postgres://user@host:port/db (the records table is created if missing)
     #[arg(long, env = "IDEM_STORE", default_value = "memory", value_parser = parse_store)]
     pub store: String,
-    /// Take the tenant from this header; without it, the tenant is a hash of the normalized Authorization value.
-    #[arg(long, env = "IDEM_TENANT_HEADER", value_parser = parse_header_name)]
+    /// Take the tenant from this header (a plain account id set by a trusted proxy); without it, the tenant is a keyed hash of the normalized Authorization value, or of a verified JWT's claim.
+    #[arg(long, env = "IDEM_TENANT_HEADER", value_parser = parse_header_name, conflicts_with = "tenant_jwt_keys")]
     pub tenant_header: Option<HeaderName>,
-    /// Secret key of the Authorization tenant hash (HMAC-SHA256), the same on every gateway sharing a store; without it the hash is a plain SHA-256.
-    #[arg(long, env = "IDEM_TENANT_SECRET", hide_env_values = true, value_parser = parse_secret)]
+    /// Secret key of the tenant hash (HMAC-SHA256, at least 16 bytes), the same on every gateway sharing a store; without it or --tenant-secret-file, one is generated at start.
+    #[arg(long, env = "IDEM_TENANT_SECRET", hide_env_values = true, value_parser = parse_secret, conflicts_with = "tenant_secret_file")]
     pub tenant_secret: Option<Secret>,
+    /// File holding the tenant hash's secret key (trailing whitespace ignored, at least 16 bytes).
+    #[arg(long, env = "IDEM_TENANT_SECRET_FILE")]
+    pub tenant_secret_file: Option<std::path::PathBuf>,
+    /// Take the tenant from a claim of a verified bearer JWT; the file holds the keys: a JWKS document, a PEM public key (RSA, EC, Ed25519) or an HMAC secret. A keyed request whose token fails verification gets 401.
+    #[arg(long, env = "IDEM_TENANT_JWT_KEYS")]
+    pub tenant_jwt_keys: Option<std::path::PathBuf>,
+    /// The JWT claim that names the tenant.
+    #[arg(long, env = "IDEM_TENANT_JWT_CLAIM", default_value = "sub")]
+    pub tenant_jwt_claim: String,
+    /// Clock skew allowed when checking a JWT's exp and nbf (humantime).
+    #[arg(long, env = "IDEM_TENANT_JWT_LEEWAY", default_value = "30s", value_parser = parse_duration)]
+    pub tenant_jwt_leeway: Duration,
     /// Keyed requests without a tenant share one anonymous tenant instead of getting 401.
     #[arg(long, env = "IDEM_ALLOW_ANONYMOUS", action = ArgAction::SetTrue)]
     pub allow_anonymous: bool,
@@ -90,9 +103,15 @@ pub struct Config {
     /// How long a keyed request's body may take to arrive, then 408 (humantime).
     #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub body_timeout: Duration,
-    /// Most live records the memory store holds; new keys beyond get 503.
+    /// Most live records the memory store holds; new keys beyond get 503 (released records do not count).
     #[arg(long, env = "IDEM_MEMORY_CAPACITY", default_value_t = 1_000_000)]
     pub memory_capacity: usize,
+    /// Most live records one tenant may hold in the memory store, then 429 for its new keys (0: no quota; default: a tenth of the memory capacity).
+    #[arg(long, env = "IDEM_MEMORY_TENANT_QUOTA")]
+    pub memory_tenant_quota: Option<usize>,
+    /// Most bytes the memory store's records may take, as it estimates them (bytes, or with KiB, MiB, GiB).
+    #[arg(long, env = "IDEM_MEMORY_MAX_BYTES", default_value = "1GiB", value_parser = parse_size)]
+    pub memory_max_bytes: usize,
     /// Timeout of every store call (humantime).
     #[arg(long, env = "IDEM_STORE_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub store_timeout: Duration,
@@ -129,6 +148,27 @@ fn parse_secret(value: &str) -> Result<Secret, String> {
         return Err("the secret must be at least 16 bytes".to_owned());
     }
     Ok(Secret(value.to_owned()))
+}
+
+/// A size in bytes: a number, optionally followed by KiB, MiB or GiB.
+fn parse_size(value: &str) -> Result<usize, String> {
+    let value = value.trim();
+    let split = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let (digits, unit) = value.split_at(split);
+    let scale: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("unknown unit {other:?}: use KiB, MiB or GiB")),
+    };
+    digits
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .ok_or_else(|| format!("{value:?} is not a size"))
 }
 
 /// A humantime duration, at most [`idem_layer::MAX_DURATION`] (100 years).
@@ -209,6 +249,9 @@ pub enum StartError {
     /// The store URL could not be used.
     #[error("{0}")]
     Store(#[from] idem_redis::BuildError),
+    /// The tenant secret or the JWT keys could not be read.
+    #[error("{0}")]
+    Tenant(String),
     /// The PostgreSQL store could not be built or its table created.
     #[error("{0}")]
     Postgres(String),
@@ -303,24 +346,44 @@ pub async fn run(
             (demo.uri.clone(), Some(demo))
         }
     };
+    let tenants = Tenants::resolve(&config)?;
     let (router, drain) = if config.store == "memory" {
+        let quota = match config.memory_tenant_quota {
+            Some(0) => None,
+            Some(quota) => Some(quota),
+            None => Some((config.memory_capacity / 10).max(1)),
+        };
         let store = MemoryStore::builder()
             .capacity(config.memory_capacity)
+            .max_bytes(config.memory_max_bytes)
+            .tenant_quota(quota)
             .build();
-        router(&config, store, upstream.clone())?
+        let watched = store.clone();
+        tokio::spawn(async move {
+            // Gauges of the memory store, every second.
+            loop {
+                metrics::gauge!("idem_store_records").set(watched.len() as f64);
+                metrics::gauge!("idem_store_bytes").set(watched.bytes() as f64);
+                metrics::gauge!("idem_store_full").set(f64::from(u8::from(watched.is_full())));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        let full = store.clone();
+        let full: Full = std::sync::Arc::new(move || full.is_full());
+        router(&config, &tenants, store, full, upstream.clone())?
     } else if is_postgres(&config.store) {
         let store = idem_postgres::PgStore::from_url(&config.store)
             .map_err(|error| StartError::Postgres(error.to_string()))?;
         store.migrate().await.map_err(|error| {
             StartError::Postgres(format!("could not create the records table: {error}"))
         })?;
-        router(&config, store, upstream.clone())?
+        router(&config, &tenants, store, never_full(), upstream.clone())?
     } else {
         let store = RedisStore::builder(&config.store)
             .timeout(config.store_timeout)
             .build()?;
         check_redis(&store, config.allow_redis_eviction).await?;
-        router(&config, store, upstream.clone())?
+        router(&config, &tenants, store, never_full(), upstream.clone())?
     };
     let started = Started {
         addr: listener.local_addr()?,
@@ -470,9 +533,86 @@ pub async fn start(
     }
 }
 
+/// Whether the store is full (the memory store; others never say so).
+type Full = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
+
+fn never_full() -> Full {
+    std::sync::Arc::new(|| false)
+}
+
+/// Where tenants come from, with the secret their hashes are keyed with.
+struct Tenants {
+    secret: Vec<u8>,
+    /// Whether the secret was generated at start (none was configured).
+    generated: bool,
+    jwt: Option<jwt::JwtTenants>,
+}
+
+impl Tenants {
+    /// Reads the secret (flag, file, or generated) and the JWT keys.
+    fn resolve(config: &Config) -> Result<Self, StartError> {
+        let secret = match (&config.tenant_secret, &config.tenant_secret_file) {
+            (Some(secret), _) => secret.as_bytes().to_vec(),
+            (None, Some(path)) => {
+                let bytes = std::fs::read(path).map_err(|error| {
+                    StartError::Tenant(format!(
+                        "cannot read the tenant secret file {}: {error}",
+                        path.display()
+                    ))
+                })?;
+                let secret = bytes.trim_ascii_end().to_vec();
+                if secret.len() < 16 {
+                    return Err(StartError::Tenant(format!(
+                        "the tenant secret file {} holds fewer than 16 bytes",
+                        path.display()
+                    )));
+                }
+                secret
+            }
+            (None, None) => rand::random::<[u8; 32]>().to_vec(),
+        };
+        let generated = config.tenant_secret.is_none() && config.tenant_secret_file.is_none();
+        let jwt = match &config.tenant_jwt_keys {
+            Some(path) => Some(
+                jwt::JwtTenants::from_file(
+                    path,
+                    &config.tenant_jwt_claim,
+                    config.tenant_jwt_leeway,
+                )
+                .map_err(StartError::Tenant)?,
+            ),
+            None => None,
+        };
+        Ok(Self {
+            secret,
+            generated,
+            jwt,
+        })
+    }
+}
+
+/// Says what a generated tenant secret means for this store.
+fn generated_secret_warning(store: &str) {
+    if store == "memory" {
+        tracing::info!(
+            "no --tenant-secret-file: tenant hashes are keyed with a secret generated at start \
+             (the memory store's records live in this process only, so nothing else needs it)"
+        );
+    } else {
+        tracing::warn!(
+            "no --tenant-secret-file: tenant hashes are keyed with a secret generated at start. \
+             Another gateway on this store, or this one after a restart, derives other tenants, \
+             so a retry that reaches it does not find its record and runs again. Give every \
+             gateway the same --tenant-secret-file"
+        );
+    }
+}
+
 fn router<S: Store>(
     config: &Config,
+    tenants: &Tenants,
     store: S,
+    full: Full,
     upstream: Uri,
 ) -> Result<(Router, Drain), StartError> {
     let mut layer = IdempotencyLayer::new(store)
@@ -485,12 +625,10 @@ fn router<S: Store>(
         .body_timeout(config.body_timeout)
         .max_response(config.max_body)
         .store_timeout(config.store_timeout);
-    layer = match &config.tenant_header {
-        Some(name) => layer.tenant(TenantFromHeader::new(name.clone())),
-        None => match &config.tenant_secret {
-            Some(secret) => layer.tenant(TenantFromAuthorization::keyed(secret.as_bytes())),
-            None => layer.tenant(TenantFromAuthorization::new()),
-        },
+    layer = match (&config.tenant_header, &tenants.jwt) {
+        (Some(name), _) => layer.tenant(TenantFromHeader::new(name.clone())),
+        (None, Some(_)) => layer.tenant(idem_layer::TenantFromExtension::<Tenant>::new()),
+        (None, None) => layer.tenant(TenantFromAuthorization::keyed(tenants.secret.clone())),
     };
     if config.allow_anonymous {
         layer = layer.allow_anonymous();
@@ -502,11 +640,8 @@ fn router<S: Store>(
         layer = layer.fail_open();
     }
     layer.validate()?;
-    if config.tenant_header.is_none() && config.tenant_secret.is_none() {
-        tracing::warn!(
-            "tenants are plain SHA-256 hashes of Authorization values, which a dictionary \
-             can reverse for short secrets; set --tenant-secret (the same on every gateway)"
-        );
+    if tenants.generated && config.tenant_header.is_none() {
+        generated_secret_warning(&config.store);
     }
     let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
@@ -528,10 +663,22 @@ fn router<S: Store>(
     .into_iter()
     .chain(config.tenant_header.clone())
     .collect();
+    let records_path = format!("{}/records", config.records_prefix);
+    let jwt = tenants.jwt.clone().map(|jwt| JwtState {
+        jwt,
+        secret: std::sync::Arc::from(tenants.secret.clone()),
+        methods: std::sync::Arc::new(config.methods.clone()),
+        records_path: std::sync::Arc::from(records_path.as_str()),
+    });
     let router = Router::new()
         .route(
             "/healthz",
             get(move || async move {
+                if full() {
+                    // New keys get 503 until records expire: a balancer
+                    // should send them elsewhere.
+                    return (StatusCode::SERVICE_UNAVAILABLE, "store full\n");
+                }
                 // Any read proves the store answers; this scope holds nothing.
                 let nothing = ScopeHash::from_bytes([0; 32]);
                 match tokio::time::timeout(timeout, health_store.get(&nothing)).await {
@@ -541,17 +688,70 @@ fn router<S: Store>(
             }),
         )
         .route("/metrics", get(move || async move { metrics.render() }))
-        .route_service(
-            &format!("{}/records", config.records_prefix),
-            layer.records_service(),
-        )
+        .route_service(&records_path, layer.records_service())
         .fallback_service(protected)
+        .layer(middleware::from_fn_with_state(jwt, tenant_from_jwt))
         .layer(middleware::from_fn_with_state(
             ConnectionGuard(std::sync::Arc::new(protected_headers)),
             refuse_connection_naming,
         ))
         .layer(middleware::from_fn_with_state(LogState, log_request));
     Ok((router, drain))
+}
+
+/// What the JWT tenant middleware needs.
+#[derive(Clone)]
+struct JwtState {
+    jwt: jwt::JwtTenants,
+    secret: std::sync::Arc<[u8]>,
+    methods: std::sync::Arc<Vec<Method>>,
+    records_path: std::sync::Arc<str>,
+}
+
+/// With `--tenant-jwt-keys`: a request that needs a tenant (a keyed request
+/// of a protected method, or the records API) and carries a bearer token
+/// gets the keyed hash of the verified claim as its tenant; a token that
+/// fails verification is `401 idempotency_tenant_invalid`, never a tenant
+/// of its own. Without `Authorization` the layer decides (401 or the
+/// anonymous tenant).
+async fn tenant_from_jwt(
+    State(state): State<Option<JwtState>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let Some(state) = state else {
+        return next.run(request).await;
+    };
+    let method = request.method().as_str();
+    let needs_tenant = request.uri().path() == &*state.records_path
+        || (request.headers().contains_key(idem_layer::IDEMPOTENCY_KEY)
+            && state
+                .methods
+                .iter()
+                .any(|m| m.as_str().eq_ignore_ascii_case(method)));
+    let authorization = request
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes().to_vec());
+    if let (true, Some(authorization)) = (needs_tenant, authorization) {
+        match state.jwt.claim(&authorization) {
+            Ok(claim) => {
+                let tenant =
+                    idem_layer::tenant::keyed_tenant(&state.secret, "jwt:", claim.as_bytes());
+                request.extensions_mut().insert(Tenant(tenant));
+            }
+            Err(why) => {
+                tracing::info!(why, "refused a bearer token");
+                return problem(
+                    StatusCode::UNAUTHORIZED,
+                    "idempotency_tenant_invalid",
+                    "Caller's token could not be verified",
+                    &format!("the bearer token could not be verified: {why}"),
+                );
+            }
+        }
+    }
+    next.run(request).await
 }
 
 /// Headers a `Connection` field must not name.

@@ -110,6 +110,10 @@ async fn post(gateway: &Process, path: &str, key: &str) -> Reply {
     send(&client(), gateway.post(path, key)).await
 }
 
+/// The tenant secret every gateway of a test shares, so that a restarted
+/// gateway finds the records its predecessor made.
+const SECRET: &str = "the test gateways' shared tenant secret";
+
 /// The lease of the crash tests: long enough that a restarted debug binary
 /// answers while it lives, on a loaded machine too.
 const LEASE: &str = "6s";
@@ -150,6 +154,8 @@ impl OnRedis {
             format!("http://{}", server.addr),
             "--store".to_owned(),
             redis.url(),
+            "--tenant-secret".to_owned(),
+            SECRET.to_owned(),
         ];
         args.extend(extra.iter().map(|a| (*a).to_owned()));
         Some(Self {
@@ -402,6 +408,8 @@ async fn crash_before_the_upstream_is_called() {
         &upstream_url,
         "--store",
         &redis_url,
+        "--tenant-secret",
+        SECRET,
         "--lease",
         LEASE,
         "--retention",
@@ -447,7 +455,14 @@ async fn crash_after_completion_before_the_client_reads() {
     let server = TestServer::start(upstream.router()).await;
     let upstream_url = format!("http://{}", server.addr);
     let redis_url = redis.url();
-    let args = ["--upstream", &upstream_url, "--store", &redis_url];
+    let args = [
+        "--upstream",
+        &upstream_url,
+        "--store",
+        &redis_url,
+        "--tenant-secret",
+        SECRET,
+    ];
 
     let mut first = Process::start(&args);
     // A client that sends its request and never reads the answer.
@@ -669,4 +684,70 @@ fn every_flag_has_its_environment_variable() {
         );
         assert!(help.contains(&variable), "{flag} has no {variable}]");
     }
+}
+
+/// A full memory store says so: new keys get 503 with a `Retry-After` of
+/// the time until the earliest record expires, `/healthz` answers 503
+/// `store full`, and `idem_store_full` is 1 in `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_memory_store_says_so() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let gateway = Process::start(&[
+        "--upstream",
+        &upstream_url,
+        "--memory-capacity",
+        "3",
+        "--memory-tenant-quota",
+        "0",
+        "--retention",
+        "10m",
+    ]);
+    let http = client();
+    let post = |key: &str| {
+        Request::post(format!("http://{}/orders", gateway.addr))
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let get = |path: &str| {
+        Request::get(format!("http://{}{path}", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request")
+    };
+    assert_eq!(send(&http, get("/healthz")).await.status, StatusCode::OK);
+    for key in ["f-1", "f-2", "f-3"] {
+        assert_eq!(send(&http, post(key)).await.status, StatusCode::CREATED);
+    }
+    let refused = send(&http, post("f-4")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    let wait: u64 = refused
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After");
+    assert!((590..=600).contains(&wait), "Retry-After {wait}");
+    let health = send(&http, get("/healthz")).await;
+    assert_eq!(health.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(&health.body[..], b"store full\n");
+    // The gauge is refreshed every second.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = String::from_utf8_lossy(&send(&http, get("/metrics")).await.body).into_owned();
+        if text.contains("idem_store_full 1") && text.contains("idem_store_records 3") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no full gauge in:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(upstream.runs(), 3);
 }

@@ -1,0 +1,393 @@
+//! Tenants through the real gateway, tried as an attacker would: spellings
+//! of one credential are one caller, a refreshed JWT keeps its tenant and a
+//! forged or expired one is refused, no record holds a value a dictionary
+//! can reverse, and a flooding tenant leaves the others working.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use idem_tests::{
+    Reply, TestServer, client, redis_server::RedisServer, send, start_gateway, upstream::Upstream,
+};
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+
+/// A keyed POST of `/orders` with this `Authorization` value.
+async fn post(addr: std::net::SocketAddr, key: &str, authorization: &str) -> Reply {
+    let request = Request::post(format!("http://{addr}/orders"))
+        .header("idempotency-key", key)
+        .header("authorization", authorization)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{\"sku\":\"book\"}")))
+        .expect("request");
+    send(&client(), request).await
+}
+
+/// The equivalent spellings of one credential are one tenant: the second
+/// and later spellings replay.
+#[tokio::test]
+async fn spellings_of_one_credential_are_one_tenant() {
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&origin, &[]).await;
+    let first = post(gateway.addr, "spell", "Bearer token-x").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    for spelling in ["bearer token-x", "BEARER   token-x", " Bearer\ttoken-x "] {
+        let reply = post(gateway.addr, "spell", spelling).await;
+        assert!(reply.replayed(), "{spelling:?} was another tenant");
+        assert_eq!(reply.body, first.body);
+    }
+    assert_eq!(upstream.runs(), 1);
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+}
+
+fn token(
+    key: &EncodingKey,
+    alg: Algorithm,
+    kid: Option<&str>,
+    claims: &serde_json::Value,
+) -> String {
+    let mut header = Header::new(alg);
+    header.kid = kid.map(str::to_owned);
+    format!(
+        "Bearer {}",
+        jsonwebtoken::encode(&header, claims, key).expect("encode")
+    )
+}
+
+/// A directory for one test's key files, removed on drop.
+struct Files(std::path::PathBuf);
+
+impl Files {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("idem-jwt-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        Self(dir)
+    }
+
+    fn write(&self, name: &str, bytes: &[u8]) -> String {
+        let path = self.0.join(name);
+        std::fs::write(&path, bytes).expect("write");
+        path.display().to_string()
+    }
+}
+
+impl Drop for Files {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Tenants from a verified HMAC-signed JWT's `sub`: a refreshed token keeps
+/// the tenant, another subject is another tenant, and a forged, expired,
+/// unsigned or claimless token is 401 and never runs the upstream.
+#[tokio::test]
+async fn a_refreshed_jwt_keeps_its_tenant_and_bad_ones_are_refused() {
+    let secret = b"the issuer's HMAC secret, 32 bytes or more";
+    let files = Files::new();
+    let keys = files.write("hmac.key", &[&secret[..], b"\n"].concat());
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&origin, &["--tenant-jwt-keys", &keys]).await;
+    let signing = EncodingKey::from_secret(secret);
+    let alice = |issued: u64| {
+        token(
+            &signing,
+            Algorithm::HS256,
+            None,
+            &serde_json::json!({ "sub": "alice", "iat": issued, "exp": issued + 3600 }),
+        )
+    };
+    let first = post(gateway.addr, "jwt-1", &alice(now())).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // A refreshed token (issued later, another expiry) is the same caller.
+    let refreshed = post(gateway.addr, "jwt-1", &alice(now() + 60)).await;
+    assert!(refreshed.replayed(), "{refreshed:?}");
+    assert_eq!(refreshed.body, first.body);
+    // Another subject is another tenant: the same key runs again.
+    let bob = token(
+        &signing,
+        Algorithm::HS512,
+        None,
+        &serde_json::json!({ "sub": "bob", "exp": now() + 3600 }),
+    );
+    let other = post(gateway.addr, "jwt-1", &bob).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert!(!other.replayed());
+    assert_eq!(upstream.runs(), 2);
+
+    let forged = token(
+        &EncodingKey::from_secret(b"somebody else's secret, also long enough"),
+        Algorithm::HS256,
+        None,
+        &serde_json::json!({ "sub": "alice", "exp": now() + 3600 }),
+    );
+    let expired = token(
+        &signing,
+        Algorithm::HS256,
+        None,
+        &serde_json::json!({ "sub": "alice", "exp": now() - 3600 }),
+    );
+    let no_subject = token(
+        &signing,
+        Algorithm::HS256,
+        None,
+        &serde_json::json!({ "exp": now() + 3600 }),
+    );
+    // {"alg":"none"} with the claims and no signature.
+    let unsigned = format!(
+        "Bearer {}.{}.",
+        base64_url_free(br#"{"alg":"none","typ":"JWT"}"#),
+        base64_url_free(format!(r#"{{"sub":"alice","exp":{}}}"#, now() + 3600).as_bytes())
+    );
+    for (what, bad) in [
+        ("forged", forged.as_str()),
+        ("expired", expired.as_str()),
+        ("without sub", no_subject.as_str()),
+        ("unsigned", unsigned.as_str()),
+        ("not a JWT", "Bearer not-a-token"),
+        ("Basic", "Basic YWxpY2U6cGFzcw=="),
+    ] {
+        let reply = post(gateway.addr, "jwt-1", bad).await;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{what}: {reply:?}");
+        assert_eq!(
+            reply.code().as_deref(),
+            Some("idempotency_tenant_invalid"),
+            "{what}"
+        );
+    }
+    assert_eq!(upstream.runs(), 2, "a refused token reached the upstream");
+    // Unkeyed requests are not the gateway's to authenticate.
+    let unkeyed = Request::post(format!("http://{}/orders", gateway.addr))
+        .header("authorization", "Bearer not-a-token")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .expect("request");
+    assert_eq!(send(&client(), unkeyed).await.status, StatusCode::CREATED);
+}
+
+/// Base64url without padding, for the hand-made unsigned token.
+fn base64_url_free(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
+        }
+    }
+    out
+}
+
+/// Keys as an EC public key in PEM, and as a JWKS document whose `kid`
+/// picks the key.
+#[tokio::test]
+async fn jwt_keys_from_a_pem_file_and_a_jwks_document() {
+    let files = Files::new();
+    let private = files.0.join("ec.pem");
+    let public = files.0.join("ec.pub.pem");
+    let generated = std::process::Command::new("openssl")
+        .args([
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+        ])
+        .arg(&private)
+        .status();
+    if !generated.is_ok_and(|s| s.success()) {
+        idem_tests::redis_server::skip_or_fail("openssl");
+        return;
+    }
+    let exported = std::process::Command::new("openssl")
+        .args(["ec", "-pubout", "-in"])
+        .arg(&private)
+        .arg("-out")
+        .arg(&public)
+        .output()
+        .expect("openssl ec");
+    assert!(exported.status.success());
+    // openssl writes SEC1; the encoder wants PKCS#8.
+    let pkcs8 = std::process::Command::new("openssl")
+        .args(["pkcs8", "-topk8", "-nocrypt", "-in"])
+        .arg(&private)
+        .output()
+        .expect("openssl pkcs8");
+    assert!(pkcs8.status.success());
+    let signing = EncodingKey::from_ec_pem(&pkcs8.stdout).expect("EC key");
+
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let public = public.display().to_string();
+    let gateway = start_gateway(&origin, &["--tenant-jwt-keys", &public]).await;
+    let claims = serde_json::json!({ "sub": "carol", "exp": now() + 3600 });
+    let good = token(&signing, Algorithm::ES256, None, &claims);
+    assert_eq!(
+        post(gateway.addr, "ec", &good).await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(gateway.addr, "ec", &good).await.replayed());
+    // An HMAC token "signed" with the public key's text is refused.
+    let confused = token(
+        &EncodingKey::from_secret(&std::fs::read(&public).expect("pem")),
+        Algorithm::HS256,
+        None,
+        &claims,
+    );
+    assert_eq!(
+        post(gateway.addr, "ec", &confused).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+
+    // A JWKS document with two symmetric keys: the kid picks one.
+    let jwks = serde_json::json!({ "keys": [
+        { "kty": "oct", "kid": "old", "alg": "HS256", "k": base64_url_free(b"the old key of the issuer, 32 bytes+") },
+        { "kty": "oct", "kid": "new", "alg": "HS256", "k": base64_url_free(b"the new key of the issuer, 32 bytes+") },
+    ]});
+    let jwks = files.write("keys.json", jwks.to_string().as_bytes());
+    let gateway = start_gateway(&origin, &["--tenant-jwt-keys", &jwks]).await;
+    let dave = serde_json::json!({ "sub": "dave", "exp": now() + 3600 });
+    let by_old = token(
+        &EncodingKey::from_secret(b"the old key of the issuer, 32 bytes+"),
+        Algorithm::HS256,
+        Some("old"),
+        &dave,
+    );
+    let by_new = token(
+        &EncodingKey::from_secret(b"the new key of the issuer, 32 bytes+"),
+        Algorithm::HS256,
+        Some("new"),
+        &dave,
+    );
+    let wrong_kid = token(
+        &EncodingKey::from_secret(b"the new key of the issuer, 32 bytes+"),
+        Algorithm::HS256,
+        Some("old"),
+        &dave,
+    );
+    assert_eq!(
+        post(gateway.addr, "jwks", &by_old).await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(gateway.addr, "jwks", &by_new).await.replayed());
+    assert_eq!(
+        post(gateway.addr, "jwks", &wrong_kid).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+}
+
+/// Every key and every field Redis holds, as text.
+fn redis_contents(server: &RedisServer) -> Vec<String> {
+    let mut out = Vec::new();
+    for key in server.cli(&["--scan"]).lines().filter(|k| !k.is_empty()) {
+        out.push(key.to_owned());
+        out.push(server.cli(&["--no-raw", "HGETALL", key]));
+        out.push(server.cli(&["--raw", "HGETALL", key]));
+    }
+    out
+}
+
+fn sha256_hex(value: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(value))
+}
+
+/// With Basic auth, nothing in Redis is a value a dictionary can reverse:
+/// not the credential, its parts, or a plain SHA-256 of any of them, with a
+/// configured secret or the generated one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_record_field_is_an_unkeyed_hash_of_a_credential() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let password = "hunter2";
+    let basic = "YWxpY2U6aHVudGVyMg=="; // alice:hunter2
+    let authorization = format!("Basic {basic}");
+    let url = redis.url();
+    for flags in [
+        vec![
+            "--store",
+            url.as_str(),
+            "--tenant-secret",
+            "a deployment secret of the test",
+        ],
+        vec!["--store", url.as_str()],
+    ] {
+        let gateway = start_gateway(&origin, &flags).await;
+        let key = format!("basic-{}", flags.len());
+        assert_eq!(
+            post(gateway.addr, &key, &authorization).await.status,
+            StatusCode::CREATED
+        );
+    }
+    let contents = redis_contents(&redis).join("\n");
+    assert!(
+        contents.contains("auth:"),
+        "no tenant found in:\n{contents}"
+    );
+    let forbidden = [
+        authorization.clone(),
+        basic.to_owned(),
+        password.to_owned(),
+        "alice:hunter2".to_owned(),
+        sha256_hex(authorization.as_bytes()),
+        sha256_hex(format!("basic {basic}").as_bytes()),
+        sha256_hex(basic.as_bytes()),
+        sha256_hex(b"alice:hunter2"),
+        sha256_hex(password.as_bytes()),
+    ];
+    for value in &forbidden {
+        assert!(
+            !contents.to_lowercase().contains(&value.to_lowercase()),
+            "Redis holds {value:?}:\n{contents}"
+        );
+    }
+}
+
+/// One tenant floods the memory store: it is held to its quota (429 with
+/// a Retry-After of about the retention), while another tenant's new keys
+/// keep working.
+#[tokio::test]
+async fn a_flooding_tenant_leaves_other_tenants_working() {
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&origin, &["--memory-capacity", "100", "--retention", "1h"]).await;
+    let mut quota_hits = 0;
+    for n in 0..40 {
+        let reply = post(gateway.addr, &format!("flood-{n}"), "Bearer flood").await;
+        match reply.status {
+            StatusCode::CREATED => {}
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(reply.code().as_deref(), Some("idempotency_quota_exceeded"));
+                let wait: u64 = reply
+                    .header("retry-after")
+                    .and_then(|v| v.parse().ok())
+                    .expect("Retry-After");
+                assert!((3500..=3600).contains(&wait), "Retry-After {wait}");
+                quota_hits += 1;
+            }
+            other => panic!("unexpected {other}: {reply:?}"),
+        }
+    }
+    // The default quota is a tenth of the capacity.
+    assert_eq!(quota_hits, 30);
+    assert_eq!(upstream.runs(), 10);
+    for n in 0..10 {
+        let reply = post(gateway.addr, &format!("calm-{n}"), "Bearer calm").await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+}
