@@ -751,3 +751,63 @@ async fn a_full_memory_store_says_so() {
     }
     assert_eq!(upstream.runs(), 3);
 }
+
+/// Many tenants flood the memory store with a 64 KiB byte bound: new keys
+/// beyond it are refused (503), what was accepted still replays, and the
+/// store's own count of its bytes never passes the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_byte_bound_holds_while_tenants_flood() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let gateway = Process::start(&["--upstream", &upstream_url, "--memory-max-bytes", "64KiB"]);
+    let http = client();
+    let post = |n: usize| {
+        Request::post(format!("http://{}/orders", gateway.addr))
+            .header("idempotency-key", "flood")
+            .header("authorization", format!("Bearer tenant-{n}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let (mut created, mut refused) = (Vec::new(), 0);
+    for n in 0..300 {
+        let reply = send(&http, post(n)).await;
+        match reply.status {
+            StatusCode::CREATED => created.push(n),
+            StatusCode::SERVICE_UNAVAILABLE => refused += 1,
+            other => panic!("unexpected {other}: {reply:?}"),
+        }
+    }
+    assert!(created.len() >= 50, "only {} accepted", created.len());
+    assert!(refused > 0, "nothing was refused at the bound");
+    for n in &created {
+        assert!(
+            send(&http, post(*n)).await.replayed(),
+            "tenant-{n} lost its record"
+        );
+    }
+    let metrics = || {
+        Request::get(format!("http://{}/metrics", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request")
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = String::from_utf8_lossy(&send(&http, metrics()).await.body).into_owned();
+        let bytes = text
+            .lines()
+            .find_map(|line| line.strip_prefix("idem_store_bytes "))
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        if let Some(bytes) = bytes.filter(|b| *b > 0.0) {
+            assert!(bytes <= 65_536.0, "{bytes} bytes over the bound");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no bytes gauge in:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(upstream.runs(), created.len());
+}
