@@ -216,3 +216,83 @@ async fn an_evicting_redis_is_refused_unless_allowed() {
     assert!(safety.evicting_policies().is_empty());
     assert!(safety.append_only);
 }
+
+/// The record vanishes while the upstream runs (a failover lost the
+/// unreplicated reservation): the completion finds no record, makes it
+/// again from the outcome, and the retry replays instead of running again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_lost_under_a_running_request_is_made_again_from_its_outcome() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let gateway = idem_tests::start_gateway(&server, &["--store", &url]).await;
+    let slow = |key: &str| {
+        Request::post(format!("http://{}/slow", gateway.addr))
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let first = tokio::spawn(send(&client(), slow("lost-1")));
+    upstream.wait_runs(1).await;
+    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let record = keys.lines().next().expect("one record").trim().to_owned();
+    assert_eq!(redis.cli(&["DEL", &record]).trim(), "1");
+    upstream.gate.add_permits(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(&client(), slow("lost-1")).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        upstream.runs(),
+        1,
+        "the lost record let the action run twice"
+    );
+}
+
+/// The same, when the first completion also met a store outage: the
+/// background completion finds no record once Redis is back, and makes it
+/// again from the outcome rather than dropping it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_completion_on_a_lost_record_makes_it_again() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let gateway =
+        idem_tests::start_gateway(&server, &["--store", &url, "--store-timeout", "300ms"]).await;
+    let slow = || {
+        Request::post(format!("http://{}/slow", gateway.addr))
+            .header("idempotency-key", "lost-2")
+            .header("authorization", "Bearer alice")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let first = tokio::spawn(send(&client(), slow()));
+    upstream.wait_runs(1).await;
+    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let record = keys.lines().next().expect("one record").trim().to_owned();
+    assert_eq!(redis.cli(&["DEL", &record]).trim(), "1");
+    redis.pause();
+    upstream.gate.add_permits(1);
+    // The client gets its answer although the completion timed out.
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    redis.resume();
+    // The background completion makes the record again.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while redis.cli(&["HGET", &record, "state"]).trim() != "completed" {
+        assert!(tokio::time::Instant::now() < deadline, "never made again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let replay = send(&client(), slow()).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.runs(), 1);
+}

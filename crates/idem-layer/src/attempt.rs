@@ -13,7 +13,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use idem_core::{
     Completion, CompletionSlot, Current, DeferredCompletion, Lease, Outcome, Release, Renewal,
-    Store, StoredResponse,
+    Reservation, ReserveRequest, Store, StoredResponse,
 };
 use tower::Service;
 use tracing::Instrument;
@@ -179,6 +179,7 @@ pub(crate) async fn release<S: Store>(
 /// store error is retried in the background while the lease is held.
 async fn settle<S: Store>(
     layer: &IdempotencyLayer<S>,
+    request: &ReserveRequest,
     lease: &Lease,
     status: http::StatusCode,
     outcome: Outcome,
@@ -197,6 +198,11 @@ async fn settle<S: Store>(
             m::count(Counted::Executed);
             None
         }
+        Ok(Completion::Fenced(Current::Vacant)) => {
+            m::count(Counted::Executed);
+            recreate(layer, request, &outcome).await;
+            None
+        }
         Ok(Completion::Fenced(current)) => {
             m::count(Counted::Fenced);
             tracing::warn!("completion fenced: a newer attempt or a cancellation owns the record");
@@ -209,11 +215,52 @@ async fn settle<S: Store>(
             // second execution.
             m::count(Counted::StoreError);
             tracing::error!(%error, "could not record the outcome yet; retrying while the lease is held");
-            layer
-                .tasks
-                .spawn(record_later(layer.clone(), lease.clone(), outcome).in_current_span());
+            layer.tasks.spawn(
+                record_later(layer.clone(), request.clone(), lease.clone(), outcome)
+                    .in_current_span(),
+            );
             None
         }
+    }
+}
+
+/// A completion found no record at all: the store lost it (a failover
+/// that dropped an unreplicated write, say), while the action ran. Left
+/// vacant, the retry would run the action again as a first attempt, so
+/// the record is made again from the outcome: reserved anew and completed
+/// at once. Only a vacant scope is written; if another attempt reserved
+/// it meanwhile, that attempt's record stands.
+async fn recreate<S: Store>(
+    layer: &IdempotencyLayer<S>,
+    request: &ReserveRequest,
+    outcome: &Outcome,
+) {
+    let config = &*layer.config;
+    let store = &*layer.store;
+    let lease = match store_call(config, "reserve", store.reserve(request)).await {
+        Ok(Reservation::Acquired(lease)) => lease,
+        Ok(_) => {
+            tracing::warn!(
+                "the record vanished under the completion and the key was reserved again \
+                 meanwhile; that record stands"
+            );
+            return;
+        }
+        Err(error) => {
+            tracing::error!(%error, "the record vanished under the completion and could not be made again");
+            return;
+        }
+    };
+    match store_call(config, "complete", store.complete(&lease, outcome)).await {
+        Ok(Completion::Recorded) => tracing::warn!(
+            status = outcome.status(),
+            "the record vanished under the completion (a failover may have lost it); made \
+             again from the outcome"
+        ),
+        Ok(Completion::Fenced(_)) | Err(_) => tracing::error!(
+            "the record vanished under the completion; making it again failed, and a retry \
+             after the lease may run again"
+        ),
     }
 }
 
@@ -263,6 +310,7 @@ pub(crate) async fn attempt<I, S, ReqBody, ResBody>(
     layer: IdempotencyLayer<S>,
     mut inner: I,
     mut request: Request<ReqBody>,
+    reserved: ReserveRequest,
     lease: Lease,
 ) -> Result<Response<ResponseBody<ResBody>>, I::Error>
 where
@@ -305,7 +353,7 @@ where
             let late = unknown.take_late();
             layer
                 .tasks
-                .spawn(await_late(layer.clone(), lease, late).in_current_span());
+                .spawn(await_late(layer.clone(), reserved, lease, late).in_current_span());
             return Ok(response.map(ResponseBody::inner));
         }
         Ok(Err(error)) => {
@@ -331,7 +379,7 @@ where
         }
         // Not recorded: a deferred transaction is dropped, which rolls
         // back what the handler wrote, and the key is released.
-        _ => settle(&layer, &lease, parts.status, outcome)
+        _ => settle(&layer, &reserved, &lease, parts.status, outcome)
             .await
             .and_then(answer_current),
     };
@@ -394,6 +442,7 @@ fn unavailable<B>(detail: &str) -> Response<ResponseBody<B>> {
 /// generation, which the executor can see.
 async fn await_late<S: Store>(
     layer: IdempotencyLayer<S>,
+    request: ReserveRequest,
     lease: Lease,
     late: Option<futures_util::future::BoxFuture<'static, Option<LateResponse>>>,
 ) {
@@ -423,7 +472,7 @@ async fn await_late<S: Store>(
                 status = parts.status.as_u16(),
                 "late answer arrived; recording it"
             );
-            let _ = settle(&layer, &lease, parts.status, outcome).await;
+            let _ = settle(&layer, &request, &lease, parts.status, outcome).await;
         }
         Err(error) => {
             tracing::warn!(%error, "the late answer's body failed; the lease will lapse");
@@ -433,7 +482,12 @@ async fn await_late<S: Store>(
 
 /// Retries a completion that failed on a store error, every 100 ms, while
 /// the lease is held (renewing it), until it is recorded or fenced.
-async fn record_later<S: Store>(layer: IdempotencyLayer<S>, lease: Lease, outcome: Outcome) {
+async fn record_later<S: Store>(
+    layer: IdempotencyLayer<S>,
+    request: ReserveRequest,
+    lease: Lease,
+    outcome: Outcome,
+) {
     let config = &*layer.config;
     let store = &*layer.store;
     let retries = async {
@@ -445,6 +499,11 @@ async fn record_later<S: Store>(layer: IdempotencyLayer<S>, lease: Lease, outcom
                     tracing::info!("outcome recorded after a store error");
                     return;
                 }
+                Ok(Completion::Fenced(Current::Vacant)) => {
+                    m::count(Counted::Executed);
+                    recreate(&layer, &request, &outcome).await;
+                    return;
+                }
                 Ok(Completion::Fenced(_)) => {
                     m::count(Counted::Fenced);
                     return;
@@ -453,9 +512,17 @@ async fn record_later<S: Store>(layer: IdempotencyLayer<S>, lease: Lease, outcom
             }
         }
     };
-    if while_held(config, store, &lease, retries).await.is_none() {
-        tracing::error!(
+    if while_held(config, store, &lease, retries).await.is_some() {
+        return;
+    }
+    // The lease was lost: to a newer attempt or a cancellation (the
+    // completion is fenced and kept as evidence), or with the record itself
+    // (then it is made again from the outcome).
+    match store_call(config, "complete", store.complete(&lease, &outcome)).await {
+        Ok(Completion::Fenced(Current::Vacant)) => recreate(&layer, &request, &outcome).await,
+        Ok(Completion::Recorded) => m::count(Counted::Executed),
+        _ => tracing::error!(
             "the outcome could not be recorded before the lease was lost; a retry will take over"
-        );
+        ),
     }
 }

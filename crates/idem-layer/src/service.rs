@@ -438,7 +438,7 @@ where
             reserve,
             ..
         } = self;
-        let scope = reserve.scope;
+        let scope = &reserve.scope;
         parts.extensions.insert(IdempotencyContext {
             key: scope.key().clone(),
             tenant: scope.tenant().to_owned(),
@@ -457,7 +457,7 @@ where
                 // of its own and its outcome is still recorded.
                 let tasks = layer.tasks.clone();
                 RunToCompletion::new(
-                    attempt(layer, inner, request, lease).in_current_span(),
+                    attempt(layer, inner, request, reserve, lease).in_current_span(),
                     tasks,
                 )
                 .await
@@ -467,7 +467,7 @@ where
                     layer: layer.clone(),
                     lease: Some(lease.clone()),
                 };
-                let result = attempt(layer, inner, request, lease).await;
+                let result = attempt(layer, inner, request, reserve, lease).await;
                 guard.disarm();
                 result
             }
