@@ -250,8 +250,8 @@ impl Drop for RedisServer {
     }
 }
 
-/// A 3-node Redis Cluster (no replicas), formed with
-/// `redis-cli --cluster create`.
+/// A Redis Cluster formed with `redis-cli --cluster create`: 3 masters,
+/// and replicas where asked.
 #[derive(Debug)]
 pub struct RedisCluster {
     /// The nodes.
@@ -259,11 +259,19 @@ pub struct RedisCluster {
 }
 
 impl RedisCluster {
-    /// Starts and forms the cluster, or `None` when Redis is not installed
-    /// (outside CI).
+    /// Starts and forms a 3-node cluster without replicas (node timeout
+    /// 5 s), or `None` when Redis is not installed (outside CI).
     pub fn spawn() -> Option<Self> {
+        Self::spawn_with(0, 5_000)
+    }
+
+    /// Starts and forms a cluster of 3 masters with `replicas` replicas
+    /// each and this `cluster-node-timeout`, and waits until every node
+    /// says `cluster_state:ok` and every replica is in sync.
+    pub fn spawn_with(replicas: usize, node_timeout_ms: u64) -> Option<Self> {
         let mut nodes = Vec::new();
-        for _ in 0..3 {
+        let timeout = node_timeout_ms.to_string();
+        for _ in 0..3 * (1 + replicas) {
             let port = NEXT_PORT.load(Ordering::SeqCst);
             let conf = format!("nodes-{}-{port}.conf", std::process::id());
             nodes.push(RedisServer::spawn_with(&[
@@ -272,7 +280,7 @@ impl RedisCluster {
                 "--cluster-config-file",
                 &conf,
                 "--cluster-node-timeout",
-                "5000",
+                &timeout,
             ])?);
         }
         let addresses: Vec<String> = nodes
@@ -282,7 +290,7 @@ impl RedisCluster {
         let output = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addresses)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("run redis-cli --cluster create");
         assert!(
@@ -290,11 +298,14 @@ impl RedisCluster {
             "cluster create failed: {}",
             String::from_utf8_lossy(&output.stdout)
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let ok = nodes
-                .iter()
-                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            let ok = nodes.iter().all(|n| {
+                n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok")
+                    && (!n.cli(&["ROLE"]).starts_with("slave")
+                        || n.cli(&["INFO", "replication"])
+                            .contains("master_link_status:up"))
+            });
             if ok {
                 break;
             }
@@ -305,6 +316,14 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(100));
         }
         Some(Self { nodes })
+    }
+
+    /// The index of a node that is a master now.
+    pub fn a_master(&self) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n.cli(&["ROLE"]).starts_with("master"))
+            .expect("a master")
     }
 
     /// `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3`.

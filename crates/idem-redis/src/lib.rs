@@ -20,8 +20,13 @@
 //!   (which creates them and checks them with `PING`) and are held in a few
 //!   *lanes* ([`RedisStoreBuilder::lanes`], default 4): redis-rs multiplexes
 //!   concurrent calls on each lane's connection, so a call costs no extra
-//!   round trip for checking a connection out. A lane whose connection fails
-//!   or times out is refilled from the pool on its next use.
+//!   round trip for checking a connection out. On a single node, a lane
+//!   whose connection fails or times out is refilled from the pool on its
+//!   next use. A cluster connection reconnects to a failed node by itself
+//!   and follows the slots to a promoted replica, so one node's outage
+//!   does not replace it (that would reconnect to every healthy node): a
+//!   cluster lane is replaced only after its calls have failed for 5 s in a
+//!   row, at most one lane a second.
 //! * **Timeouts.** Every call, including waiting for a pooled connection, is
 //!   bounded by [`RedisStoreBuilder::timeout`] (default 1 s): a paused or
 //!   dead server becomes a [`StoreError`] within it.
@@ -124,6 +129,20 @@ enum Conn {
     Single(redis::aio::MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),
 }
+
+/// One lane: its connection, and since when its calls have failed.
+#[derive(Default)]
+struct Lane {
+    conn: Option<Conn>,
+    failing_since: Option<std::time::Instant>,
+}
+
+/// How long a cluster lane's calls must fail in a row before its
+/// connection is replaced.
+const CLUSTER_REPLACE_AFTER: Duration = Duration::from_secs(5);
+
+/// The least time between two replacements of cluster lanes.
+const CLUSTER_REPLACE_EVERY: Duration = Duration::from_secs(1);
 
 /// Whether an error means the connection itself should be replaced.
 fn connection_broken(error: &redis::RedisError) -> bool {
@@ -228,8 +247,9 @@ impl RedisStoreBuilder {
         };
         Ok(RedisStore {
             lanes: (0..self.lanes)
-                .map(|_| parking_lot::Mutex::new(None))
+                .map(|_| parking_lot::Mutex::new(Lane::default()))
                 .collect(),
+            last_replacement: parking_lot::Mutex::new(None),
             next_lane: std::sync::atomic::AtomicUsize::new(0),
             pool,
             scripts: Scripts::new(),
@@ -243,7 +263,10 @@ impl RedisStoreBuilder {
 /// A [`Store`] on Redis or Redis Cluster. See the [crate docs](crate).
 pub struct RedisStore {
     pool: Pool,
-    lanes: Box<[parking_lot::Mutex<Option<Conn>>]>,
+    lanes: Box<[parking_lot::Mutex<Lane>]>,
+    /// When a cluster lane was last replaced (replacements are rate
+    /// limited).
+    last_replacement: parking_lot::Mutex<Option<std::time::Instant>>,
     next_lane: std::sync::atomic::AtomicUsize,
     scripts: Scripts,
     prefix: String,
@@ -314,6 +337,92 @@ impl RedisStore {
         Ok(ServerSafety::from_info(&text))
     }
 
+    /// Whether every hash slot is served by a node that answers: on a
+    /// cluster, the slot map (`CLUSTER SLOTS`, from any node that answers)
+    /// and a `PING` to each master it names; on a single node, a `PING`.
+    /// Each call is bounded by the store timeout.
+    pub async fn health(&self) -> Result<Health, StoreError> {
+        let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
+        let Conn::Cluster(mut conn) = conn else {
+            self.ping().await?;
+            return Ok(Health {
+                slots_served: SLOTS,
+                masters_answering: 1,
+                masters: 1,
+            });
+        };
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let mut slots = None;
+        for _ in 0..3 {
+            let asked = conn.route_command(
+                redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+            );
+            match self
+                .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+                .await
+            {
+                Ok(value) => {
+                    slots = Some(value);
+                    break;
+                }
+                Err(error) => tracing::debug!(%error, "CLUSTER SLOTS failed; asking another node"),
+            }
+        }
+        let Some(slots) = slots else {
+            self.failed(lane);
+            return Err(unavailable("no cluster node answered CLUSTER SLOTS"));
+        };
+        let ranges = slot_ranges(&slots)?;
+        let mut masters: Vec<Address> = ranges.iter().map(|r| r.2.clone()).collect();
+        masters.sort();
+        masters.dedup();
+        let mut answering = Vec::new();
+        for (host, port) in &masters {
+            let ping = conn.route_command(
+                redis::cmd("PING"),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                }),
+            );
+            if self
+                .bounded(self.timeout, async { ping.await.map_err(unavailable) })
+                .await
+                .is_ok()
+            {
+                answering.push((host.clone(), *port));
+            }
+        }
+        let slots_served = ranges
+            .iter()
+            .filter(|(_, _, master)| answering.contains(master))
+            .map(|(start, end, _)| end.saturating_sub(*start) + 1)
+            .sum();
+        Ok(Health {
+            slots_served,
+            masters_answering: answering.len(),
+            masters: masters.len(),
+        })
+    }
+
+    /// A cluster's `cluster-node-timeout` (`CONFIG GET`, from any node);
+    /// `None` on a single node or where `CONFIG` is not allowed.
+    pub async fn cluster_node_timeout(&self) -> Option<Duration> {
+        if let Pool::Single(_) = self.pool {
+            return None;
+        }
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("cluster-node-timeout");
+        let reply: Value = self.command(cmd).await.ok()?;
+        let mut text = String::new();
+        collect_text(&reply, &mut text);
+        text.split_whitespace()
+            .filter_map(|word| word.parse::<u64>().ok())
+            .next()
+            .map(Duration::from_millis)
+    }
+
     /// Runs one plain command on a lane's connection, within the timeout;
     /// a lane whose call failed is refilled on its next use.
     async fn command<T: redis::FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
@@ -327,10 +436,45 @@ impl RedisStore {
         let result = self
             .bounded(self.timeout, async { call.await.map_err(unavailable) })
             .await;
-        if result.is_err() {
-            self.lanes[lane].lock().take();
+        match &result {
+            Ok(_) => self.succeeded(lane),
+            Err(_) => self.failed(lane),
         }
         result
+    }
+
+    /// A lane's call succeeded.
+    fn succeeded(&self, lane: usize) {
+        if let Pool::Cluster(_) = self.pool {
+            self.lanes[lane].lock().failing_since = None;
+        }
+    }
+
+    /// A lane's call failed or timed out. A single node's connection is
+    /// replaced at once. A cluster connection heals itself (it reconnects
+    /// to the failed node and follows a failover); it is replaced only
+    /// after failing for [`CLUSTER_REPLACE_AFTER`], at most one lane per
+    /// [`CLUSTER_REPLACE_EVERY`], so an outage never turns into a storm of
+    /// reconnections to the healthy nodes.
+    fn failed(&self, lane: usize) {
+        let mut slot = self.lanes[lane].lock();
+        if let Pool::Single(_) = self.pool {
+            slot.conn = None;
+            return;
+        }
+        let now = std::time::Instant::now();
+        let since = *slot.failing_since.get_or_insert(now);
+        if now.duration_since(since) < CLUSTER_REPLACE_AFTER {
+            return;
+        }
+        let mut last = self.last_replacement.lock();
+        if last.is_some_and(|at| now.duration_since(at) < CLUSTER_REPLACE_EVERY) {
+            return;
+        }
+        *last = Some(now);
+        slot.conn = None;
+        slot.failing_since = None;
+        tracing::warn!(lane, "a cluster connection kept failing; replacing it");
     }
 
     async fn bounded<T>(
@@ -347,7 +491,7 @@ impl RedisStore {
     async fn connection(&self) -> Result<(usize, Conn), StoreError> {
         use std::sync::atomic::Ordering;
         let lane = self.next_lane.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
-        if let Some(conn) = self.lanes[lane].lock().clone() {
+        if let Some(conn) = self.lanes[lane].lock().conn.clone() {
             return Ok((lane, conn));
         }
         let conn = match &self.pool {
@@ -359,7 +503,7 @@ impl RedisStore {
             )),
         };
         let mut slot = self.lanes[lane].lock();
-        Ok((lane, slot.get_or_insert(conn).clone()))
+        Ok((lane, slot.conn.get_or_insert(conn).clone()))
     }
 
     /// Runs one script; with `wait`, also `WAIT` on the same connection and
@@ -395,24 +539,35 @@ impl RedisStore {
                 *used = Some(conn.clone());
                 match self.invoke(&invocation, &mut conn, wait).await {
                     Err(error) if connection_broken(&error) => {
-                        // The server most likely went away: every lane's
-                        // connection is suspect, so all are replaced.
-                        self.lanes.iter().for_each(|lane| drop(lane.lock().take()));
+                        if matches!(self.pool, Pool::Single(_)) {
+                            // The server most likely went away: every
+                            // lane's connection is suspect, so all are
+                            // replaced.
+                            self.lanes
+                                .iter()
+                                .for_each(|lane| drop(lane.lock().conn.take()));
+                        } else {
+                            self.failed(index);
+                        }
                         if retried {
                             return Err(unavailable(error));
                         }
                         retried = true;
                     }
-                    other => return other.map_err(unavailable),
+                    other => {
+                        if other.is_ok() {
+                            self.succeeded(index);
+                        }
+                        return other.map_err(unavailable);
+                    }
                 }
             }
         };
         match tokio::time::timeout(bound, call).await {
             Ok(result) => result,
             Err(_) => {
-                // A connection that did not answer in time is replaced.
                 if let Some(index) = lane {
-                    self.lanes[index].lock().take();
+                    self.failed(index);
                 }
                 Err(StoreError::Timeout(bound))
             }
@@ -503,6 +658,91 @@ impl Drop for Abandon {
             }
         });
     }
+}
+
+/// The hash slots of Redis Cluster.
+const SLOTS: u32 = 16_384;
+
+/// How long a Redis Cluster may take to promote a replica after its master
+/// dies, for a `cluster-node-timeout`: the master is marked failed after
+/// the node timeout (once a majority agrees), then a replica waits 0.5 to
+/// 1 s plus a second per rank before it is elected. Measured: 18 to 23 s for
+/// the default 15 s. This bound is 1.6 × the node timeout + 2 s (26 s for
+/// 15 s). A lease shorter than it can lapse while a failover is still
+/// under way, so a running request's renewals fail, its lease is lost and a
+/// retry on the promoted replica takes over while the first attempt may
+/// still act: size the lease above it.
+pub fn failover_bound(node_timeout: Duration) -> Duration {
+    node_timeout.mul_f64(1.6) + Duration::from_secs(2)
+}
+
+/// Whether every hash slot is served by a node that answers (see
+/// [`RedisStore::health`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// Hash slots whose master answered (all 16,384 on a healthy cluster
+    /// or a single node).
+    pub slots_served: u32,
+    /// Masters that answered a `PING`.
+    pub masters_answering: usize,
+    /// Masters the slot map names.
+    pub masters: usize,
+}
+
+impl Health {
+    /// Every slot is served and every master answers.
+    pub fn is_ok(&self) -> bool {
+        self.slots_served == SLOTS && self.masters_answering == self.masters
+    }
+}
+
+impl std::fmt::Display for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{SLOTS} slots served, {}/{} masters answering",
+            self.slots_served, self.masters_answering, self.masters
+        )
+    }
+}
+
+/// A node's address: host and port.
+type Address = (String, u16);
+
+/// The slot ranges of a `CLUSTER SLOTS` reply (first slot, last slot), with
+/// each range's master.
+fn slot_ranges(reply: &Value) -> Result<Vec<(u32, u32, Address)>, StoreError> {
+    let Value::Array(ranges) = reply else {
+        return Err(corrupt("CLUSTER SLOTS did not answer an array"));
+    };
+    let number = |value: &Value| match value {
+        Value::Int(n) => u32::try_from(*n).ok(),
+        _ => None,
+    };
+    ranges
+        .iter()
+        .map(|range| {
+            let Value::Array(parts) = range else {
+                return Err(corrupt("a CLUSTER SLOTS range is not an array"));
+            };
+            let (Some(start), Some(end), Some(Value::Array(master))) = (
+                parts.first().and_then(number),
+                parts.get(1).and_then(number),
+                parts.get(2),
+            ) else {
+                return Err(corrupt("a CLUSTER SLOTS range is malformed"));
+            };
+            let host = master.first().map(text).transpose()?.unwrap_or_default();
+            let port = master
+                .get(1)
+                .and_then(|p| match p {
+                    Value::Int(n) => u16::try_from(*n).ok(),
+                    _ => None,
+                })
+                .ok_or_else(|| corrupt("a CLUSTER SLOTS master has no port"))?;
+            Ok((start, end, (host, port)))
+        })
+        .collect()
 }
 
 /// What a Redis server says about keeping idem's records.

@@ -369,21 +369,46 @@ pub async fn run(
             }
         });
         let full = store.clone();
-        let full: Full = std::sync::Arc::new(move || full.is_full());
-        router(&config, &tenants, store, full, upstream.clone())?
+        let health: Health = std::sync::Arc::new(move || {
+            let full = full.is_full();
+            Box::pin(async move {
+                // New keys get 503 until records expire: a balancer should
+                // send them elsewhere.
+                if full {
+                    Err("store full".to_owned())
+                } else {
+                    Ok("ok".to_owned())
+                }
+            })
+        });
+        router(&config, &tenants, store, Some(health), upstream.clone())?
     } else if is_postgres(&config.store) {
         let store = idem_postgres::PgStore::from_url(&config.store)
             .map_err(|error| StartError::Postgres(error.to_string()))?;
         store.migrate().await.map_err(|error| {
             StartError::Postgres(format!("could not create the records table: {error}"))
         })?;
-        router(&config, &tenants, store, never_full(), upstream.clone())?
+        router(&config, &tenants, store, None, upstream.clone())?
     } else {
-        let store = RedisStore::builder(&config.store)
-            .timeout(config.store_timeout)
-            .build()?;
+        let store = std::sync::Arc::new(
+            RedisStore::builder(&config.store)
+                .timeout(config.store_timeout)
+                .build()?,
+        );
         check_redis(&store, config.allow_redis_eviction).await?;
-        router(&config, &tenants, store, never_full(), upstream.clone())?
+        check_failover(&store, config.lease).await;
+        let checked = std::sync::Arc::clone(&store);
+        let health: Health = std::sync::Arc::new(move || {
+            let store = std::sync::Arc::clone(&checked);
+            Box::pin(async move {
+                match store.health().await {
+                    Ok(health) if health.is_ok() => Ok(health.to_string()),
+                    Ok(health) => Err(health.to_string()),
+                    Err(error) => Err(format!("store unavailable: {error}")),
+                }
+            })
+        });
+        router(&config, &tenants, store, Some(health), upstream.clone())?
     };
     let started = Started {
         addr: listener.local_addr()?,
@@ -407,6 +432,25 @@ pub async fn run(
     }
     drop(demo);
     Ok(())
+}
+
+/// Warns when the lease could lapse during a cluster failover (where the
+/// cluster's node timeout can be read).
+async fn check_failover(store: &RedisStore, lease: Duration) {
+    let Some(node_timeout) = store.cluster_node_timeout().await else {
+        return;
+    };
+    let bound = idem_redis::failover_bound(node_timeout);
+    if lease <= bound {
+        tracing::warn!(
+            lease = ?lease,
+            node_timeout = ?node_timeout,
+            failover_bound = ?bound,
+            "the lease is shorter than this cluster's failover can take: a request running \
+             while its master fails can lose its lease, and a retry may run while it still \
+             acts. Set --lease above the failover bound (1.6 × cluster-node-timeout + 2 s)"
+        );
+    }
 }
 
 /// Refuses a Redis that can evict records unless allowed; warns when it
@@ -533,12 +577,12 @@ pub async fn start(
     }
 }
 
-/// Whether the store is full (the memory store; others never say so).
-type Full = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
-
-fn never_full() -> Full {
-    std::sync::Arc::new(|| false)
-}
+/// A store's own health check for `/healthz`: `Ok` with what it found
+/// (200), or `Err` with what is wrong (503). Without one, a read of an
+/// empty scope proves the store answers.
+type Health = std::sync::Arc<
+    dyn Fn() -> futures_util::future::BoxFuture<'static, Result<String, String>> + Send + Sync,
+>;
 
 /// Where tenants come from, with the secret their hashes are keyed with.
 struct Tenants {
@@ -612,7 +656,7 @@ fn router<S: Store>(
     config: &Config,
     tenants: &Tenants,
     store: S,
-    full: Full,
+    health: Option<Health>,
     upstream: Uri,
 ) -> Result<(Router, Drain), StartError> {
     let mut layer = IdempotencyLayer::new(store)
@@ -673,17 +717,28 @@ fn router<S: Store>(
     let router = Router::new()
         .route(
             "/healthz",
-            get(move || async move {
-                if full() {
-                    // New keys get 503 until records expire: a balancer
-                    // should send them elsewhere.
-                    return (StatusCode::SERVICE_UNAVAILABLE, "store full\n");
-                }
-                // Any read proves the store answers; this scope holds nothing.
-                let nothing = ScopeHash::from_bytes([0; 32]);
-                match tokio::time::timeout(timeout, health_store.get(&nothing)).await {
-                    Ok(Ok(_)) => (StatusCode::OK, "ok\n"),
-                    _ => (StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n"),
+            get(move || {
+                let health = health.clone();
+                let store = std::sync::Arc::clone(&health_store);
+                async move {
+                    let checked = match health {
+                        Some(check) => tokio::time::timeout(timeout * 4, check())
+                            .await
+                            .unwrap_or_else(|_| Err("health check timed out".to_owned())),
+                        None => {
+                            // Any read proves the store answers; this
+                            // scope holds nothing.
+                            let nothing = ScopeHash::from_bytes([0; 32]);
+                            match tokio::time::timeout(timeout, store.get(&nothing)).await {
+                                Ok(Ok(_)) => Ok("ok".to_owned()),
+                                _ => Err("store unavailable".to_owned()),
+                            }
+                        }
+                    };
+                    match checked {
+                        Ok(text) => (StatusCode::OK, format!("{text}\n")),
+                        Err(text) => (StatusCode::SERVICE_UNAVAILABLE, format!("{text}\n")),
+                    }
                 }
             }),
         )
