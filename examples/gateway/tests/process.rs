@@ -11,7 +11,12 @@ use std::{
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
-use idem_tests::{Reply, TestServer, client, redis_server::RedisServer, send, upstream::Upstream};
+use idem_tests::{
+    Reply, TestServer, client,
+    redis_server::{RedisCluster, RedisServer},
+    send,
+    upstream::Upstream,
+};
 
 struct Process {
     child: Child,
@@ -810,4 +815,46 @@ async fn the_memory_byte_bound_holds_while_tenants_flood() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(upstream.runs(), created.len());
+}
+
+/// On a cluster whose failover can outlast the lease, the gateway says so
+/// at start (the node timeout is read from the cluster); with a lease above
+/// the bound it does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_shorter_than_the_cluster_failover_is_warned_about() {
+    let Some(cluster) = RedisCluster::spawn() else {
+        return;
+    };
+    // Node timeout 5 s: the failover bound is 10 s.
+    let store = idem_redis::RedisStore::from_url(&cluster.url()).expect("store");
+    assert_eq!(
+        store.cluster_node_timeout().await,
+        Some(Duration::from_secs(5))
+    );
+    assert_eq!(
+        idem_redis::failover_bound(Duration::from_secs(5)),
+        Duration::from_secs(10)
+    );
+    let url = cluster.url();
+    for (lease, warned) in [("5s", true), ("15s", false)] {
+        let log = std::env::temp_dir().join(format!(
+            "idem-gateway-failover-{}-{lease}.log",
+            std::process::id()
+        ));
+        let mut gateway = Process::spawn(
+            Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+                .args(["--listen", "127.0.0.1:0", "--store", &url, "--lease", lease])
+                .args(["--tenant-secret", SECRET])
+                .env("RUST_LOG", "warn")
+                .stderr(std::fs::File::create(&log).expect("log file")),
+        );
+        gateway.kill();
+        let text = std::fs::read_to_string(&log).expect("log");
+        let _ = std::fs::remove_file(&log);
+        assert_eq!(
+            text.contains("shorter than this cluster's failover"),
+            warned,
+            "lease {lease}:\n{text}"
+        );
+    }
 }
