@@ -123,7 +123,7 @@ async fn keep_alive<S: Store>(config: &Config, store: &S, lease: &Lease) {
 
 /// Drives `work` to its end while the lease is kept alive beside it (both
 /// polled concurrently: a slow renewal never stalls the work).
-async fn renewing<S: Store, T>(
+pub(crate) async fn renewing<S: Store, T>(
     config: &Config,
     store: &S,
     lease: &Lease,
@@ -177,7 +177,7 @@ pub(crate) async fn release<S: Store>(
 /// key when the predicate calls the status temporary. Answers what the
 /// record says now when the attempt was fenced. A completion that hits a
 /// store error is retried in the background while the lease is held.
-async fn settle<S: Store>(
+pub(crate) async fn settle<S: Store>(
     layer: &IdempotencyLayer<S>,
     request: &ReserveRequest,
     lease: &Lease,

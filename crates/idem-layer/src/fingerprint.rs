@@ -41,7 +41,7 @@ use sha2::{Digest, Sha256};
 /// A replacement fingerprint function: `(operation, request head, body)`.
 pub type FingerprintFn = dyn Fn(&str, &Parts, &[u8]) -> Fingerprint + Send + Sync;
 
-fn update_part(hasher: &mut Sha256, part: &[u8]) {
+pub(crate) fn update_part(hasher: &mut Sha256, part: &[u8]) {
     hasher.update((part.len() as u64).to_be_bytes());
     hasher.update(part);
 }
@@ -74,7 +74,7 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 /// stream, or `None` when the text is not JSON (or repeats a key, which
 /// RFC 8785 forbids). Written in one pass over serde_json's parser: no
 /// `Value` tree, keys borrowed from the input where possible.
-fn canonical_tokens(body: &[u8]) -> Option<Vec<u8>> {
+pub(crate) fn canonical_tokens(body: &[u8]) -> Option<Vec<u8>> {
     use serde::de::DeserializeSeed;
     let mut out = Vec::with_capacity(body.len() + 64);
     let mut numbers = NumberTexts::new(body);

@@ -106,6 +106,7 @@ pub struct ReadmeDoctests;
 mod answer;
 mod attempt;
 mod body;
+pub mod command;
 mod context;
 mod disconnect;
 pub mod fingerprint;
@@ -119,6 +120,7 @@ pub mod tenant;
 mod unknown;
 
 pub use body::{BoxError, ResponseBody};
+pub use command::{ActionError, Command, CommandContext, CommandError, Done};
 pub use context::IdempotencyContext;
 /// The idem-core types a handler meets, re-exported so that a service
 /// needs no direct idem-core dependency.

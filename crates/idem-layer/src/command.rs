@@ -1,0 +1,346 @@
+//! Idempotent commands without HTTP: a message consumer, a job, a CLI.
+//!
+//! [`IdempotencyLayer::run`] runs an async action at most once per scope
+//! (tenant, operation, key) and otherwise answers from the record, with the
+//! same machinery as the HTTP layer: the state machine, leases renewed
+//! while the action runs, fenced completions, takeovers with the next
+//! generation, the attempt history, a record made again if a failover lost
+//! it. The layer's settings apply (lease, retention, store timeout,
+//! in-flight waiting), so one configured layer serves routes and commands.
+//!
+//! The result round-trips as the caller's type: it is stored as JSON (a
+//! `200` outcome), and a permanent error as JSON too (a `422` outcome), so
+//! a redelivered command gets the same answer, typed. A temporary error
+//! releases the key: the next delivery runs the action again.
+//!
+//! ```
+//! use idem_core::IdempotencyKey;
+//! use idem_layer::{ActionError, Command, Done, IdempotencyLayer};
+//! use idem_memory::MemoryStore;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let commands = IdempotencyLayer::new(MemoryStore::new());
+//! let key = IdempotencyKey::parse(b"charge-42").unwrap();
+//! let charge = Command::new("shop-1", "charge", key, &serde_json::json!({ "cents": 1299 })).unwrap();
+//!
+//! let first = commands
+//!     .run(&charge, |_ctx| async { Ok::<_, ActionError<String>>(String::from("receipt-1")) })
+//!     .await;
+//! assert_eq!(first.unwrap(), Done::Ran("receipt-1".to_owned()));
+//!
+//! // A redelivery: the action does not run; the stored result comes back.
+//! let again = commands
+//!     .run(&charge, |_ctx| async { Ok::<_, ActionError<String>>(String::from("receipt-2")) })
+//!     .await;
+//! assert_eq!(again.unwrap(), Done::Replayed("receipt-1".to_owned()));
+//! # }
+//! ```
+
+use std::{future::Future, panic::AssertUnwindSafe, time::Duration};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::StatusCode;
+use idem_core::{
+    Attempt, AttemptId, Current, Fingerprint, IdempotencyKey, Outcome, Replay, Reservation,
+    ReserveRequest, Scope, Store, StoreError, StoredResponse,
+};
+use serde::{Serialize, de::DeserializeOwned};
+use sha2::{Digest, Sha256};
+
+use crate::{
+    IdempotencyLayer, InFlight,
+    attempt::{release, renewing, settle},
+    fingerprint::{canonical_tokens, update_part},
+    metrics::{self as m, Outcome as Counted},
+    service::{deadline_after, store_call},
+};
+
+/// The status a successful command's result is stored with.
+const SUCCEEDED: u16 = 200;
+
+/// The status a permanently failed command's error is stored with.
+const FAILED: u16 = 422;
+
+/// One command: where its record lives (tenant, operation, key) and what
+/// makes two deliveries the same command (the fingerprint of its payload).
+#[derive(Debug, Clone)]
+pub struct Command {
+    scope: Scope,
+    fingerprint: Fingerprint,
+}
+
+impl Command {
+    /// A command whose fingerprint is its payload as canonical JSON (keys
+    /// sorted, numbers by exact value), so re-encoding the same payload is
+    /// the same command and a changed one is a conflict.
+    pub fn new(
+        tenant: impl Into<String>,
+        operation: impl Into<String>,
+        key: IdempotencyKey,
+        payload: &impl Serialize,
+    ) -> Result<Self, serde_json::Error> {
+        let operation = operation.into();
+        let json = serde_json::to_vec(payload)?;
+        let canonical = canonical_tokens(&json).unwrap_or(json);
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-command-v1");
+        update_part(&mut hasher, operation.as_bytes());
+        update_part(&mut hasher, &canonical);
+        let fingerprint = Fingerprint::from_bytes(hasher.finalize().into());
+        Ok(Self::with_fingerprint(
+            Scope::new(tenant, operation, key),
+            fingerprint,
+        ))
+    }
+
+    /// A command with a fingerprint of the caller's making.
+    pub fn with_fingerprint(scope: Scope, fingerprint: Fingerprint) -> Self {
+        Self { scope, fingerprint }
+    }
+
+    /// Its scope.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// Its fingerprint.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+}
+
+/// What the action learns about its execution.
+#[derive(Debug, Clone)]
+pub struct CommandContext {
+    /// This attempt's id.
+    pub attempt: AttemptId,
+    /// This attempt's generation (1 for the first).
+    pub generation: u64,
+    /// On a takeover, the attempt whose lease lapsed: it may or may not
+    /// have acted. Reconcile (by the key) before acting again.
+    pub superseded: Option<Attempt>,
+}
+
+/// How an action failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ActionError<E> {
+    /// Worth retrying: the key is released and the next delivery runs the
+    /// action again. Nothing is stored.
+    Temporary(E),
+    /// Final: stored, and every later delivery gets the same error.
+    Permanent(E),
+}
+
+/// A command's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Done<T> {
+    /// The action ran now and its result was recorded.
+    Ran(T),
+    /// The action had run before; this is its stored result.
+    Replayed(T),
+}
+
+impl<T> Done<T> {
+    /// The result, however it came.
+    pub fn into_inner(self) -> T {
+        match self {
+            Done::Ran(value) | Done::Replayed(value) => value,
+        }
+    }
+
+    /// Whether the result was replayed from the record.
+    pub fn is_replayed(&self) -> bool {
+        matches!(self, Done::Replayed(_))
+    }
+}
+
+/// Why a command has no result.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommandError<E> {
+    /// Another delivery of the command is running (its lease has this
+    /// long left). Retry later; do not acknowledge a message yet.
+    #[error("the command is in progress; retry in {retry_after:?}")]
+    InProgress {
+        /// Time left on the running attempt's lease.
+        retry_after: Duration,
+    },
+    /// The key was used with another payload.
+    #[error("the key was used with another payload")]
+    Conflict,
+    /// The command was cancelled.
+    #[error("the command was cancelled")]
+    Cancelled,
+    /// The action failed permanently, now or on an earlier delivery
+    /// (`replayed`); the error is stored.
+    #[error("the command failed permanently")]
+    Failed {
+        /// The action's error.
+        error: E,
+        /// Whether it came from the record.
+        replayed: bool,
+    },
+    /// The action failed temporarily, or panicked (`None`); the key was
+    /// released, so the next delivery runs it again.
+    #[error("the command failed temporarily; it may be retried")]
+    Retry(Option<E>),
+    /// The stored result does not decode as the caller's type.
+    #[error("the stored result does not decode: {0}")]
+    Undecodable(#[source] serde_json::Error),
+    /// The store failed: nothing is known; retry later.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl<S: Store> IdempotencyLayer<S> {
+    /// Runs `action` at most once for `command`, and otherwise answers
+    /// from its record (see the [module docs](crate::command)).
+    pub async fn run<T, E, F, Fut>(
+        &self,
+        command: &Command,
+        action: F,
+    ) -> Result<Done<T>, CommandError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Serialize + DeserializeOwned,
+        F: FnOnce(CommandContext) -> Fut,
+        Fut: Future<Output = Result<T, ActionError<E>>>,
+    {
+        let config = &*self.config;
+        let store = &*self.store;
+        let request = ReserveRequest {
+            scope: command.scope.clone(),
+            fingerprint: command.fingerprint,
+            lease: config.lease,
+            retention: config.retention,
+        };
+        let deadline = match config.in_flight {
+            InFlight::Wait(bound) => Some(deadline_after(bound)),
+            InFlight::Reject => None,
+        };
+        let (lease, superseded) = loop {
+            match store_call(config, "reserve", store.reserve(&request)).await? {
+                Reservation::Acquired(lease) => break (lease, None),
+                Reservation::TakenOver { lease, superseded } => {
+                    m::count(Counted::Takeover);
+                    break (lease, Some(superseded));
+                }
+                Reservation::InProgress { retry_after } => {
+                    let now = tokio::time::Instant::now();
+                    match deadline {
+                        Some(deadline) if now < deadline => {
+                            store.changed(request.scope.hash(), deadline - now).await;
+                        }
+                        _ => {
+                            m::count(Counted::InProgress);
+                            return Err(CommandError::InProgress { retry_after });
+                        }
+                    }
+                }
+                Reservation::Completed(replay) => return replayed(replay),
+                Reservation::Cancelled => {
+                    m::count(Counted::Cancelled);
+                    return Err(CommandError::Cancelled);
+                }
+                Reservation::Conflict => {
+                    m::count(Counted::Conflict);
+                    return Err(CommandError::Conflict);
+                }
+            }
+        };
+        let context = CommandContext {
+            attempt: lease.attempt,
+            generation: lease.generation,
+            superseded,
+        };
+        let work = AssertUnwindSafe(action(context)).catch_unwind();
+        let (status, body, result) = match renewing(config, store, &lease, work).await {
+            Ok(Ok(value)) => match serde_json::to_vec(&value) {
+                Ok(body) => (SUCCEEDED, body, Ok(Done::Ran(value))),
+                Err(error) => {
+                    release(self, &lease).await;
+                    return Err(CommandError::Undecodable(error));
+                }
+            },
+            Ok(Err(ActionError::Permanent(error))) => match serde_json::to_vec(&error) {
+                Ok(body) => (
+                    FAILED,
+                    body,
+                    Err(CommandError::Failed {
+                        error,
+                        replayed: false,
+                    }),
+                ),
+                Err(encoding) => {
+                    release(self, &lease).await;
+                    return Err(CommandError::Undecodable(encoding));
+                }
+            },
+            Ok(Err(ActionError::Temporary(error))) => {
+                return match release(self, &lease).await {
+                    Some(current) => answer(current),
+                    None => Err(CommandError::Retry(Some(error))),
+                };
+            }
+            Err(_panic) => {
+                return match release(self, &lease).await {
+                    Some(current) => answer(current),
+                    None => Err(CommandError::Retry(None)),
+                };
+            }
+        };
+        let outcome = Outcome::Stored(StoredResponse {
+            status,
+            headers: vec![(
+                "content-type".to_owned(),
+                Bytes::from_static(b"application/json"),
+            )],
+            body: Bytes::from(body),
+        });
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+        match settle(self, &request, &lease, status, outcome).await {
+            // Fenced: a newer attempt or a cancellation owns the record;
+            // its answer is the command's.
+            Some(current) => answer(current),
+            None => result,
+        }
+    }
+}
+
+/// A stored outcome as the command's result.
+fn replayed<T: DeserializeOwned, E: DeserializeOwned>(
+    replay: Replay,
+) -> Result<Done<T>, CommandError<E>> {
+    m::count(Counted::Replayed);
+    let Outcome::Stored(stored) = replay.outcome else {
+        return Err(CommandError::Undecodable(serde::de::Error::custom(
+            "the stored outcome holds no result",
+        )));
+    };
+    match stored.status {
+        SUCCEEDED => serde_json::from_slice(&stored.body)
+            .map(Done::Replayed)
+            .map_err(CommandError::Undecodable),
+        _ => match serde_json::from_slice(&stored.body) {
+            Ok(error) => Err(CommandError::Failed {
+                error,
+                replayed: true,
+            }),
+            Err(error) => Err(CommandError::Undecodable(error)),
+        },
+    }
+}
+
+/// What the record says, for an attempt that lost its lease.
+fn answer<T: DeserializeOwned, E: DeserializeOwned>(
+    current: Current,
+) -> Result<Done<T>, CommandError<E>> {
+    match current {
+        Current::Completed(replay) => replayed(replay),
+        Current::Processing { retry_after } => Err(CommandError::InProgress { retry_after }),
+        Current::Cancelled => Err(CommandError::Cancelled),
+        Current::Vacant => Err(CommandError::Retry(None)),
+    }
+}
