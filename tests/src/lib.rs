@@ -2,7 +2,9 @@
 //! ports and a small HTTP client.
 
 pub mod cutter;
+pub mod nats_server;
 pub mod postgres_server;
+pub mod process;
 pub mod redis_server;
 pub mod upstream;
 

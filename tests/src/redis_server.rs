@@ -41,14 +41,20 @@ pub(crate) fn free_port() -> u16 {
 
 /// Whether `redis-server` can be run. In CI its absence is a failure.
 pub fn redis_available() -> bool {
-    let found = Command::new("redis-server")
+    binary_available("redis-server")
+}
+
+/// Whether `binary --version` runs; if not, a failure in CI and a skip
+/// with a notice elsewhere ([`skip_or_fail`]).
+pub fn binary_available(binary: &str) -> bool {
+    let found = Command::new(binary)
         .arg("--version")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if !found {
-        skip_or_fail("redis-server");
+        skip_or_fail(binary);
     }
     found
 }

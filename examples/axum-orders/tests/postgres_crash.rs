@@ -3,16 +3,14 @@
 //! `orders` table ends with exactly one row for a key whatever the crash.
 
 use std::{
-    io::{BufRead, BufReader},
-    process::{Child, Command, Stdio},
-    sync::mpsc,
+    process::Command,
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
-use idem_tests::{Reply, client, postgres_server::PgServer, send};
+use idem_tests::{Reply, client, postgres_server::PgServer, process::Spawned, send};
 
 /// The lease of these tests: long enough for a debug build's handler, short
 /// enough that the retry after a crash does not wait long.
@@ -20,65 +18,35 @@ const LEASE: &str = "3s";
 
 /// One `axum-orders` process on a database; killed on drop.
 struct Orders {
-    child: Child,
+    process: Spawned,
     addr: String,
-    lines: mpsc::Receiver<String>,
 }
 
 impl Orders {
     fn start(database: &str) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_axum-orders"))
-            .env("IDEM_LISTEN", "127.0.0.1:0")
-            .env("IDEM_STORE", database)
-            .env("IDEM_LEASE", LEASE)
-            .env("ORDERS_TEST_HOOKS", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start axum-orders");
-        let mut banner = String::new();
-        let stdout = child.stdout.take().expect("stdout");
-        BufReader::new(stdout)
-            .read_line(&mut banner)
-            .expect("banner");
-        let Some(addr) = banner
+        let process = Spawned::start(
+            Command::new(env!("CARGO_BIN_EXE_axum-orders"))
+                .env("IDEM_LISTEN", "127.0.0.1:0")
+                .env("IDEM_STORE", database)
+                .env("IDEM_LEASE", LEASE)
+                .env("ORDERS_TEST_HOOKS", "1"),
+        );
+        let addr = process
+            .banner
             .split("http://")
             .nth(1)
             .and_then(|rest| rest.split_whitespace().next())
-        else {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("no banner: {banner:?}");
-        };
-        let addr = addr.to_owned();
-        let (tx, lines) = mpsc::channel();
-        let stderr = child.stderr.take().expect("stderr");
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Self { child, addr, lines }
+            .unwrap_or_else(|| panic!("no address in {:?}", process.banner))
+            .to_owned();
+        Self { process, addr }
     }
 
-    /// Waits (bounded) for a line on the process's stderr containing `what`.
     fn wait_for_line(&self, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(what) => return,
-                Ok(_) => {}
-                Err(_) => panic!("axum-orders never printed {what:?}"),
-            }
-        }
+        self.process.wait_for_line(what);
     }
 
     fn kill(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
+        self.process.kill();
     }
 
     fn post(&self, key: &str, hold: Option<&str>) -> Request<Full<Bytes>> {
@@ -105,12 +73,6 @@ impl Orders {
             assert!(Instant::now() < deadline, "still in progress");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-    }
-}
-
-impl Drop for Orders {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 

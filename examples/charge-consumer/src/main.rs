@@ -1,0 +1,203 @@
+//! A NATS JetStream consumer of `charge` commands that runs each charge
+//! once, whatever the broker redelivers.
+//!
+//! A message is `{"id": "...", "account": "...", "cents": 1299}` on the
+//! `charges` subject. The business id is the idempotency key and the
+//! account the tenant. Each charge runs through
+//! [`IdempotencyLayer::run`](idem_layer::IdempotencyLayer::run): the first
+//! delivery executes it (here: appends a line to the ledger file) and the
+//! outcome is recorded; the message is acknowledged only after that. A
+//! redelivery (the acknowledgement was lost, the consumer died after
+//! executing) is answered from the record and acknowledged, without
+//! charging again. A charge in progress elsewhere is NAKed with a delay, a
+//! temporary failure is NAKed for redelivery, and a changed payload under
+//! a known id is terminated (never charged).
+//!
+//! Run with `cargo run -p charge-consumer` next to a `nats-server -js`.
+//! Environment: `NATS_URL` (`nats://127.0.0.1:4222`), `IDEM_STORE`
+//! (`memory` or a `redis://` URL; use Redis so records outlive the
+//! process), `LEDGER` (`charges.ledger`), `ACK_WAIT` (`30s`), `STREAM`
+//! (`CHARGES`), `CONSUMER` (`charge-consumer`).
+
+use std::{io::Write, time::Duration};
+
+use async_nats::jetstream::{self, AckKind, consumer::pull};
+use futures_util::StreamExt;
+use idem_core::{IdempotencyKey, Store};
+use idem_layer::{ActionError, Command, CommandError, Done, IdempotencyLayer};
+use serde::{Deserialize, Serialize};
+
+/// A charge command as it arrives.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Charge {
+    id: String,
+    account: String,
+    cents: u64,
+}
+
+/// What a charge produced, stored and replayed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Receipt {
+    charge: String,
+    cents: u64,
+    attempt: u64,
+}
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+fn env(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+/// Appends one execution to the ledger and syncs it: the side effect whose
+/// count the tests check.
+fn record_charge(ledger: &str, charge: &Charge, attempt: u64) -> std::io::Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(ledger)?;
+    writeln!(
+        file,
+        "charged {} {} cents (attempt {attempt})",
+        charge.id, charge.cents
+    )?;
+    file.sync_data()
+}
+
+/// Handles one message: runs the charge once, then acknowledges, NAKs or
+/// terminates it.
+async fn handle<S: Store>(
+    layer: &IdempotencyLayer<S>,
+    ledger: &str,
+    message: &jetstream::Message,
+) -> Result<(), Error> {
+    let charge: Charge = match serde_json::from_slice(&message.payload) {
+        Ok(charge) => charge,
+        Err(error) => {
+            eprintln!("charge-consumer: unreadable message, terminated: {error}");
+            return message.ack_with(AckKind::Term).await;
+        }
+    };
+    let Ok(key) = IdempotencyKey::parse(charge.id.as_bytes()) else {
+        eprintln!(
+            "charge-consumer: {:?} is no valid key, terminated",
+            charge.id
+        );
+        return message.ack_with(AckKind::Term).await;
+    };
+    let command = Command::new(charge.account.clone(), "charge", key, &charge)?;
+    let result = layer
+        .run(&command, |ctx| {
+            let charge = charge.clone();
+            async move {
+                record_charge(ledger, &charge, ctx.generation)
+                    .map_err(|error| ActionError::Temporary(error.to_string()))?;
+                Ok::<_, ActionError<String>>(Receipt {
+                    charge: charge.id,
+                    cents: charge.cents,
+                    attempt: ctx.generation,
+                })
+            }
+        })
+        .await;
+    let kind = match result {
+        Ok(Done::Ran(receipt)) => {
+            eprintln!(
+                "charge-consumer: executed {} (attempt {})",
+                receipt.charge, receipt.attempt
+            );
+            crash_point(&receipt.charge).await;
+            AckKind::Ack
+        }
+        Ok(Done::Replayed(receipt)) => {
+            eprintln!(
+                "charge-consumer: answered {} from the record",
+                receipt.charge
+            );
+            AckKind::Ack
+        }
+        Err(CommandError::Failed { error, .. }) => {
+            eprintln!("charge-consumer: {} failed for good: {error}", charge.id);
+            AckKind::Ack
+        }
+        Err(CommandError::InProgress { retry_after }) => AckKind::Nak(Some(retry_after)),
+        Err(CommandError::Conflict) => {
+            eprintln!(
+                "charge-consumer: {} arrived with another payload, terminated",
+                charge.id
+            );
+            AckKind::Term
+        }
+        Err(CommandError::Cancelled) => AckKind::Term,
+        Err(error) => {
+            eprintln!(
+                "charge-consumer: {} will be redelivered: {error}",
+                charge.id
+            );
+            AckKind::Nak(Some(Duration::from_secs(1)))
+        }
+    };
+    message.ack_with(kind).await
+}
+
+/// For the crash tests: with `CONSUMER_CRASH_AFTER_EXECUTE=<id>`, the
+/// consumer stops right after executing that charge, before acknowledging
+/// it, and waits to be killed.
+async fn crash_point(id: &str) {
+    if std::env::var("CONSUMER_CRASH_AFTER_EXECUTE").is_ok_and(|crash| crash == id) {
+        eprintln!("charge-consumer: crash point: executed {id}, not acknowledged");
+        std::future::pending::<()>().await;
+    }
+}
+
+async fn consume<S: Store>(layer: IdempotencyLayer<S>) -> Result<(), Error> {
+    let url = env("NATS_URL", "nats://127.0.0.1:4222");
+    let ledger = env("LEDGER", "charges.ledger");
+    let ack_wait = humantime::parse_duration(&env("ACK_WAIT", "30s"))?;
+    let client = async_nats::connect(&url).await?;
+    let js = jetstream::new(client);
+    let stream = js
+        .get_or_create_stream(jetstream::stream::Config {
+            name: env("STREAM", "CHARGES"),
+            subjects: vec!["charges".to_owned()],
+            ..Default::default()
+        })
+        .await?;
+    let name = env("CONSUMER", "charge-consumer");
+    let consumer: jetstream::consumer::PullConsumer = stream
+        .get_or_create_consumer(
+            &name,
+            pull::Config {
+                durable_name: Some(name.clone()),
+                ack_wait,
+                ..Default::default()
+            },
+        )
+        .await?;
+    let mut messages = consumer.messages().await?;
+    println!("charge-consumer consuming from {url} as {name}");
+    while let Some(message) = messages.next().await {
+        let message = message?;
+        if let Err(error) = handle(&layer, &ledger, &message).await {
+            eprintln!("charge-consumer: could not settle a message: {error}");
+        }
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() {
+    let store = env("IDEM_STORE", "memory");
+    let result = if store == "memory" {
+        consume(IdempotencyLayer::new(idem_memory::MemoryStore::new())).await
+    } else {
+        match idem_redis::RedisStore::from_url(&store) {
+            Ok(redis) => consume(IdempotencyLayer::new(redis)).await,
+            Err(error) => Err(error.into()),
+        }
+    };
+    if let Err(error) = result {
+        eprintln!("charge-consumer: {error}");
+        std::process::exit(1);
+    }
+}

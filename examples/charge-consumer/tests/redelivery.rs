@@ -1,0 +1,102 @@
+//! The consumer against its own `nats-server` and `redis-server`: killed
+//! with SIGKILL after executing a charge and before acknowledging it, the
+//! broker redelivers, and the ledger shows every charge once; every
+//! redelivery is answered from the record.
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use idem_tests::{nats_server::NatsServer, process::Spawned, redis_server::RedisServer};
+
+fn consumer(nats: &NatsServer, redis: &RedisServer, ledger: &Path, crash: Option<&str>) -> Spawned {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_charge-consumer"));
+    command
+        .env("NATS_URL", nats.url())
+        .env("IDEM_STORE", redis.url())
+        .env("LEDGER", ledger)
+        .env("ACK_WAIT", "2s");
+    if let Some(id) = crash {
+        command.env("CONSUMER_CRASH_AFTER_EXECUTE", id);
+    }
+    Spawned::start(&mut command)
+}
+
+/// Charges per id in the ledger.
+fn ledger(path: &Path) -> HashMap<String, usize> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut counts = HashMap::new();
+    for line in text.lines() {
+        if let Some(id) = line.split_whitespace().nth(1) {
+            *counts.entry(id.to_owned()).or_default() += 1;
+        }
+    }
+    counts
+}
+
+async fn publish(js: &async_nats::jetstream::Context, id: &str, cents: u64) {
+    let payload = serde_json::json!({ "id": id, "account": "acme", "cents": cents });
+    js.publish("charges", payload.to_string().into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored by the stream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_before_acknowledging_charges_once_and_redeliveries_replay() {
+    let Some(nats) = NatsServer::spawn() else {
+        return;
+    };
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("idem-consumer-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let ledger_path = dir.join("charges.ledger");
+
+    let mut first = consumer(&nats, &redis, &ledger_path, Some("c-3"));
+    assert!(first.banner.contains("consuming"), "{}", first.banner);
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    for n in 1..=5 {
+        publish(&js, &format!("c-{n}"), 100 * n).await;
+    }
+    first.wait_for_line("crash point: executed c-3, not acknowledged");
+    first.kill();
+    let after_kill = ledger(&ledger_path);
+    assert_eq!(after_kill.get("c-3"), Some(&1), "{after_kill:?}");
+
+    // The broker redelivers c-3 (and whatever the first consumer held) to
+    // the next consumer, which answers c-3 from the record.
+    let second = consumer(&nats, &redis, &ledger_path, None);
+    second.wait_for_line("answered c-3 from the record");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let counts = ledger(&ledger_path);
+        if (1..=5).all(|n| counts.contains_key(&format!("c-{n}"))) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not every charge ran: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A duplicate message of a charge already made is answered from the
+    // record; the same id with another amount is refused, never charged.
+    publish(&js, "c-2", 200).await;
+    second.wait_for_line("answered c-2 from the record");
+    publish(&js, "c-1", 999_999).await;
+    second.wait_for_line("c-1 arrived with another payload");
+    let counts = ledger(&ledger_path);
+    assert_eq!(counts.len(), 5, "{counts:?}");
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "a charge ran more than once: {counts:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
