@@ -52,14 +52,25 @@
 //! cross the deadline stops the retries instead; an unparseable one falls
 //! back to backoff.
 //!
+//! # Limits at the provider's boundary
+//!
+//! [`RetryLayer::limits`] holds every request to its boundary's shared
+//! rate, cooldown and retry budget, fairly across owners: see [`limits`].
+//!
 //! # Metrics
 //!
 //! `idem_client_attempts_total`, `idem_client_retries_total{reason}`,
-//! `idem_client_budget_exhausted_total`, `idem_client_give_ups_total{reason}`.
+//! `idem_client_budget_exhausted_total`, `idem_client_give_ups_total{reason}`,
+//! and with limits `idem_client_limit_queue_depth{boundary}`,
+//! `idem_client_limit_wait_seconds{boundary}`,
+//! `idem_client_limit_cooldowns_total{boundary}`,
+//! `idem_client_limit_refusals_total{boundary}`.
 
 pub mod backoff;
 mod body;
+pub mod limits;
 mod service;
 
 pub use body::{BoxError, ReplayBody};
+pub use limits::{Gate, Limit, Limits, LocalGate, OnGateError, SharedBudget, Turn};
 pub use service::{Error, Retry, RetryInfo, RetryLayer, StopReason};

@@ -17,8 +17,9 @@ use tower::{
 };
 
 use crate::{
-    backoff::{full_jitter, parse_retry_after},
+    backoff::{ceiling, full_jitter, parse_retry_after},
     body::{BoxError, ReplayBody},
+    limits::{GateError, Limits, Refusal},
 };
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -71,6 +72,11 @@ pub struct RetryInfo {
     pub stopped: Option<StopReason>,
     /// The `Idempotency-Key` every attempt carried, if any.
     pub key: Option<String>,
+    /// The boundary the request was limited on, if any (see
+    /// [`RetryLayer::limits`]).
+    pub boundary: Option<String>,
+    /// How long its attempts were held for their boundary's turn, in all.
+    pub held: Duration,
 }
 
 /// A request that failed without a response.
@@ -94,13 +100,34 @@ pub enum Error<E> {
     /// The request body (to buffer it) or a 409 body (to read its problem
     /// code) could not be read.
     Body(BoxError),
+    /// The boundary's turn would come after the deadline: the attempt was
+    /// not sent.
+    Limited {
+        /// The boundary.
+        boundary: String,
+        /// How long the request would have had to wait.
+        wait: Duration,
+        /// The attempts made before.
+        info: RetryInfo,
+    },
+    /// The limit gate's store failed, and the limits hold requests back
+    /// then ([`OnGateError::HoldBack`](crate::OnGateError::HoldBack)).
+    Gate {
+        /// The gate's error.
+        source: GateError,
+        /// The attempts made before.
+        info: RetryInfo,
+    },
 }
 
 impl<E> Error<E> {
     /// The attempts made, when any were.
     pub fn info(&self) -> Option<&RetryInfo> {
         match self {
-            Error::Service { info, .. } | Error::TimedOut { info, .. } => Some(info),
+            Error::Service { info, .. }
+            | Error::TimedOut { info, .. }
+            | Error::Limited { info, .. }
+            | Error::Gate { info, .. } => Some(info),
             Error::Body(_) => None,
         }
     }
@@ -130,6 +157,11 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 )
             }
             Error::Body(error) => write!(f, "body could not be read: {error}"),
+            Error::Limited { boundary, wait, .. } => write!(
+                f,
+                "not sent: the turn of boundary {boundary:?} would come in {wait:?}, after the deadline"
+            ),
+            Error::Gate { source, .. } => write!(f, "not sent: {source}"),
         }
     }
 }
@@ -138,8 +170,9 @@ impl<E: std::error::Error + 'static> std::error::Error for Error<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::Service { source, .. } => Some(source),
-            Error::TimedOut { .. } => None,
+            Error::TimedOut { .. } | Error::Limited { .. } => None,
             Error::Body(error) => Some(error.as_ref()),
+            Error::Gate { source, .. } => Some(source),
         }
     }
 }
@@ -154,6 +187,7 @@ struct Config {
     attempt_timeout: Option<Duration>,
     key_methods: Vec<Method>,
     budget: Arc<TpsBudget>,
+    limits: Option<Limits>,
 }
 
 /// Tower layer for safe client retries; see the [crate docs](crate).
@@ -195,6 +229,7 @@ impl RetryLayer {
                 attempt_timeout: None,
                 key_methods: vec![Method::POST, Method::PATCH],
                 budget: Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2)),
+                limits: None,
             }),
         }
     }
@@ -247,6 +282,15 @@ impl RetryLayer {
     pub fn budget(self, ttl: Duration, min_per_sec: u32, retry_percent: f32) -> Self {
         let budget = Arc::new(TpsBudget::new(ttl, min_per_sec, retry_percent));
         self.with(|c| c.budget = budget)
+    }
+}
+
+impl RetryLayer {
+    /// Holds every request to its boundary's shared limits (see
+    /// [`Limits`]): a rate, cooldowns after 429 and 503, a shared retry
+    /// budget, fair queueing across owners.
+    pub fn limits(self, limits: Limits) -> Self {
+        self.with(|c| c.limits = Some(limits))
     }
 }
 
@@ -425,8 +469,41 @@ where
         (None, Some(body))
     };
     config.budget.deposit();
+    let limits = config.limits.as_ref();
+    let place = limits.and_then(|limits| limits.place(&parts));
+    if let (Some(limits), Some((boundary, _))) = (limits, &place) {
+        limits.budget(boundary, false).await;
+    }
+    let mut held = Duration::ZERO;
     let mut attempts = 0u32;
     loop {
+        if let (Some(limits), Some((boundary, owner))) = (limits, &place) {
+            let info = || RetryInfo {
+                attempts,
+                stopped: None,
+                key: key.clone(),
+                boundary: Some(boundary.clone()),
+                held,
+            };
+            match limits.admit(boundary, owner, deadline).await {
+                Ok(waited) => held += waited,
+                Err(Refusal::TooLate(wait)) => {
+                    metrics::counter!("idem_client_limit_refusals_total", "boundary" => boundary.clone())
+                        .increment(1);
+                    return Err(Error::Limited {
+                        boundary: boundary.clone(),
+                        wait,
+                        info: info(),
+                    });
+                }
+                Err(Refusal::Gate(source)) => {
+                    return Err(Error::Gate {
+                        source,
+                        info: info(),
+                    });
+                }
+            }
+        }
         attempts += 1;
         metrics::counter!("idem_client_attempts_total").increment(1);
         let body = match (&buffered, once.take()) {
@@ -466,6 +543,8 @@ where
             attempts,
             stopped: None,
             key: key.clone(),
+            boundary: place.as_ref().map(|(boundary, _)| boundary.clone()),
+            held,
         };
         let finish = |attempt: Attempt<R, S::Error>, info: RetryInfo| match attempt {
             Attempt::Answer(mut response) => {
@@ -480,6 +559,16 @@ where
         };
         let delay = retry_after
             .unwrap_or_else(|| full_jitter(config.base_delay, config.max_delay, attempts));
+        // A provider that says "too many" or "unavailable" says it to every
+        // worker of the boundary.
+        if let (Some(limits), Some((boundary, _)), Attempt::Answer(response)) =
+            (limits, &place, &attempt)
+            && matches!(response.status().as_u16(), 429 | 503)
+        {
+            let period = retry_after
+                .unwrap_or_else(|| ceiling(config.base_delay, config.max_delay, attempts));
+            limits.cool_down(boundary, period).await;
+        }
         let stop = if !safe {
             Some(StopReason::UnsafeMethod)
         } else if buffered.is_none() {
@@ -493,6 +582,11 @@ where
         }) {
             Some(StopReason::Deadline)
         } else if !config.budget.withdraw() {
+            metrics::counter!("idem_client_budget_exhausted_total").increment(1);
+            Some(StopReason::BudgetExhausted)
+        } else if let (Some(limits), Some((boundary, _))) = (limits, &place)
+            && !limits.budget(boundary, true).await
+        {
             metrics::counter!("idem_client_budget_exhausted_total").increment(1);
             Some(StopReason::BudgetExhausted)
         } else {

@@ -257,7 +257,9 @@ async fn final_answers_are_never_retried() {
             RetryInfo {
                 attempts: 1,
                 stopped: None,
-                key: info.key.clone()
+                key: info.key.clone(),
+                boundary: None,
+                held: std::time::Duration::ZERO,
             }
         );
         assert_eq!(script.hits(), 1, "{status} is not retried");

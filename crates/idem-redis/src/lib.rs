@@ -72,6 +72,8 @@ use idem_core::{
 };
 use redis::{Script, ScriptInvocation, Value};
 
+mod limits;
+
 const COMMON: &str = include_str!("lua/common.lua");
 
 /// The scripts, each prefixed with the shared functions.
@@ -253,6 +255,7 @@ impl RedisStoreBuilder {
             next_lane: std::sync::atomic::AtomicUsize::new(0),
             pool,
             scripts: Scripts::new(),
+            limit_scripts: limits::LimitScripts::new(),
             prefix: self.prefix,
             timeout: self.timeout,
             wait_replicas: self.wait_replicas,
@@ -269,6 +272,7 @@ pub struct RedisStore {
     last_replacement: parking_lot::Mutex<Option<std::time::Instant>>,
     next_lane: std::sync::atomic::AtomicUsize,
     scripts: Scripts,
+    limit_scripts: limits::LimitScripts,
     prefix: String,
     timeout: Duration,
     wait_replicas: Option<(usize, Duration)>,

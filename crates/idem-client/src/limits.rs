@@ -1,0 +1,498 @@
+//! Limits at the provider's boundary, shared by every worker.
+//!
+//! A provider limits an account, an app or a credential, not a process:
+//! ten processes that each keep "their" limit overload the shared
+//! credential ten times over. [`Limits`] puts every outgoing request of a
+//! [`RetryLayer`](crate::RetryLayer) on a *boundary* the caller names (a
+//! function of the request: the provider's host and the account, say) and
+//! holds it until the boundary's turn:
+//!
+//! * **A shared rate**: `rate` requests a second with bursts of `burst`
+//!   (GCRA), kept by a [`Gate`]: [`LocalGate`] for one process, or a gate
+//!   on a shared store (`idem_redis::RedisGate`: one atomic script on the
+//!   Redis clock) for every process that shares it. A request waits for
+//!   its turn within its deadline, or fails at once with
+//!   [`Error::Limited`](crate::Error::Limited) when its turn would come
+//!   after the deadline.
+//! * **A shared cooldown**: a `429` or `503` for a boundary holds back every
+//!   worker sharing it until the `Retry-After` (either form), or a backoff
+//!   without one, not only the worker that was told.
+//! * **A shared retry budget** per boundary, beside the per-process one.
+//! * **Fair queueing**: requests waiting for one boundary are served round
+//!   robin across their *owners* (a tenant, a user; a function of the
+//!   request), so one owner's burst cannot starve another's.
+//! * **Visibility**: [`RetryInfo::held`](crate::RetryInfo::held) says how
+//!   long a request was held; metrics give queue depth and wait per
+//!   boundary (`idem_client_limit_queue_depth`,
+//!   `idem_client_limit_wait_seconds`).
+//!
+//! When the gate's store cannot be reached, [`OnGateError`] decides: hold
+//! the request back (it fails with the store's error) or fall back to a
+//! local limit.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use http::request::Parts;
+use tokio::{sync::oneshot, time::Instant};
+
+/// A boxed future, for the [`Gate`] trait.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A rate: `per_second` requests a second, bursts of `burst`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limit {
+    /// Sustained requests per second (more than zero).
+    pub per_second: f64,
+    /// How many requests may go at once after an idle period (at least 1).
+    pub burst: u32,
+}
+
+impl Limit {
+    /// `per_second` requests a second with bursts of `burst`.
+    pub fn new(per_second: f64, burst: u32) -> Self {
+        Self {
+            per_second: if per_second > 0.0 { per_second } else { 1.0 },
+            burst: burst.max(1),
+        }
+    }
+
+    /// The time between two requests at the sustained rate.
+    pub fn interval(&self) -> Duration {
+        Duration::from_secs_f64(1.0 / self.per_second)
+    }
+}
+
+/// A shared retry budget: retries may be at most `percent` of the
+/// boundary's requests in each `window`, plus `min_retries`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SharedBudget {
+    /// The counting window.
+    pub window: Duration,
+    /// Retries always allowed per window.
+    pub min_retries: u32,
+    /// Retries allowed as a share of requests (0.2 for 20 %).
+    pub percent: f64,
+}
+
+/// What a gate answers to a request for a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Turn {
+    /// The turn is taken: go after `wait`.
+    Go {
+        /// How long to wait first.
+        wait: Duration,
+    },
+    /// The boundary is cooling down for `wait`: ask again then.
+    CoolingDown {
+        /// Time left of the cooldown.
+        wait: Duration,
+    },
+    /// The turn would come after the caller's bound; nothing was taken.
+    TooLate {
+        /// How long the caller would have had to wait.
+        wait: Duration,
+    },
+}
+
+/// A gate's store failed.
+#[derive(Debug, thiserror::Error)]
+#[error("the limit gate is unavailable: {0}")]
+pub struct GateError(pub Box<dyn std::error::Error + Send + Sync>);
+
+/// Keeps the rates, cooldowns and retry budgets of boundaries. Every
+/// method is atomic per boundary, measured on the gate's own clock.
+pub trait Gate: Send + Sync + 'static {
+    /// Takes the next turn of `boundary` under `limit` if it comes within
+    /// `max_wait` and the boundary is not cooling down.
+    fn take<'a>(
+        &'a self,
+        boundary: &'a str,
+        limit: Limit,
+        max_wait: Duration,
+    ) -> BoxFuture<'a, Result<Turn, GateError>>;
+
+    /// Holds the boundary back for `period` from the gate's now (a longer
+    /// cooldown already set stays).
+    fn cool_down<'a>(
+        &'a self,
+        boundary: &'a str,
+        period: Duration,
+    ) -> BoxFuture<'a, Result<(), GateError>>;
+
+    /// Counts a first attempt (`retry` false, always allowed) or asks for a
+    /// retry (`retry` true): whether the boundary's shared budget allows it.
+    fn budget<'a>(
+        &'a self,
+        boundary: &'a str,
+        budget: SharedBudget,
+        retry: bool,
+    ) -> BoxFuture<'a, Result<bool, GateError>>;
+}
+
+/// One boundary's state in a [`LocalGate`].
+#[derive(Debug, Default)]
+struct LocalBoundary {
+    /// The theoretical arrival time of the next request (GCRA).
+    tat: Option<Instant>,
+    cool_until: Option<Instant>,
+    window_start: Option<Instant>,
+    requests: u64,
+    retries: u64,
+}
+
+/// A gate for one process, on tokio's clock.
+#[derive(Debug, Default, Clone)]
+pub struct LocalGate {
+    boundaries: Arc<Mutex<HashMap<String, LocalBoundary>>>,
+}
+
+impl LocalGate {
+    /// An empty gate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn with<T>(&self, boundary: &str, f: impl FnOnce(&mut LocalBoundary, Instant) -> T) -> T {
+        let now = Instant::now();
+        let mut all = match self.boundaries.lock() {
+            Ok(all) => all,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        f(all.entry(boundary.to_owned()).or_default(), now)
+    }
+}
+
+impl Gate for LocalGate {
+    fn take<'a>(
+        &'a self,
+        boundary: &'a str,
+        limit: Limit,
+        max_wait: Duration,
+    ) -> BoxFuture<'a, Result<Turn, GateError>> {
+        let turn = self.with(boundary, |state, now| {
+            if let Some(until) = state.cool_until.filter(|until| *until > now) {
+                return Turn::CoolingDown { wait: until - now };
+            }
+            let interval = limit.interval();
+            let tolerance = interval * (limit.burst - 1);
+            let tat = state.tat.map_or(now, |tat| tat.max(now));
+            let allowed_at = tat.checked_sub(tolerance).unwrap_or(now);
+            let wait = allowed_at.saturating_duration_since(now);
+            if wait > max_wait {
+                return Turn::TooLate { wait };
+            }
+            state.tat = Some(tat + interval);
+            Turn::Go { wait }
+        });
+        Box::pin(async move { Ok(turn) })
+    }
+
+    fn cool_down<'a>(
+        &'a self,
+        boundary: &'a str,
+        period: Duration,
+    ) -> BoxFuture<'a, Result<(), GateError>> {
+        self.with(boundary, |state, now| {
+            let until = now + period;
+            state.cool_until = Some(state.cool_until.map_or(until, |at| at.max(until)));
+        });
+        Box::pin(async { Ok(()) })
+    }
+
+    fn budget<'a>(
+        &'a self,
+        boundary: &'a str,
+        budget: SharedBudget,
+        retry: bool,
+    ) -> BoxFuture<'a, Result<bool, GateError>> {
+        let allowed = self.with(boundary, |state, now| {
+            if state
+                .window_start
+                .is_none_or(|start| now.duration_since(start) >= budget.window)
+            {
+                state.window_start = Some(now);
+                state.requests = 0;
+                state.retries = 0;
+            }
+            if !retry {
+                state.requests += 1;
+                return true;
+            }
+            let allowed =
+                u64::from(budget.min_retries) + (state.requests as f64 * budget.percent) as u64;
+            if state.retries < allowed {
+                state.retries += 1;
+                true
+            } else {
+                false
+            }
+        });
+        Box::pin(async move { Ok(allowed) })
+    }
+}
+
+/// What to do when the gate's store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnGateError {
+    /// Hold the request back: it fails with
+    /// [`Error::Limited`](crate::Error::Limited) naming the gate's error.
+    HoldBack,
+    /// Go on under a limit kept in this process alone.
+    FallBackLocal,
+}
+
+/// Names a request's boundary; `None` leaves the request unlimited.
+pub type BoundaryFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Names a request's owner, for fair queueing.
+pub type OwnerFn = dyn Fn(&Parts) -> String + Send + Sync;
+
+/// The limits of a [`RetryLayer`](crate::RetryLayer) (see the [module
+/// docs](self)).
+#[derive(Clone)]
+pub struct Limits {
+    gate: Arc<dyn Gate>,
+    fallback: LocalGate,
+    boundary: Arc<BoundaryFn>,
+    owner: Arc<OwnerFn>,
+    limit: Limit,
+    budget: Option<SharedBudget>,
+    on_error: OnGateError,
+    queues: Arc<Mutex<HashMap<String, Queue>>>,
+}
+
+impl fmt::Debug for Limits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Limits")
+            .field("limit", &self.limit)
+            .field("budget", &self.budget)
+            .field("on_error", &self.on_error)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a request may not go.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// Its turn would come after its deadline.
+    TooLate(Duration),
+    /// The gate failed and the policy holds requests back.
+    Gate(GateError),
+}
+
+/// Requests waiting for one boundary, by owner, served round robin.
+#[derive(Default)]
+struct Queue {
+    owners: VecDeque<String>,
+    waiting: HashMap<String, VecDeque<Waiter>>,
+    serving: bool,
+}
+
+struct Waiter {
+    deadline: Option<Instant>,
+    answer: oneshot::Sender<Result<(), Refusal>>,
+}
+
+impl Limits {
+    /// Limits on `gate`: every request whose `boundary` is named is held to
+    /// `limit` (no owners: one queue per boundary; no shared retry budget;
+    /// [`OnGateError::HoldBack`]).
+    pub fn new(
+        gate: impl Gate,
+        limit: Limit,
+        boundary: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            gate: Arc::new(gate),
+            fallback: LocalGate::new(),
+            boundary: Arc::new(boundary),
+            owner: Arc::new(|_: &Parts| String::new()),
+            limit,
+            budget: None,
+            on_error: OnGateError::HoldBack,
+            queues: Arc::default(),
+        }
+    }
+
+    /// Serves waiting requests round robin across the owners this names.
+    pub fn owner(mut self, owner: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
+        self.owner = Arc::new(owner);
+        self
+    }
+
+    /// A retry budget per boundary, shared through the gate.
+    pub fn shared_budget(mut self, budget: SharedBudget) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// What to do when the gate's store fails.
+    pub fn on_gate_error(mut self, policy: OnGateError) -> Self {
+        self.on_error = policy;
+        self
+    }
+
+    /// The request's boundary and owner.
+    pub(crate) fn place(&self, parts: &Parts) -> Option<(String, String)> {
+        let boundary = (self.boundary)(parts)?;
+        Some((boundary, (self.owner)(parts)))
+    }
+
+    /// Whether a gate error falls back to the local gate (and says so).
+    fn falls_back(&self, error: &GateError) -> bool {
+        let falls_back = self.on_error == OnGateError::FallBackLocal;
+        if falls_back {
+            tracing::warn!(%error, "limit gate unavailable; limiting in this process alone");
+        }
+        falls_back
+    }
+
+    async fn take(&self, boundary: &str, max_wait: Duration) -> Result<Turn, GateError> {
+        match self.gate.take(boundary, self.limit, max_wait).await {
+            Err(error) if self.falls_back(&error) => {
+                self.fallback.take(boundary, self.limit, max_wait).await
+            }
+            other => other,
+        }
+    }
+
+    /// Waits for the boundary's turn, fairly across owners, within
+    /// `deadline`; answers how long the request was held.
+    pub(crate) async fn admit(
+        &self,
+        boundary: &str,
+        owner: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Duration, Refusal> {
+        let started = Instant::now();
+        let (answer, answered) = oneshot::channel();
+        let serve = {
+            let mut queues = match self.queues.lock() {
+                Ok(queues) => queues,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            let queue = queues.entry(boundary.to_owned()).or_default();
+            let owners = &mut queue.owners;
+            let waiting = queue.waiting.entry(owner.to_owned()).or_insert_with(|| {
+                owners.push_back(owner.to_owned());
+                VecDeque::new()
+            });
+            waiting.push_back(Waiter { deadline, answer });
+            let depth: usize = queue.waiting.values().map(VecDeque::len).sum();
+            metrics::gauge!("idem_client_limit_queue_depth", "boundary" => boundary.to_owned())
+                .set(depth as f64);
+            !std::mem::replace(&mut queue.serving, true)
+        };
+        if serve {
+            let limits = self.clone();
+            let boundary = boundary.to_owned();
+            tokio::spawn(async move { limits.serve(boundary).await });
+        }
+        let result = answered
+            .await
+            .unwrap_or_else(|_| Err(Refusal::TooLate(Duration::ZERO)));
+        let held = started.elapsed();
+        metrics::histogram!("idem_client_limit_wait_seconds", "boundary" => boundary.to_owned())
+            .record(held.as_secs_f64());
+        result.map(|()| held)
+    }
+
+    /// The next waiter of a boundary, round robin across owners; `None`
+    /// (and the boundary no longer served) when none is left.
+    fn next(&self, boundary: &str) -> Option<Waiter> {
+        let mut queues = match self.queues.lock() {
+            Ok(queues) => queues,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let queue = queues.get_mut(boundary)?;
+        while let Some(owner) = queue.owners.pop_front() {
+            let Some(waiting) = queue.waiting.get_mut(&owner) else {
+                continue;
+            };
+            let Some(waiter) = waiting.pop_front() else {
+                queue.waiting.remove(&owner);
+                continue;
+            };
+            if waiting.is_empty() {
+                queue.waiting.remove(&owner);
+            } else {
+                queue.owners.push_back(owner);
+            }
+            let depth: usize = queue.waiting.values().map(VecDeque::len).sum();
+            metrics::gauge!("idem_client_limit_queue_depth", "boundary" => boundary.to_owned())
+                .set(depth as f64);
+            return Some(waiter);
+        }
+        queues.remove(boundary);
+        None
+    }
+
+    /// Hands out a boundary's turns to its waiters, one at a time.
+    async fn serve(self, boundary: String) {
+        while let Some(waiter) = self.next(&boundary) {
+            let answer = self.turn(&boundary, waiter.deadline).await;
+            let _ = waiter.answer.send(answer);
+        }
+    }
+
+    /// One waiter's turn: waits out cooldowns and the rate, within its
+    /// deadline.
+    async fn turn(&self, boundary: &str, deadline: Option<Instant>) -> Result<(), Refusal> {
+        loop {
+            let max_wait = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            let turn = self.take(boundary, max_wait).await.map_err(Refusal::Gate)?;
+            match turn {
+                Turn::Go { wait } => {
+                    tokio::time::sleep(wait).await;
+                    return Ok(());
+                }
+                Turn::CoolingDown { wait } if wait <= max_wait => {
+                    tokio::time::sleep(wait).await;
+                }
+                Turn::CoolingDown { wait } | Turn::TooLate { wait } => {
+                    return Err(Refusal::TooLate(wait));
+                }
+            }
+        }
+    }
+
+    /// Tells every worker of the boundary to hold back for `period`.
+    pub(crate) async fn cool_down(&self, boundary: &str, period: Duration) {
+        metrics::counter!("idem_client_limit_cooldowns_total", "boundary" => boundary.to_owned())
+            .increment(1);
+        let shared = match self.gate.cool_down(boundary, period).await {
+            Err(error) if self.falls_back(&error) => {
+                self.fallback.cool_down(boundary, period).await
+            }
+            other => other,
+        };
+        if let Err(error) = shared {
+            tracing::warn!(%error, "could not share a cooldown");
+        }
+    }
+
+    /// Counts a first attempt, or asks the shared budget for a retry
+    /// (allowed when no shared budget is set; refused if the gate fails
+    /// and the policy holds back).
+    pub(crate) async fn budget(&self, boundary: &str, retry: bool) -> bool {
+        let Some(budget) = self.budget else {
+            return true;
+        };
+        let allowed = match self.gate.budget(boundary, budget, retry).await {
+            Err(error) if self.falls_back(&error) => {
+                self.fallback.budget(boundary, budget, retry).await
+            }
+            other => other,
+        };
+        allowed.unwrap_or(!retry)
+    }
+}

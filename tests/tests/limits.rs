@@ -1,0 +1,367 @@
+//! Limits at the provider's boundary (`idem_client::Limits`), shared
+//! through a private redis-server by independent clients: the rate holds
+//! across them, a 429 holds every worker of its boundary back, one owner's
+//! burst does not starve another, and a turn past the deadline fails at
+//! once.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    extract::{Path, State},
+    http::StatusCode,
+    response::IntoResponse,
+    routing::any,
+};
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use idem_client::{
+    Error, Limit, Limits, LocalGate, OnGateError, ReplayBody, RetryInfo, RetryLayer,
+};
+use idem_redis::RedisStore;
+use idem_tests::{TestServer, redis_server::RedisServer};
+use tokio::time::Instant;
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+/// Arrivals per boundary, and a one-time 429 for boundary `a`.
+#[derive(Clone, Default)]
+struct Provider {
+    arrivals: Arc<Mutex<HashMap<String, Vec<Instant>>>>,
+    /// When set, the next request of boundary `a` gets 429 with
+    /// `Retry-After: 2`, and the time is noted here.
+    refuse_next_a: Arc<AtomicBool>,
+    refused_at: Arc<Mutex<Option<Instant>>>,
+}
+
+async fn call(State(provider): State<Provider>, Path(boundary): Path<String>) -> impl IntoResponse {
+    let now = Instant::now();
+    provider
+        .arrivals
+        .lock()
+        .expect("arrivals")
+        .entry(boundary.clone())
+        .or_default()
+        .push(now);
+    if boundary == "a" && provider.refuse_next_a.swap(false, Ordering::SeqCst) {
+        *provider.refused_at.lock().expect("refused") = Some(now);
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", "2")],
+            "slow down",
+        )
+            .into_response();
+    }
+    (StatusCode::OK, "ok").into_response()
+}
+
+impl Provider {
+    async fn start(&self) -> TestServer {
+        TestServer::start(
+            Router::new()
+                .route("/{boundary}", any(call))
+                .with_state(self.clone()),
+        )
+        .await
+    }
+
+    fn arrivals(&self, boundary: &str) -> Vec<Instant> {
+        self.arrivals
+            .lock()
+            .expect("arrivals")
+            .get(boundary)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+/// The boundary is the first path segment; the owner the `x-owner` header.
+fn limits(gate: impl idem_client::Gate, limit: Limit) -> Limits {
+    Limits::new(gate, limit, |parts: &http::request::Parts| {
+        Some(parts.uri.path().trim_start_matches('/').to_owned())
+    })
+    .owner(|parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-owner")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    })
+}
+
+type Http = Client<hyper_util::client::legacy::connect::HttpConnector, ReplayBody<Full<Bytes>>>;
+
+fn client(layer: RetryLayer) -> idem_client::Retry<Http> {
+    ServiceBuilder::new()
+        .layer(layer)
+        .service(Client::builder(TokioExecutor::new()).build_http())
+}
+
+async fn send(
+    client: &idem_client::Retry<Http>,
+    url: String,
+    owner: &str,
+) -> Result<(StatusCode, RetryInfo), Error<hyper_util::client::legacy::Error>> {
+    let request = Request::get(url)
+        .header("x-owner", owner)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let request = request.map(|b| b);
+    let mut client = client.clone();
+    let response = ServiceExt::ready(&mut client)
+        .await?
+        .call(request.map(|b| b))
+        .await?;
+    let info = response
+        .extensions()
+        .get::<RetryInfo>()
+        .cloned()
+        .expect("retry info");
+    Ok((response.status(), info))
+}
+
+/// Arrivals in the busiest one-second bucket, counted from the first.
+fn busiest_second(arrivals: &[Instant]) -> usize {
+    let Some(first) = arrivals.iter().min() else {
+        return 0;
+    };
+    let mut buckets: HashMap<u64, usize> = HashMap::new();
+    for at in arrivals {
+        *buckets
+            .entry(at.duration_since(*first).as_secs())
+            .or_default() += 1;
+    }
+    buckets.values().copied().max().unwrap_or(0)
+}
+
+/// Three independent clients (each its own Redis connection and queue),
+/// six workers each, against one boundary limited to 10/s with bursts of
+/// 3: no second sees more than 13 arrivals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_holds_across_independent_clients() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let limit = Limit::new(10.0, 3);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for _ in 0..3 {
+        let store = RedisStore::from_url(&redis.url()).expect("store");
+        let client = client(RetryLayer::new().limits(limits(store, limit)));
+        for _ in 0..6 {
+            let (client, stop, url) = (client.clone(), Arc::clone(&stop), server.url("/acme"));
+            workers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let (status, _) = send(&client, url.clone(), "").await.expect("sent");
+                    assert_eq!(status, StatusCode::OK);
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    let arrivals = provider.arrivals("acme");
+    assert!(
+        arrivals.len() >= 20,
+        "only {} requests went",
+        arrivals.len()
+    );
+    let busiest = busiest_second(&arrivals);
+    assert!(
+        busiest <= 13,
+        "{busiest} arrivals in one second, over 10/s with bursts of 3"
+    );
+}
+
+/// A 429 with `Retry-After: 2` to one worker holds every worker of that
+/// boundary, in every client, back for 2 s; another boundary goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_cools_the_boundary_down_for_every_worker() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let limit = Limit::new(50.0, 5);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::from_url(&redis.url()).expect("store");
+        let client = client(RetryLayer::new().limits(limits(store, limit)));
+        for boundary in ["/a", "/a", "/b"] {
+            let (client, stop, url) = (client.clone(), Arc::clone(&stop), server.url(boundary));
+            workers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let _ = send(&client, url.clone(), "").await;
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    provider.refuse_next_a.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    let refused = provider
+        .refused_at
+        .lock()
+        .expect("refused")
+        .expect("a 429 was sent");
+    // Requests already on the wire when the 429 was sent may still land
+    // just after it; none may be sent in the cooldown.
+    let quiet_from = refused + Duration::from_millis(200);
+    let quiet_until = refused + Duration::from_secs(2);
+    let during = |at: &Instant| *at >= quiet_from && *at < quiet_until;
+    let a_during = provider
+        .arrivals("a")
+        .iter()
+        .filter(|at| during(at))
+        .count();
+    assert_eq!(a_during, 0, "boundary a got requests during its cooldown");
+    let b_during = provider
+        .arrivals("b")
+        .iter()
+        .filter(|at| during(at))
+        .count();
+    assert!(
+        b_during > 10,
+        "boundary b was held back too ({b_during} requests)"
+    );
+    let a_after = provider
+        .arrivals("a")
+        .iter()
+        .filter(|at| **at >= quiet_until)
+        .count();
+    assert!(a_after > 0, "boundary a never resumed");
+}
+
+/// One owner's 1,000 queued requests do not starve another owner's 10:
+/// served round robin, the 10 finish within a second at 200/s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_owners_burst_does_not_starve_another() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let store = RedisStore::from_url(&redis.url()).expect("store");
+    let client = client(RetryLayer::new().limits(limits(store, Limit::new(200.0, 1))));
+    let mut burst = Vec::new();
+    for _ in 0..1_000 {
+        let (client, url) = (client.clone(), server.url("/shared"));
+        burst.push(tokio::spawn(async move { send(&client, url, "big").await }));
+    }
+    // Let the burst queue up first.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let small: Vec<_> = (0..10)
+        .map(|_| {
+            let (client, url) = (client.clone(), server.url("/shared"));
+            tokio::spawn(async move { send(&client, url, "small").await })
+        })
+        .collect();
+    for request in small {
+        let (status, info) = request.await.expect("task").expect("sent");
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(info.boundary.as_deref(), Some("shared"));
+    }
+    let took = started.elapsed();
+    let big_done = burst.iter().filter(|task| task.is_finished()).count();
+    assert!(
+        took < Duration::from_secs(1),
+        "the small owner's 10 requests took {took:?} behind a burst of 1,000"
+    );
+    assert!(
+        big_done < 900,
+        "the burst was served first ({big_done} done)"
+    );
+    burst.iter().for_each(tokio::task::JoinHandle::abort);
+}
+
+/// A request whose turn would come after its deadline fails at once with
+/// `Error::Limited`; one that waited says how long in `RetryInfo::held`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_past_the_deadline_fails_at_once() {
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let gate = LocalGate::new();
+    let limits = limits(gate.clone(), Limit::new(2.0, 1));
+    let patient = client(RetryLayer::new().limits(limits.clone()));
+    let hasty = client(
+        RetryLayer::new()
+            .limits(limits)
+            .deadline(Duration::from_millis(300)),
+    );
+    let (status, info) = send(&patient, server.url("/slow"), "")
+        .await
+        .expect("first");
+    assert_eq!(status, StatusCode::OK);
+    assert!(info.held < Duration::from_millis(100));
+    // The next turn is 500 ms away: too late for a 300 ms deadline.
+    let started = Instant::now();
+    match send(&hasty, server.url("/slow"), "").await {
+        Err(Error::Limited { boundary, wait, .. }) => {
+            assert_eq!(boundary, "slow");
+            assert!(wait > Duration::from_millis(300), "{wait:?}");
+        }
+        other => panic!("expected Limited, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_millis(200), "it waited");
+    // A patient request waits its turn and says so.
+    let (status, info) = send(&patient, server.url("/slow"), "")
+        .await
+        .expect("waited");
+    assert_eq!(status, StatusCode::OK);
+    assert!(info.held >= Duration::from_millis(300), "{:?}", info.held);
+    assert_eq!(provider.arrivals("slow").len(), 2);
+}
+
+/// An unreachable gate holds requests back, or falls back to a local
+/// limit, as chosen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_gate_holds_back_or_falls_back_as_chosen() {
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let url = format!("redis://127.0.0.1:{closed}");
+    let gate = || {
+        RedisStore::builder(&url)
+            .timeout(Duration::from_millis(200))
+            .build()
+            .expect("store")
+    };
+    let holding = client(RetryLayer::new().limits(limits(gate(), Limit::new(10.0, 2))));
+    assert!(matches!(
+        send(&holding, server.url("/x"), "").await,
+        Err(Error::Gate { .. })
+    ));
+    let falling_back = client(
+        RetryLayer::new()
+            .limits(limits(gate(), Limit::new(10.0, 2)).on_gate_error(OnGateError::FallBackLocal)),
+    );
+    let (status, _) = send(&falling_back, server.url("/x"), "")
+        .await
+        .expect("sent");
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(provider.arrivals("x").len(), 1);
+}
