@@ -25,7 +25,8 @@ use http::Request;
 use http_body_util::Full;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use idem_client::{
-    Error, Limit, Limits, LocalGate, OnGateError, ReplayBody, RetryInfo, RetryLayer,
+    Error, Limit, Limits, LocalGate, OnGateError, ReplayBody, RetryInfo, RetryLayer, SharedBudget,
+    StopReason,
 };
 use idem_redis::RedisStore;
 use idem_tests::{TestServer, redis_server::RedisServer};
@@ -51,6 +52,9 @@ async fn call(State(provider): State<Provider>, Path(boundary): Path<String>) ->
         .entry(boundary.clone())
         .or_default()
         .push(now);
+    if boundary == "down" {
+        return (StatusCode::SERVICE_UNAVAILABLE, "down").into_response();
+    }
     if boundary == "a" && provider.refuse_next_a.swap(false, Ordering::SeqCst) {
         *provider.refused_at.lock().expect("refused") = Some(now);
         return (
@@ -364,4 +368,48 @@ async fn an_unreachable_gate_holds_back_or_falls_back_as_chosen() {
         .expect("sent");
     assert_eq!(status, StatusCode::OK);
     assert_eq!(provider.arrivals("x").len(), 1);
+}
+
+/// The retry budget of a boundary is shared: two clients on one Redis,
+/// allowed 2 retries a window between them, send 2 first attempts and 2
+/// retries in all to a provider that keeps answering 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_budget_is_shared_across_clients() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let budget = SharedBudget {
+        window: Duration::from_secs(60),
+        min_retries: 2,
+        percent: 0.0,
+    };
+    let mut stopped = Vec::new();
+    for _ in 0..2 {
+        let store = RedisStore::from_url(&redis.url()).expect("store");
+        let client = client(
+            RetryLayer::new()
+                .max_attempts(10)
+                .base_delay(Duration::from_millis(10))
+                .max_delay(Duration::from_millis(50))
+                .limits(limits(store, Limit::new(1_000.0, 10)).shared_budget(budget)),
+        );
+        let (status, info) = send(&client, server.url("/down"), "")
+            .await
+            .expect("answered");
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        stopped.push(info.stopped);
+    }
+    assert_eq!(
+        provider.arrivals("down").len(),
+        4,
+        "2 first attempts + 2 shared retries"
+    );
+    assert!(
+        stopped
+            .iter()
+            .all(|s| *s == Some(StopReason::BudgetExhausted)),
+        "{stopped:?}"
+    );
 }
