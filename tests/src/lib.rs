@@ -6,6 +6,7 @@ pub mod nats_server;
 pub mod postgres_server;
 pub mod process;
 pub mod redis_server;
+pub mod tls;
 pub mod upstream;
 
 use std::net::SocketAddr;

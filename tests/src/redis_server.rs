@@ -20,7 +20,7 @@ static NEXT_PORT: AtomicU16 = AtomicU16::new(0);
 
 /// A free loopback port below 55536 whose cluster bus port (+10000) is free
 /// too.
-pub(crate) fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     if NEXT_PORT.load(Ordering::SeqCst) == 0 {
         // Spread concurrent test binaries over the range.
         let base = 20_000 + (std::process::id() % 2_000) as u16 * 15;

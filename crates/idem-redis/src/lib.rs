@@ -107,7 +107,8 @@ impl Scripts {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BuildError {
-    /// The URL is not `redis://…`, `rediss://…` or `redis+cluster://h:p,…`.
+    /// The URL is not `redis://…`, `rediss://…`, `redis+cluster://h:p,…` or
+    /// `rediss+cluster://h:p,…`.
     #[error("invalid Redis URL {url:?}: {reason}")]
     InvalidUrl {
         /// The URL given.
@@ -216,7 +217,15 @@ impl RedisStoreBuilder {
             timeouts,
             ..Default::default()
         };
-        let pool = if let Some(nodes) = self.url.strip_prefix("redis+cluster://") {
+        let cluster = match (
+            self.url.strip_prefix("redis+cluster://"),
+            self.url.strip_prefix("rediss+cluster://"),
+        ) {
+            (Some(nodes), _) => Some(("redis", nodes)),
+            (None, Some(nodes)) => Some(("rediss", nodes)),
+            (None, None) => None,
+        };
+        let pool = if let Some((scheme, nodes)) = cluster {
             if self.wait_replicas.is_some() {
                 return Err(invalid(
                     "waiting for replicas is supported on single-node deployments only",
@@ -226,7 +235,7 @@ impl RedisStoreBuilder {
                 .split(',')
                 .map(str::trim)
                 .filter(|n| !n.is_empty())
-                .map(|n| format!("redis://{n}"))
+                .map(|n| format!("{scheme}://{n}"))
                 .collect();
             if urls.is_empty() {
                 return Err(invalid("no cluster nodes"));
@@ -245,7 +254,9 @@ impl RedisStoreBuilder {
                 .map_err(|e| BuildError::Pool(e.to_string()))?;
             Pool::Single(pool)
         } else {
-            return Err(invalid("expected redis://, rediss:// or redis+cluster://"));
+            return Err(invalid(
+                "expected redis://, rediss://, redis+cluster:// or rediss+cluster://",
+            ));
         };
         Ok(RedisStore {
             lanes: (0..self.lanes)
@@ -301,8 +312,11 @@ fn millis(duration: Duration) -> u64 {
 }
 
 impl RedisStore {
-    /// A store for `redis://host:port[/db]` (or `rediss://`) or
-    /// `redis+cluster://h1:p1,h2:p2,...`, with default settings.
+    /// A store for `redis://host:port[/db]` (or `rediss://` for TLS) or
+    /// `redis+cluster://h1:p1,h2:p2,...` (or `rediss+cluster://`), with
+    /// default settings. TLS verifies the server's certificate against the
+    /// system's roots, or the PEM file named by `SSL_CERT_FILE` (a private
+    /// CA).
     pub fn from_url(url: &str) -> Result<Self, BuildError> {
         Self::builder(url).build()
     }

@@ -858,3 +858,72 @@ async fn a_lease_shorter_than_the_cluster_failover_is_warned_about() {
         );
     }
 }
+
+/// `rediss://` to a redis-server with TLS on: the certificate is verified
+/// (against the CA in `SSL_CERT_FILE`), the records work through it; a
+/// gateway that does not trust the CA gets no store (503), never a
+/// connection to an unverified server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_redis_verifies_the_server() {
+    let Some(ca) = idem_tests::tls::TestCa::new() else {
+        return;
+    };
+    let tls_port = idem_tests::redis_server::free_port();
+    let (cert, key, ca_file) = (ca.cert(), ca.key(), ca.ca());
+    let Some(_redis) = RedisServer::spawn_with(&[
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        &cert.display().to_string(),
+        "--tls-key-file",
+        &key.display().to_string(),
+        "--tls-ca-cert-file",
+        &ca_file.display().to_string(),
+        "--tls-auth-clients",
+        "no",
+    ]) else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let store = format!("rediss://127.0.0.1:{tls_port}");
+    let start = |trusting: bool| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idem-gateway"));
+        command
+            .args(["--listen", "127.0.0.1:0", "--upstream", &upstream_url])
+            .args(["--store", &store, "--tenant-secret", SECRET])
+            .args(["--store-timeout", "500ms"])
+            .env("RUST_LOG", "error")
+            .stderr(Stdio::null());
+        if trusting {
+            command.env("SSL_CERT_FILE", &ca_file);
+        } else {
+            command.env("SSL_CERT_FILE", "/nonexistent");
+        }
+        Process::spawn(&mut command)
+    };
+    let post = |addr: &str| {
+        Request::post(format!("http://{addr}/orders"))
+            .header("idempotency-key", "tls-1")
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let http = client();
+    let trusting = start(true);
+    let first = send(&http, post(&trusting.addr)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = send(&http, post(&trusting.addr)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(upstream.runs(), 1);
+    let doubting = start(false);
+    let refused = send(&http, post(&doubting.addr)).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    assert_eq!(upstream.runs(), 1);
+}
