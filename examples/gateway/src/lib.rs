@@ -30,7 +30,7 @@ use idem_redis::RedisStore;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 
-pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy};
+pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy, tls_config};
 
 /// The gateway's configuration: every flag is also an `IDEM_*` variable.
 #[derive(Debug, Clone, Parser)]
@@ -43,9 +43,12 @@ pub struct Config {
     /// Address to serve on.
     #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
-    /// Upstream base URL (http://host:port); without it, a built-in demo orders API is started.
+    /// Upstream base URL (http://host:port or https://host:port); without it, a built-in demo orders API is started.
     #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
     pub upstream: Option<Uri>,
+    /// PEM file of a private CA that an https:// upstream's certificate may chain to, besides the system's roots (or SSL_CERT_FILE).
+    #[arg(long, env = "IDEM_UPSTREAM_CA")]
+    pub upstream_ca: Option<std::path::PathBuf>,
     /// Record store: memory, redis://host:port[/db], redis+cluster://h1:p1,h2:p2,..., or postgres://user@host:port/db (the records table is created if missing)
     #[arg(long, env = "IDEM_STORE", default_value = "memory", value_parser = parse_store)]
     pub store: String,
@@ -182,8 +185,8 @@ fn parse_duration(value: &str) -> Result<Duration, String> {
 
 fn parse_upstream(value: &str) -> Result<Uri, String> {
     let uri: Uri = value.parse().map_err(|e| format!("not a URL: {e}"))?;
-    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-        return Err("expected http://host:port".to_owned());
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+        return Err("expected http://host:port or https://host:port".to_owned());
     }
     if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
         return Err("the upstream URL takes no path or query".to_owned());
@@ -249,7 +252,8 @@ pub enum StartError {
     /// The store URL could not be used.
     #[error("{0}")]
     Store(#[from] idem_redis::BuildError),
-    /// The tenant secret or the JWT keys could not be read.
+    /// A file the gateway needs (the tenant secret, the JWT keys, the
+    /// upstream's CA) could not be read or used.
     #[error("{0}")]
     Tenant(String),
     /// The PostgreSQL store could not be built or its table created.
@@ -689,7 +693,8 @@ fn router<S: Store>(
     }
     let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
-    let proxy = Proxy::new(upstream, config.upstream_timeout);
+    let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Tenant)?;
+    let proxy = Proxy::new(upstream, config.upstream_timeout, tls);
     let protected = tower::ServiceBuilder::new()
         .layer(layer.clone())
         .service(proxy);

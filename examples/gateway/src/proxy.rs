@@ -47,17 +47,53 @@ fn upstream_response(response: Response<hyper::body::Incoming>) -> Response<Body
 /// stream through; the idempotency layer in front buffers keyed requests.
 #[derive(Clone, Debug)]
 pub struct Proxy {
-    client: Client<HttpConnector, Body>,
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>,
     upstream: Uri,
     timeout: Duration,
 }
 
+/// The roots an `https://` upstream's certificate is verified against: the
+/// system's (or those of `SSL_CERT_FILE`), plus the PEM certificates of
+/// `extra_ca` (a private CA).
+pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientConfig, String> {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    roots.add_parsable_certificates(native.certs);
+    if let Some(path) = extra_ca {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .and_then(Iterator::collect)
+            .map_err(|error| format!("cannot read the CA file {}: {error}", path.display()))?;
+        if certs.is_empty() {
+            return Err(format!(
+                "the CA file {} holds no certificate",
+                path.display()
+            ));
+        }
+        for cert in certs {
+            roots.add(cert).map_err(|error| {
+                format!("unusable CA certificate in {}: {error}", path.display())
+            })?;
+        }
+    }
+    Ok(rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
 impl Proxy {
-    /// A proxy to `upstream` (`http://host:port`) that waits at most
-    /// `timeout` for the response head.
-    pub fn new(upstream: Uri, timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
+    /// A proxy to `upstream` (`http://host:port` or `https://host:port`,
+    /// verified against `tls`) that waits at most `timeout` for the
+    /// response head.
+    pub fn new(upstream: Uri, timeout: Duration, tls: rustls::ClientConfig) -> Self {
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
         // An answer with an obs-folded header is still an answer: unfolded
         // rather than refused, so the action's outcome is not lost.
         let client = Client::builder(TokioExecutor::new())
