@@ -30,7 +30,7 @@ use idem_redis::RedisStore;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 
-pub use proxy::{IDEMPOTENCY_ATTEMPT, Proxy, tls_config};
+pub use proxy::{Forwarded, IDEMPOTENCY_ATTEMPT, PeerAddr, Proxy, tls_config};
 
 /// The gateway's configuration: every flag is also an `IDEM_*` variable.
 #[derive(Debug, Clone, Parser)]
@@ -127,6 +127,15 @@ pub struct Config {
     /// Accept a Redis whose maxmemory-policy can evict idem's records (they would be lost silently and retries would run again).
     #[arg(long, env = "IDEM_ALLOW_REDIS_EVICTION", action = ArgAction::SetTrue)]
     pub allow_redis_eviction: bool,
+    /// After each reservation and completion on a single-node Redis, wait until this many replicas have it (0: do not wait). A reservation short of them is released and answered 503; a completion short of them is kept, logged and counted.
+    #[arg(long, env = "IDEM_WAIT_FOR_REPLICAS", default_value_t = 0)]
+    pub wait_for_replicas: usize,
+    /// How long to wait for the replicas (humantime).
+    #[arg(long, env = "IDEM_REPLICA_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
+    pub replica_timeout: Duration,
+    /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
+    #[arg(long, env = "IDEM_FORWARDED", default_value = "x-forwarded", value_parser = parse_forwarded)]
+    pub forwarded: proxy::Forwarded,
 }
 
 /// A secret flag value; `Debug` never shows it.
@@ -213,6 +222,15 @@ fn parse_store(value: &str) -> Result<String, String> {
 
 fn is_postgres(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+fn parse_forwarded(value: &str) -> Result<proxy::Forwarded, String> {
+    match value {
+        "x-forwarded" => Ok(proxy::Forwarded::XForwarded),
+        "forwarded" => Ok(proxy::Forwarded::Rfc7239),
+        "none" => Ok(proxy::Forwarded::None),
+        _ => Err("expected x-forwarded, forwarded or none".to_owned()),
+    }
 }
 
 fn parse_header_name(value: &str) -> Result<HeaderName, String> {
@@ -351,6 +369,11 @@ pub async fn run(
         }
     };
     let tenants = Tenants::resolve(&config)?;
+    if config.wait_for_replicas > 0 && (config.store == "memory" || is_postgres(&config.store)) {
+        return Err(StartError::Tenant(
+            "--wait-for-replicas needs a Redis store".to_owned(),
+        ));
+    }
     let (router, drain) = if config.store == "memory" {
         let quota = match config.memory_tenant_quota {
             Some(0) => None,
@@ -394,11 +417,11 @@ pub async fn run(
         })?;
         router(&config, &tenants, store, None, upstream.clone())?
     } else {
-        let store = std::sync::Arc::new(
-            RedisStore::builder(&config.store)
-                .timeout(config.store_timeout)
-                .build()?,
-        );
+        let mut builder = RedisStore::builder(&config.store).timeout(config.store_timeout);
+        if config.wait_for_replicas > 0 {
+            builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
+        }
+        let store = std::sync::Arc::new(builder.build()?);
         check_redis(&store, config.allow_redis_eviction).await?;
         check_failover(&store, config.lease).await;
         let checked = std::sync::Arc::clone(&store);
@@ -518,7 +541,7 @@ async fn serve(
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
@@ -530,7 +553,13 @@ async fn serve(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
+        let service = TowerToHyperService::new(tower::ServiceExt::map_request(
+            router.clone(),
+            move |mut request: Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(proxy::PeerAddr(peer));
+                request
+            },
+        ));
         let connection = builder
             .serve_connection(TokioIo::new(stream), service)
             .into_owned();
@@ -694,7 +723,7 @@ fn router<S: Store>(
     let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
     let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Tenant)?;
-    let proxy = Proxy::new(upstream, config.upstream_timeout, tls);
+    let proxy = Proxy::new(upstream, config.upstream_timeout, tls).forwarded(config.forwarded);
     let protected = tower::ServiceBuilder::new()
         .layer(layer.clone())
         .service(proxy);

@@ -50,6 +50,92 @@ pub struct Proxy {
     client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>,
     upstream: Uri,
     timeout: Duration,
+    forwarded: Forwarded,
+}
+
+/// Which headers tell the upstream who the client is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forwarded {
+    /// `X-Forwarded-For` (the client's address appended to what came),
+    /// `X-Forwarded-Proto` and `X-Forwarded-Host`.
+    XForwarded,
+    /// RFC 7239 `Forwarded: for=…;proto=…;host=…`, appended to what came.
+    Rfc7239,
+    /// Neither.
+    None,
+}
+
+/// The address of the client a request came from (put in the request
+/// extensions by the gateway's server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerAddr(pub std::net::SocketAddr);
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Every value of `name`, joined with `, `, then `value`.
+fn appended(headers: &http::HeaderMap, name: &HeaderName, value: &str) -> Option<HeaderValue> {
+    let mut all: Vec<&str> = headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    all.push(value);
+    HeaderValue::from_str(&all.join(", ")).ok()
+}
+
+/// A `Forwarded` parameter value: quoted unless a plain token.
+fn forwarded_value(value: &str) -> String {
+    let token = !value.is_empty()
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+    if token {
+        value.to_owned()
+    } else {
+        format!("\"{}\"", value.replace('\\', "\\\\").replace('"', "\\\""))
+    }
+}
+
+/// Tells the upstream who the client is, as `style` says.
+fn add_forwarded(
+    headers: &mut http::HeaderMap,
+    style: Forwarded,
+    peer: Option<std::net::IpAddr>,
+    host: Option<&str>,
+) {
+    match style {
+        Forwarded::None => {}
+        Forwarded::XForwarded => {
+            if let Some(value) =
+                peer.and_then(|ip| appended(headers, &X_FORWARDED_FOR, &ip.to_string()))
+            {
+                headers.insert(X_FORWARDED_FOR, value);
+            }
+            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+            if let Some(value) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
+                headers.insert(X_FORWARDED_HOST, value);
+            }
+        }
+        Forwarded::Rfc7239 => {
+            let mut element = Vec::new();
+            if let Some(ip) = peer {
+                let node = match ip {
+                    std::net::IpAddr::V4(v4) => v4.to_string(),
+                    std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+                };
+                element.push(format!("for={}", forwarded_value(&node)));
+            }
+            element.push("proto=http".to_owned());
+            if let Some(host) = host {
+                element.push(format!("host={}", forwarded_value(host)));
+            }
+            if let Some(value) = appended(headers, &header::FORWARDED, &element.join(";")) {
+                headers.insert(header::FORWARDED, value);
+            }
+        }
+    }
 }
 
 /// The roots an `https://` upstream's certificate is verified against: the
@@ -103,10 +189,25 @@ impl Proxy {
             client,
             upstream,
             timeout,
+            forwarded: Forwarded::XForwarded,
         }
     }
 
+    /// Which headers tell the upstream who the client is (default
+    /// [`Forwarded::XForwarded`]).
+    pub fn forwarded(mut self, style: Forwarded) -> Self {
+        self.forwarded = style;
+        self
+    }
+
     async fn forward(self, mut request: Request<Body>) -> Response<Body> {
+        let host = request
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_owned)
+            .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()));
+        let peer = request.extensions().get::<PeerAddr>().map(|p| p.0.ip());
         let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
         let uri = match Uri::builder()
             .scheme(self.upstream.scheme_str().unwrap_or("http"))
@@ -136,6 +237,7 @@ impl Proxy {
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
+        add_forwarded(headers, self.forwarded, peer, host.as_deref());
         // The gateway owns the attempt header: a client's is never passed on.
         headers.remove(IDEMPOTENCY_ATTEMPT);
         if let Some((generation, key)) = protected {

@@ -927,3 +927,70 @@ async fn tls_to_redis_verifies_the_server() {
     );
     assert_eq!(upstream.runs(), 1);
 }
+
+/// `--wait-for-replicas`: a reservation no replica acknowledged is released
+/// and answered 503 (the upstream never runs on it); a completion that
+/// reached too few replicas is kept (the action ran: its client gets the
+/// answer, a retry replays it) and logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_short_of_the_requested_are_reported() {
+    let Some(master) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let log =
+        std::env::temp_dir().join(format!("idem-gateway-replicas-{}.log", std::process::id()));
+    let gateway = Process::spawn(
+        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0", "--upstream", &upstream_url])
+            .args(["--store", &master.url(), "--tenant-secret", SECRET])
+            .args(["--wait-for-replicas", "1", "--replica-timeout", "100ms"])
+            .env("RUST_LOG", "warn")
+            .stderr(std::fs::File::create(&log).expect("log file")),
+    );
+    let http = client();
+    let post = |path: &str, key: &str| {
+        Request::post(format!("http://{}{path}", gateway.addr))
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let alone = send(&http, post("/orders", "no-replica")).await;
+    assert_eq!(alone.status, StatusCode::SERVICE_UNAVAILABLE, "{alone:?}");
+    assert_eq!(
+        alone.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(upstream.runs(), 0);
+
+    let port = master.port.to_string();
+    let Some(mut replica) = RedisServer::spawn_with(&["--replicaof", "127.0.0.1", &port]) else {
+        return;
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !master
+        .cli(&["INFO", "replication"])
+        .contains("state=online")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica never synced"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let running = tokio::spawn(send(&http, post("/slow", "replica-lost")));
+    upstream.wait_runs(1).await;
+    replica.kill();
+    upstream.gate.add_permits(1);
+    let answered = running.await.expect("join");
+    assert_eq!(answered.status, StatusCode::CREATED, "{answered:?}");
+    let replay = send(&http, post("/slow", "replica-lost")).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(upstream.runs(), 1);
+    let text = std::fs::read_to_string(&log).expect("log");
+    let _ = std::fs::remove_file(&log);
+    assert!(text.contains("fewer replicas than requested"), "{text}");
+}
