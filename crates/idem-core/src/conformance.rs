@@ -17,8 +17,8 @@ use std::{future::Future, sync::Arc, time::Duration};
 use bytes::Bytes;
 
 use crate::{
-    ATTEMPT_HISTORY, AttemptOutcome, Cancellation, Completion, Current, Fingerprint,
-    IdempotencyKey, LateEvidence, Outcome, RecordState, Release, Renewal, Reservation,
+    ATTEMPT_HISTORY, AttemptOutcome, Cancellation, Completion, Current, Fingerprint, ForceRelease,
+    IdempotencyKey, LateEvidence, Outcome, RecordQuery, RecordState, Release, Renewal, Reservation,
     ReserveRequest, Scope, Store, StoredResponse,
 };
 
@@ -640,6 +640,105 @@ pub async fn concurrent_reserve_acquires_once<H: Harness>(h: Arc<H>) {
     assert_eq!(acquired, 1);
 }
 
+/// An operator frees a stuck key: the processing record is released (the
+/// attempt kept as released by an operator), its owner's writes are
+/// fenced, and the next request runs as a new attempt. A completed record
+/// is left alone.
+pub async fn force_release_frees_a_stuck_key<H: Harness>(h: &H) {
+    let scope = fresh_scope("stuck");
+    let lease = acquire(h, &scope, 1).await;
+    let released = h.store().force_release(scope.hash()).await.expect("force");
+    let ForceRelease::Released(record) = released else {
+        panic!("expected Released, got {released:?}");
+    };
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(
+        record.attempts[0].outcome,
+        AttemptOutcome::ReleasedByOperator
+    );
+    assert!(matches!(
+        h.store()
+            .complete(&lease, &response(201, b"late"))
+            .await
+            .expect("complete"),
+        Completion::Fenced(Current::Vacant)
+    ));
+    let next = acquire(h, &scope, 1).await;
+    assert_eq!(next.generation, 2);
+    let _ = h
+        .store()
+        .complete(&next, &response(201, b"ok"))
+        .await
+        .expect("complete");
+    assert!(matches!(
+        h.store().force_release(scope.hash()).await.expect("force"),
+        ForceRelease::NotProcessing(_)
+    ));
+    assert_eq!(
+        h.store()
+            .force_release(fresh_scope("none").hash())
+            .await
+            .expect("force"),
+        ForceRelease::NotFound
+    );
+}
+
+/// Listing finds a tenant's records by state and lapsed lease, oldest
+/// first, and never another tenant's.
+pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
+    let tenant = format!("conformance-{}", uuid::Uuid::new_v4());
+    let scope = |key: &str| {
+        Scope::new(
+            tenant.clone(),
+            "POST /orders",
+            IdempotencyKey::parse(key.as_bytes()).expect("key"),
+        )
+    };
+    let (first, second, done) = (scope("first"), scope("second"), scope("done"));
+    let _ = acquire(h, &first, 1).await;
+    h.advance(Duration::from_millis(20)).await;
+    let _ = acquire(h, &second, 1).await;
+    let lease = acquire(h, &done, 1).await;
+    let _ = h
+        .store()
+        .complete(&lease, &response(201, b"ok"))
+        .await
+        .expect("complete");
+    let _ = acquire(h, &fresh_scope("elsewhere"), 1).await;
+    let query = |state, lapsed| RecordQuery {
+        tenant: Some(tenant.clone()),
+        state,
+        older_than: None,
+        lapsed,
+        limit: 100,
+    };
+    let all = h.store().list(&query(None, false)).await.expect("list");
+    assert_eq!(all.len(), 3, "{all:?}");
+    assert!(all.iter().all(|r| r.tenant == tenant));
+    let processing = h
+        .store()
+        .list(&query(Some(RecordState::Processing), false))
+        .await
+        .expect("list");
+    let keys: Vec<&str> = processing.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(keys, ["first", "second"], "oldest first");
+    assert!(
+        h.store()
+            .list(&query(None, true))
+            .await
+            .expect("list")
+            .is_empty()
+    );
+    h.advance(h.lease() + Duration::from_millis(50)).await;
+    let stuck = h.store().list(&query(None, true)).await.expect("list");
+    assert_eq!(stuck.len(), 2, "{stuck:?}");
+    let limited = RecordQuery {
+        limit: 1,
+        ..query(None, false)
+    };
+    assert_eq!(h.store().list(&limited).await.expect("list").len(), 1);
+}
+
 /// Runs every check in turn on one harness (for stores that are costly to
 /// set up, like a cluster). Use a multi-thread runtime.
 pub async fn run_all<H: Harness>(harness: Arc<H>) {
@@ -662,6 +761,8 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     expiry_after_retention(h).await;
     attempt_history_is_bounded(h).await;
     tenants_are_isolated(h).await;
+    force_release_frees_a_stuck_key(h).await;
+    list_finds_a_tenants_records(h).await;
     concurrent_reserve_acquires_once(Arc::clone(&harness)).await;
 }
 
@@ -691,7 +792,9 @@ macro_rules! conformance_tests {
             cancel_released_is_not_found,
             expiry_after_retention,
             attempt_history_is_bounded,
-            tenants_are_isolated
+            tenants_are_isolated,
+            force_release_frees_a_stuck_key,
+            list_finds_a_tenants_records
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn concurrent_reserve_acquires_once() {

@@ -39,6 +39,6 @@ pub use record::{
 };
 pub use scope::{Fingerprint, Scope, ScopeHash};
 pub use store::{
-    Cancellation, Completion, Current, Release, Renewal, Replay, Reservation, ReserveRequest,
-    Store, StoreError,
+    Cancellation, Completion, Current, ForceRelease, RecordQuery, Release, Renewal, Replay,
+    Reservation, ReserveRequest, Store, StoreError,
 };

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use crate::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, Cancellation, Completion, Current,
-    LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, Release, Renewal, Replay,
-    Reservation, ReserveRequest,
+    ForceRelease, LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, Release, Renewal,
+    Replay, Reservation, ReserveRequest,
 };
 
 fn millis(duration: Duration) -> u64 {
@@ -285,4 +285,21 @@ pub fn cancel(slot: &mut Option<Record>, now_ms: u64) -> Cancellation {
             Cancellation::Cancelled(record.clone())
         }
     }
+}
+
+/// Releases a processing record whatever its lease (an operator freeing a
+/// stuck key): the attempt ends as released by an operator.
+pub fn force_release(slot: &mut Option<Record>, now_ms: u64) -> ForceRelease {
+    expire(slot, now_ms);
+    let Some(record) = slot.as_mut() else {
+        return ForceRelease::NotFound;
+    };
+    if record.state != RecordState::Processing {
+        return ForceRelease::NotProcessing(record.clone());
+    }
+    end_current_attempt(record, AttemptOutcome::ReleasedByOperator, now_ms);
+    record.state = RecordState::Released;
+    record.owner = None;
+    record.updated_at_ms = now_ms;
+    ForceRelease::Released(record.clone())
 }

@@ -195,6 +195,9 @@ pub enum AttemptOutcome {
     Superseded,
     /// Its record was cancelled while it ran.
     Cancelled,
+    /// An operator released its key (a stuck attempt); its side effects
+    /// are unknown.
+    ReleasedByOperator,
 }
 
 /// What a fenced attempt tried to write after it lost its lease.

@@ -19,7 +19,7 @@
 
 use std::{future::Future, time::Duration};
 
-use crate::{Attempt, Fingerprint, Lease, Outcome, Record, Scope, ScopeHash};
+use crate::{Attempt, Fingerprint, Lease, Outcome, Record, RecordState, Scope, ScopeHash};
 
 /// What [`Store::reserve`] needs to know.
 #[derive(Debug, Clone)]
@@ -137,6 +137,53 @@ pub enum Cancellation {
     NotFound,
 }
 
+/// Which records [`Store::list`] answers, oldest first.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RecordQuery {
+    /// Only this tenant's records (`None`: every tenant, for operators).
+    pub tenant: Option<String>,
+    /// Only records in this state.
+    pub state: Option<RecordState>,
+    /// Only records created at least this long ago (store clock).
+    pub older_than: Option<Duration>,
+    /// Only processing records whose lease has lapsed (stuck: nobody
+    /// renews them and nobody took them over yet).
+    pub lapsed: bool,
+    /// At most this many records (0: none).
+    pub limit: usize,
+}
+
+impl RecordQuery {
+    /// Whether `record` is one the query asks for, at `now_ms`.
+    pub fn matches(&self, record: &Record, now_ms: u64) -> bool {
+        let older = self.older_than.is_none_or(|age| {
+            let age = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+            now_ms.saturating_sub(record.created_at_ms) >= age
+        });
+        !record.is_expired(now_ms)
+            && self.tenant.as_ref().is_none_or(|t| *t == record.tenant)
+            && self.state.is_none_or(|s| s == record.state)
+            && older
+            && (!self.lapsed
+                || (record.state == RecordState::Processing
+                    && record.lease_expires_at_ms <= now_ms))
+    }
+}
+
+/// The answer to [`Store::force_release`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum ForceRelease {
+    /// The processing record is released: the key is free, and the attempt
+    /// that held it is kept as released by an operator (its lease is
+    /// fenced).
+    Released(Record),
+    /// The record is not processing; nothing changed.
+    NotProcessing(Record),
+    /// No live record.
+    NotFound,
+}
+
 /// A store call failed; the layer answers `503 idempotency_store_unavailable`
 /// (or runs unprotected when configured to fail open).
 #[derive(Debug, thiserror::Error)]
@@ -232,6 +279,33 @@ pub trait Store: Send + Sync + 'static {
         scope: &ScopeHash,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
 
+    /// Lists live records as `query` asks, oldest first (an operator's
+    /// tool: a store may scan every record). The default answers that the
+    /// store cannot list.
+    fn list(
+        &self,
+        query: &RecordQuery,
+    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send {
+        let _ = query;
+        std::future::ready(Err(StoreError::unavailable(
+            "this store cannot list records",
+        )))
+    }
+
+    /// Releases a processing record whatever its lease (an operator
+    /// freeing a stuck key): the attempt is kept as released by an
+    /// operator, and its later writes are fenced. The default answers that
+    /// the store cannot.
+    fn force_release(
+        &self,
+        scope: &ScopeHash,
+    ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send {
+        let _ = scope;
+        std::future::ready(Err(StoreError::unavailable(
+            "this store cannot force a release",
+        )))
+    }
+
     /// Resolves when the record of `scope` may have changed, or after at
     /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
     /// allowed. The default polls: it sleeps for a short interval (25 ms, or
@@ -282,5 +356,19 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn changed(&self, scope: &ScopeHash, timeout: Duration) -> impl Future<Output = ()> + Send {
         (**self).changed(scope, timeout)
+    }
+
+    fn list(
+        &self,
+        query: &RecordQuery,
+    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send {
+        (**self).list(query)
+    }
+
+    fn force_release(
+        &self,
+        scope: &ScopeHash,
+    ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send {
+        (**self).force_release(scope)
     }
 }

@@ -44,8 +44,9 @@ use std::{
 };
 
 use idem_core::{
-    AttemptId, Cancellation, Completion, Lease, Outcome, OwnerToken, Record, RecordState, Release,
-    Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
+    AttemptId, Cancellation, Completion, ForceRelease, Lease, Outcome, OwnerToken, Record,
+    RecordQuery, RecordState, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store,
+    StoreError, machine,
 };
 use parking_lot::Mutex;
 use tokio::sync::{Notify, futures::OwnedNotified};
@@ -696,6 +697,29 @@ impl Store for MemoryStore {
             .record(scope)
             .filter(|r| !r.is_expired(now_ms))
             .cloned())
+    }
+
+    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
+        let now_ms = self.now_ms();
+        let mut found: Vec<Record> = Vec::new();
+        for shard in &self.inner.shards {
+            let state = shard.state.lock();
+            found.extend(
+                state
+                    .records
+                    .values()
+                    .filter_map(|slot| slot.as_ref().as_ref())
+                    .filter(|record| query.matches(record, now_ms))
+                    .cloned(),
+            );
+        }
+        found.sort_by_key(|record| record.created_at_ms);
+        found.truncate(query.limit);
+        Ok(found)
+    }
+
+    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
+        Ok(self.with_existing(scope, machine::force_release))
     }
 
     async fn changed(&self, scope: &ScopeHash, timeout: Duration) {

@@ -47,8 +47,8 @@ mod tx;
 use std::{fmt, sync::Arc, time::Duration};
 
 use idem_core::{
-    Cancellation, Completion, Lease, Outcome, OwnerToken, Record, Release, Renewal, Reservation,
-    ReserveRequest, ScopeHash, Store, StoreError, machine,
+    Cancellation, Completion, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
+    Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
 };
 use sqlx::{
     PgPool, Row,
@@ -97,6 +97,7 @@ struct Sql {
     update: String,
     delete: String,
     sweep: String,
+    list: String,
 }
 
 impl Sql {
@@ -152,6 +153,16 @@ impl Sql {
                 values = row::placeholders(),
             ),
             delete: format!("DELETE FROM {table} WHERE scope = $1"),
+            list: format!(
+                "WITH t AS (SELECT {NOW_MS} AS now) \
+                 SELECT t.now AS now_ms, {selected} FROM {table} r, t \
+                 WHERE r.expires_at_ms > t.now \
+                   AND ($1::text IS NULL OR r.tenant = $1) \
+                   AND ($2::text IS NULL OR r.state = $2) \
+                   AND r.created_at_ms <= t.now - $3 \
+                   AND (NOT $4 OR (r.state = 'processing' AND r.lease_expires_at_ms <= t.now)) \
+                 ORDER BY r.created_at_ms LIMIT $5"
+            ),
             sweep: format!(
                 "WITH t AS (SELECT {NOW_MS} AS now) \
                  DELETE FROM {table} WHERE scope IN (SELECT e.scope FROM {table} e, t \
@@ -605,6 +616,29 @@ impl Store for PgStore {
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
         let answer = self.transition(scope, false, machine::cancel).await?;
         Ok(vacant(answer, Cancellation::NotFound))
+    }
+
+    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
+        let older = query.older_than.map_or(0, |age| {
+            row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
+        });
+        let rows = sqlx::query(&self.inner.sql.list)
+            .bind(query.tenant.as_deref())
+            .bind(query.state.map(|state| state.as_str()))
+            .bind(older)
+            .bind(query.lapsed)
+            .bind(i64::try_from(query.limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(failed)?;
+        rows.iter().map(row::decode).collect()
+    }
+
+    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
+        let answer = self
+            .transition(scope, false, machine::force_release)
+            .await?;
+        Ok(vacant(answer, ForceRelease::NotFound))
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {

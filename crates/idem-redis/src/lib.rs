@@ -67,8 +67,9 @@ use bytes::Bytes;
 use deadpool_redis::{Runtime, Timeouts};
 use idem_core::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, Cancellation, Completion, Current,
-    Fingerprint, LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, Release, Renewal,
-    Replay, Reservation, ReserveRequest, ScopeHash, Store, StoreError, StoredResponse,
+    Fingerprint, ForceRelease, LateEvidence, Lease, Outcome, OwnerToken, Record, RecordQuery,
+    RecordState, Release, Renewal, Replay, Reservation, ReserveRequest, ScopeHash, Store,
+    StoreError, StoredResponse,
 };
 use redis::{Script, ScriptInvocation, Value};
 
@@ -86,6 +87,7 @@ struct Scripts {
     cancel: Script,
     get: Script,
     abandon: Script,
+    force_release: Script,
 }
 
 impl Scripts {
@@ -99,6 +101,7 @@ impl Scripts {
             cancel: script(include_str!("lua/cancel.lua")),
             get: script(include_str!("lua/get.lua")),
             abandon: script(include_str!("lua/abandon.lua")),
+            force_release: script(include_str!("lua/force_release.lua")),
         }
     }
 }
@@ -424,6 +427,93 @@ impl RedisStore {
         })
     }
 
+    /// The keys of every record (`SCAN` of each node; on a cluster, of
+    /// each master), at most [`LIST_SCAN_LIMIT`].
+    async fn record_keys(&self) -> Result<Vec<String>, StoreError> {
+        let pattern = format!("{}{{*", self.prefix);
+        let scan = |cursor: u64| {
+            let mut cmd = redis::cmd("SCAN");
+            cmd.arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000);
+            cmd
+        };
+        let mut keys = Vec::new();
+        let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
+        let nodes: Vec<Option<Address>> = match &conn {
+            Conn::Single(_) => vec![None],
+            Conn::Cluster(_) => {
+                let health_nodes = {
+                    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+                    let Conn::Cluster(mut cluster) = conn.clone() else {
+                        unreachable!("matched a cluster connection")
+                    };
+                    let asked = cluster.route_command(
+                        redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+                    );
+                    let slots = self
+                        .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+                        .await?;
+                    let mut masters: Vec<Address> =
+                        slot_ranges(&slots)?.into_iter().map(|r| r.2).collect();
+                    masters.sort();
+                    masters.dedup();
+                    masters
+                };
+                health_nodes.into_iter().map(Some).collect()
+            }
+        };
+        for node in nodes {
+            let mut cursor = 0u64;
+            loop {
+                let asked = async {
+                    match (&conn, &node) {
+                        (Conn::Single(c), _) => {
+                            scan(cursor)
+                                .query_async::<(u64, Vec<String>)>(&mut c.clone())
+                                .await
+                        }
+                        (Conn::Cluster(c), Some((host, port))) => {
+                            use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+                            let value = c
+                                .clone()
+                                .route_command(
+                                    scan(cursor),
+                                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                                        host: host.clone(),
+                                        port: *port,
+                                    }),
+                                )
+                                .await?;
+                            redis::from_redis_value(value).map_err(redis::RedisError::from)
+                        }
+                        (Conn::Cluster(_), None) => Ok((0, Vec::new())),
+                    }
+                };
+                let (next, batch) = match self
+                    .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+                    .await
+                {
+                    Ok(page) => page,
+                    Err(error) => {
+                        self.failed(lane);
+                        return Err(error);
+                    }
+                };
+                keys.extend(batch);
+                if next == 0 || keys.len() >= LIST_SCAN_LIMIT {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        keys.truncate(LIST_SCAN_LIMIT);
+        Ok(keys)
+    }
+
     /// A cluster's `cluster-node-timeout` (`CONFIG GET`, from any node);
     /// `None` on a single node or where `CONFIG` is not allowed.
     pub async fn cluster_node_timeout(&self) -> Option<Duration> {
@@ -677,6 +767,16 @@ impl Drop for Abandon {
         });
     }
 }
+
+/// A scope hash from its 64 hex characters.
+fn scope_from_hex(hex: &str) -> Option<ScopeHash> {
+    let fingerprint = idem_core::Fingerprint::from_hex(hex)?;
+    Some(ScopeHash::from_bytes(*fingerprint.as_bytes()))
+}
+
+/// The most record keys [`Store::list`] reads (it scans, then reads each
+/// record: an operator's tool, not a hot path).
+pub const LIST_SCAN_LIMIT: usize = 100_000;
 
 /// The hash slots of Redis Cluster.
 const SLOTS: u32 = 16_384;
@@ -994,6 +1094,7 @@ fn current_attempt(
         "released" => AttemptOutcome::Released,
         "superseded" => AttemptOutcome::Superseded,
         "cancelled" => AttemptOutcome::Cancelled,
+        "released_by_operator" => AttemptOutcome::ReleasedByOperator,
         other => return Err(corrupt(format!("attempt outcome {other:?}"))),
     };
     Ok(Attempt {
@@ -1243,6 +1344,47 @@ impl Store for RedisStore {
             "already_completed" => Cancellation::AlreadyCompleted(record()?),
             "already_cancelled" => Cancellation::AlreadyCancelled(record()?),
             other => return Err(corrupt(format!("unexpected cancel reply {other}"))),
+        })
+    }
+
+    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
+        let clock: Vec<u64> = self.command(redis::cmd("TIME")).await?;
+        let now_ms = match clock.as_slice() {
+            [secs, micros] => secs * 1000 + micros / 1000,
+            _ => return Err(corrupt("TIME answered oddly")),
+        };
+        let mut found = Vec::new();
+        for key in self.record_keys().await? {
+            let Some(scope) = key
+                .strip_prefix(&self.prefix)
+                .and_then(|rest| rest.strip_prefix('{'))
+                .and_then(|rest| rest.strip_suffix('}'))
+                .and_then(scope_from_hex)
+            else {
+                continue;
+            };
+            if let Some(record) = self.get(&scope).await?
+                && query.matches(&record, now_ms)
+            {
+                found.push(record);
+            }
+        }
+        found.sort_by_key(|record| record.created_at_ms);
+        found.truncate(query.limit);
+        Ok(found)
+    }
+
+    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
+        let mut invocation = self.scripts.force_release.prepare_invoke();
+        invocation.key(self.record_key(scope));
+        let reply = items(self.run(invocation, false).await?.0)?;
+        let Some((kind, pairs)) = reply.split_first() else {
+            return Err(corrupt("empty force-release reply"));
+        };
+        Ok(match text(kind)?.as_str() {
+            "released" => ForceRelease::Released(decode_record(*scope, pairs)?),
+            "not_processing" => ForceRelease::NotProcessing(decode_record(*scope, pairs)?),
+            _ => ForceRelease::NotFound,
         })
     }
 
