@@ -137,7 +137,7 @@ pub enum Cancellation {
     NotFound,
 }
 
-/// Which records [`Store::list`] answers, oldest first.
+/// Which records [`Store::list`] answers, oldest first (then by key).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RecordQuery {
     /// Only this tenant's records (`None`: every tenant, for operators).

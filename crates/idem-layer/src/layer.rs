@@ -83,6 +83,8 @@ pub(crate) struct Config {
     pub(crate) unknown_wait: Duration,
     pub(crate) problem_type_base: Option<Arc<str>>,
     pub(crate) problem_hook: Option<Arc<ProblemHook>>,
+    /// SHA-256 of the records API's admin credential, if one is set.
+    pub(crate) admin_token: Option<[u8; 32]>,
 }
 
 impl Config {
@@ -251,6 +253,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 unknown_wait: Duration::from_secs(60),
                 problem_type_base: None,
                 problem_hook: None,
+                admin_token: None,
             }),
             tasks: tokio_util::task::TaskTracker::new(),
         }
@@ -360,6 +363,16 @@ impl<S: Store> IdempotencyLayer<S> {
     /// `fail_open`), instead of `503 idempotency_store_unavailable`.
     pub fn fail_open(self) -> Self {
         self.with(|c| c.fail_open = true)
+    }
+
+    /// An admin credential for the records API: a request whose
+    /// `x-idem-admin-token` header carries it may list every tenant's
+    /// records and act on another tenant's (`tenant=`). Keep it as secret
+    /// as a database password.
+    pub fn records_admin_token(self, token: impl AsRef<[u8]>) -> Self {
+        use sha2::Digest;
+        let digest: [u8; 32] = sha2::Sha256::digest(token.as_ref()).into();
+        self.with(|c| c.admin_token = Some(digest))
     }
 
     /// The timeout of every store call (default 1 s).

@@ -58,6 +58,9 @@ pub enum ProblemCode {
     /// store; other tenants are not affected. `Retry-After` says when its
     /// earliest record expires.
     QuotaExceeded,
+    /// 403: the records API request needs the admin credential (another
+    /// tenant's records, or every tenant's).
+    AdminRequired,
 }
 
 impl ProblemCode {
@@ -81,6 +84,7 @@ impl ProblemCode {
             ProblemCode::MethodCaseMismatch => "method_case_mismatch",
             ProblemCode::LayerMissing => "idempotency_layer_missing",
             ProblemCode::QuotaExceeded => "idempotency_quota_exceeded",
+            ProblemCode::AdminRequired => "idempotency_admin_required",
         }
     }
 
@@ -104,6 +108,7 @@ impl ProblemCode {
             }
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
             ProblemCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            ProblemCode::AdminRequired => StatusCode::FORBIDDEN,
         }
     }
 
@@ -126,6 +131,7 @@ impl ProblemCode {
             ProblemCode::MethodCaseMismatch => "Method differs from a protected method by case",
             ProblemCode::LayerMissing => "The idempotency layer did not run for this request",
             ProblemCode::QuotaExceeded => "The caller holds its quota of idempotency records",
+            ProblemCode::AdminRequired => "The records API admin credential is required",
         }
     }
 }

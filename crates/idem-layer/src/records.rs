@@ -31,6 +31,22 @@
 //! }
 //! ```
 //!
+//! Operators also:
+//!
+//! * `GET` without `key` lists the caller's live records, oldest first:
+//!   `{"records": [...]}`, filtered by `state=processing`,
+//!   `older_than=10m` (since created), `lapsed=true` (processing records
+//!   whose lease lapsed: stuck), and `limit` (default 100, at most 1,000).
+//! * `POST ?method=…&path=…&key=…&action=release` releases a stuck
+//!   processing record whatever its lease: `200 {"result": "released",
+//!   "record": …}` (its attempt is kept as `released_by_operator`, its
+//!   later writes are fenced, the next request runs), `409 {"result":
+//!   "not_processing", …}` for any other state, `404` for none.
+//! * With the admin credential ([`records_admin_token`](crate::IdempotencyLayer::records_admin_token),
+//!   header `x-idem-admin-token`), `tenant=` acts for another tenant and a
+//!   list without `tenant` covers every tenant; `tenant=` without the
+//!   credential is `403 idempotency_admin_required`.
+//!
 //! `DELETE` answers `200` with `{"result": …, "record": …}`, where `result`
 //! says which side won: `cancelled` (the record was processing and is now
 //! cancelled; the running attempt's completion will be fenced),
@@ -49,7 +65,10 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
 use http_body_util::Empty;
-use idem_core::{Attempt, Cancellation, IdempotencyKey, Record, Scope, ScopeHash, Store};
+use idem_core::{
+    Attempt, Cancellation, ForceRelease, IdempotencyKey, Record, RecordQuery, RecordState, Scope,
+    ScopeHash, Store,
+};
 use serde_json::{Value, json};
 use tower::Service;
 
@@ -121,57 +140,192 @@ fn json_response(status: StatusCode, value: &Value) -> Response<RecordsBody> {
     response
 }
 
-impl<S: Store> RecordsService<S> {
-    fn scope(&self, parts: &Parts) -> Result<ScopeHash, (ProblemCode, String)> {
-        let tenant = match self.config.tenant.tenant(parts) {
-            Some(tenant) => tenant,
-            None if self.config.allow_anonymous => ANONYMOUS_TENANT.to_owned(),
-            None => {
-                let detail = "the records API needs an identified caller";
-                return Err((ProblemCode::TenantMissing, detail.to_owned()));
-            }
-        };
-        let (mut method, mut path, mut key) = (None, None, None);
+/// The query of a records API request.
+#[derive(Default)]
+struct Query {
+    method: Option<String>,
+    path: Option<String>,
+    key: Option<String>,
+    tenant: Option<String>,
+    state: Option<String>,
+    older_than: Option<String>,
+    lapsed: bool,
+    limit: Option<String>,
+    action: Option<String>,
+}
+
+impl Query {
+    fn parse(parts: &Parts) -> Self {
+        let mut query = Query::default();
         for (name, value) in
             form_urlencoded::parse(parts.uri.query().unwrap_or_default().as_bytes())
         {
+            let value = value.into_owned();
             match &*name {
-                "method" => method = Some(value.into_owned()),
-                "path" => path = Some(value.into_owned()),
-                "key" => key = Some(value.into_owned()),
+                "method" => query.method = Some(value),
+                "path" => query.path = Some(value),
+                "key" => query.key = Some(value),
+                "tenant" => query.tenant = Some(value),
+                "state" => query.state = Some(value),
+                "older_than" => query.older_than = Some(value),
+                "lapsed" => query.lapsed = value == "true" || value == "1",
+                "limit" => query.limit = Some(value),
+                "action" => query.action = Some(value),
                 _ => {}
             }
         }
-        let (Some(method), Some(path), Some(key)) = (method, path, key) else {
-            let detail = "the query needs method, path and key";
-            return Err((ProblemCode::RecordQueryInvalid, detail.to_owned()));
+        query
+    }
+}
+
+/// The most records one list answers.
+const LIST_LIMIT: usize = 1_000;
+
+type Refusal = (ProblemCode, String);
+
+fn invalid(detail: impl Into<String>) -> Refusal {
+    (ProblemCode::RecordQueryInvalid, detail.into())
+}
+
+impl<S: Store> RecordsService<S> {
+    /// Whether the request carries the admin credential.
+    fn is_admin(&self, parts: &Parts) -> bool {
+        use sha2::Digest;
+        let (Some(expected), Some(given)) = (
+            self.config.admin_token,
+            parts.headers.get("x-idem-admin-token"),
+        ) else {
+            return false;
+        };
+        let given: [u8; 32] = sha2::Sha256::digest(given.as_bytes()).into();
+        // Digests of equal length, compared whole.
+        given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+
+    /// The tenant the request acts for: the caller's own, or with the admin
+    /// credential the `tenant` asked for (`None`: every tenant, for
+    /// listing).
+    fn tenant(&self, parts: &Parts, query: &Query) -> Result<Option<String>, Refusal> {
+        if self.is_admin(parts) {
+            return Ok(query.tenant.clone());
+        }
+        if query.tenant.is_some() {
+            let detail = "acting for another tenant needs the admin credential";
+            return Err((ProblemCode::AdminRequired, detail.to_owned()));
+        }
+        match self.config.tenant.tenant(parts) {
+            Some(tenant) => Ok(Some(tenant)),
+            None if self.config.allow_anonymous => Ok(Some(ANONYMOUS_TENANT.to_owned())),
+            None if self.config.admin_token.is_some()
+                && parts.headers.contains_key("x-idem-admin-token") =>
+            {
+                let detail = "the admin credential is not the one configured";
+                Err((ProblemCode::AdminRequired, detail.to_owned()))
+            }
+            None => {
+                let detail = "the records API needs an identified caller";
+                Err((ProblemCode::TenantMissing, detail.to_owned()))
+            }
+        }
+    }
+
+    fn scope(&self, tenant: Option<String>, query: &Query) -> Result<ScopeHash, Refusal> {
+        let (Some(method), Some(path), Some(key)) = (&query.method, &query.path, &query.key) else {
+            return Err(invalid("the query needs method, path and key"));
+        };
+        let Some(tenant) = tenant else {
+            return Err(invalid("name the record's tenant"));
         };
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| (ProblemCode::KeyInvalid, e.to_string()))?;
         let operation = format!(
             "{} {}",
             method.to_ascii_uppercase(),
-            crate::normalize_path(&path)
+            crate::normalize_path(path)
         );
         Ok(*Scope::new(tenant, operation, key).hash())
     }
 
+    fn list_query(tenant: Option<String>, query: &Query) -> Result<RecordQuery, Refusal> {
+        let state = match query.state.as_deref() {
+            None => None,
+            Some("processing") => Some(RecordState::Processing),
+            Some("completed") => Some(RecordState::Completed),
+            Some("cancelled") => Some(RecordState::Cancelled),
+            Some("released") => Some(RecordState::Released),
+            Some(other) => return Err(invalid(format!("unknown state {other:?}"))),
+        };
+        let older_than = query
+            .older_than
+            .as_deref()
+            .map(humantime::parse_duration)
+            .transpose()
+            .map_err(|e| invalid(format!("older_than: {e}")))?;
+        let limit = query
+            .limit
+            .as_deref()
+            .map(str::parse::<usize>)
+            .transpose()
+            .map_err(|_| invalid("limit is not a number"))?
+            .unwrap_or(100)
+            .min(LIST_LIMIT);
+        Ok(RecordQuery {
+            tenant,
+            state,
+            older_than,
+            lapsed: query.lapsed,
+            limit,
+        })
+    }
+
     async fn answer<B>(&self, request: Request<B>) -> Response<RecordsBody> {
         let (parts, _) = request.into_parts();
-        let scope = match self.scope(&parts) {
-            Ok(scope) => scope,
-            Err((code, detail)) => return problem(code, &detail, None),
+        match self.act(&parts).await {
+            Ok(response) => response,
+            Err((code, detail)) => problem(code, &detail, None),
+        }
+    }
+
+    async fn act(&self, parts: &Parts) -> Result<Response<RecordsBody>, Refusal> {
+        let query = Query::parse(parts);
+        let tenant = self.tenant(parts, &query)?;
+        let not_found = || {
+            (
+                ProblemCode::RecordNotFound,
+                "no record for this key".to_owned(),
+            )
         };
-        let not_found = || problem(ProblemCode::RecordNotFound, "no record for this key", None);
         let unavailable = |error: idem_core::StoreError| unavailable_problem(&error);
-        match parts.method {
-            Method::GET => match store_call(&self.config, "get", self.store.get(&scope)).await {
-                Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record)),
-                Ok(None) => not_found(),
-                Err(error) => unavailable(error),
-            },
-            Method::DELETE => {
-                match store_call(&self.config, "cancel", self.store.cancel(&scope)).await {
+        let config = &self.config;
+        // Naming any part of a record asks for that record; naming none
+        // asks for a list.
+        let one = query.key.is_some() || query.method.is_some() || query.path.is_some();
+        Ok(match (&parts.method, one) {
+            (&Method::GET, false) => {
+                let list = Self::list_query(tenant, &query)?;
+                match store_call(config, "list", self.store.list(&list)).await {
+                    Ok(records) => json_response(
+                        StatusCode::OK,
+                        &json!({ "records": records.iter().map(record_json).collect::<Vec<_>>() }),
+                    ),
+                    Err(error) => unavailable(error),
+                }
+            }
+            (&Method::GET, true) => {
+                let scope = self.scope(tenant, &query)?;
+                match store_call(config, "get", self.store.get(&scope)).await {
+                    Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record)),
+                    Ok(None) => return Err(not_found()),
+                    Err(error) => unavailable(error),
+                }
+            }
+            (&Method::DELETE, _) => {
+                let scope = self.scope(tenant, &query)?;
+                match store_call(config, "cancel", self.store.cancel(&scope)).await {
                     Ok(Cancellation::Cancelled(record)) => answer_cancel("cancelled", &record),
                     Ok(Cancellation::AlreadyCancelled(record)) => {
                         answer_cancel("already_cancelled", &record)
@@ -179,10 +333,29 @@ impl<S: Store> RecordsService<S> {
                     Ok(Cancellation::AlreadyCompleted(record)) => {
                         answer_cancel("already_completed", &record)
                     }
-                    Ok(Cancellation::NotFound) => not_found(),
+                    Ok(Cancellation::NotFound) => return Err(not_found()),
                     Err(error) => unavailable(error),
                 }
             }
+            (&Method::POST, _) if query.action.as_deref() == Some("release") => {
+                let scope = self.scope(tenant, &query)?;
+                match store_call(config, "force_release", self.store.force_release(&scope)).await {
+                    Ok(ForceRelease::Released(record)) => {
+                        tracing::warn!(scope = %record.scope, "an operator released a record");
+                        json_response(
+                            StatusCode::OK,
+                            &json!({ "result": "released", "record": record_json(&record) }),
+                        )
+                    }
+                    Ok(ForceRelease::NotProcessing(record)) => json_response(
+                        StatusCode::CONFLICT,
+                        &json!({ "result": "not_processing", "record": record_json(&record) }),
+                    ),
+                    Ok(ForceRelease::NotFound) => return Err(not_found()),
+                    Err(error) => unavailable(error),
+                }
+            }
+            (&Method::POST, _) => return Err(invalid("POST takes action=release")),
             _ => {
                 let mut response = json_response(
                     StatusCode::METHOD_NOT_ALLOWED,
@@ -190,10 +363,10 @@ impl<S: Store> RecordsService<S> {
                 );
                 response
                     .headers_mut()
-                    .insert(header::ALLOW, HeaderValue::from_static("GET, DELETE"));
+                    .insert(header::ALLOW, HeaderValue::from_static("GET, DELETE, POST"));
                 response
             }
-        }
+        })
     }
 }
 

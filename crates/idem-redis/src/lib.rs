@@ -1369,7 +1369,7 @@ impl Store for RedisStore {
                 found.push(record);
             }
         }
-        found.sort_by_key(|record| record.created_at_ms);
+        found.sort_by(|a, b| (a.created_at_ms, &a.key).cmp(&(b.created_at_ms, &b.key)));
         found.truncate(query.limit);
         Ok(found)
     }

@@ -94,6 +94,9 @@ pub struct Config {
     /// Forward requests unprotected when the store is down, instead of 503.
     #[arg(long, env = "IDEM_FAIL_OPEN", action = ArgAction::SetTrue)]
     pub fail_open: bool,
+    /// Admin credential of the records API (at least 16 bytes): a request carrying it in x-idem-admin-token may list every tenant's records and act on another tenant's (tenant=).
+    #[arg(long, env = "IDEM_RECORDS_ADMIN_TOKEN", hide_env_values = true, value_parser = parse_secret)]
+    pub records_admin_token: Option<Secret>,
     /// Path under which the records API is served ({prefix}/records).
     #[arg(long, env = "IDEM_RECORDS_PREFIX", default_value = "/_idempotency", value_parser = parse_prefix)]
     pub records_prefix: String,
@@ -285,6 +288,9 @@ pub enum StartError {
     #[error("{0}")]
     UnsafeStore(String),
 }
+
+/// How often the gauge of lapsed records is refreshed.
+const LAPSED_EVERY: Duration = Duration::from_secs(5);
 
 /// Latency buckets, in seconds: store calls take tens of microseconds,
 /// requests up to the upstream timeout.
@@ -716,11 +722,31 @@ fn router<S: Store>(
     if config.fail_open {
         layer = layer.fail_open();
     }
+    if let Some(token) = &config.records_admin_token {
+        layer = layer.records_admin_token(token.as_bytes());
+    }
     layer.validate()?;
     if tenants.generated && config.tenant_header.is_none() {
         generated_secret_warning(&config.store);
     }
     let health_store = std::sync::Arc::clone(layer.store());
+    let watched = std::sync::Arc::clone(layer.store());
+    tokio::spawn(async move {
+        // Processing records whose lease lapsed: stuck, for an operator.
+        let stuck = idem_core::RecordQuery {
+            lapsed: true,
+            limit: 10_000,
+            ..Default::default()
+        };
+        loop {
+            if let Ok(Ok(records)) =
+                tokio::time::timeout(Duration::from_secs(10), watched.list(&stuck)).await
+            {
+                metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
+            }
+            tokio::time::sleep(LAPSED_EVERY).await;
+        }
+    });
     let timeout = config.store_timeout;
     let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Tenant)?;
     let proxy = Proxy::new(upstream, config.upstream_timeout, tls).forwarded(config.forwarded);

@@ -1,0 +1,207 @@
+//! The operator's records API through the gateway on a real Redis: find
+//! stuck records, release one, the admin credential, and the gauge of
+//! processing records whose lease lapsed.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use idem_core::{IdempotencyKey, Reservation, ReserveRequest, Scope, Store};
+use idem_redis::RedisStore;
+use idem_tests::{
+    Reply, TestServer, client, redis_server::RedisServer, send, start_gateway, upstream::Upstream,
+};
+
+const ADMIN: &str = "the operators' admin token";
+
+fn request(method: &str, url: String, tenant: &str, admin: bool) -> Request<Full<Bytes>> {
+    let mut builder = Request::builder()
+        .method(method)
+        .uri(url)
+        .header("x-tenant", tenant)
+        .header("content-type", "application/json");
+    if admin {
+        builder = builder.header("x-idem-admin-token", ADMIN);
+    }
+    builder
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .expect("request")
+}
+
+fn keys(reply: &Reply) -> Vec<String> {
+    let json: serde_json::Value = serde_json::from_slice(&reply.body).expect("json");
+    json["records"]
+        .as_array()
+        .expect("records")
+        .iter()
+        .map(|r| {
+            format!(
+                "{}/{}",
+                r["tenant"].as_str().unwrap_or(""),
+                r["key"].as_str().unwrap_or("")
+            )
+        })
+        .collect()
+}
+
+/// A reservation made by an owner that died (never completed), as the
+/// gateway's layer would have made it for `POST /orders` by `acme`.
+async fn dead_owner(store: &RedisStore, key: &str, lease: Duration) {
+    let parts = Request::post("/orders")
+        .header("content-type", "application/json")
+        .body(())
+        .expect("request")
+        .into_parts()
+        .0;
+    let fingerprint = idem_layer::fingerprint::fingerprint(
+        "POST /orders",
+        &parts,
+        &[http::header::CONTENT_TYPE],
+        b"{}",
+    );
+    let reserved = store
+        .reserve(&ReserveRequest {
+            scope: Scope::new(
+                "acme",
+                "POST /orders",
+                IdempotencyKey::parse(key.as_bytes()).expect("key"),
+            ),
+            fingerprint,
+            lease,
+            retention: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(matches!(reserved, Reservation::Acquired(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_finds_and_releases_a_stuck_record() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let gateway = start_gateway(
+        &server,
+        &[
+            "--store",
+            &url,
+            "--tenant-header",
+            "x-tenant",
+            "--records-admin-token",
+            ADMIN,
+        ],
+    )
+    .await;
+    let base = format!("http://{}", gateway.addr);
+    let store = RedisStore::from_url(&url).expect("store");
+    // One owner died holding an hour-long lease; another's short lease lapsed.
+    dead_owner(&store, "stuck", Duration::from_secs(3600)).await;
+    // Listed oldest first: made a little later.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    dead_owner(&store, "lapsed", Duration::from_millis(200)).await;
+    let post = |tenant: &str, key: &str| {
+        let mut post = request("POST", format!("{base}/orders"), tenant, false);
+        post.headers_mut()
+            .insert("idempotency-key", key.parse().expect("key"));
+        post
+    };
+    for (tenant, key) in [("acme", "done"), ("beta", "theirs")] {
+        assert_eq!(
+            send(&client(), post(tenant, key)).await.status,
+            StatusCode::CREATED
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let busy = send(&client(), post("acme", "stuck")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{busy:?}");
+
+    let http = client();
+    let get = |query: &str, tenant: &str, admin: bool| {
+        send(
+            &http,
+            request(
+                "GET",
+                format!("{base}/_idempotency/records{query}"),
+                tenant,
+                admin,
+            ),
+        )
+    };
+    let processing = get("?state=processing", "acme", false).await;
+    assert_eq!(processing.status, StatusCode::OK, "{processing:?}");
+    assert_eq!(keys(&processing), ["acme/stuck", "acme/lapsed"]);
+    let lapsed = get("?lapsed=true", "acme", false).await;
+    assert_eq!(keys(&lapsed), ["acme/lapsed"]);
+
+    // Release the stuck one: the retry runs.
+    let release = |key: &str| {
+        send(
+            &http,
+            request(
+                "POST",
+                format!(
+                    "{base}/_idempotency/records?method=POST&path=/orders&key={key}&action=release"
+                ),
+                "acme",
+                false,
+            ),
+        )
+    };
+    let released = release("stuck").await;
+    assert_eq!(released.status, StatusCode::OK, "{released:?}");
+    let json: serde_json::Value = serde_json::from_slice(&released.body).expect("json");
+    assert_eq!(json["result"], "released");
+    assert_eq!(
+        json["record"]["attempts"][0]["outcome"]["kind"],
+        "released_by_operator"
+    );
+    let runs = upstream.runs();
+    let retry = send(&client(), post("acme", "stuck")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(upstream.runs(), runs + 1);
+    let not_processing = release("done").await;
+    assert_eq!(not_processing.status, StatusCode::CONFLICT);
+    assert_eq!(release("nothing").await.status, StatusCode::NOT_FOUND);
+
+    // Another tenant's records need the admin credential.
+    let refused = get("?tenant=beta", "acme", false).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert_eq!(
+        refused.code().as_deref(),
+        Some("idempotency_admin_required")
+    );
+    assert_eq!(
+        keys(&get("?tenant=beta", "acme", true).await),
+        ["beta/theirs"]
+    );
+    let everyone = keys(&get("", "", true).await);
+    assert!(
+        everyone.contains(&"beta/theirs".to_owned()) && everyone.contains(&"acme/done".to_owned()),
+        "{everyone:?}"
+    );
+
+    // The gauge counts the processing record whose lease lapsed.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let metrics = send(
+            &client(),
+            Request::get(format!("{base}/metrics"))
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&metrics.body).into_owned();
+        if text.contains("idem_records_lapsed 1") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no lapsed gauge in:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
