@@ -275,19 +275,64 @@ impl RedisCluster {
     /// each and this `cluster-node-timeout`, and waits until every node
     /// says `cluster_state:ok` and every replica is in sync.
     pub fn spawn_with(replicas: usize, node_timeout_ms: u64) -> Option<Self> {
+        Self::spawn_nodes(replicas, node_timeout_ms, |_| Vec::new())
+    }
+
+    /// A 3-node cluster whose nodes also serve TLS (and talk TLS on the
+    /// cluster bus) with `ca`'s server certificate: `tls_url` names the TLS
+    /// ports. Plain ports stay open for the harness.
+    pub fn spawn_tls(ca: &crate::tls::TestCa) -> Option<(Self, Vec<u16>)> {
+        let ports = std::cell::RefCell::new(Vec::new());
+        let (cert, key, ca_file) = (
+            ca.cert().display().to_string(),
+            ca.key().display().to_string(),
+            ca.ca().display().to_string(),
+        );
+        let cluster = Self::spawn_nodes(0, 5_000, |_| {
+            let port = free_port();
+            ports.borrow_mut().push(port);
+            vec![
+                "--tls-port".to_owned(),
+                port.to_string(),
+                "--tls-cluster".to_owned(),
+                "yes".to_owned(),
+                "--tls-cert-file".to_owned(),
+                cert.clone(),
+                "--tls-key-file".to_owned(),
+                key.clone(),
+                "--tls-ca-cert-file".to_owned(),
+                ca_file.clone(),
+                "--tls-auth-clients".to_owned(),
+                "no".to_owned(),
+            ]
+        })?;
+        Some((cluster, ports.into_inner()))
+    }
+
+    fn spawn_nodes(
+        replicas: usize,
+        node_timeout_ms: u64,
+        mut extra: impl FnMut(usize) -> Vec<String>,
+    ) -> Option<Self> {
         let mut nodes = Vec::new();
         let timeout = node_timeout_ms.to_string();
-        for _ in 0..3 * (1 + replicas) {
+        for n in 0..3 * (1 + replicas) {
             let port = NEXT_PORT.load(Ordering::SeqCst);
             let conf = format!("nodes-{}-{port}.conf", std::process::id());
-            nodes.push(RedisServer::spawn_with(&[
+            let mut args: Vec<String> = [
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",
                 &conf,
                 "--cluster-node-timeout",
                 &timeout,
-            ])?);
+            ]
+            .iter()
+            .map(|a| (*a).to_owned())
+            .collect();
+            args.extend(extra(n));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            nodes.push(RedisServer::spawn_with(&args)?);
         }
         let addresses: Vec<String> = nodes
             .iter()
