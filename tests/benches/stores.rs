@@ -4,6 +4,10 @@
 //! PostgreSQL: transactions from `pg_stat_database`, every statement outside
 //! a transaction being one). Private servers on loopback.
 //!
+//! Bytes per record: the process's RSS growth for memory, `used_memory`
+//! growth for Redis, the table and its indexes for PostgreSQL, over the
+//! records the run leaves (a small JSON response each).
+//!
 //! Run with `cargo bench -p idem-tests --bench stores`.
 
 use std::{
@@ -99,12 +103,40 @@ async fn pg_transactions(server: &PgServer, database: &str, store: Arc<PgStore>)
         .expect("a number")
 }
 
-fn line(name: &str, new_keys: f64, replays: f64, trips: Option<(f64, f64)>, unit: &str) {
+fn line(
+    name: &str,
+    new_keys: f64,
+    replays: f64,
+    trips: Option<(f64, f64)>,
+    unit: &str,
+    bytes: f64,
+) {
     let trips = trips.map_or_else(
         || "—".to_owned(),
         |(n, r)| format!("{n:.2} / {r:.2} {unit}"),
     );
-    println!("| {name} | {new_keys:.0} | {replays:.0} | {trips} |");
+    println!("| {name} | {new_keys:.0} | {replays:.0} | {trips} | {bytes:.0} |");
+}
+
+/// This process's resident memory, in bytes.
+fn rss() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: f64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0.0);
+    pages * 4096.0
+}
+
+/// Redis's `used_memory`.
+fn redis_used_memory(server: &RedisServer) -> f64 {
+    server
+        .cli(&["INFO", "memory"])
+        .lines()
+        .find_map(|line| line.strip_prefix("used_memory:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0.0)
 }
 
 fn main() {
@@ -113,22 +145,26 @@ fn main() {
         .build()
         .expect("runtime");
     runtime.block_on(async {
-        println!("| store | new keys/s | replays/s | round trips per new key / replay |");
-        println!("|---|---|---|---|");
+        println!(
+            "| store | new keys/s | replays/s | round trips per new key / replay | bytes per record |"
+        );
+        println!("|---|---|---|---|---|");
         let total = (TASKS * PER_TASK) as f64;
+        // Seeded records and those of the new-key run: two rounds.
+        let records = 2.0 * total;
 
+        let rss_before = rss();
         let memory = Arc::new(MemoryStore::new());
         seed(&memory).await;
-        line(
-            "memory",
-            run(&memory, false).await,
-            run(&memory, true).await,
-            None,
-            "",
-        );
+        let new_keys = run(&memory, false).await;
+        let replays = run(&memory, true).await;
+        let per_record = (rss() - rss_before) / records;
+        line("memory (RSS)", new_keys, replays, None, "", per_record);
+        drop(memory);
 
         if let Some(server) = RedisServer::spawn() {
             let redis = Arc::new(RedisStore::from_url(&server.url()).expect("redis"));
+            let used_before = redis_used_memory(&server);
             seed(&redis).await;
             let before = redis_commands(&server);
             let new_keys = run(&redis, false).await;
@@ -139,7 +175,8 @@ fn main() {
                 (middle - before) as f64 / total,
                 (after - middle) as f64 / total,
             );
-            line("Redis", new_keys, replays, Some(trips), "commands");
+            let per_record = (redis_used_memory(&server) - used_before) / records;
+            line("Redis (used_memory)", new_keys, replays, Some(trips), "commands", per_record);
         }
 
         if let Some(server) = PgServer::shared() {
@@ -168,7 +205,15 @@ fn main() {
                 (middle - before) as f64 / total,
                 (after - middle) as f64 / total,
             );
-            line("PostgreSQL", new_keys, replays, Some(trips), "transactions");
+            let size: f64 = server
+                .psql(
+                    &database,
+                    "SELECT pg_total_relation_size('idem_records')::float8 / count(*) FROM idem_records",
+                )
+                .expect("size")
+                .parse()
+                .unwrap_or(0.0);
+            line("PostgreSQL (table + index)", new_keys, replays, Some(trips), "transactions", size);
         }
     });
 }
