@@ -1,0 +1,149 @@
+//! Building a store from its URL and settings.
+
+use std::time::Duration;
+
+use crate::{
+    RedisStore,
+    connection::{Lane, Pool},
+    limits,
+    scripts::Scripts,
+};
+
+use deadpool_redis::{Runtime, Timeouts};
+
+/// The store could not be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The URL is not `redis://…`, `rediss://…`, `redis+cluster://h:p,…` or
+    /// `rediss+cluster://h:p,…`.
+    #[error("invalid Redis URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The connection pool could not be created.
+    #[error("could not create the Redis pool: {0}")]
+    Pool(String),
+}
+
+/// Builder for [`RedisStore`].
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    pub(crate) url: String,
+    pub(crate) prefix: String,
+    pub(crate) pool_size: usize,
+    pub(crate) lanes: usize,
+    pub(crate) timeout: Duration,
+    pub(crate) wait_replicas: Option<(usize, Duration)>,
+}
+
+impl RedisStoreBuilder {
+    /// How many multiplexed connections calls are spread over (default 4).
+    pub fn lanes(mut self, lanes: usize) -> Self {
+        self.lanes = lanes.max(1);
+        self
+    }
+
+    /// The key prefix (default `idem:`).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The most connections the pool holds (default 16; at least the
+    /// number of lanes).
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// The bound on every store call, including waiting for a connection
+    /// (default 1 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// After `reserve` and `complete`, wait until `replicas` replicas have
+    /// the write, at most `timeout` (single-node deployments only; see the
+    /// crate docs for what this buys).
+    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.wait_replicas = Some((replicas, timeout));
+        self
+    }
+
+    /// Builds the store. Connections are made lazily, on first use.
+    pub fn build(self) -> Result<RedisStore, BuildError> {
+        let invalid = |reason: &str| BuildError::InvalidUrl {
+            url: self.url.clone(),
+            reason: reason.to_owned(),
+        };
+        let timeouts = Timeouts {
+            wait: Some(self.timeout),
+            create: Some(self.timeout),
+            recycle: Some(self.timeout),
+        };
+        let pool_config = deadpool_redis::PoolConfig {
+            max_size: self.pool_size,
+            timeouts,
+            ..Default::default()
+        };
+        let cluster = match (
+            self.url.strip_prefix("redis+cluster://"),
+            self.url.strip_prefix("rediss+cluster://"),
+        ) {
+            (Some(nodes), _) => Some(("redis", nodes)),
+            (None, Some(nodes)) => Some(("rediss", nodes)),
+            (None, None) => None,
+        };
+        let pool = if let Some((scheme, nodes)) = cluster {
+            if self.wait_replicas.is_some() {
+                return Err(invalid(
+                    "waiting for replicas is supported on single-node deployments only",
+                ));
+            }
+            let urls: Vec<String> = nodes
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(|n| format!("{scheme}://{n}"))
+                .collect();
+            if urls.is_empty() {
+                return Err(invalid("no cluster nodes"));
+            }
+            let mut config = deadpool_redis::cluster::Config::from_urls(urls);
+            config.pool = Some(pool_config);
+            let pool = config
+                .create_pool(Some(Runtime::Tokio1))
+                .map_err(|e| BuildError::Pool(e.to_string()))?;
+            Pool::Cluster(pool)
+        } else if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
+            let mut config = deadpool_redis::Config::from_url(self.url.clone());
+            config.pool = Some(pool_config);
+            let pool = config
+                .create_pool(Some(Runtime::Tokio1))
+                .map_err(|e| BuildError::Pool(e.to_string()))?;
+            Pool::Single(pool)
+        } else {
+            return Err(invalid(
+                "expected redis://, rediss://, redis+cluster:// or rediss+cluster://",
+            ));
+        };
+        Ok(RedisStore {
+            lanes: (0..self.lanes)
+                .map(|_| parking_lot::Mutex::new(Lane::default()))
+                .collect(),
+            last_replacement: parking_lot::Mutex::new(None),
+            next_lane: std::sync::atomic::AtomicUsize::new(0),
+            pool,
+            scripts: Scripts::new(),
+            limit_scripts: limits::LimitScripts::new(),
+            prefix: self.prefix,
+            timeout: self.timeout,
+            wait_replicas: self.wait_replicas,
+        })
+    }
+}

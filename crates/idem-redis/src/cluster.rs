@@ -1,0 +1,284 @@
+//! What a cluster serves: health, the failover bound, every record key.
+
+use std::time::Duration;
+
+use crate::{
+    RedisStore,
+    connection::{Conn, Pool},
+    corrupt,
+    decode::{collect_text, text},
+    unavailable,
+};
+
+use idem_core::{ScopeHash, StoreError};
+use redis::Value;
+
+impl RedisStore {
+    /// Whether every hash slot is served by a node that answers: on a
+    /// cluster, the slot map (`CLUSTER SLOTS`, from any node that answers)
+    /// and a `PING` to each master it names; on a single node, a `PING`.
+    /// Each call is bounded by the store timeout.
+    pub async fn health(&self) -> Result<Health, StoreError> {
+        let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
+        let Conn::Cluster(mut conn) = conn else {
+            self.ping().await?;
+            return Ok(Health {
+                slots_served: SLOTS,
+                masters_answering: 1,
+                masters: 1,
+            });
+        };
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let mut slots = None;
+        for _ in 0..3 {
+            let asked = conn.route_command(
+                redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+            );
+            match self
+                .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+                .await
+            {
+                Ok(value) => {
+                    slots = Some(value);
+                    break;
+                }
+                Err(error) => tracing::debug!(%error, "CLUSTER SLOTS failed; asking another node"),
+            }
+        }
+        let Some(slots) = slots else {
+            self.failed(lane);
+            return Err(unavailable("no cluster node answered CLUSTER SLOTS"));
+        };
+        let ranges = slot_ranges(&slots)?;
+        let mut masters: Vec<Address> = ranges.iter().map(|r| r.2.clone()).collect();
+        masters.sort();
+        masters.dedup();
+        let mut answering = Vec::new();
+        for (host, port) in &masters {
+            let ping = conn.route_command(
+                redis::cmd("PING"),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                }),
+            );
+            if self
+                .bounded(self.timeout, async { ping.await.map_err(unavailable) })
+                .await
+                .is_ok()
+            {
+                answering.push((host.clone(), *port));
+            }
+        }
+        let slots_served = ranges
+            .iter()
+            .filter(|(_, _, master)| answering.contains(master))
+            .map(|(start, end, _)| end.saturating_sub(*start) + 1)
+            .sum();
+        Ok(Health {
+            slots_served,
+            masters_answering: answering.len(),
+            masters: masters.len(),
+        })
+    }
+
+    /// The keys of every record (`SCAN` of each node; on a cluster, of
+    /// each master), at most [`LIST_SCAN_LIMIT`].
+    pub(crate) async fn record_keys(&self) -> Result<Vec<String>, StoreError> {
+        let pattern = format!("{}{{*", self.prefix);
+        let scan = |cursor: u64| {
+            let mut cmd = redis::cmd("SCAN");
+            cmd.arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000);
+            cmd
+        };
+        let mut keys = Vec::new();
+        let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
+        let nodes: Vec<Option<Address>> = match &conn {
+            Conn::Single(_) => vec![None],
+            Conn::Cluster(_) => {
+                let health_nodes = {
+                    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+                    let Conn::Cluster(mut cluster) = conn.clone() else {
+                        unreachable!("matched a cluster connection")
+                    };
+                    let asked = cluster.route_command(
+                        redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+                    );
+                    let slots = self
+                        .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+                        .await?;
+                    let mut masters: Vec<Address> =
+                        slot_ranges(&slots)?.into_iter().map(|r| r.2).collect();
+                    masters.sort();
+                    masters.dedup();
+                    masters
+                };
+                health_nodes.into_iter().map(Some).collect()
+            }
+        };
+        for node in nodes {
+            let mut cursor = 0u64;
+            loop {
+                let asked = async {
+                    match (&conn, &node) {
+                        (Conn::Single(c), _) => {
+                            scan(cursor)
+                                .query_async::<(u64, Vec<String>)>(&mut c.clone())
+                                .await
+                        }
+                        (Conn::Cluster(c), Some((host, port))) => {
+                            use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+                            let value = c
+                                .clone()
+                                .route_command(
+                                    scan(cursor),
+                                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                                        host: host.clone(),
+                                        port: *port,
+                                    }),
+                                )
+                                .await?;
+                            redis::from_redis_value(value).map_err(redis::RedisError::from)
+                        }
+                        (Conn::Cluster(_), None) => Ok((0, Vec::new())),
+                    }
+                };
+                let (next, batch) = match self
+                    .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+                    .await
+                {
+                    Ok(page) => page,
+                    Err(error) => {
+                        self.failed(lane);
+                        return Err(error);
+                    }
+                };
+                keys.extend(batch);
+                if next == 0 || keys.len() >= LIST_SCAN_LIMIT {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        keys.truncate(LIST_SCAN_LIMIT);
+        Ok(keys)
+    }
+
+    /// A cluster's `cluster-node-timeout` (`CONFIG GET`, from any node);
+    /// `None` on a single node or where `CONFIG` is not allowed.
+    pub async fn cluster_node_timeout(&self) -> Option<Duration> {
+        if let Pool::Single(_) = self.pool {
+            return None;
+        }
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("cluster-node-timeout");
+        let reply: Value = self.command(cmd).await.ok()?;
+        let mut text = String::new();
+        collect_text(&reply, &mut text);
+        text.split_whitespace()
+            .filter_map(|word| word.parse::<u64>().ok())
+            .next()
+            .map(Duration::from_millis)
+    }
+}
+
+/// A scope hash from its 64 hex characters.
+pub(crate) fn scope_from_hex(hex: &str) -> Option<ScopeHash> {
+    let fingerprint = idem_core::Fingerprint::from_hex(hex)?;
+    Some(ScopeHash::from_bytes(*fingerprint.as_bytes()))
+}
+
+/// The most record keys [`Store::list`](idem_core::Store::list) reads (it scans, then reads each
+/// record: an operator's tool, not a hot path).
+pub const LIST_SCAN_LIMIT: usize = 100_000;
+
+/// The hash slots of Redis Cluster.
+pub(crate) const SLOTS: u32 = 16_384;
+
+/// How long a Redis Cluster may take to promote a replica after its master
+/// dies, for a `cluster-node-timeout`: the master is marked failed after
+/// the node timeout (once a majority agrees), then a replica waits 0.5 to
+/// 1 s plus a second per rank before it is elected. Measured: 18 to 23 s for
+/// the default 15 s. This bound is 1.6 × the node timeout + 2 s (26 s for
+/// 15 s). A lease shorter than it can lapse while a failover is still
+/// under way, so a running request's renewals fail, its lease is lost and a
+/// retry on the promoted replica takes over while the first attempt may
+/// still act: size the lease above it.
+pub fn failover_bound(node_timeout: Duration) -> Duration {
+    node_timeout.mul_f64(1.6) + Duration::from_secs(2)
+}
+
+/// Whether every hash slot is served by a node that answers (see
+/// [`RedisStore::health`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// Hash slots whose master answered (all 16,384 on a healthy cluster
+    /// or a single node).
+    pub slots_served: u32,
+    /// Masters that answered a `PING`.
+    pub masters_answering: usize,
+    /// Masters the slot map names.
+    pub masters: usize,
+}
+
+impl Health {
+    /// Every slot is served and every master answers.
+    pub fn is_ok(&self) -> bool {
+        self.slots_served == SLOTS && self.masters_answering == self.masters
+    }
+}
+
+impl std::fmt::Display for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{SLOTS} slots served, {}/{} masters answering",
+            self.slots_served, self.masters_answering, self.masters
+        )
+    }
+}
+
+/// A node's address: host and port.
+pub(crate) type Address = (String, u16);
+
+/// The slot ranges of a `CLUSTER SLOTS` reply (first slot, last slot), with
+/// each range's master.
+pub(crate) fn slot_ranges(reply: &Value) -> Result<Vec<(u32, u32, Address)>, StoreError> {
+    let Value::Array(ranges) = reply else {
+        return Err(corrupt("CLUSTER SLOTS did not answer an array"));
+    };
+    let number = |value: &Value| match value {
+        Value::Int(n) => u32::try_from(*n).ok(),
+        _ => None,
+    };
+    ranges
+        .iter()
+        .map(|range| {
+            let Value::Array(parts) = range else {
+                return Err(corrupt("a CLUSTER SLOTS range is not an array"));
+            };
+            let (Some(start), Some(end), Some(Value::Array(master))) = (
+                parts.first().and_then(number),
+                parts.get(1).and_then(number),
+                parts.get(2),
+            ) else {
+                return Err(corrupt("a CLUSTER SLOTS range is malformed"));
+            };
+            let host = master.first().map(text).transpose()?.unwrap_or_default();
+            let port = master
+                .get(1)
+                .and_then(|p| match p {
+                    Value::Int(n) => u16::try_from(*n).ok(),
+                    _ => None,
+                })
+                .ok_or_else(|| corrupt("a CLUSTER SLOTS master has no port"))?;
+            Ok((start, end, (host, port)))
+        })
+        .collect()
+}

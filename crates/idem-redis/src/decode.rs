@@ -1,0 +1,293 @@
+//! Replies and records, decoded; headers encoded.
+
+use std::{collections::HashMap, time::Duration};
+
+use crate::corrupt;
+
+use bytes::Bytes;
+use idem_core::{
+    Attempt, AttemptId, AttemptOutcome, Current, Fingerprint, LateEvidence, Lease, Outcome,
+    OwnerToken, Record, RecordState, Replay, ScopeHash, StoreError, StoredResponse,
+};
+use redis::{ScriptInvocation, Value};
+
+/// Every text in a reply, one after another (a cluster answers `INFO` per
+/// node).
+pub(crate) fn collect_text(value: &Value, out: &mut String) {
+    match value {
+        Value::BulkString(bytes) => {
+            out.push_str(&String::from_utf8_lossy(bytes));
+            out.push('\n');
+        }
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => {
+            out.push_str(text);
+            out.push('\n');
+        }
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|item| collect_text(item, out));
+        }
+        Value::Map(pairs) => pairs.iter().for_each(|(key, item)| {
+            collect_text(key, out);
+            collect_text(item, out);
+        }),
+        _ => {}
+    }
+}
+
+// ===== reply decoding =====
+
+pub(crate) fn items(value: Value) -> Result<Vec<Value>, StoreError> {
+    match value {
+        Value::Array(items) => Ok(items),
+        other => Err(corrupt(format!("unexpected script reply {other:?}"))),
+    }
+}
+
+pub(crate) fn text(value: &Value) -> Result<String, StoreError> {
+    match value {
+        Value::BulkString(bytes) => {
+            String::from_utf8(bytes.clone()).map_err(|_| corrupt("non-UTF-8 text"))
+        }
+        Value::SimpleString(s) => Ok(s.clone()),
+        Value::Int(n) => Ok(n.to_string()),
+        other => Err(corrupt(format!("expected text, got {other:?}"))),
+    }
+}
+
+pub(crate) fn int(value: &Value) -> Result<u64, StoreError> {
+    match value {
+        Value::Int(n) => u64::try_from(*n).map_err(|_| corrupt("negative number")),
+        other => text(other)?
+            .parse()
+            .map_err(|_| corrupt(format!("expected a number, got {other:?}"))),
+    }
+}
+
+pub(crate) fn bytes(value: &Value) -> Result<Bytes, StoreError> {
+    match value {
+        Value::BulkString(bytes) => Ok(Bytes::copy_from_slice(bytes)),
+        Value::Nil => Ok(Bytes::new()),
+        other => Err(corrupt(format!("expected bytes, got {other:?}"))),
+    }
+}
+
+pub(crate) fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in headers {
+        for part in [name.as_bytes(), value.as_ref()] {
+            out.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+pub(crate) fn decode_headers(mut raw: &[u8]) -> Result<Vec<(String, Bytes)>, StoreError> {
+    pub(crate) fn take<'a>(raw: &mut &'a [u8]) -> Result<&'a [u8], StoreError> {
+        let (len, rest) = raw
+            .split_first_chunk::<4>()
+            .ok_or_else(|| corrupt("truncated headers"))?;
+        let len = u32::from_be_bytes(*len) as usize;
+        if rest.len() < len {
+            return Err(corrupt("truncated headers"));
+        }
+        let (part, rest) = rest.split_at(len);
+        *raw = rest;
+        Ok(part)
+    }
+    let mut headers = Vec::new();
+    while !raw.is_empty() {
+        let name =
+            String::from_utf8(take(&mut raw)?.to_vec()).map_err(|_| corrupt("header name"))?;
+        let value = Bytes::copy_from_slice(take(&mut raw)?);
+        headers.push((name, value));
+    }
+    Ok(headers)
+}
+
+pub(crate) fn outcome(
+    status: u64,
+    stored: &str,
+    headers: &[u8],
+    body: Bytes,
+) -> Result<Outcome, StoreError> {
+    let status = u16::try_from(status).map_err(|_| corrupt("status"))?;
+    Ok(if stored == "1" {
+        Outcome::Stored(StoredResponse {
+            status,
+            headers: decode_headers(headers)?,
+            body,
+        })
+    } else {
+        Outcome::NotStored { status }
+    })
+}
+
+/// Decodes the `current(state)` reply shape of the scripts.
+pub(crate) fn decode_current(reply: &[Value]) -> Result<Current, StoreError> {
+    let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
+    let at = |i: usize| {
+        reply
+            .get(i)
+            .ok_or_else(|| corrupt(format!("short reply to {tag}")))
+    };
+    match tag.as_str() {
+        "vacant" => Ok(Current::Vacant),
+        "cancelled" => Ok(Current::Cancelled),
+        "processing" => Ok(Current::Processing {
+            retry_after: Duration::from_millis(int(at(1)?)?),
+        }),
+        "completed" => {
+            let outcome = outcome(
+                int(at(1)?)?,
+                &text(at(2)?)?,
+                &bytes(at(3)?)?,
+                bytes(at(4)?)?,
+            )?;
+            Ok(Current::Completed(Replay {
+                outcome,
+                age: Duration::from_millis(int(at(5)?)?),
+            }))
+        }
+        other => Err(corrupt(format!("unexpected reply {other}"))),
+    }
+}
+
+/// `completed:201:<ms>` or `released::<ms>`, as the scripts write it.
+pub(crate) fn decode_late(raw: &str) -> Result<Option<LateEvidence>, StoreError> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    let mut parts = raw.splitn(3, ':');
+    let (kind, status, at) = (parts.next(), parts.next(), parts.next());
+    let at_ms = at
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| corrupt("late evidence time"))?;
+    match (kind, status) {
+        (Some("completed"), Some(status)) => Ok(Some(LateEvidence::Completed {
+            status: status
+                .parse()
+                .map_err(|_| corrupt("late evidence status"))?,
+            at_ms,
+        })),
+        (Some("released"), _) => Ok(Some(LateEvidence::Released { at_ms })),
+        _ => Err(corrupt(format!("late evidence {raw:?}"))),
+    }
+}
+
+/// The newest attempt, kept in the `cur_*` fields.
+pub(crate) fn current_attempt(
+    fields: &HashMap<String, &Value>,
+    generation: u64,
+) -> Result<Attempt, StoreError> {
+    let get = |name: &str| {
+        fields
+            .get(name)
+            .map(|v| text(v))
+            .transpose()
+            .map(Option::unwrap_or_default)
+    };
+    let number = |raw: String| {
+        raw.parse::<u64>()
+            .map_err(|_| corrupt(format!("attempt field {raw:?}")))
+    };
+    let ended = get("cur_end")?;
+    let outcome = match get("cur_outcome")?.as_str() {
+        "running" => AttemptOutcome::Running,
+        "completed" => AttemptOutcome::Completed {
+            status: get("cur_status")?
+                .parse()
+                .map_err(|_| corrupt("attempt status"))?,
+        },
+        "released" => AttemptOutcome::Released,
+        "superseded" => AttemptOutcome::Superseded,
+        "cancelled" => AttemptOutcome::Cancelled,
+        "released_by_operator" => AttemptOutcome::ReleasedByOperator,
+        other => return Err(corrupt(format!("attempt outcome {other:?}"))),
+    };
+    Ok(Attempt {
+        id: AttemptId(uuid::Uuid::parse_str(&get("cur_id")?).map_err(|_| corrupt("attempt id"))?),
+        generation,
+        started_at_ms: number(get("cur_start")?)?,
+        ended_at_ms: if ended.is_empty() {
+            None
+        } else {
+            Some(number(ended)?)
+        },
+        outcome,
+        late: decode_late(&get("cur_late")?)?,
+    })
+}
+
+pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record, StoreError> {
+    let mut fields: HashMap<String, &Value> = HashMap::new();
+    for pair in pairs.chunks(2) {
+        if let [name, value] = pair {
+            fields.insert(text(name)?, value);
+        }
+    }
+    let field = |name: &str| {
+        fields
+            .get(name)
+            .copied()
+            .ok_or_else(|| corrupt(format!("record lacks {name}")))
+    };
+    let opt_int = |name: &str| fields.get(name).map(|v| int(v)).transpose();
+    let state = match text(field("state")?)?.as_str() {
+        "processing" => RecordState::Processing,
+        "completed" => RecordState::Completed,
+        "cancelled" => RecordState::Cancelled,
+        "released" => RecordState::Released,
+        other => return Err(corrupt(format!("unknown state {other}"))),
+    };
+    let owner = match fields.get("owner").map(|v| text(v)).transpose()? {
+        Some(token) if !token.is_empty() => Some(OwnerToken(
+            uuid::Uuid::parse_str(&token).map_err(|_| corrupt("owner token"))?,
+        )),
+        _ => None,
+    };
+    let outcome = match (state, fields.get("status")) {
+        (RecordState::Completed, Some(status)) => Some(outcome(
+            int(status)?,
+            &text(field("stored")?)?,
+            &bytes(field("headers")?)?,
+            bytes(field("body")?)?,
+        )?),
+        _ => None,
+    };
+    let mut attempts: Vec<Attempt> = match fields.get("hist").map(|v| bytes(v)).transpose()? {
+        Some(raw) if !raw.is_empty() => {
+            serde_json::from_slice(&raw).map_err(|e| corrupt(format!("attempt history: {e}")))?
+        }
+        _ => Vec::new(),
+    };
+    if fields.contains_key("cur_id") {
+        attempts.push(current_attempt(&fields, int(field("gen")?)?)?);
+    }
+    Ok(Record {
+        scope,
+        tenant: text(field("tenant")?)?,
+        operation: text(field("op")?)?,
+        key: text(field("key")?)?,
+        fingerprint: Fingerprint::from_hex(&text(field("fp")?)?)
+            .ok_or_else(|| corrupt("fingerprint"))?,
+        state,
+        generation: int(field("gen")?)?,
+        owner,
+        lease_expires_at_ms: opt_int("lease_until")?.unwrap_or(0),
+        lease_ms: opt_int("lease_ms")?.unwrap_or(0),
+        retention_ms: opt_int("retention_ms")?.unwrap_or(0),
+        created_at_ms: opt_int("created")?.unwrap_or(0),
+        updated_at_ms: opt_int("updated")?.unwrap_or(0),
+        completed_at_ms: opt_int("completed")?,
+        expires_at_ms: opt_int("expires")?.unwrap_or(0),
+        outcome,
+        attempts,
+    })
+}
+
+pub(crate) fn lease_args<'a>(invocation: &mut ScriptInvocation<'a>, lease: &Lease) {
+    invocation
+        .arg(lease.generation)
+        .arg(lease.token.0.to_string());
+}

@@ -1,0 +1,34 @@
+//! The Lua scripts, each prefixed with the shared functions.
+
+use redis::Script;
+
+pub(crate) const COMMON: &str = include_str!("lua/common.lua");
+
+/// The scripts, each prefixed with the shared functions.
+#[derive(Debug)]
+pub(crate) struct Scripts {
+    pub(crate) reserve: Script,
+    pub(crate) renew: Script,
+    pub(crate) complete: Script,
+    pub(crate) release: Script,
+    pub(crate) cancel: Script,
+    pub(crate) get: Script,
+    pub(crate) abandon: Script,
+    pub(crate) force_release: Script,
+}
+
+impl Scripts {
+    pub(crate) fn new() -> Self {
+        let script = |body: &str| Script::new(&format!("{COMMON}\n{body}"));
+        Self {
+            reserve: script(include_str!("lua/reserve.lua")),
+            renew: script(include_str!("lua/renew.lua")),
+            complete: script(include_str!("lua/complete.lua")),
+            release: script(include_str!("lua/release.lua")),
+            cancel: script(include_str!("lua/cancel.lua")),
+            get: script(include_str!("lua/get.lua")),
+            abandon: script(include_str!("lua/abandon.lua")),
+            force_release: script(include_str!("lua/force_release.lua")),
+        }
+    }
+}
