@@ -22,7 +22,7 @@ use crate::{
     limits::{GateError, Limits, Refusal},
 };
 
-const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(idem_core::protocol::IDEMPOTENCY_KEY);
 
 /// Why the middleware stopped retrying a request whose last answer was
 /// retryable.
@@ -415,7 +415,7 @@ where
             let code = serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
                 .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
-            let reason = (code.as_deref() == Some("idempotency_in_progress"))
+            let reason = (code.as_deref() == Some(idem_core::protocol::codes::IN_PROGRESS))
                 .then(|| "in_progress".to_owned());
             Ok((
                 Response::from_parts(parts, ReplayBody::buffered(bytes)),

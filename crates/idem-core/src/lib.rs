@@ -24,6 +24,7 @@
 pub mod handoff;
 mod key;
 pub mod machine;
+pub mod protocol;
 mod record;
 mod scope;
 mod store;

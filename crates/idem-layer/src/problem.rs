@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
+use idem_core::protocol::codes;
 
 use crate::ResponseBody;
 
@@ -70,13 +71,13 @@ impl ProblemCode {
             ProblemCode::KeyMissing => "idempotency_key_missing",
             ProblemCode::KeyInvalid => "idempotency_key_invalid",
             ProblemCode::TenantMissing => "idempotency_tenant_missing",
-            ProblemCode::InProgress => "idempotency_in_progress",
-            ProblemCode::Cancelled => "idempotency_cancelled",
+            ProblemCode::InProgress => codes::IN_PROGRESS,
+            ProblemCode::Cancelled => codes::CANCELLED,
             ProblemCode::BodyTooLarge => "request_body_too_large",
             ProblemCode::BodyInvalid => "request_body_invalid",
             ProblemCode::BodyTimeout => "request_body_timeout",
-            ProblemCode::Conflict => "idempotency_conflict",
-            ProblemCode::StoreUnavailable => "idempotency_store_unavailable",
+            ProblemCode::Conflict => codes::CONFLICT,
+            ProblemCode::StoreUnavailable => codes::STORE_UNAVAILABLE,
             ProblemCode::ResponseNotStored => "idempotency_response_not_stored",
             ProblemCode::HandlerFailed => "handler_failed",
             ProblemCode::RecordNotFound => "idempotency_record_not_found",
@@ -215,7 +216,7 @@ pub(crate) fn shape<B>(
 }
 
 /// The `content-type` of problem documents.
-pub const PROBLEM_JSON: &str = "application/problem+json";
+pub const PROBLEM_JSON: &str = idem_core::protocol::PROBLEM_JSON;
 
 /// Builds a problem response. `retry_after` adds a `Retry-After` header in
 /// whole seconds (at least 1). The code is also put in the response

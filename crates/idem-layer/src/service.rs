@@ -32,9 +32,11 @@ use crate::{
 };
 
 /// The `Idempotency-Key` request header.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const IDEMPOTENCY_KEY: HeaderName =
+    HeaderName::from_static(idem_core::protocol::IDEMPOTENCY_KEY);
 /// Added to every replayed response.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub const IDEMPOTENT_REPLAYED: HeaderName =
+    HeaderName::from_static(idem_core::protocol::IDEMPOTENT_REPLAYED);
 
 /// The service produced by [`IdempotencyLayer`].
 ///

@@ -905,11 +905,14 @@ async fn log_request(State(_): State<LogState>, request: Request, next: Next) ->
     let started = std::time::Instant::now();
     let method = request.method().clone();
     let path = request.uri().path().to_owned();
-    let keyed = request.headers().contains_key("idempotency-key");
+    let keyed = request.headers().contains_key(idem_layer::IDEMPOTENCY_KEY);
     let response = next.run(request).await;
     let outcome = if let Some(code) = response.extensions().get::<ProblemCode>() {
         code.as_str()
-    } else if response.headers().contains_key("idempotent-replayed") {
+    } else if response
+        .headers()
+        .contains_key(idem_layer::IDEMPOTENT_REPLAYED)
+    {
         "replayed"
     } else if keyed {
         "executed"

@@ -17,7 +17,8 @@ use hyper_util::{
 use idem_layer::{HOP_BY_HOP, IDEMPOTENCY_KEY, IdempotencyContext, UnknownOutcome};
 
 /// The header that tells the upstream which attempt of a key this is.
-pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
+pub const IDEMPOTENCY_ATTEMPT: HeaderName =
+    HeaderName::from_static(idem_core::protocol::IDEMPOTENCY_ATTEMPT);
 
 /// The header names a `Connection` field lists (it makes them hop-by-hop).
 pub(crate) fn connection_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {

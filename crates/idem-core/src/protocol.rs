@@ -1,0 +1,30 @@
+//! The protocol's vocabulary, shared by the server side (`idem-layer`, the
+//! gateway) and the calling side (`idem-client`): header names (lower
+//! case, as HTTP/2 sends them) and the problem `code`s a client acts on.
+
+/// The request header that carries the idempotency key (an RFC 8941
+/// sf-string or token).
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// The response header on a replayed outcome: `true`.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// The header the gateway adds toward its upstream: the attempt's lease
+/// generation (1 for the first attempt, higher after a takeover).
+pub const IDEMPOTENCY_ATTEMPT: &str = "idempotency-attempt";
+
+/// The media type of every refusal.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Problem `code`s a client acts on.
+pub mod codes {
+    /// 409: another attempt with this key is running; retry after
+    /// `Retry-After`.
+    pub const IN_PROGRESS: &str = "idempotency_in_progress";
+    /// 422: the key was used with another payload; never retry.
+    pub const CONFLICT: &str = "idempotency_conflict";
+    /// 410: the request with this key was cancelled.
+    pub const CANCELLED: &str = "idempotency_cancelled";
+    /// 503: the store failed; retry after `Retry-After`.
+    pub const STORE_UNAVAILABLE: &str = "idempotency_store_unavailable";
+}
