@@ -381,7 +381,8 @@ async fn a_lost_response_is_replayed_not_re_executed() {
             }),
         )
         .layer(
-            idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new()).allow_anonymous(),
+            idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
+                .allow_anonymous(true),
         );
     let url = serve(app).await;
 

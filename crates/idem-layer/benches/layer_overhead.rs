@@ -68,7 +68,7 @@ fn layer_overhead(c: &mut Criterion) {
     let body = body();
     let bare = tower::service_fn(handler);
     let layered = IdempotencyLayer::new(MemoryStore::builder().capacity(50_000_000).build())
-        .allow_anonymous()
+        .allow_anonymous(true)
         .layer(tower::service_fn(handler));
     let counter = AtomicU64::new(0);
     let next_key = || format!("key-{}", counter.fetch_add(1, Ordering::Relaxed));

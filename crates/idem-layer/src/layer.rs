@@ -271,10 +271,11 @@ impl<S: Store> IdempotencyLayer<S> {
         self.with(|c| c.methods = methods)
     }
 
-    /// Answer `400 idempotency_key_missing` to keyless requests of the
-    /// configured methods.
-    pub fn require_key(self) -> Self {
-        self.with(|c| c.require_key = true)
+    /// With `true`, answer `400 idempotency_key_missing` to keyless
+    /// requests of the configured methods (default `false`: they pass
+    /// through unprotected).
+    pub fn require_key(self, required: bool) -> Self {
+        self.with(|c| c.require_key = required)
     }
 
     /// Where the tenant comes from. See [`crate::tenant`].
@@ -283,10 +284,11 @@ impl<S: Store> IdempotencyLayer<S> {
         self.with(|c| c.tenant = extractor)
     }
 
-    /// Keyed requests without a tenant share one anonymous tenant instead of
-    /// getting `401 idempotency_tenant_missing`.
-    pub fn allow_anonymous(self) -> Self {
-        self.with(|c| c.allow_anonymous = true)
+    /// With `true`, keyed requests without a tenant share one anonymous
+    /// tenant instead of getting `401 idempotency_tenant_missing` (default
+    /// `false`).
+    pub fn allow_anonymous(self, allowed: bool) -> Self {
+        self.with(|c| c.allow_anonymous = allowed)
     }
 
     /// The headers included in the fingerprint (default `content-type`).
@@ -359,10 +361,11 @@ impl<S: Store> IdempotencyLayer<S> {
         self.with(|c| c.replay_denylist = headers)
     }
 
-    /// Run the handler without protection when the store fails (counted as
-    /// `fail_open`), instead of `503 idempotency_store_unavailable`.
-    pub fn fail_open(self) -> Self {
-        self.with(|c| c.fail_open = true)
+    /// With `true`, run the handler without protection when the store
+    /// cannot be reached or times out (counted as `fail_open`), instead of
+    /// `503 idempotency_store_unavailable` (default `false`).
+    pub fn fail_open(self, open: bool) -> Self {
+        self.with(|c| c.fail_open = open)
     }
 
     /// An admin credential for the records API: a request whose

@@ -261,7 +261,7 @@ async fn a_lowercase_method_is_refused() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let lower = Method::from_bytes(b"post").expect("method");
-    for layer in [layer(&store), layer(&store).require_key()] {
+    for layer in [layer(&store), layer(&store).require_key(true)] {
         let service = service(&layer, &probe);
         for keyed in [true, false] {
             let mut request = method(lower.clone(), "/orders").tenant("t1").json("{}");
@@ -390,7 +390,7 @@ fn absurd_durations_are_configuration_errors() {
 async fn fail_open_does_not_cover_a_store_that_answered() {
     let store = MemoryStore::builder().capacity(1).build();
     let probe = Probe::default();
-    let service = service(&layer(&store).fail_open(), &probe);
+    let service = service(&layer(&store).fail_open(true), &probe);
     assert_eq!(
         send(&service, order("full-1", "{}")).await.status,
         StatusCode::CREATED

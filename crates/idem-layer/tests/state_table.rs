@@ -393,7 +393,7 @@ async fn missing_key_passes_through_unless_required() {
     assert_eq!(probe.calls(), 2);
     assert!(store.is_empty());
 
-    let svc = service(&layer(&store).require_key(), &probe);
+    let svc = service(&layer(&store).require_key(true), &probe);
     let refused = send(&svc, post("/orders").tenant("t1").build()).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert_eq!(refused.code().as_deref(), Some("idempotency_key_missing"));
@@ -502,7 +502,7 @@ async fn tenants_are_isolated_and_required() {
     );
     assert_eq!(probe.calls(), 2);
 
-    let svc = service(&layer(&store).allow_anonymous(), &probe);
+    let svc = service(&layer(&store).allow_anonymous(true), &probe);
     send(&svc, post("/orders").key("k").build()).await;
     assert!(
         send(&svc, post("/orders").key("k").build())

@@ -142,7 +142,7 @@ async fn hanging_store_times_out_into_503() {
 async fn fail_open_runs_the_handler_unprotected() {
     let store = switched();
     let probe = Probe::default();
-    let svc = switched_layer(&store).fail_open().layer(inner(&probe));
+    let svc = switched_layer(&store).fail_open(true).layer(inner(&probe));
     store.mode.store(FAIL, Ordering::SeqCst);
     assert_eq!(
         send(&svc, order("k", "{}")).await.status,

@@ -33,7 +33,7 @@ fn protected<S: Store>(routes: Router, store: S, lease: Duration) -> Router {
         .tenant(TenantFromHeader::new(http::HeaderName::from_static(
             "x-tenant-id",
         )))
-        .allow_anonymous()
+        .allow_anonymous(true)
         .lease(lease);
     routes
         .route_service("/_idempotency/records", layer.records_service())

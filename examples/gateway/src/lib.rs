@@ -713,15 +713,10 @@ fn router<S: Store>(
         (None, Some(_)) => layer.tenant(idem_layer::TenantFromExtension::<Tenant>::new()),
         (None, None) => layer.tenant(TenantFromAuthorization::keyed(tenants.secret.clone())),
     };
-    if config.allow_anonymous {
-        layer = layer.allow_anonymous();
-    }
-    if config.require_key {
-        layer = layer.require_key();
-    }
-    if config.fail_open {
-        layer = layer.fail_open();
-    }
+    layer = layer
+        .allow_anonymous(config.allow_anonymous)
+        .require_key(config.require_key)
+        .fail_open(config.fail_open);
     if let Some(token) = &config.records_admin_token {
         layer = layer.records_admin_token(token.as_bytes());
     }
