@@ -2,6 +2,7 @@
 //! ports and a small HTTP client.
 
 pub mod cutter;
+pub mod layer_suite;
 pub mod nats_server;
 pub mod postgres_server;
 pub mod process;

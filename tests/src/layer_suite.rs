@@ -1,0 +1,342 @@
+//! The layer's behaviours, checked on any store: the state table through
+//! HTTP, replay fidelity, conflicts, in-progress answers, releases,
+//! cancellation and the records API. [`layer_tests!`](crate::layer_tests)
+//! runs each as a test on a store; every check uses its own tenant, so
+//! checks may share one store.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{Router, routing::post};
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use idem_core::Store;
+use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+/// An app on `store`: `/orders` answers 201 with a run number, headers
+/// and a binary body; `/fail` answers 503; `/panic` panics; `/big` answers
+/// a body over the storable limit; `/slow` waits for a permit.
+pub struct App {
+    router: Router,
+    runs: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+    tenant: String,
+}
+
+/// What came back.
+#[derive(Debug)]
+pub struct Answer {
+    /// Status.
+    pub status: StatusCode,
+    /// Headers.
+    pub headers: HeaderMap,
+    /// Body.
+    pub body: Bytes,
+}
+
+impl Answer {
+    fn code(&self) -> Option<String> {
+        let json: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
+        Some(json.get("code")?.as_str()?.to_owned())
+    }
+
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+impl App {
+    /// The app on `store`, with a fresh tenant.
+    pub fn new<S: Store>(store: S) -> Self {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Semaphore::new(0));
+        let layer = IdempotencyLayer::new(store)
+            .tenant(TenantFromHeader::from_static("x-tenant"))
+            .max_response(1024);
+        let (r1, r2, r3, r4) = (
+            Arc::clone(&runs),
+            Arc::clone(&runs),
+            Arc::clone(&runs),
+            Arc::clone(&runs),
+        );
+        let g = Arc::clone(&gate);
+        let router = Router::new()
+            .route(
+                "/orders",
+                post(move || {
+                    let n = r1.fetch_add(1, Ordering::SeqCst) + 1;
+                    async move {
+                        (
+                            StatusCode::CREATED,
+                            [
+                                ("location", format!("/orders/{n}")),
+                                ("x-run", n.to_string()),
+                            ],
+                            Bytes::from(vec![0u8, 0xff, b'\r', b'\n', n as u8]),
+                        )
+                    }
+                }),
+            )
+            .route(
+                "/fail",
+                post(move || {
+                    r2.fetch_add(1, Ordering::SeqCst);
+                    async { StatusCode::SERVICE_UNAVAILABLE }
+                }),
+            )
+            .route(
+                "/panic",
+                post(move || {
+                    r3.fetch_add(1, Ordering::SeqCst);
+                    async {
+                        if true {
+                            panic!("the handler panics");
+                        }
+                        StatusCode::OK
+                    }
+                }),
+            )
+            .route(
+                "/big",
+                post(|| async { (StatusCode::CREATED, vec![b'x'; 4096]) }),
+            )
+            .route(
+                "/slow",
+                post(move || {
+                    let (runs, gate) = (Arc::clone(&r4), Arc::clone(&g));
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        if let Ok(permit) = gate.acquire().await {
+                            permit.forget();
+                        }
+                        (StatusCode::CREATED, "slow done")
+                    }
+                }),
+            );
+        let router = router
+            .route_service("/records", layer.records_service())
+            .layer(layer);
+        Self {
+            router,
+            runs,
+            gate,
+            tenant: format!("suite-{}", uuid::Uuid::new_v4()),
+        }
+    }
+
+    /// How many times a handler ran.
+    pub fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    async fn call(&self, request: Request<axum::body::Body>) -> Answer {
+        let response = self
+            .router
+            .clone()
+            .oneshot(request)
+            .await
+            .expect("infallible");
+        let (parts, body) = response.into_parts();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.expect("body").to_bytes(),
+        }
+    }
+
+    /// A keyed POST of `path` with this JSON body.
+    pub async fn post(&self, path: &str, key: &str, body: &'static str) -> Answer {
+        let request = Request::post(path)
+            .header("idempotency-key", key)
+            .header("x-tenant", &self.tenant)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body))
+            .expect("request");
+        self.call(request).await
+    }
+
+    /// A records API call.
+    pub async fn records(&self, method: &str, query: &str) -> Answer {
+        let request = Request::builder()
+            .method(method)
+            .uri(format!("/records{query}"))
+            .header("x-tenant", &self.tenant)
+            .body(axum::body::Body::empty())
+            .expect("request");
+        self.call(request).await
+    }
+}
+
+/// A new key runs once; its duplicate replays status, headers and binary
+/// body exactly, marked replayed.
+pub async fn replays_exactly<S: Store>(store: S) {
+    let app = App::new(store);
+    let first = app.post("/orders", "k", "{\"a\":1}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = app.post("/orders", "k", "{ \"a\" : 1 }").await;
+    assert!(again.replayed());
+    assert_eq!(again.status, first.status);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.headers.get("location"), first.headers.get("location"));
+    assert_eq!(again.headers.get("x-run"), first.headers.get("x-run"));
+    assert_eq!(app.runs(), 1);
+}
+
+/// The same key with another payload is `422 idempotency_conflict`.
+pub async fn another_payload_conflicts<S: Store>(store: S) {
+    let app = App::new(store);
+    assert_eq!(
+        app.post("/orders", "k", "{\"a\":1}").await.status,
+        StatusCode::CREATED
+    );
+    let other = app.post("/orders", "k", "{\"a\":2}").await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.code().as_deref(), Some("idempotency_conflict"));
+    assert_eq!(app.runs(), 1);
+}
+
+/// A duplicate while the first runs is `409 idempotency_in_progress` with
+/// `Retry-After`; once done it replays.
+pub async fn duplicates_in_flight_get_409<S: Store>(store: S) {
+    let app = Arc::new(App::new(store));
+    let running = {
+        let app = Arc::clone(&app);
+        tokio::spawn(async move { app.post("/slow", "k", "{}").await })
+    };
+    while app.runs() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let busy = app.post("/slow", "k", "{}").await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    assert!(busy.headers.contains_key("retry-after"));
+    app.gate.add_permits(1);
+    let first = running.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = app.post("/slow", "k", "{}").await;
+    assert!(replay.replayed());
+    assert_eq!(app.runs(), 1);
+}
+
+/// A temporary failure (503) releases the key: the retry runs again; a
+/// panic is `500 handler_failed` and releases it too.
+pub async fn failures_release_the_key<S: Store>(store: S) {
+    let app = App::new(store);
+    assert_eq!(
+        app.post("/fail", "f", "{}").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        app.post("/fail", "f", "{}").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(app.runs(), 2, "a released key runs again");
+    let panicked = app.post("/panic", "p", "{}").await;
+    assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(panicked.code().as_deref(), Some("handler_failed"));
+    let _ = app.post("/panic", "p", "{}").await;
+    assert_eq!(app.runs(), 4);
+}
+
+/// A response over the storable limit reaches its client whole; retries
+/// get `409 idempotency_response_not_stored` and do not run it again.
+pub async fn oversized_responses_are_not_replayed<S: Store>(store: S) {
+    let app = App::new(store);
+    let first = app.post("/big", "b", "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body.len(), 4096);
+    let again = app.post("/big", "b", "{}").await;
+    assert_eq!(again.status, StatusCode::CONFLICT);
+    assert_eq!(
+        again.code().as_deref(),
+        Some("idempotency_response_not_stored")
+    );
+}
+
+/// Cancelled through the records API while running: the retry gets 410,
+/// the running attempt's client gets 410 too (its completion is fenced).
+pub async fn cancel_fences_the_running_attempt<S: Store>(store: S) {
+    let app = Arc::new(App::new(store));
+    let running = {
+        let app = Arc::clone(&app);
+        tokio::spawn(async move { app.post("/slow", "c", "{}").await })
+    };
+    while app.runs() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let cancel = app.records("DELETE", "?method=POST&path=/slow&key=c").await;
+    assert_eq!(cancel.status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&cancel.body).expect("json");
+    assert_eq!(json["result"], "cancelled");
+    app.gate.add_permits(1);
+    let first = running.await.expect("join");
+    assert_eq!(first.status, StatusCode::GONE);
+    let retry = app.post("/slow", "c", "{}").await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(retry.code().as_deref(), Some("idempotency_cancelled"));
+    assert_eq!(app.runs(), 1);
+}
+
+/// The records API shows the caller's record with its attempts, lists it,
+/// and another tenant sees nothing.
+pub async fn records_api_shows_and_lists<S: Store>(store: S) {
+    let app = App::new(store);
+    assert_eq!(
+        app.post("/orders", "r", "{}").await.status,
+        StatusCode::CREATED
+    );
+    let one = app.records("GET", "?method=POST&path=/orders&key=r").await;
+    assert_eq!(one.status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&one.body).expect("json");
+    assert_eq!(json["state"], "completed");
+    assert_eq!(json["status"], 201);
+    assert_eq!(json["attempts"][0]["outcome"]["kind"], "completed");
+    let list = app.records("GET", "?state=completed").await;
+    let json: serde_json::Value = serde_json::from_slice(&list.body).expect("json");
+    assert_eq!(json["records"].as_array().map(Vec::len), Some(1), "{json}");
+    let stranger = App {
+        tenant: "someone-else".to_owned(),
+        ..app
+    };
+    let hidden = stranger
+        .records("GET", "?method=POST&path=/orders&key=r")
+        .await;
+    assert_eq!(hidden.status, StatusCode::NOT_FOUND);
+}
+
+/// Expands to one test per layer check, on the store the closure makes,
+/// with whatever must live as long as the test (its server); `None` skips
+/// (a server not installed, outside CI).
+#[macro_export]
+macro_rules! layer_tests {
+    ($make:expr) => {
+        $crate::layer_tests!(@each $make;
+            replays_exactly,
+            another_payload_conflicts,
+            duplicates_in_flight_get_409,
+            failures_release_the_key,
+            oversized_responses_are_not_replayed,
+            cancel_fences_the_running_attempt,
+            records_api_shows_and_lists
+        );
+    };
+    (@each $make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some((store, _keep)) = ($make)().await else { return };
+                $crate::layer_suite::$name(store).await;
+            }
+        )*
+    };
+}
