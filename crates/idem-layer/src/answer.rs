@@ -8,9 +8,9 @@ use idem_core::{Current, Outcome, Replay};
 
 use crate::{
     ResponseBody,
+    headers::IDEMPOTENT_REPLAYED,
     metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
-    service::IDEMPOTENT_REPLAYED,
 };
 
 /// The answer for a fenced attempt's client: what the record says now.

@@ -22,10 +22,10 @@ use crate::{
     IdempotencyLayer, LateResponse, ResponseBody, UnknownOutcome,
     answer::{answer_current, storable_headers},
     body::BoxError,
-    layer::Config,
+    config::Config,
     metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
-    service::{deadline_after, store_call},
+    runtime::{deadline_after, store_call},
 };
 
 /// What the handler produced, read as far as the storable limit.

@@ -54,7 +54,7 @@ use crate::{
     attempt::{release, renewing, settle},
     fingerprint::{canonical_tokens, update_part},
     metrics::{self as m, Outcome as Counted},
-    service::{deadline_after, store_call},
+    runtime::{deadline_after, store_call},
 };
 
 /// The status a successful command's result is stored with.

@@ -107,36 +107,41 @@ mod answer;
 mod attempt;
 mod body;
 pub mod command;
+mod config;
 mod context;
 mod disconnect;
 pub mod fingerprint;
+mod headers;
 mod layer;
 pub mod metrics;
 mod path;
 pub mod problem;
 pub mod records;
+mod runtime;
 mod service;
 pub mod tenant;
 mod unknown;
 
 pub use body::{BoxError, ResponseBody};
 pub use command::{ActionError, Command, CommandContext, CommandError, Done};
+pub use config::{
+    ConfigError, InFlight, MAX_DURATION, OnDisconnect, default_replay_denylist,
+    default_should_store,
+};
 pub use context::IdempotencyContext;
+pub use headers::{HOP_BY_HOP, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 /// The idem-core types a handler meets, re-exported so that a service
 /// needs no direct idem-core dependency.
 pub use idem_core::{
     Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeHash,
 };
-pub use layer::{
-    ConfigError, HOP_BY_HOP, IdempotencyLayer, InFlight, MAX_DURATION, OnDisconnect,
-    default_replay_denylist, default_should_store,
-};
+pub use layer::IdempotencyLayer;
 pub use path::normalize_path;
 pub use problem::{
     DEFAULT_TYPE_BASE, PROBLEM_JSON, Problem, ProblemCode, ProblemHook, problem_document,
 };
 pub use records::RecordsService;
-pub use service::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Idempotency};
+pub use service::Idempotency;
 pub use tenant::{
     Tenant, TenantExtractor, TenantFromAuthorization, TenantFromExtension, TenantFromHeader,
     TenantFromKeyedAuthorization,

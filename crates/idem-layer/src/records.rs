@@ -74,10 +74,9 @@ use tower::Service;
 
 use crate::{
     ResponseBody,
-    layer::Config,
+    config::Config,
     problem::{ProblemCode, problem},
-    service::{store_call, unavailable_problem},
-    tenant::ANONYMOUS_TENANT,
+    runtime::{operation_name, store_call, unavailable_problem},
 };
 
 /// The body type of the records API.
@@ -217,9 +216,8 @@ impl<S: Store> RecordsService<S> {
             let detail = "acting for another tenant needs the admin credential";
             return Err((ProblemCode::AdminRequired, detail.to_owned()));
         }
-        match self.config.tenant.tenant(parts) {
+        match self.config.tenant_of(parts) {
             Some(tenant) => Ok(Some(tenant)),
-            None if self.config.allow_anonymous => Ok(Some(ANONYMOUS_TENANT.to_owned())),
             None if self.config.admin_token.is_some()
                 && parts.headers.contains_key("x-idem-admin-token") =>
             {
@@ -242,11 +240,7 @@ impl<S: Store> RecordsService<S> {
         };
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| (ProblemCode::KeyInvalid, e.to_string()))?;
-        let operation = format!(
-            "{} {}",
-            method.to_ascii_uppercase(),
-            crate::normalize_path(path)
-        );
+        let operation = operation_name(&method.to_ascii_uppercase(), &crate::normalize_path(path));
         Ok(*Scope::new(tenant, operation, key).hash())
     }
 

@@ -1,7 +1,6 @@
 //! The [`Idempotency`] service: the request path of the layer.
 
 use std::{
-    future::Future,
     sync::Arc,
     task::{Context, Poll},
     time::Duration,
@@ -9,12 +8,10 @@ use std::{
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
-use http::{HeaderMap, HeaderName, Request, Response, header, request::Parts};
+use http::{Request, Response, header, request::Parts};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idem_core::{
-    Attempt, IdempotencyKey, KeyError, Lease, Reservation, ReserveRequest, Scope, Store, StoreError,
-};
+use idem_core::{Attempt, Lease, Reservation, ReserveRequest, Scope, Store, StoreError};
 use tower::Service;
 use tracing::Instrument;
 
@@ -24,19 +21,12 @@ use crate::{
     attempt::attempt,
     body::BoxError,
     disconnect::{ReleaseOnDrop, RunToCompletion},
-    layer::Config,
+    headers::read_key,
     metrics::{self as m, Outcome as Counted},
     normalize_path,
     problem::{ProblemCode, problem},
-    tenant::ANONYMOUS_TENANT,
+    runtime::{deadline_after, operation_name, store_call, store_unavailable},
 };
-
-/// The `Idempotency-Key` request header.
-pub const IDEMPOTENCY_KEY: HeaderName =
-    HeaderName::from_static(idem_core::protocol::IDEMPOTENCY_KEY);
-/// Added to every replayed response.
-pub const IDEMPOTENT_REPLAYED: HeaderName =
-    HeaderName::from_static(idem_core::protocol::IDEMPOTENT_REPLAYED);
 
 /// The service produced by [`IdempotencyLayer`].
 ///
@@ -126,25 +116,14 @@ where
     }
 }
 
-fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyError> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).into_iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err(KeyError::Repeated);
-    }
-    IdempotencyKey::parse(value.as_bytes()).map(Some)
-}
-
 /// The operation: the method and axum's route template when there is one,
 /// else the (already normalized) path.
 fn operation(parts: &Parts) -> String {
     #[cfg(feature = "axum")]
     if let Some(path) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return format!("{} {}", parts.method, path.as_str());
+        return operation_name(parts.method.as_str(), path.as_str());
     }
-    format!("{} {}", parts.method, parts.uri.path())
+    operation_name(parts.method.as_str(), parts.uri.path())
 }
 
 /// Puts the request's path in normal form (see [`normalize_path`]), so
@@ -214,14 +193,10 @@ where
 
     let (mut parts, body) = request.into_parts();
     normalize_uri(&mut parts);
-    let tenant = match config.tenant.tenant(&parts) {
-        Some(tenant) => tenant,
-        None if config.allow_anonymous => ANONYMOUS_TENANT.to_owned(),
-        None => {
-            m::count(Counted::Rejected);
-            let detail = "a request with an Idempotency-Key must come from an identified caller";
-            return Ok(problem(ProblemCode::TenantMissing, detail, None));
-        }
+    let Some(tenant) = config.tenant_of(&parts) else {
+        m::count(Counted::Rejected);
+        let detail = "a request with an Idempotency-Key must come from an identified caller";
+        return Ok(problem(ProblemCode::TenantMissing, detail, None));
     };
     let body = match read_body(&parts, body, config.max_body, config.body_timeout).await {
         Ok(body) => body,
@@ -293,58 +268,6 @@ where
             Err(problem(ProblemCode::BodyInvalid, &detail, None))
         }
     }
-}
-
-/// `now + bound`, saturating far in the future instead of overflowing.
-pub(crate) fn deadline_after(bound: Duration) -> tokio::time::Instant {
-    let now = tokio::time::Instant::now();
-    now.checked_add(bound)
-        .unwrap_or_else(|| now + crate::MAX_DURATION)
-}
-
-/// Runs a store call under the configured timeout and records its latency.
-pub(crate) async fn store_call<T>(
-    config: &Config,
-    op: &'static str,
-    call: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let started = std::time::Instant::now();
-    let result = match tokio::time::timeout(config.store_timeout, call).await {
-        Ok(result) => result,
-        Err(_) => Err(StoreError::Timeout(config.store_timeout)),
-    };
-    m::store_latency(op, started.elapsed());
-    result
-}
-
-fn store_unavailable<B>(error: &StoreError) -> Response<ResponseBody<B>> {
-    m::count(Counted::StoreError);
-    unavailable_problem(error)
-}
-
-/// `503 idempotency_store_unavailable` for a failed store call, of the
-/// layer and of the records API alike; the error itself is logged.
-pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBody<B>> {
-    tracing::warn!(%error, "idempotency store call failed");
-    // What went wrong inside is for the logs (above), not for the caller.
-    let (code, detail, retry_after) = match error {
-        StoreError::Full { retry_after, .. } => (
-            ProblemCode::StoreUnavailable,
-            "the idempotency store is full; retry after records expire",
-            *retry_after,
-        ),
-        StoreError::QuotaExceeded { retry_after, .. } => (
-            ProblemCode::QuotaExceeded,
-            "the caller holds its quota of idempotency records; retry after its oldest expire",
-            *retry_after,
-        ),
-        _ => (
-            ProblemCode::StoreUnavailable,
-            "the idempotency store is unavailable; retry shortly",
-            Duration::from_secs(1),
-        ),
-    };
-    problem(code, detail, Some(retry_after))
 }
 
 /// A keyed request on its way through the state machine.

@@ -1,0 +1,155 @@
+//! The layer's settings: what may be configured, the defaults the
+//! contract sets, and what a configuration may not be.
+
+use std::{sync::Arc, time::Duration};
+
+use http::{HeaderName, Method, StatusCode, header};
+
+use crate::{
+    fingerprint::FingerprintFn, headers::HOP_BY_HOP, problem::ProblemHook, tenant::TenantExtractor,
+};
+
+/// What to do with a duplicate that arrives while the first is running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    /// Answer `409 idempotency_in_progress` with `Retry-After` at once.
+    Reject,
+    /// Wait up to this long for the outcome and replay it; answer 409 when
+    /// the bound passes.
+    Wait(Duration),
+}
+
+/// What to do when the client disconnects while the handler runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDisconnect {
+    /// Keep running the handler to completion, in a task of its own once
+    /// the client is gone, and record its outcome, so a retry is replayed
+    /// (the default: the lost-acknowledgement case).
+    Detach,
+    /// Drop the handler and release the reservation, so a retry executes
+    /// again.
+    Release,
+}
+
+/// A configuration the layer refuses to start with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The retention must outlast the lease, or a record could vanish while
+    /// its attempt still runs.
+    #[error("retention ({retention:?}) must be longer than the lease ({lease:?})")]
+    RetentionNotLongerThanLease {
+        /// The configured retention.
+        retention: Duration,
+        /// The configured lease.
+        lease: Duration,
+    },
+    /// A zero lease, store timeout or limit.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+    /// A duration beyond [`MAX_DURATION`]: no clock arithmetic on it could
+    /// be trusted.
+    #[error("{0} must be at most 100 years")]
+    TooLong(&'static str),
+}
+
+/// The longest duration any setting accepts (100 years). Longer values are
+/// refused at start, so that no deadline computed from them can overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) tenant: Arc<dyn TenantExtractor>,
+    pub(crate) allow_anonymous: bool,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,
+    pub(crate) max_body: usize,
+    pub(crate) body_timeout: Duration,
+    pub(crate) max_response: usize,
+    pub(crate) lease: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) in_flight: InFlight,
+    pub(crate) should_store: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
+    pub(crate) replay_denylist: Vec<HeaderName>,
+    pub(crate) fail_open: bool,
+    pub(crate) store_timeout: Duration,
+    pub(crate) on_disconnect: OnDisconnect,
+    pub(crate) unknown_wait: Duration,
+    pub(crate) problem_type_base: Option<Arc<str>>,
+    pub(crate) problem_hook: Option<Arc<ProblemHook>>,
+    /// SHA-256 of the records API's admin credential, if one is set.
+    pub(crate) admin_token: Option<[u8; 32]>,
+}
+
+impl Config {
+    /// Whether problem answers are shaped (a type base or a hook is set).
+    pub(crate) fn shapes_problems(&self) -> bool {
+        self.problem_type_base.is_some() || self.problem_hook.is_some()
+    }
+
+    /// A problem answer with the configured type base and hook applied.
+    pub(crate) fn shape<B>(
+        &self,
+        response: http::Response<crate::ResponseBody<B>>,
+    ) -> http::Response<crate::ResponseBody<B>> {
+        if !self.shapes_problems() {
+            return response;
+        }
+        crate::problem::shape(
+            self.problem_type_base.as_deref(),
+            self.problem_hook.as_deref(),
+            response,
+        )
+    }
+}
+
+impl Config {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        let wait = match self.in_flight {
+            InFlight::Wait(bound) => bound,
+            InFlight::Reject => Duration::ZERO,
+        };
+        for (name, value) in [
+            ("the lease", self.lease),
+            ("the retention", self.retention),
+            ("the store timeout", self.store_timeout),
+            ("the body timeout", self.body_timeout),
+            ("the in-flight wait", wait),
+            ("the unknown-outcome wait", self.unknown_wait),
+        ] {
+            if value > MAX_DURATION {
+                return Err(ConfigError::TooLong(name));
+            }
+        }
+        if self.lease.is_zero() {
+            return Err(ConfigError::Zero("the lease"));
+        }
+        if self.store_timeout.is_zero() {
+            return Err(ConfigError::Zero("the store timeout"));
+        }
+        if self.retention <= self.lease {
+            return Err(ConfigError::RetentionNotLongerThanLease {
+                retention: self.retention,
+                lease: self.lease,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The default outcome predicate: store 2xx, 3xx and 4xx except 408, 425
+/// and 429; release the key for everything else (temporary failures).
+pub fn default_should_store(status: StatusCode) -> bool {
+    let code = status.as_u16();
+    (200..500).contains(&code) && !matches!(code, 408 | 425 | 429)
+}
+
+/// The headers never replayed: [`HOP_BY_HOP`], `Date`, `Set-Cookie` and
+/// `Content-Length` (recomputed from the stored body).
+pub fn default_replay_denylist() -> Vec<HeaderName> {
+    let mut denied = HOP_BY_HOP.to_vec();
+    denied.extend([header::DATE, header::SET_COOKIE, header::CONTENT_LENGTH]);
+    denied
+}

@@ -1,0 +1,90 @@
+//! What the request path and the records API share: store calls under
+//! the timeout, the 503 answer, the caller's tenant and the operation name.
+
+use std::{future::Future, time::Duration};
+
+use http::{Response, request::Parts};
+use idem_core::StoreError;
+
+use crate::{
+    ResponseBody,
+    config::Config,
+    metrics::{self as m, Outcome as Counted},
+    problem::{ProblemCode, problem},
+    tenant::ANONYMOUS_TENANT,
+};
+
+/// `now + bound`, saturating far in the future instead of overflowing.
+pub(crate) fn deadline_after(bound: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(bound)
+        .unwrap_or_else(|| now + crate::MAX_DURATION)
+}
+
+/// Runs a store call under the configured timeout and records its latency.
+pub(crate) async fn store_call<T>(
+    config: &Config,
+    op: &'static str,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let started = std::time::Instant::now();
+    let result = match tokio::time::timeout(config.store_timeout, call).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Timeout(config.store_timeout)),
+    };
+    m::store_latency(op, started.elapsed());
+    result
+}
+
+pub(crate) fn store_unavailable<B>(error: &StoreError) -> Response<ResponseBody<B>> {
+    m::count(Counted::StoreError);
+    unavailable_problem(error)
+}
+
+/// `503 idempotency_store_unavailable` for a failed store call, of the
+/// layer and of the records API alike; the error itself is logged.
+pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBody<B>> {
+    tracing::warn!(%error, "idempotency store call failed");
+    // What went wrong inside is for the logs (above), not for the caller.
+    let (code, detail, retry_after) = match error {
+        StoreError::Full { retry_after, .. } => (
+            ProblemCode::StoreUnavailable,
+            "the idempotency store is full; retry after records expire",
+            *retry_after,
+        ),
+        StoreError::QuotaExceeded { retry_after, .. } => (
+            ProblemCode::QuotaExceeded,
+            "the caller holds its quota of idempotency records; retry after its oldest expire",
+            *retry_after,
+        ),
+        _ => (
+            ProblemCode::StoreUnavailable,
+            "the idempotency store is unavailable; retry shortly",
+            Duration::from_secs(1),
+        ),
+    };
+    problem(code, detail, Some(retry_after))
+}
+
+impl Config {
+    /// The caller's tenant: the extractor's, or the anonymous tenant when
+    /// allowed; `None` when the caller is not identified.
+    pub(crate) fn tenant_of(&self, parts: &Parts) -> Option<String> {
+        match self.tenant.tenant(parts) {
+            Some(tenant) => Some(tenant),
+            None if self.allow_anonymous => Some(ANONYMOUS_TENANT.to_owned()),
+            None => None,
+        }
+    }
+}
+
+/// The operation of a scope: the method and the route (`POST /orders`).
+/// The request path and the records API name operations the same way, so
+/// the records API finds what the layer stored.
+pub(crate) fn operation_name(method: &str, route: &str) -> String {
+    let mut name = String::with_capacity(method.len() + 1 + route.len());
+    name.push_str(method);
+    name.push(' ');
+    name.push_str(route);
+    name
+}
