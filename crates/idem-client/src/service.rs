@@ -426,6 +426,165 @@ where
     }
 }
 
+/// The request's key: its own, or a fresh one for a method of
+/// [`RetryLayer::key_methods`] (kept for every attempt).
+fn ensure_key(config: &Config, parts: &mut Parts) -> Option<String> {
+    let key = parts
+        .headers
+        .get(IDEMPOTENCY_KEY)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if key.is_some() || !config.key_methods.contains(&parts.method) {
+        return key;
+    }
+    let fresh = uuid::Uuid::new_v4().to_string();
+    let value = HeaderValue::try_from(fresh.as_str()).ok()?;
+    parts.headers.insert(IDEMPOTENCY_KEY, value);
+    Some(fresh)
+}
+
+/// The body, buffered when it is small enough and of known length (so it
+/// can be sent again); otherwise handed back to be sent once.
+async fn buffer_body<B>(config: &Config, body: B) -> Result<(Option<Bytes>, Option<B>), BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let replayable = body
+        .size_hint()
+        .upper()
+        .is_some_and(|upper| upper <= config.body_limit as u64);
+    if !replayable {
+        return Ok((None, Some(body)));
+    }
+    let bytes = Limited::new(body, config.body_limit)
+        .collect()
+        .await?
+        .to_bytes();
+    Ok((Some(bytes), None))
+}
+
+/// Waits for the boundary's turn (see [`Limits`]); the time held, or the
+/// error that stops the request before this attempt is sent.
+async fn admit<E>(
+    limits: &Limits,
+    (boundary, owner): &(String, String),
+    deadline: Option<tokio::time::Instant>,
+    info: RetryInfo,
+) -> Result<Duration, Error<E>> {
+    match limits.admit(boundary, owner, deadline).await {
+        Ok(waited) => Ok(waited),
+        Err(Refusal::TooLate(wait)) => {
+            metrics::counter!("idem_client_limit_refusals_total", "boundary" => boundary.clone())
+                .increment(1);
+            Err(Error::Limited {
+                boundary: boundary.clone(),
+                wait,
+                info,
+            })
+        }
+        Err(Refusal::Gate(source)) => Err(Error::Gate { source, info }),
+    }
+}
+
+/// One attempt: what came back, why it may be retried (`None`: final),
+/// and the `Retry-After` it asked for.
+type Sent<R, E> = (Attempt<R, E>, Option<String>, Option<Duration>);
+
+async fn send_once<S, B, R>(
+    config: &Config,
+    inner: S,
+    request: Request<ReplayBody<B>>,
+    attempt: u32,
+) -> Result<Sent<R, S::Error>, Error<S::Error>>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>> + Clone,
+    R: Body<Data = Bytes>,
+    R::Error: Into<BoxError>,
+{
+    let span = tracing::debug_span!("attempt", attempt);
+    let entered = span.enter();
+    let call = inner.oneshot(request);
+    drop(entered);
+    let outcome = match config.attempt_timeout {
+        Some(limit) => match tokio::time::timeout(limit, call).await {
+            Ok(result) => result.map_err(Some),
+            Err(_) => Err(None),
+        },
+        None => call.await.map_err(Some),
+    };
+    Ok(match outcome {
+        Ok(response) => {
+            let retry_after = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .and_then(|v| parse_retry_after(v.as_bytes(), SystemTime::now()));
+            let (response, reason) = classify(response).await.map_err(Error::Body)?;
+            (Attempt::Answer(response), reason, retry_after)
+        }
+        Err(Some(error)) => (Attempt::Failed(error), Some("transport".to_owned()), None),
+        Err(None) => {
+            let after = config.attempt_timeout.unwrap_or_default();
+            (Attempt::TimedOut(after), Some("timeout".to_owned()), None)
+        }
+    })
+}
+
+/// The request as the caller gets it: the answer with its [`RetryInfo`],
+/// or the error.
+fn finish<R, E>(
+    attempt: Attempt<R, E>,
+    info: RetryInfo,
+) -> Result<Response<ReplayBody<R>>, Error<E>> {
+    match attempt {
+        Attempt::Answer(mut response) => {
+            response.extensions_mut().insert(info);
+            Ok(response)
+        }
+        Attempt::Failed(source) => Err(Error::Service { source, info }),
+        Attempt::TimedOut(after) => Err(Error::TimedOut { after, info }),
+    }
+}
+
+/// What a retry needs to be allowed, for [`stop_reason`].
+struct RetryPlan<'a> {
+    safe: bool,
+    replayable: bool,
+    attempts: u32,
+    deadline: Option<tokio::time::Instant>,
+    delay: Duration,
+    limited: Option<(&'a Limits, &'a str)>,
+}
+
+/// Why the request may not be retried, if it may not.
+async fn stop_reason(config: &Config, plan: RetryPlan<'_>) -> Option<StopReason> {
+    let past_deadline = plan.deadline.is_some_and(|deadline| {
+        tokio::time::Instant::now()
+            .checked_add(plan.delay)
+            .is_none_or(|at| at > deadline)
+    });
+    let stop = if !plan.safe {
+        StopReason::UnsafeMethod
+    } else if !plan.replayable {
+        StopReason::BodyNotReplayable
+    } else if plan.attempts >= config.max_attempts {
+        StopReason::MaxAttempts
+    } else if past_deadline {
+        StopReason::Deadline
+    } else if !config.budget.withdraw() {
+        metrics::counter!("idem_client_budget_exhausted_total").increment(1);
+        StopReason::BudgetExhausted
+    } else if let Some((limits, boundary)) = plan.limited
+        && !limits.budget(boundary, true).await
+    {
+        metrics::counter!("idem_client_budget_exhausted_total").increment(1);
+        StopReason::BudgetExhausted
+    } else {
+        return None;
+    };
+    Some(stop)
+}
+
 async fn run<S, B, R>(
     config: Arc<Config>,
     inner: S,
@@ -441,119 +600,41 @@ where
     // A deadline beyond what the clock can hold is no deadline.
     let deadline = tokio::time::Instant::now().checked_add(config.deadline);
     let (mut parts, body) = request.into_parts();
-    let mut key = parts
-        .headers
-        .get(IDEMPOTENCY_KEY)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    if key.is_none() && config.key_methods.contains(&parts.method) {
-        let fresh = uuid::Uuid::new_v4().to_string();
-        if let Ok(value) = HeaderValue::try_from(fresh.as_str()) {
-            parts.headers.insert(IDEMPOTENCY_KEY, value);
-            key = Some(fresh);
-        }
-    }
+    let key = ensure_key(&config, &mut parts);
     let safe = key.is_some() || is_idempotent(&parts.method);
-    let replayable = body
-        .size_hint()
-        .upper()
-        .is_some_and(|upper| upper <= config.body_limit as u64);
-    let (buffered, mut once) = if replayable {
-        let bytes = Limited::new(body, config.body_limit)
-            .collect()
-            .await
-            .map_err(Error::Body)?
-            .to_bytes();
-        (Some(bytes), None)
-    } else {
-        (None, Some(body))
-    };
+    let (buffered, mut once) = buffer_body(&config, body).await.map_err(Error::Body)?;
     config.budget.deposit();
     let limits = config.limits.as_ref();
     let place = limits.and_then(|limits| limits.place(&parts));
-    if let (Some(limits), Some((boundary, _))) = (limits, &place) {
+    let limited = limits.zip(place.as_ref());
+    if let Some((limits, (boundary, _))) = limited {
         limits.budget(boundary, false).await;
     }
     let mut held = Duration::ZERO;
     let mut attempts = 0u32;
     loop {
-        if let (Some(limits), Some((boundary, owner))) = (limits, &place) {
-            let info = || RetryInfo {
-                attempts,
-                stopped: None,
-                key: key.clone(),
-                boundary: Some(boundary.clone()),
-                held,
-            };
-            match limits.admit(boundary, owner, deadline).await {
-                Ok(waited) => held += waited,
-                Err(Refusal::TooLate(wait)) => {
-                    metrics::counter!("idem_client_limit_refusals_total", "boundary" => boundary.clone())
-                        .increment(1);
-                    return Err(Error::Limited {
-                        boundary: boundary.clone(),
-                        wait,
-                        info: info(),
-                    });
-                }
-                Err(Refusal::Gate(source)) => {
-                    return Err(Error::Gate {
-                        source,
-                        info: info(),
-                    });
-                }
-            }
-        }
-        attempts += 1;
-        metrics::counter!("idem_client_attempts_total").increment(1);
-        let body = match (&buffered, once.take()) {
-            (Some(bytes), _) => ReplayBody::buffered(bytes.clone()),
-            (None, Some(body)) => ReplayBody::once(body),
-            // A body sent once is never retried (see `stop` below).
-            (None, None) => ReplayBody::buffered(Bytes::new()),
-        };
-        let request = Request::from_parts(clone_parts(&parts), body);
-        let span = tracing::debug_span!("attempt", attempt = attempts);
-        let _entered = span.enter();
-        let call = inner.clone().oneshot(request);
-        drop(_entered);
-        let outcome = match config.attempt_timeout {
-            Some(limit) => match tokio::time::timeout(limit, call).await {
-                Ok(result) => result.map_err(Some),
-                Err(_) => Err(None),
-            },
-            None => call.await.map_err(Some),
-        };
-        let (attempt, reason, retry_after) = match outcome {
-            Ok(response) => {
-                let retry_after = response
-                    .headers()
-                    .get(header::RETRY_AFTER)
-                    .and_then(|v| parse_retry_after(v.as_bytes(), SystemTime::now()));
-                let (response, reason) = classify(response).await.map_err(Error::Body)?;
-                (Attempt::Answer(response), reason, retry_after)
-            }
-            Err(Some(error)) => (Attempt::Failed(error), Some("transport".to_owned()), None),
-            Err(None) => {
-                let after = config.attempt_timeout.unwrap_or_default();
-                (Attempt::TimedOut(after), Some("timeout".to_owned()), None)
-            }
-        };
-        let mut info = RetryInfo {
+        let info = |attempts, held| RetryInfo {
             attempts,
             stopped: None,
             key: key.clone(),
             boundary: place.as_ref().map(|(boundary, _)| boundary.clone()),
             held,
         };
-        let finish = |attempt: Attempt<R, S::Error>, info: RetryInfo| match attempt {
-            Attempt::Answer(mut response) => {
-                response.extensions_mut().insert(info);
-                Ok(response)
-            }
-            Attempt::Failed(source) => Err(Error::Service { source, info }),
-            Attempt::TimedOut(after) => Err(Error::TimedOut { after, info }),
+        if let Some((limits, place)) = limited {
+            held += admit(limits, place, deadline, info(attempts, held)).await?;
+        }
+        attempts += 1;
+        metrics::counter!("idem_client_attempts_total").increment(1);
+        let body = match (&buffered, once.take()) {
+            (Some(bytes), _) => ReplayBody::buffered(bytes.clone()),
+            (None, Some(body)) => ReplayBody::once(body),
+            // A body sent once is never retried (see `stop_reason`).
+            (None, None) => ReplayBody::buffered(Bytes::new()),
         };
+        let request = Request::from_parts(clone_parts(&parts), body);
+        let (attempt, reason, retry_after) =
+            send_once(&config, inner.clone(), request, attempts).await?;
+        let mut info = info(attempts, held);
         let Some(reason) = reason else {
             return finish(attempt, info);
         };
@@ -561,38 +642,22 @@ where
             .unwrap_or_else(|| full_jitter(config.base_delay, config.max_delay, attempts));
         // A provider that says "too many" or "unavailable" says it to every
         // worker of the boundary.
-        if let (Some(limits), Some((boundary, _)), Attempt::Answer(response)) =
-            (limits, &place, &attempt)
+        if let (Some((limits, (boundary, _))), Attempt::Answer(response)) = (limited, &attempt)
             && matches!(response.status().as_u16(), 429 | 503)
         {
             let period = retry_after
                 .unwrap_or_else(|| ceiling(config.base_delay, config.max_delay, attempts));
             limits.cool_down(boundary, period).await;
         }
-        let stop = if !safe {
-            Some(StopReason::UnsafeMethod)
-        } else if buffered.is_none() {
-            Some(StopReason::BodyNotReplayable)
-        } else if attempts >= config.max_attempts {
-            Some(StopReason::MaxAttempts)
-        } else if deadline.is_some_and(|deadline| {
-            tokio::time::Instant::now()
-                .checked_add(delay)
-                .is_none_or(|at| at > deadline)
-        }) {
-            Some(StopReason::Deadline)
-        } else if !config.budget.withdraw() {
-            metrics::counter!("idem_client_budget_exhausted_total").increment(1);
-            Some(StopReason::BudgetExhausted)
-        } else if let (Some(limits), Some((boundary, _))) = (limits, &place)
-            && !limits.budget(boundary, true).await
-        {
-            metrics::counter!("idem_client_budget_exhausted_total").increment(1);
-            Some(StopReason::BudgetExhausted)
-        } else {
-            None
+        let plan = RetryPlan {
+            safe,
+            replayable: buffered.is_some(),
+            attempts,
+            deadline,
+            delay,
+            limited: limited.map(|(limits, (boundary, _))| (limits, boundary.as_str())),
         };
-        if let Some(stop) = stop {
+        if let Some(stop) = stop_reason(&config, plan).await {
             metrics::counter!("idem_client_give_ups_total", "reason" => stop.label()).increment(1);
             tracing::debug!(attempts, %stop, "not retrying");
             info.stopped = Some(stop);
