@@ -80,6 +80,81 @@ fn end_current_attempt(
     Some(attempt.clone())
 }
 
+/// What starts an attempt: the request, the store's now, the new
+/// attempt's id and owner token.
+struct Start<'a> {
+    request: &'a ReserveRequest,
+    now_ms: u64,
+    attempt: AttemptId,
+    token: OwnerToken,
+}
+
+impl Start<'_> {
+    fn lease(&self, generation: u64) -> Lease {
+        Lease {
+            scope: *self.request.scope.hash(),
+            attempt: self.attempt,
+            generation,
+            token: self.token,
+            ttl: self.request.lease,
+        }
+    }
+
+    fn attempt(&self, generation: u64) -> Attempt {
+        Attempt {
+            id: self.attempt,
+            generation,
+            started_at_ms: self.now_ms,
+            ended_at_ms: None,
+            outcome: AttemptOutcome::Running,
+            late: None,
+        }
+    }
+
+    /// A new record, its first attempt running.
+    fn record(&self) -> Record {
+        let (request, now_ms) = (self.request, self.now_ms);
+        let (lease_ms, retention_ms) = (millis(request.lease), millis(request.retention));
+        Record {
+            scope: *request.scope.hash(),
+            tenant: request.scope.tenant().to_owned(),
+            operation: request.scope.operation().to_owned(),
+            key: request.scope.key().as_str().to_owned(),
+            fingerprint: request.fingerprint,
+            state: RecordState::Processing,
+            generation: 1,
+            owner: Some(self.token),
+            lease_expires_at_ms: now_ms.saturating_add(lease_ms),
+            lease_ms,
+            retention_ms,
+            created_at_ms: now_ms,
+            updated_at_ms: now_ms,
+            completed_at_ms: None,
+            expires_at_ms: now_ms.saturating_add(retention_ms),
+            outcome: None,
+            attempts: vec![self.attempt(1)],
+        }
+    }
+
+    /// The next attempt on an existing record (released, taken over, or
+    /// completed without its outcome).
+    fn next(&self, record: &mut Record) -> Lease {
+        let now_ms = self.now_ms;
+        record.generation += 1;
+        record.state = RecordState::Processing;
+        record.fingerprint = self.request.fingerprint;
+        record.owner = Some(self.token);
+        record.lease_ms = millis(self.request.lease);
+        record.retention_ms = millis(self.request.retention);
+        record.lease_expires_at_ms = now_ms.saturating_add(record.lease_ms);
+        record.updated_at_ms = now_ms;
+        record.expires_at_ms = now_ms.saturating_add(record.retention_ms);
+        let generation = record.generation;
+        push_attempt(record, self.attempt(generation));
+        self.lease(generation)
+    }
+}
+
 /// Reserves the slot for a request (the contract's state table).
 ///
 /// `attempt` and `token` are used only when a new attempt starts.
@@ -91,63 +166,18 @@ pub fn reserve(
     token: OwnerToken,
 ) -> Reservation {
     expire(slot, now_ms);
-    let lease_ms = millis(request.lease);
-    let retention_ms = millis(request.retention);
-    let lease = |generation| Lease {
-        scope: *request.scope.hash(),
+    let start = Start {
+        request,
+        now_ms,
         attempt,
-        generation,
         token,
-        ttl: request.lease,
-    };
-    let new_attempt = |generation| Attempt {
-        id: attempt,
-        generation,
-        started_at_ms: now_ms,
-        ended_at_ms: None,
-        outcome: AttemptOutcome::Running,
-        late: None,
     };
     let Some(record) = slot.as_mut() else {
-        *slot = Some(Record {
-            scope: *request.scope.hash(),
-            tenant: request.scope.tenant().to_owned(),
-            operation: request.scope.operation().to_owned(),
-            key: request.scope.key().as_str().to_owned(),
-            fingerprint: request.fingerprint,
-            state: RecordState::Processing,
-            generation: 1,
-            owner: Some(token),
-            lease_expires_at_ms: now_ms.saturating_add(lease_ms),
-            lease_ms,
-            retention_ms,
-            created_at_ms: now_ms,
-            updated_at_ms: now_ms,
-            completed_at_ms: None,
-            expires_at_ms: now_ms.saturating_add(retention_ms),
-            outcome: None,
-            attempts: vec![new_attempt(1)],
-        });
-        return Reservation::Acquired(lease(1));
+        *slot = Some(start.record());
+        return Reservation::Acquired(start.lease(1));
     };
-
-    let start = |record: &mut Record| {
-        record.generation += 1;
-        record.state = RecordState::Processing;
-        record.fingerprint = request.fingerprint;
-        record.owner = Some(token);
-        record.lease_ms = lease_ms;
-        record.retention_ms = retention_ms;
-        record.lease_expires_at_ms = now_ms.saturating_add(lease_ms);
-        record.updated_at_ms = now_ms;
-        record.expires_at_ms = now_ms.saturating_add(retention_ms);
-        let generation = record.generation;
-        push_attempt(record, new_attempt(generation));
-        lease(generation)
-    };
-
     match record.state {
-        RecordState::Released => Reservation::Acquired(start(record)),
+        RecordState::Released => Reservation::Acquired(start.next(record)),
         _ if record.fingerprint != request.fingerprint => Reservation::Conflict,
         RecordState::Processing if record.lease_expires_at_ms > now_ms => Reservation::InProgress {
             retry_after: Duration::from_millis(record.lease_expires_at_ms - now_ms),
@@ -163,7 +193,7 @@ pub fn reserve(
                     late: None,
                 });
             Reservation::TakenOver {
-                lease: start(record),
+                lease: start.next(record),
                 superseded,
             }
         }
@@ -171,7 +201,7 @@ pub fn reserve(
             Some(outcome) => Reservation::Completed(replay(record, outcome, now_ms)),
             // A completed record always holds its outcome; one that lost it
             // cannot be replayed, so it is treated as released.
-            None => Reservation::Acquired(start(record)),
+            None => Reservation::Acquired(start.next(record)),
         },
         RecordState::Cancelled => Reservation::Cancelled,
     }
