@@ -43,7 +43,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::StatusCode;
 use idem_core::{
-    Attempt, AttemptId, Current, Fingerprint, IdempotencyKey, Outcome, Replay, Reservation,
+    Attempt, AttemptId, Current, Fingerprint, IdempotencyKey, Lease, Outcome, Replay, Reservation,
     ReserveRequest, Scope, Store, StoreError, StoredResponse,
 };
 use serde::{Serialize, de::DeserializeOwned};
@@ -209,46 +209,15 @@ impl<S: Store> IdempotencyLayer<S> {
         Fut: Future<Output = Result<T, ActionError<E>>>,
     {
         let config = &*self.config;
-        let store = &*self.store;
         let request = ReserveRequest {
             scope: command.scope.clone(),
             fingerprint: command.fingerprint,
             lease: config.lease,
             retention: config.retention,
         };
-        let deadline = match config.in_flight {
-            InFlight::Wait(bound) => Some(deadline_after(bound)),
-            InFlight::Reject => None,
-        };
-        let (lease, superseded) = loop {
-            match store_call(config, "reserve", store.reserve(&request)).await? {
-                Reservation::Acquired(lease) => break (lease, None),
-                Reservation::TakenOver { lease, superseded } => {
-                    m::count(Counted::Takeover);
-                    break (lease, Some(superseded));
-                }
-                Reservation::InProgress { retry_after } => {
-                    let now = tokio::time::Instant::now();
-                    match deadline {
-                        Some(deadline) if now < deadline => {
-                            store.changed(request.scope.hash(), deadline - now).await;
-                        }
-                        _ => {
-                            m::count(Counted::InProgress);
-                            return Err(CommandError::InProgress { retry_after });
-                        }
-                    }
-                }
-                Reservation::Completed(replay) => return replayed(replay),
-                Reservation::Cancelled => {
-                    m::count(Counted::Cancelled);
-                    return Err(CommandError::Cancelled);
-                }
-                Reservation::Conflict => {
-                    m::count(Counted::Conflict);
-                    return Err(CommandError::Conflict);
-                }
-            }
+        let (lease, superseded) = match self.reserve_command(&request).await? {
+            Ok(reserved) => reserved,
+            Err(answer) => return answer,
         };
         let context = CommandContext {
             attempt: lease.attempt,
@@ -256,40 +225,30 @@ impl<S: Store> IdempotencyLayer<S> {
             superseded,
         };
         let work = AssertUnwindSafe(action(context)).catch_unwind();
-        let (status, body, result) = match renewing(config, store, &lease, work).await {
+        let produced = renewing(config, &*self.store, &lease, work).await;
+        let (status, body, result) = match produced {
             Ok(Ok(value)) => match serde_json::to_vec(&value) {
                 Ok(body) => (SUCCEEDED, body, Ok(Done::Ran(value))),
-                Err(error) => {
-                    release(self, &lease).await;
-                    return Err(CommandError::Undecodable(error));
-                }
+                Err(error) => return self.give_up(&lease, CommandError::Undecodable(error)).await,
             },
             Ok(Err(ActionError::Permanent(error))) => match serde_json::to_vec(&error) {
-                Ok(body) => (
-                    FAILED,
-                    body,
-                    Err(CommandError::Failed {
+                Ok(body) => {
+                    let failed = CommandError::Failed {
                         error,
                         replayed: false,
-                    }),
-                ),
+                    };
+                    (FAILED, body, Err(failed))
+                }
                 Err(encoding) => {
-                    release(self, &lease).await;
-                    return Err(CommandError::Undecodable(encoding));
+                    return self
+                        .give_up(&lease, CommandError::Undecodable(encoding))
+                        .await;
                 }
             },
             Ok(Err(ActionError::Temporary(error))) => {
-                return match release(self, &lease).await {
-                    Some(current) => answer(current),
-                    None => Err(CommandError::Retry(Some(error))),
-                };
+                return self.give_up(&lease, CommandError::Retry(Some(error))).await;
             }
-            Err(_panic) => {
-                return match release(self, &lease).await {
-                    Some(current) => answer(current),
-                    None => Err(CommandError::Retry(None)),
-                };
-            }
+            Err(_panic) => return self.give_up(&lease, CommandError::Retry(None)).await,
         };
         let outcome = Outcome::Stored(StoredResponse {
             status,
@@ -307,7 +266,71 @@ impl<S: Store> IdempotencyLayer<S> {
             None => result,
         }
     }
+
+    /// Reserves the command's scope, waiting for a running attempt when
+    /// the layer waits in flight: the lease (and the attempt it took over
+    /// from), or the answer the record already gives.
+    async fn reserve_command<T, E>(
+        &self,
+        request: &ReserveRequest,
+    ) -> Result<Reserved<T, E>, StoreError>
+    where
+        T: DeserializeOwned,
+        E: DeserializeOwned,
+    {
+        let config = &*self.config;
+        let store = &*self.store;
+        let deadline = match config.in_flight {
+            InFlight::Wait(bound) => Some(deadline_after(bound)),
+            InFlight::Reject => None,
+        };
+        loop {
+            let answer = match store_call(config, "reserve", store.reserve(request)).await? {
+                Reservation::Acquired(lease) => return Ok(Ok((lease, None))),
+                Reservation::TakenOver { lease, superseded } => {
+                    m::count(Counted::Takeover);
+                    return Ok(Ok((lease, Some(superseded))));
+                }
+                Reservation::InProgress { retry_after } => {
+                    let now = tokio::time::Instant::now();
+                    if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
+                        store.changed(request.scope.hash(), deadline - now).await;
+                        continue;
+                    }
+                    m::count(Counted::InProgress);
+                    Err(CommandError::InProgress { retry_after })
+                }
+                Reservation::Completed(replay) => replayed(replay),
+                Reservation::Cancelled => {
+                    m::count(Counted::Cancelled);
+                    Err(CommandError::Cancelled)
+                }
+                Reservation::Conflict => {
+                    m::count(Counted::Conflict);
+                    Err(CommandError::Conflict)
+                }
+            };
+            return Ok(Err(answer));
+        }
+    }
+
+    /// Releases the key after a failed or unrecordable action: `error`, or
+    /// what the record says if the attempt lost its lease meanwhile.
+    async fn give_up<T: DeserializeOwned, E: DeserializeOwned>(
+        &self,
+        lease: &Lease,
+        error: CommandError<E>,
+    ) -> Result<Done<T>, CommandError<E>> {
+        match release(self, lease).await {
+            Some(current) => answer(current),
+            None => Err(error),
+        }
+    }
 }
+
+/// A command's reservation: the lease and the attempt it took over from,
+/// or the answer the record already gives.
+type Reserved<T, E> = Result<(Lease, Option<Attempt>), Result<Done<T>, CommandError<E>>>;
 
 /// A stored outcome as the command's result.
 fn replayed<T: DeserializeOwned, E: DeserializeOwned>(
