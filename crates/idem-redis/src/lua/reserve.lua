@@ -3,9 +3,9 @@
 local fp, attempt_id, token = ARGV[1], ARGV[2], ARGV[3]
 local lease_ms, retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local history = tonumber(ARGV[9])
-local f = redis.call('HMGET', record, 'state', 'expires', 'fp', 'gen', 'lease_until',
-  'status', 'stored', 'headers', 'body', 'completed', 'cur_id', 'owner')
-local state = f[1]
+local state, expires_at, found_fp, found_gen, lease_until, status, stored, headers, body,
+  completed, cur_id, owner = unpack(redis.call('HMGET', record, 'state', 'expires', 'fp', 'gen',
+  'lease_until', 'status', 'stored', 'headers', 'body', 'completed', 'cur_id', 'owner'))
 
 -- Starts attempt `gen`; `extra` holds more field/value pairs to set.
 local function start(gen, extra)
@@ -41,7 +41,7 @@ local function archive()
   return attempt, {'hist', encoded}
 end
 
-if not live(state, f[2]) then
+if not live(state, expires_at) then
   -- The hot path: a new key. One HSET with literal fields, no tables.
   local expires = now + retention_ms
   redis.call('HSET', record, 'tenant', ARGV[6], 'op', ARGV[7], 'key', ARGV[8], 'created', now,
@@ -51,16 +51,16 @@ if not live(state, f[2]) then
   redis.call('PEXPIREAT', record, expires)
   return {'acquired', 1}
 end
-local gen = tonumber(f[4])
+local gen = tonumber(found_gen)
 if state == 'released' then
   local _, hist = archive()
   return {'acquired', start(gen + 1, hist)}
 end
-if f[3] ~= fp then
+if found_fp ~= fp then
   return {'conflict'}
 end
 if state == 'processing' then
-  if f[11] == attempt_id and f[12] == token then
+  if cur_id == attempt_id and owner == token then
     -- A retry of this very reservation whose reply was lost: answer as the
     -- first call did, a takeover when it superseded an attempt.
     local raw = redis.call('HGET', record, 'hist')
@@ -73,9 +73,9 @@ if state == 'processing' then
     end
     return {'acquired', gen}
   end
-  local lease_until = tonumber(f[5])
-  if lease_until > now then
-    return {'in_progress', lease_until - now}
+  local lease_left = tonumber(lease_until) - now
+  if lease_left > 0 then
+    return {'in_progress', lease_left}
   end
   redis.call('HSET', record, 'cur_outcome', 'superseded', 'cur_end', now)
   local superseded, hist = archive()
@@ -84,4 +84,4 @@ end
 if state == 'cancelled' then
   return {'cancelled'}
 end
-return {'completed', tonumber(f[6]), f[7], f[8], f[9], age(f[10])}
+return {'completed', tonumber(status), stored, headers, body, age(completed)}
