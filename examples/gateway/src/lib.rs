@@ -691,13 +691,12 @@ fn generated_secret_warning(store: &str) {
     }
 }
 
-fn router<S: Store>(
+/// The idempotency layer the flags describe.
+fn layer<S: Store>(
     config: &Config,
     tenants: &Tenants,
     store: S,
-    health: Option<Health>,
-    upstream: Uri,
-) -> Result<(Router, Drain), StartError> {
+) -> Result<IdempotencyLayer<S>, StartError> {
     let mut layer = IdempotencyLayer::new(store)
         .unknown_outcome_wait(config.unknown_outcome_wait)
         .methods(config.methods.clone())
@@ -707,27 +706,26 @@ fn router<S: Store>(
         .max_body(config.max_body)
         .body_timeout(config.body_timeout)
         .max_response(config.max_body)
-        .store_timeout(config.store_timeout);
+        .store_timeout(config.store_timeout)
+        .allow_anonymous(config.allow_anonymous)
+        .require_key(config.require_key)
+        .fail_open(config.fail_open);
     layer = match (&config.tenant_header, &tenants.jwt) {
         (Some(name), _) => layer.tenant(TenantFromHeader::new(name.clone())),
         (None, Some(_)) => layer.tenant(idem_layer::TenantFromExtension::<Tenant>::new()),
         (None, None) => layer.tenant(TenantFromAuthorization::keyed(tenants.secret.clone())),
     };
-    layer = layer
-        .allow_anonymous(config.allow_anonymous)
-        .require_key(config.require_key)
-        .fail_open(config.fail_open);
     if let Some(token) = &config.records_admin_token {
         layer = layer.records_admin_token(token.as_bytes());
     }
     layer.validate()?;
-    if tenants.generated && config.tenant_header.is_none() {
-        generated_secret_warning(&config.store);
-    }
-    let health_store = std::sync::Arc::clone(layer.store());
-    let watched = std::sync::Arc::clone(layer.store());
+    Ok(layer)
+}
+
+/// Keeps `idem_records_lapsed` (processing records past their lease, with
+/// no retry yet: stuck, for an operator) up to date.
+fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
     tokio::spawn(async move {
-        // Processing records whose lease lapsed: stuck, for an operator.
         let stuck = idem_core::RecordQuery {
             lapsed: true,
             limit: 10_000,
@@ -735,13 +733,54 @@ fn router<S: Store>(
         };
         loop {
             if let Ok(Ok(records)) =
-                tokio::time::timeout(Duration::from_secs(10), watched.list(&stuck)).await
+                tokio::time::timeout(Duration::from_secs(10), store.list(&stuck)).await
             {
                 metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
             }
             tokio::time::sleep(LAPSED_EVERY).await;
         }
     });
+}
+
+/// `/healthz`: the store's own check if it has one, else a read of an
+/// empty scope; 200 or 503 with one line.
+async fn health_answer<S: Store>(
+    health: Option<Health>,
+    store: std::sync::Arc<S>,
+    timeout: Duration,
+) -> (StatusCode, String) {
+    let checked = match health {
+        Some(check) => tokio::time::timeout(timeout * 4, check())
+            .await
+            .unwrap_or_else(|_| Err("health check timed out".to_owned())),
+        None => {
+            // Any read proves the store answers; this scope holds nothing.
+            let nothing = ScopeHash::from_bytes([0; 32]);
+            match tokio::time::timeout(timeout, store.get(&nothing)).await {
+                Ok(Ok(_)) => Ok("ok".to_owned()),
+                _ => Err("store unavailable".to_owned()),
+            }
+        }
+    };
+    match checked {
+        Ok(text) => (StatusCode::OK, format!("{text}\n")),
+        Err(text) => (StatusCode::SERVICE_UNAVAILABLE, format!("{text}\n")),
+    }
+}
+
+fn router<S: Store>(
+    config: &Config,
+    tenants: &Tenants,
+    store: S,
+    health: Option<Health>,
+    upstream: Uri,
+) -> Result<(Router, Drain), StartError> {
+    let layer = layer(config, tenants, store)?;
+    if tenants.generated && config.tenant_header.is_none() {
+        generated_secret_warning(&config.store);
+    }
+    watch_lapsed(std::sync::Arc::clone(layer.store()));
+    let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
     let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Tenant)?;
     let proxy = Proxy::new(upstream, config.upstream_timeout, tls).forwarded(config.forwarded);
@@ -773,28 +812,11 @@ fn router<S: Store>(
         .route(
             "/healthz",
             get(move || {
-                let health = health.clone();
-                let store = std::sync::Arc::clone(&health_store);
-                async move {
-                    let checked = match health {
-                        Some(check) => tokio::time::timeout(timeout * 4, check())
-                            .await
-                            .unwrap_or_else(|_| Err("health check timed out".to_owned())),
-                        None => {
-                            // Any read proves the store answers; this
-                            // scope holds nothing.
-                            let nothing = ScopeHash::from_bytes([0; 32]);
-                            match tokio::time::timeout(timeout, store.get(&nothing)).await {
-                                Ok(Ok(_)) => Ok("ok".to_owned()),
-                                _ => Err("store unavailable".to_owned()),
-                            }
-                        }
-                    };
-                    match checked {
-                        Ok(text) => (StatusCode::OK, format!("{text}\n")),
-                        Err(text) => (StatusCode::SERVICE_UNAVAILABLE, format!("{text}\n")),
-                    }
-                }
+                health_answer(
+                    health.clone(),
+                    std::sync::Arc::clone(&health_store),
+                    timeout,
+                )
             }),
         )
         .route("/metrics", get(move || async move { metrics.render() }))
