@@ -1033,3 +1033,36 @@ async fn tls_to_a_redis_cluster() {
     assert!(replay.replayed(), "{replay:?}");
     assert_eq!(upstream.runs(), 1);
 }
+
+/// Without a tenant secret the gateway generates one and says at start
+/// what that means on a shared store; with one it says nothing of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generated_tenant_secret_is_announced() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let url = redis.url();
+    for (secret, announced) in [(None, true), (Some(SECRET), false)] {
+        let log = std::env::temp_dir().join(format!(
+            "idem-gateway-secret-{}-{announced}.log",
+            std::process::id()
+        ));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idem-gateway"));
+        command
+            .args(["--listen", "127.0.0.1:0", "--store", &url])
+            .env("RUST_LOG", "warn")
+            .stderr(std::fs::File::create(&log).expect("log file"));
+        if let Some(secret) = secret {
+            command.args(["--tenant-secret", secret]);
+        }
+        let mut gateway = Process::spawn(&mut command);
+        gateway.kill();
+        let text = std::fs::read_to_string(&log).expect("log");
+        let _ = std::fs::remove_file(&log);
+        assert_eq!(
+            text.contains("secret generated at start") && text.contains("Another gateway"),
+            announced,
+            "{text}"
+        );
+    }
+}
