@@ -189,8 +189,8 @@ fn base64_url_free(bytes: &[u8]) -> String {
     out
 }
 
-/// Keys as an EC public key in PEM, and as a JWKS document whose `kid`
-/// picks the key.
+/// Keys as an EC or RSA public key in PEM, and as a JWKS document whose
+/// `kid` picks the key.
 #[tokio::test]
 async fn jwt_keys_from_a_pem_file_and_a_jwks_document() {
     let files = Files::new();
@@ -250,6 +250,46 @@ async fn jwt_keys_from_a_pem_file_and_a_jwks_document() {
         post(gateway.addr, "ec", &confused).await.status,
         StatusCode::UNAUTHORIZED
     );
+
+    // An RSA public key in PEM: RS256 tokens verify.
+    let rsa_private = files.0.join("rsa.pem");
+    let rsa_public = files.0.join("rsa.pub.pem");
+    let made = std::process::Command::new("openssl")
+        .args([
+            "genpkey",
+            "-algorithm",
+            "RSA",
+            "-pkeyopt",
+            "rsa_keygen_bits:2048",
+            "-out",
+        ])
+        .arg(&rsa_private)
+        .status()
+        .expect("openssl genpkey");
+    assert!(made.success());
+    let exported = std::process::Command::new("openssl")
+        .args(["pkey", "-pubout", "-in"])
+        .arg(&rsa_private)
+        .arg("-out")
+        .arg(&rsa_public)
+        .status()
+        .expect("openssl pkey");
+    assert!(exported.success());
+    let rsa_signing =
+        EncodingKey::from_rsa_pem(&std::fs::read(&rsa_private).expect("rsa key")).expect("RSA key");
+    let rsa_public = rsa_public.display().to_string();
+    let gateway = start_gateway(&origin, &["--tenant-jwt-keys", &rsa_public]).await;
+    let erin = token(
+        &rsa_signing,
+        Algorithm::RS256,
+        None,
+        &serde_json::json!({ "sub": "erin", "exp": now() + 3600 }),
+    );
+    assert_eq!(
+        post(gateway.addr, "rsa", &erin).await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(gateway.addr, "rsa", &erin).await.replayed());
 
     // A JWKS document with two symmetric keys: the kid picks one.
     let jwks = serde_json::json!({ "keys": [
