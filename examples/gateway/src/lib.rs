@@ -380,69 +380,7 @@ pub async fn run(
             "--wait-for-replicas needs a Redis store".to_owned(),
         ));
     }
-    let (router, drain) = if config.store == "memory" {
-        let quota = match config.memory_tenant_quota {
-            Some(0) => None,
-            Some(quota) => Some(quota),
-            None => Some((config.memory_capacity / 10).max(1)),
-        };
-        let store = MemoryStore::builder()
-            .capacity(config.memory_capacity)
-            .max_bytes(config.memory_max_bytes)
-            .tenant_quota(quota)
-            .build();
-        let watched = store.clone();
-        tokio::spawn(async move {
-            // Gauges of the memory store, every second.
-            loop {
-                metrics::gauge!("idem_store_records").set(watched.len() as f64);
-                metrics::gauge!("idem_store_bytes").set(watched.bytes() as f64);
-                metrics::gauge!("idem_store_full").set(f64::from(u8::from(watched.is_full())));
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        });
-        let full = store.clone();
-        let health: Health = std::sync::Arc::new(move || {
-            let full = full.is_full();
-            Box::pin(async move {
-                // New keys get 503 until records expire: a balancer should
-                // send them elsewhere.
-                if full {
-                    Err("store full".to_owned())
-                } else {
-                    Ok("ok".to_owned())
-                }
-            })
-        });
-        router(&config, &tenants, store, Some(health), upstream.clone())?
-    } else if is_postgres(&config.store) {
-        let store = idem_postgres::PgStore::from_url(&config.store)
-            .map_err(|error| StartError::Postgres(error.to_string()))?;
-        store.migrate().await.map_err(|error| {
-            StartError::Postgres(format!("could not create the records table: {error}"))
-        })?;
-        router(&config, &tenants, store, None, upstream.clone())?
-    } else {
-        let mut builder = RedisStore::builder(&config.store).timeout(config.store_timeout);
-        if config.wait_for_replicas > 0 {
-            builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
-        }
-        let store = std::sync::Arc::new(builder.build()?);
-        check_redis(&store, config.allow_redis_eviction).await?;
-        check_failover(&store, config.lease).await;
-        let checked = std::sync::Arc::clone(&store);
-        let health: Health = std::sync::Arc::new(move || {
-            let store = std::sync::Arc::clone(&checked);
-            Box::pin(async move {
-                match store.health().await {
-                    Ok(health) if health.is_ok() => Ok(health.to_string()),
-                    Ok(health) => Err(health.to_string()),
-                    Err(error) => Err(format!("store unavailable: {error}")),
-                }
-            })
-        });
-        router(&config, &tenants, store, Some(health), upstream.clone())?
-    };
+    let (router, drain) = store_router(&config, &tenants, upstream.clone()).await?;
     let started = Started {
         addr: listener.local_addr()?,
         upstream,
@@ -465,6 +403,92 @@ pub async fn run(
     }
     drop(demo);
     Ok(())
+}
+
+/// The memory store the flags describe, with its gauges kept up to date.
+fn memory_store(config: &Config) -> MemoryStore {
+    let quota = match config.memory_tenant_quota {
+        Some(0) => None,
+        Some(quota) => Some(quota),
+        None => Some((config.memory_capacity / 10).max(1)),
+    };
+    let store = MemoryStore::builder()
+        .capacity(config.memory_capacity)
+        .max_bytes(config.memory_max_bytes)
+        .tenant_quota(quota)
+        .build();
+    let watched = store.clone();
+    tokio::spawn(async move {
+        // Gauges of the memory store, every second.
+        loop {
+            metrics::gauge!("idem_store_records").set(watched.len() as f64);
+            metrics::gauge!("idem_store_bytes").set(watched.bytes() as f64);
+            metrics::gauge!("idem_store_full").set(f64::from(u8::from(watched.is_full())));
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+    store
+}
+
+/// `/healthz` of a memory store: 503 while it is full (new keys get 503
+/// until records expire: a balancer should send them elsewhere).
+fn memory_health(store: &MemoryStore) -> Health {
+    let store = store.clone();
+    std::sync::Arc::new(move || {
+        let full = store.is_full();
+        Box::pin(async move {
+            if full {
+                Err("store full".to_owned())
+            } else {
+                Ok("ok".to_owned())
+            }
+        })
+    })
+}
+
+/// `/healthz` of Redis: every slot served by a master that answers.
+fn redis_health(store: &std::sync::Arc<RedisStore>) -> Health {
+    let store = std::sync::Arc::clone(store);
+    std::sync::Arc::new(move || {
+        let store = std::sync::Arc::clone(&store);
+        Box::pin(async move {
+            match store.health().await {
+                Ok(health) if health.is_ok() => Ok(health.to_string()),
+                Ok(health) => Err(health.to_string()),
+                Err(error) => Err(format!("store unavailable: {error}")),
+            }
+        })
+    })
+}
+
+/// The store the flags name (checked and prepared), and the router on it.
+async fn store_router(
+    config: &Config,
+    tenants: &Tenants,
+    upstream: Uri,
+) -> Result<(Router, Drain), StartError> {
+    if config.store == "memory" {
+        let store = memory_store(config);
+        let health = memory_health(&store);
+        return router(config, tenants, store, Some(health), upstream);
+    }
+    if is_postgres(&config.store) {
+        let store = idem_postgres::PgStore::from_url(&config.store)
+            .map_err(|error| StartError::Postgres(error.to_string()))?;
+        store.migrate().await.map_err(|error| {
+            StartError::Postgres(format!("could not create the records table: {error}"))
+        })?;
+        return router(config, tenants, store, None, upstream);
+    }
+    let mut builder = RedisStore::builder(&config.store).timeout(config.store_timeout);
+    if config.wait_for_replicas > 0 {
+        builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
+    }
+    let store = std::sync::Arc::new(builder.build()?);
+    check_redis(&store, config.allow_redis_eviction).await?;
+    check_failover(&store, config.lease).await;
+    let health = redis_health(&store);
+    router(config, tenants, store, Some(health), upstream)
 }
 
 /// Warns when the lease could lapse during a cluster failover (where the

@@ -201,7 +201,20 @@ impl Proxy {
         self
     }
 
-    async fn forward(self, mut request: Request<Body>) -> Response<Body> {
+    /// The upstream's URL for a request's path and query.
+    fn upstream_uri(&self, request: &Request<Body>) -> Result<Uri, http::Error> {
+        let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
+        Uri::builder()
+            .scheme(self.upstream.scheme_str().unwrap_or("http"))
+            .authority(self.upstream.authority().map_or("", |a| a.as_str()))
+            .path_and_query(path)
+            .build()
+    }
+
+    /// The headers the upstream gets: no hop-by-hop ones, who the client
+    /// is, and for a keyed request the gateway's own `Idempotency-Attempt`
+    /// and one spelling of the key.
+    fn upstream_headers(&self, request: &mut Request<Body>) {
         let host = request
             .headers()
             .get(header::HOST)
@@ -209,28 +222,6 @@ impl Proxy {
             .map(str::to_owned)
             .or_else(|| request.uri().authority().map(|a| a.as_str().to_owned()));
         let peer = request.extensions().get::<PeerAddr>().map(|p| p.0.ip());
-        let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
-        let uri = match Uri::builder()
-            .scheme(self.upstream.scheme_str().unwrap_or("http"))
-            .authority(self.upstream.authority().map_or("", |a| a.as_str()))
-            .path_and_query(path)
-            .build()
-        {
-            Ok(uri) => uri,
-            Err(error) => {
-                let detail = format!("cannot build the upstream URL: {error}");
-                return crate::problem(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_unreachable",
-                    "Bad gateway",
-                    &detail,
-                );
-            }
-        };
-        *request.uri_mut() = uri;
-        // The client's protocol is not the upstream connection's: the
-        // pooled client speaks HTTP/1.1 to the upstream.
-        *request.version_mut() = http::Version::HTTP_11;
         let protected = request
             .extensions()
             .get::<IdempotencyContext>()
@@ -249,6 +240,27 @@ impl Proxy {
                 headers.insert(IDEMPOTENCY_KEY, key);
             }
         }
+    }
+
+    async fn forward(self, mut request: Request<Body>) -> Response<Body> {
+        let uri = match self.upstream_uri(&request) {
+            Ok(uri) => uri,
+            Err(error) => {
+                let detail = format!("cannot build the upstream URL: {error}");
+                return crate::problem(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_unreachable",
+                    "Bad gateway",
+                    &detail,
+                );
+            }
+        };
+        // The Host the client sent is read before the URI changes.
+        self.upstream_headers(&mut request);
+        *request.uri_mut() = uri;
+        // The client's protocol is not the upstream connection's: the
+        // pooled client speaks HTTP/1.1 to the upstream.
+        *request.version_mut() = http::Version::HTTP_11;
         let mut pending = Box::pin(self.client.request(request));
         match tokio::time::timeout(self.timeout, &mut pending).await {
             Ok(Ok(response)) => upstream_response(response),
