@@ -87,72 +87,22 @@ impl RedisStore {
     /// each master), at most [`LIST_SCAN_LIMIT`].
     pub(crate) async fn record_keys(&self) -> Result<Vec<String>, StoreError> {
         let pattern = format!("{}{{*", self.prefix);
-        let scan = |cursor: u64| {
-            let mut cmd = redis::cmd("SCAN");
-            cmd.arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000);
-            cmd
-        };
-        let mut keys = Vec::new();
         let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
         let nodes: Vec<Option<Address>> = match &conn {
             Conn::Single(_) => vec![None],
-            Conn::Cluster(_) => {
-                let health_nodes = {
-                    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-                    let Conn::Cluster(mut cluster) = conn.clone() else {
-                        unreachable!("matched a cluster connection")
-                    };
-                    let asked = cluster.route_command(
-                        redis::cmd("CLUSTER").arg("SLOTS").clone(),
-                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
-                    );
-                    let slots = self
-                        .bounded(self.timeout, async { asked.await.map_err(unavailable) })
-                        .await?;
-                    let mut masters: Vec<Address> =
-                        slot_ranges(&slots)?.into_iter().map(|r| r.2).collect();
-                    masters.sort();
-                    masters.dedup();
-                    masters
-                };
-                health_nodes.into_iter().map(Some).collect()
-            }
+            Conn::Cluster(cluster) => self
+                .masters(&mut cluster.clone())
+                .await?
+                .into_iter()
+                .map(Some)
+                .collect(),
         };
-        for node in nodes {
+        let mut keys = Vec::new();
+        for node in &nodes {
             let mut cursor = 0u64;
             loop {
-                let asked = async {
-                    match (&conn, &node) {
-                        (Conn::Single(c), _) => {
-                            scan(cursor)
-                                .query_async::<(u64, Vec<String>)>(&mut c.clone())
-                                .await
-                        }
-                        (Conn::Cluster(c), Some((host, port))) => {
-                            use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-                            let value = c
-                                .clone()
-                                .route_command(
-                                    scan(cursor),
-                                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                                        host: host.clone(),
-                                        port: *port,
-                                    }),
-                                )
-                                .await?;
-                            redis::from_redis_value(value).map_err(redis::RedisError::from)
-                        }
-                        (Conn::Cluster(_), None) => Ok((0, Vec::new())),
-                    }
-                };
-                let (next, batch) = match self
-                    .bounded(self.timeout, async { asked.await.map_err(unavailable) })
-                    .await
-                {
+                let page = self.scan_page(&conn, node.as_ref(), cursor, &pattern);
+                let (next, batch) = match self.bounded(self.timeout, page).await {
                     Ok(page) => page,
                     Err(error) => {
                         self.failed(lane);
@@ -168,6 +118,58 @@ impl RedisStore {
         }
         keys.truncate(LIST_SCAN_LIMIT);
         Ok(keys)
+    }
+
+    /// The masters the slot map names (`CLUSTER SLOTS`, from any node).
+    async fn masters(
+        &self,
+        cluster: &mut redis::cluster_async::ClusterConnection,
+    ) -> Result<Vec<Address>, StoreError> {
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let asked = cluster.route_command(
+            redis::cmd("CLUSTER").arg("SLOTS").clone(),
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+        );
+        let slots = self
+            .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+            .await?;
+        let mut masters: Vec<Address> = slot_ranges(&slots)?.into_iter().map(|r| r.2).collect();
+        masters.sort();
+        masters.dedup();
+        Ok(masters)
+    }
+
+    /// One page of `SCAN … MATCH pattern` on a node (`None`: the single
+    /// node): the next cursor and the keys.
+    async fn scan_page(
+        &self,
+        conn: &Conn,
+        node: Option<&Address>,
+        cursor: u64,
+        pattern: &str,
+    ) -> Result<(u64, Vec<String>), StoreError> {
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000);
+        let page = match (conn, node) {
+            (Conn::Single(c), _) => scan.query_async::<(u64, Vec<String>)>(&mut c.clone()).await,
+            (Conn::Cluster(c), Some((host, port))) => {
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                });
+                match c.clone().route_command(scan, routing).await {
+                    Ok(value) => redis::from_redis_value(value).map_err(redis::RedisError::from),
+                    Err(error) => Err(error),
+                }
+            }
+            (Conn::Cluster(_), None) => Ok((0, Vec::new())),
+        };
+        page.map_err(unavailable)
     }
 
     /// A cluster's `cluster-node-timeout` (`CONFIG GET`, from any node);
