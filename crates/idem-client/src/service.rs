@@ -546,6 +546,23 @@ fn finish<R, E>(
     }
 }
 
+/// A provider that says "too many" (429) or "unavailable" (503) says it to
+/// every worker of the boundary: until its `Retry-After`, or a backoff.
+async fn share_cooldown(
+    config: &Config,
+    limits: &Limits,
+    boundary: &str,
+    status: http::StatusCode,
+    retry_after: Option<Duration>,
+    attempts: u32,
+) {
+    if matches!(status.as_u16(), 429 | 503) {
+        let period =
+            retry_after.unwrap_or_else(|| ceiling(config.base_delay, config.max_delay, attempts));
+        limits.cool_down(boundary, period).await;
+    }
+}
+
 /// What a retry needs to be allowed, for [`stop_reason`].
 struct RetryPlan<'a> {
     safe: bool,
@@ -640,14 +657,9 @@ where
         };
         let delay = retry_after
             .unwrap_or_else(|| full_jitter(config.base_delay, config.max_delay, attempts));
-        // A provider that says "too many" or "unavailable" says it to every
-        // worker of the boundary.
-        if let (Some((limits, (boundary, _))), Attempt::Answer(response)) = (limited, &attempt)
-            && matches!(response.status().as_u16(), 429 | 503)
-        {
-            let period = retry_after
-                .unwrap_or_else(|| ceiling(config.base_delay, config.max_delay, attempts));
-            limits.cool_down(boundary, period).await;
+        if let (Some((limits, (boundary, _))), Attempt::Answer(response)) = (limited, &attempt) {
+            let status = response.status();
+            share_cooldown(&config, limits, boundary, status, retry_after, attempts).await;
         }
         let plan = RetryPlan {
             safe,

@@ -214,6 +214,35 @@ impl ServerSafety {
 
 // ===== impl Store =====
 
+/// The reserve script's answer; `lease` makes the lease of a generation.
+fn decode_reservation(
+    reply: &[Value],
+    lease: impl Fn(u64) -> Lease,
+) -> Result<Reservation, StoreError> {
+    let field = |i: usize| reply.get(i).ok_or_else(|| corrupt("short reply"));
+    let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
+    Ok(match tag.as_str() {
+        "acquired" => Reservation::Acquired(lease(int(field(1)?)?)),
+        "taken_over" => {
+            let superseded: Attempt = serde_json::from_slice(&bytes(field(2)?)?)
+                .map_err(|e| corrupt(format!("superseded attempt: {e}")))?;
+            Reservation::TakenOver {
+                lease: lease(int(field(1)?)?),
+                superseded,
+            }
+        }
+        "in_progress" => Reservation::InProgress {
+            retry_after: Duration::from_millis(int(field(1)?)?),
+        },
+        "conflict" => Reservation::Conflict,
+        _ => match decode_current(reply)? {
+            Current::Completed(replay) => Reservation::Completed(replay),
+            Current::Cancelled => Reservation::Cancelled,
+            other => return Err(corrupt(format!("unexpected reservation reply {other:?}"))),
+        },
+    })
+}
+
 impl Store for RedisStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
@@ -245,8 +274,6 @@ impl Store for RedisStore {
         let (reply, acked) = self
             .run_on(invocation, self.wait_replicas.is_some(), &mut guard.conn)
             .await?;
-        let reply = items(reply)?;
-        let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
         let lease = |generation: u64| Lease {
             scope: *scope,
             attempt,
@@ -254,33 +281,7 @@ impl Store for RedisStore {
             token,
             ttl: request.lease,
         };
-        let reservation = match tag.as_str() {
-            "acquired" => Reservation::Acquired(lease(int(reply
-                .get(1)
-                .ok_or_else(|| corrupt("short reply"))?)?)),
-            "taken_over" => {
-                let generation = int(reply.get(1).ok_or_else(|| corrupt("short reply"))?)?;
-                let superseded: Attempt = serde_json::from_slice(&bytes(
-                    reply.get(2).ok_or_else(|| corrupt("short reply"))?,
-                )?)
-                .map_err(|e| corrupt(format!("superseded attempt: {e}")))?;
-                Reservation::TakenOver {
-                    lease: lease(generation),
-                    superseded,
-                }
-            }
-            "in_progress" => Reservation::InProgress {
-                retry_after: Duration::from_millis(int(reply
-                    .get(1)
-                    .ok_or_else(|| corrupt("short reply"))?)?),
-            },
-            "conflict" => Reservation::Conflict,
-            _ => match decode_current(&reply)? {
-                Current::Completed(replay) => Reservation::Completed(replay),
-                Current::Cancelled => Reservation::Cancelled,
-                other => return Err(corrupt(format!("unexpected reservation reply {other:?}"))),
-            },
-        };
+        let reservation = decode_reservation(&items(reply)?, lease)?;
         if let (
             Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. },
             Some((acked, wanted)),
