@@ -440,59 +440,62 @@ impl PgStore {
     }
 
     /// Runs one transition of the state machine on the locked row of
-    /// `scope`, and writes the record back if it changed. `None` when the
-    /// row is absent and `absent_retries` is set (a reservation then tries
-    /// its insert again rather than race another inserter).
-    async fn transition<T>(
-        &self,
-        scope: &ScopeHash,
-        absent_retries: bool,
-        apply: impl FnOnce(&mut Option<Record>, u64) -> T,
-    ) -> Result<Option<T>, StoreError> {
+    /// `scope` and writes the record back if it changed; `Err(apply)`,
+    /// untouched, when there is no row (a reservation then tries its insert
+    /// again rather than race another inserter).
+    async fn locked<T, F>(&self, scope: &ScopeHash, apply: F) -> Result<Result<T, F>, StoreError>
+    where
+        F: FnOnce(&mut Option<Record>, u64) -> T,
+    {
         let mut tx = self.inner.pool.begin().await.map_err(failed)?;
         let found = sqlx::query(&self.inner.sql.lock)
             .bind(scope.as_bytes().to_vec())
             .fetch_optional(&mut *tx)
             .await
             .map_err(failed)?;
-        let (before, now_ms) = match found {
-            Some(found) => {
-                let now: i64 = found.try_get("now_ms").map_err(failed)?;
-                (Some(row::decode(&found)?), u64::try_from(now).unwrap_or(0))
-            }
-            None if absent_retries => return Ok(None),
-            // Without a row, no transition reads the clock.
-            None => (None, 0),
+        let Some(found) = found else {
+            return Ok(Err(apply));
         };
-        let mut slot = before.clone();
-        let answer = apply(&mut slot, now_ms);
-        if slot != before {
-            match (&slot, &before) {
-                (Some(record), Some(old)) => {
-                    let query = row::bind_record(sqlx::query(&self.inner.sql.update), record)?;
-                    query
-                        .bind(row::ms(old.generation))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(failed)?;
-                }
-                (None, Some(_)) => {
-                    sqlx::query(&self.inner.sql.delete)
-                        .bind(scope.as_bytes().to_vec())
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(failed)?;
-                }
-                // A transition never creates a record on an absent row
-                // here (reservations retry their insert instead).
-                (_, None) => return Ok(None),
+        let now: i64 = found.try_get("now_ms").map_err(failed)?;
+        let before = row::decode(&found)?;
+        let mut slot = Some(before.clone());
+        let answer = apply(&mut slot, u64::try_from(now).unwrap_or(0));
+        match &slot {
+            Some(record) if *record == before => {}
+            Some(record) => {
+                row::bind_record(sqlx::query(&self.inner.sql.update), record)?
+                    .bind(row::ms(before.generation))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(failed)?;
+            }
+            None => {
+                sqlx::query(&self.inner.sql.delete)
+                    .bind(scope.as_bytes().to_vec())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(failed)?;
             }
         }
         tx.commit().await.map_err(failed)?;
-        Ok(Some(answer))
+        Ok(Ok(answer))
     }
 
-    /// Fenced one-statement writes: `Some(())` when the row was written.
+    /// A transition that never creates a record (all but a reservation):
+    /// on the locked row, or on an empty slot when there is none (nothing
+    /// to write then, and no clock to read).
+    async fn transition<T>(
+        &self,
+        scope: &ScopeHash,
+        apply: impl FnOnce(&mut Option<Record>, u64) -> T,
+    ) -> Result<T, StoreError> {
+        Ok(match self.locked(scope, apply).await? {
+            Ok(answer) => answer,
+            Err(apply) => apply(&mut None, 0),
+        })
+    }
+
+    /// A fenced one-statement write: whether the row was written.
     async fn fenced_write(
         &self,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
@@ -504,10 +507,6 @@ impl PgStore {
             .rows_affected();
         Ok(done == 1)
     }
-}
-
-fn vacant<T>(answer: Option<T>, otherwise: T) -> T {
-    answer.unwrap_or(otherwise)
 }
 
 impl Store for PgStore {
@@ -555,11 +554,11 @@ impl Store for PgStore {
                 }
             }
             let locked = self
-                .transition(&scope, true, |slot, now_ms| {
+                .locked(&scope, |slot, now_ms| {
                     machine::reserve(slot, request, now_ms, attempt, token)
                 })
                 .await?;
-            if let Some(reservation) = locked {
+            if let Ok(reservation) = locked {
                 return Ok(reservation);
             }
         }
@@ -578,12 +577,10 @@ impl Store for PgStore {
         if self.fenced_write(query).await? {
             return Ok(Renewal::Renewed);
         }
-        let answer = self
-            .transition(&lease.scope, false, |slot, now_ms| {
-                machine::renew(slot, lease, now_ms)
-            })
-            .await?;
-        Ok(vacant(answer, Renewal::Fenced(idem_core::Current::Vacant)))
+        self.transition(&lease.scope, |slot, now_ms| {
+            machine::renew(slot, lease, now_ms)
+        })
+        .await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
@@ -593,29 +590,21 @@ impl Store for PgStore {
         {
             return Ok(Completion::Recorded);
         }
-        let answer = self
-            .transition(&lease.scope, false, |slot, now_ms| {
-                machine::complete(slot, lease, outcome, now_ms)
-            })
-            .await?;
-        Ok(vacant(
-            answer,
-            Completion::Fenced(idem_core::Current::Vacant),
-        ))
+        self.transition(&lease.scope, |slot, now_ms| {
+            machine::complete(slot, lease, outcome, now_ms)
+        })
+        .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        let answer = self
-            .transition(&lease.scope, false, |slot, now_ms| {
-                machine::release(slot, lease, now_ms)
-            })
-            .await?;
-        Ok(vacant(answer, Release::Fenced(idem_core::Current::Vacant)))
+        self.transition(&lease.scope, |slot, now_ms| {
+            machine::release(slot, lease, now_ms)
+        })
+        .await
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        let answer = self.transition(scope, false, machine::cancel).await?;
-        Ok(vacant(answer, Cancellation::NotFound))
+        self.transition(scope, machine::cancel).await
     }
 
     async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
@@ -635,10 +624,7 @@ impl Store for PgStore {
     }
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        let answer = self
-            .transition(scope, false, machine::force_release)
-            .await?;
-        Ok(vacant(answer, ForceRelease::NotFound))
+        self.transition(scope, machine::force_release).await
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
