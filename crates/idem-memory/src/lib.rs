@@ -496,27 +496,34 @@ impl MemoryStore {
             None => &mut vacant,
         };
         let (before, before_weight, before_live) = (facts(slot), weight(slot), occupies(slot));
-        let tenant = match (reserving_for, slot.as_ref()) {
-            (_, Some(record)) => self.tenant_key(&record.tenant),
-            (Some(tenant), None) => self.tenant_key(tenant),
-            (None, None) => 0,
-        };
         let took = reserving_for.is_some() && !before_live;
-        if took {
+        // The tenant's counts are touched only when a place is taken or
+        // given back, so its key is hashed only then: before the transition
+        // when it takes a place, or when an expired record is about to leave
+        // the slot with its tenant; otherwise from the record left after it.
+        let leaving = before_live && slot.as_ref().is_some_and(|r| r.is_expired(now_ms));
+        let early = match (took, slot.as_ref(), reserving_for) {
+            (true, Some(record), _) => Some(self.tenant_key(&record.tenant)),
+            (true, None, Some(tenant)) => Some(self.tenant_key(tenant)),
+            (false, Some(record), _) if leaving => Some(self.tenant_key(&record.tenant)),
+            _ => None,
+        };
+        if let Some(tenant) = early.filter(|_| took) {
             self.take_place(tenant, now_ms)?;
         }
         let result = apply(slot, now_ms);
         let (after, after_weight, after_live) = (facts(slot), weight(slot), occupies(slot));
-        match (before_live || took, after_live) {
-            (true, false) => self.give_place(tenant),
-            (false, true) => {
-                // Only a reservation makes a record live, and it took a
-                // place above; not reached.
-            }
-            _ => {}
+        let tenant = || {
+            early
+                .or_else(|| slot.as_ref().map(|r| self.tenant_key(&r.tenant)))
+                .unwrap_or(0)
+        };
+        // Only a reservation makes a record live, and it took a place above.
+        if (before_live || took) && !after_live {
+            self.give_place(tenant());
         }
         if took && let Some((expires_at_ms, ..)) = after {
-            self.note_expiry(tenant, expires_at_ms);
+            self.note_expiry(tenant(), expires_at_ms);
         }
         let bytes = &self.inner.bytes;
         if after_weight > before_weight {
