@@ -273,10 +273,11 @@ pub enum StartError {
     /// The store URL could not be used.
     #[error("{0}")]
     Store(#[from] idem_redis::BuildError),
-    /// A file the gateway needs (the tenant secret, the JWT keys, the
-    /// upstream's CA) could not be read or used.
+    /// A setting cannot be used: a file it names (the tenant secret, the
+    /// JWT keys, the upstream's CA) could not be read or used, or it does
+    /// not fit the store (`--wait-for-replicas` without Redis).
     #[error("{0}")]
-    Tenant(String),
+    Setting(String),
     /// The PostgreSQL store could not be built or its table created.
     #[error("{0}")]
     Postgres(String),
@@ -376,7 +377,7 @@ pub async fn run(
     };
     let tenants = Tenants::resolve(&config)?;
     if config.wait_for_replicas > 0 && (config.store == "memory" || is_postgres(&config.store)) {
-        return Err(StartError::Tenant(
+        return Err(StartError::Setting(
             "--wait-for-replicas needs a Redis store".to_owned(),
         ));
     }
@@ -662,14 +663,14 @@ impl Tenants {
             (Some(secret), _) => secret.as_bytes().to_vec(),
             (None, Some(path)) => {
                 let bytes = std::fs::read(path).map_err(|error| {
-                    StartError::Tenant(format!(
+                    StartError::Setting(format!(
                         "cannot read the tenant secret file {}: {error}",
                         path.display()
                     ))
                 })?;
                 let secret = bytes.trim_ascii_end().to_vec();
                 if secret.len() < 16 {
-                    return Err(StartError::Tenant(format!(
+                    return Err(StartError::Setting(format!(
                         "the tenant secret file {} holds fewer than 16 bytes",
                         path.display()
                     )));
@@ -686,7 +687,7 @@ impl Tenants {
                     &config.tenant_jwt_claim,
                     config.tenant_jwt_leeway,
                 )
-                .map_err(StartError::Tenant)?,
+                .map_err(StartError::Setting)?,
             ),
             None => None,
         };
@@ -806,7 +807,7 @@ fn router<S: Store>(
     watch_lapsed(std::sync::Arc::clone(layer.store()));
     let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
-    let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Tenant)?;
+    let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Setting)?;
     let proxy = Proxy::new(upstream, config.upstream_timeout, tls).forwarded(config.forwarded);
     let protected = tower::ServiceBuilder::new()
         .layer(layer.clone())
