@@ -295,6 +295,15 @@ struct Queue {
     serving: bool,
 }
 
+impl Queue {
+    /// Sets the boundary's queue-depth gauge to the requests waiting now.
+    fn report_depth(&self, boundary: &str) {
+        let depth: usize = self.waiting.values().map(VecDeque::len).sum();
+        metrics::gauge!("idem_client_limit_queue_depth", "boundary" => boundary.to_owned())
+            .set(depth as f64);
+    }
+}
+
 struct Waiter {
     deadline: Option<Instant>,
     answer: oneshot::Sender<Result<(), Refusal>>,
@@ -385,9 +394,7 @@ impl Limits {
                 VecDeque::new()
             });
             waiting.push_back(Waiter { deadline, answer });
-            let depth: usize = queue.waiting.values().map(VecDeque::len).sum();
-            metrics::gauge!("idem_client_limit_queue_depth", "boundary" => boundary.to_owned())
-                .set(depth as f64);
+            queue.report_depth(boundary);
             !std::mem::replace(&mut queue.serving, true)
         };
         if serve {
@@ -425,9 +432,7 @@ impl Limits {
             } else {
                 queue.owners.push_back(owner);
             }
-            let depth: usize = queue.waiting.values().map(VecDeque::len).sum();
-            metrics::gauge!("idem_client_limit_queue_depth", "boundary" => boundary.to_owned())
-                .set(depth as f64);
+            queue.report_depth(boundary);
             return Some(waiter);
         }
         queues.remove(boundary);
