@@ -28,32 +28,15 @@ impl RedisStore {
                 masters: 1,
             });
         };
-        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-        let mut slots = None;
-        for _ in 0..3 {
-            let asked = conn.route_command(
-                redis::cmd("CLUSTER").arg("SLOTS").clone(),
-                RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
-            );
-            match self
-                .bounded(self.timeout, async { asked.await.map_err(unavailable) })
-                .await
-            {
-                Ok(value) => {
-                    slots = Some(value);
-                    break;
-                }
-                Err(error) => tracing::debug!(%error, "CLUSTER SLOTS failed; asking another node"),
+        let ranges = match self.slot_map(&mut conn).await {
+            Ok(ranges) => ranges,
+            Err(error) => {
+                self.failed(lane);
+                return Err(error);
             }
-        }
-        let Some(slots) = slots else {
-            self.failed(lane);
-            return Err(unavailable("no cluster node answered CLUSTER SLOTS"));
         };
-        let ranges = slot_ranges(&slots)?;
-        let mut masters: Vec<Address> = ranges.iter().map(|r| r.2.clone()).collect();
-        masters.sort();
-        masters.dedup();
+        let masters = masters_of(&ranges);
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
         let mut answering = Vec::new();
         for (host, port) in &masters {
             let ping = conn.route_command(
@@ -90,9 +73,7 @@ impl RedisStore {
         let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
         let nodes: Vec<Option<Address>> = match &conn {
             Conn::Single(_) => vec![None],
-            Conn::Cluster(cluster) => self
-                .masters(&mut cluster.clone())
-                .await?
+            Conn::Cluster(cluster) => masters_of(&self.slot_map(&mut cluster.clone()).await?)
                 .into_iter()
                 .map(Some)
                 .collect(),
@@ -120,23 +101,27 @@ impl RedisStore {
         Ok(keys)
     }
 
-    /// The masters the slot map names (`CLUSTER SLOTS`, from any node).
-    async fn masters(
+    /// The slot map (`CLUSTER SLOTS`), from a node that answers: up to
+    /// three random nodes are asked.
+    async fn slot_map(
         &self,
         cluster: &mut redis::cluster_async::ClusterConnection,
-    ) -> Result<Vec<Address>, StoreError> {
+    ) -> Result<Vec<(u32, u32, Address)>, StoreError> {
         use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-        let asked = cluster.route_command(
-            redis::cmd("CLUSTER").arg("SLOTS").clone(),
-            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
-        );
-        let slots = self
-            .bounded(self.timeout, async { asked.await.map_err(unavailable) })
-            .await?;
-        let mut masters: Vec<Address> = slot_ranges(&slots)?.into_iter().map(|r| r.2).collect();
-        masters.sort();
-        masters.dedup();
-        Ok(masters)
+        for _ in 0..3 {
+            let asked = cluster.route_command(
+                redis::cmd("CLUSTER").arg("SLOTS").clone(),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+            );
+            match self
+                .bounded(self.timeout, async { asked.await.map_err(unavailable) })
+                .await
+            {
+                Ok(slots) => return slot_ranges(&slots),
+                Err(error) => tracing::debug!(%error, "CLUSTER SLOTS failed; asking another node"),
+            }
+        }
+        Err(unavailable("no cluster node answered CLUSTER SLOTS"))
     }
 
     /// One page of `SCAN … MATCH pattern` on a node (`None`: the single
@@ -244,6 +229,14 @@ impl std::fmt::Display for Health {
             self.slots_served, self.masters_answering, self.masters
         )
     }
+}
+
+/// The masters a slot map names, each once.
+fn masters_of(ranges: &[(u32, u32, Address)]) -> Vec<Address> {
+    let mut masters: Vec<Address> = ranges.iter().map(|r| r.2.clone()).collect();
+    masters.sort();
+    masters.dedup();
+    masters
 }
 
 /// A node's address: host and port.
