@@ -158,9 +158,14 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// The shortest secret accepted, in bytes.
+const MIN_SECRET_BYTES: usize = 16;
+
 fn parse_secret(value: &str) -> Result<Secret, String> {
-    if value.len() < 16 {
-        return Err("the secret must be at least 16 bytes".to_owned());
+    if value.len() < MIN_SECRET_BYTES {
+        return Err(format!(
+            "the secret must be at least {MIN_SECRET_BYTES} bytes"
+        ));
     }
     Ok(Secret(value.to_owned()))
 }
@@ -659,8 +664,8 @@ struct Tenants {
 impl Tenants {
     /// Reads the secret (flag, file, or generated) and the JWT keys.
     fn resolve(config: &Config) -> Result<Self, StartError> {
-        let secret = match (&config.tenant_secret, &config.tenant_secret_file) {
-            (Some(secret), _) => secret.as_bytes().to_vec(),
+        let (secret, generated) = match (&config.tenant_secret, &config.tenant_secret_file) {
+            (Some(secret), _) => (secret.as_bytes().to_vec(), false),
             (None, Some(path)) => {
                 let bytes = std::fs::read(path).map_err(|error| {
                     StartError::Setting(format!(
@@ -669,17 +674,16 @@ impl Tenants {
                     ))
                 })?;
                 let secret = bytes.trim_ascii_end().to_vec();
-                if secret.len() < 16 {
+                if secret.len() < MIN_SECRET_BYTES {
                     return Err(StartError::Setting(format!(
-                        "the tenant secret file {} holds fewer than 16 bytes",
+                        "the tenant secret file {} holds fewer than {MIN_SECRET_BYTES} bytes",
                         path.display()
                     )));
                 }
-                secret
+                (secret, false)
             }
-            (None, None) => rand::random::<[u8; 32]>().to_vec(),
+            (None, None) => (rand::random::<[u8; 32]>().to_vec(), true),
         };
-        let generated = config.tenant_secret.is_none() && config.tenant_secret_file.is_none();
         let jwt = match &config.tenant_jwt_keys {
             Some(path) => Some(
                 jwt::JwtTenants::from_file(
