@@ -91,15 +91,14 @@ impl Drop for TestServer {
 /// The gateway's configuration in front of `upstream` on `127.0.0.1:0`,
 /// with extra flags.
 pub fn gateway_config(upstream: std::net::SocketAddr, flags: &[&str]) -> idem_gateway::Config {
+    gateway_config_for(&format!("http://{upstream}"), flags)
+}
+
+/// The configuration of a gateway on `127.0.0.1:0` in front of the
+/// upstream at `url` (`http://…` or `https://…`), with extra flags.
+pub fn gateway_config_for(url: &str, flags: &[&str]) -> idem_gateway::Config {
     use clap::Parser;
-    let url = format!("http://{upstream}");
-    let mut args = vec![
-        "idem-gateway",
-        "--listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &url,
-    ];
+    let mut args = vec!["idem-gateway", "--listen", "127.0.0.1:0", "--upstream", url];
     args.extend_from_slice(flags);
     idem_gateway::Config::try_parse_from(args).expect("valid flags")
 }

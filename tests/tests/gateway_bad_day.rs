@@ -416,7 +416,6 @@ async fn the_default_client_waits_out_a_409() {
 /// never sends it the request (502 `upstream_unreachable`, the key free).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_upstream_is_verified() {
-    use clap::Parser;
     let Some(ca) = idem_tests::tls::TestCa::new() else {
         return;
     };
@@ -424,17 +423,7 @@ async fn an_https_upstream_is_verified() {
     let server = TestServer::start_tls(upstream.router(), &ca).await;
     let url = format!("https://127.0.0.1:{}", server.addr.port());
     let ca_file = ca.ca().display().to_string();
-    let start = |flags: Vec<&str>| {
-        let mut args = vec![
-            "idem-gateway",
-            "--listen",
-            "127.0.0.1:0",
-            "--upstream",
-            &url,
-        ];
-        args.extend(flags);
-        idem_gateway::Config::try_parse_from(args).expect("flags")
-    };
+    let start = |flags: &[&str]| idem_tests::gateway_config_for(&url, flags);
     let post = |addr: std::net::SocketAddr| {
         Request::post(format!("http://{addr}/orders"))
             .header("idempotency-key", "https-1")
@@ -443,12 +432,12 @@ async fn an_https_upstream_is_verified() {
             .body(Full::new(Bytes::from_static(b"{}")))
             .expect("request")
     };
-    let (doubting, _stop_doubting, _) = idem_gateway::start(start(vec![])).await.expect("gateway");
+    let (doubting, _stop_doubting, _) = idem_gateway::start(start(&[])).await.expect("gateway");
     let refused = send(&client(), post(doubting.addr)).await;
     assert_eq!(refused.status, StatusCode::BAD_GATEWAY, "{refused:?}");
     assert_eq!(refused.code().as_deref(), Some("upstream_unreachable"));
     assert_eq!(upstream.runs(), 0);
-    let (trusting, _stop_trusting, _) = idem_gateway::start(start(vec!["--upstream-ca", &ca_file]))
+    let (trusting, _stop_trusting, _) = idem_gateway::start(start(&["--upstream-ca", &ca_file]))
         .await
         .expect("gateway");
     let first = send(&client(), post(trusting.addr)).await;
