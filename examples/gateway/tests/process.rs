@@ -115,6 +115,32 @@ async fn post(gateway: &Process, path: &str, key: &str) -> Reply {
     send(&client(), gateway.post(path, key)).await
 }
 
+/// A file a gateway process writes its log to; removed on drop.
+struct Log(std::path::PathBuf);
+
+impl Log {
+    fn new(name: &str) -> Self {
+        let file = format!("idem-gateway-{name}-{}.log", std::process::id());
+        Self(std::env::temp_dir().join(file))
+    }
+
+    /// A fresh file for the process's stderr.
+    fn file(&self) -> std::fs::File {
+        std::fs::File::create(&self.0).expect("log file")
+    }
+
+    /// What was logged so far.
+    fn text(&self) -> String {
+        std::fs::read_to_string(&self.0).unwrap_or_default()
+    }
+}
+
+impl Drop for Log {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// The tenant secret every gateway of a test shares, so that a restarted
 /// gateway finds the records its predecessor made.
 const SECRET: &str = "the test gateways' shared tenant secret";
@@ -273,14 +299,14 @@ async fn sigterm_waits_for_requests_whose_client_left() {
         return;
     };
     let (upstream, args) = (&setup.upstream, setup.args());
-    let log = std::env::temp_dir().join(format!("idem-gateway-left-{}.log", std::process::id()));
+    let log = Log::new("left");
 
     let gateway = Process::spawn(
         Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .args(["--listen", "127.0.0.1:0"])
             .args(&args)
             .env("RUST_LOG", "info")
-            .stderr(std::fs::File::create(&log).expect("log file")),
+            .stderr(log.file()),
     );
     let lost = tokio::spawn(send(&client(), gateway.post("/slow", "left-1")));
     upstream.wait_runs(1).await;
@@ -289,10 +315,7 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     // The gateway saw it go: the request now runs detached, the case whose
     // outcome used to be lost at shutdown.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_to_string(&log)
-        .unwrap_or_default()
-        .contains("client went away")
-    {
+    while !log.text().contains("client went away") {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the gateway never saw the client go"
@@ -519,7 +542,7 @@ async fn settings_from_the_environment_take_effect() {
     };
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
-    let log = std::env::temp_dir().join(format!("idem-gateway-env-{}.log", std::process::id()));
+    let log = Log::new("env");
     let gateway = Process::spawn(
         Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .env("IDEM_LISTEN", "127.0.0.1:0")
@@ -534,7 +557,7 @@ async fn settings_from_the_environment_take_effect() {
             .env("IDEM_FAIL_OPEN", "true")
             .env("IDEM_STORE_TIMEOUT", "300ms")
             .env("RUST_LOG", "info")
-            .stderr(std::fs::File::create(&log).expect("log file")),
+            .stderr(log.file()),
     );
     let http = client();
     let request = |method: &str, path: &str, key: Option<&str>, tenant: Option<&str>| {
@@ -660,7 +683,7 @@ async fn settings_from_the_environment_take_effect() {
     // SIGINT stops it cleanly too.
     gateway.signal("-INT");
     assert!(gateway.exited_cleanly().await);
-    let log = std::fs::read_to_string(&log).expect("log");
+    let log = log.text();
     assert!(log.contains("/orders") && log.contains("201"), "{log}");
     assert!(!log.contains(secret), "the key leaked into the log:\n{log}");
 }
@@ -837,20 +860,16 @@ async fn a_lease_shorter_than_the_cluster_failover_is_warned_about() {
     );
     let url = cluster.url();
     for (lease, warned) in [("5s", true), ("15s", false)] {
-        let log = std::env::temp_dir().join(format!(
-            "idem-gateway-failover-{}-{lease}.log",
-            std::process::id()
-        ));
+        let log = Log::new(&format!("failover-{lease}"));
         let mut gateway = Process::spawn(
             Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
                 .args(["--listen", "127.0.0.1:0", "--store", &url, "--lease", lease])
                 .args(["--tenant-secret", SECRET])
                 .env("RUST_LOG", "warn")
-                .stderr(std::fs::File::create(&log).expect("log file")),
+                .stderr(log.file()),
         );
         gateway.kill();
-        let text = std::fs::read_to_string(&log).expect("log");
-        let _ = std::fs::remove_file(&log);
+        let text = log.text();
         assert_eq!(
             text.contains("shorter than this cluster's failover"),
             warned,
@@ -940,15 +959,14 @@ async fn replicas_short_of_the_requested_are_reported() {
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
     let upstream_url = format!("http://{}", server.addr);
-    let log =
-        std::env::temp_dir().join(format!("idem-gateway-replicas-{}.log", std::process::id()));
+    let log = Log::new("replicas");
     let gateway = Process::spawn(
         Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .args(["--listen", "127.0.0.1:0", "--upstream", &upstream_url])
             .args(["--store", &master.url(), "--tenant-secret", SECRET])
             .args(["--wait-for-replicas", "1", "--replica-timeout", "100ms"])
             .env("RUST_LOG", "warn")
-            .stderr(std::fs::File::create(&log).expect("log file")),
+            .stderr(log.file()),
     );
     let http = client();
     let post = |path: &str, key: &str| {
@@ -990,8 +1008,7 @@ async fn replicas_short_of_the_requested_are_reported() {
     let replay = send(&http, post("/slow", "replica-lost")).await;
     assert!(replay.replayed(), "{replay:?}");
     assert_eq!(upstream.runs(), 1);
-    let text = std::fs::read_to_string(&log).expect("log");
-    let _ = std::fs::remove_file(&log);
+    let text = log.text();
     assert!(text.contains("fewer replicas than requested"), "{text}");
 }
 
@@ -1043,22 +1060,18 @@ async fn a_generated_tenant_secret_is_announced() {
     };
     let url = redis.url();
     for (secret, announced) in [(None, true), (Some(SECRET), false)] {
-        let log = std::env::temp_dir().join(format!(
-            "idem-gateway-secret-{}-{announced}.log",
-            std::process::id()
-        ));
+        let log = Log::new(&format!("secret-{announced}"));
         let mut command = Command::new(env!("CARGO_BIN_EXE_idem-gateway"));
         command
             .args(["--listen", "127.0.0.1:0", "--store", &url])
             .env("RUST_LOG", "warn")
-            .stderr(std::fs::File::create(&log).expect("log file"));
+            .stderr(log.file());
         if let Some(secret) = secret {
             command.args(["--tenant-secret", secret]);
         }
         let mut gateway = Process::spawn(&mut command);
         gateway.kill();
-        let text = std::fs::read_to_string(&log).expect("log");
-        let _ = std::fs::remove_file(&log);
+        let text = log.text();
         assert_eq!(
             text.contains("secret generated at start") && text.contains("Another gateway"),
             announced,
