@@ -890,12 +890,13 @@ async fn tenant_from_jwt(
                 .methods
                 .iter()
                 .any(|m| m.as_str().eq_ignore_ascii_case(method)));
-    let authorization = request
+    let verified = request
         .headers()
         .get(http::header::AUTHORIZATION)
-        .map(|v| v.as_bytes().to_vec());
-    if let (true, Some(authorization)) = (needs_tenant, authorization) {
-        match state.jwt.claim(&authorization) {
+        .filter(|_| needs_tenant)
+        .map(|authorization| state.jwt.claim(authorization.as_bytes()));
+    if let Some(verified) = verified {
+        match verified {
             Ok(claim) => {
                 let tenant =
                     idem_layer::tenant::keyed_tenant(&state.secret, "jwt:", claim.as_bytes());
