@@ -176,6 +176,19 @@ impl RecordState {
             RecordState::Released => "released",
         }
     }
+
+    /// The state of a name [`as_str`](Self::as_str) gives; `None` for any
+    /// other text.
+    pub fn parse(name: &str) -> Option<Self> {
+        [
+            RecordState::Processing,
+            RecordState::Completed,
+            RecordState::Cancelled,
+            RecordState::Released,
+        ]
+        .into_iter()
+        .find(|state| state.as_str() == name)
+    }
 }
 
 /// How an attempt ended, as far as the record knows.

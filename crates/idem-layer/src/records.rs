@@ -247,11 +247,10 @@ impl<S: Store> RecordsService<S> {
     fn list_query(tenant: Option<String>, query: &Query) -> Result<RecordQuery, Refusal> {
         let state = match query.state.as_deref() {
             None => None,
-            Some("processing") => Some(RecordState::Processing),
-            Some("completed") => Some(RecordState::Completed),
-            Some("cancelled") => Some(RecordState::Cancelled),
-            Some("released") => Some(RecordState::Released),
-            Some(other) => return Err(invalid(format!("unknown state {other:?}"))),
+            Some(name) => Some(
+                RecordState::parse(name)
+                    .ok_or_else(|| invalid(format!("unknown state {name:?}")))?,
+            ),
         };
         let older_than = query
             .older_than

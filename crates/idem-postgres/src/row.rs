@@ -64,13 +64,8 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
     let scope: Vec<u8> = get(row, "scope")?;
     let fingerprint: Vec<u8> = get(row, "fingerprint")?;
     let state: String = get(row, "state")?;
-    let state = match state.as_str() {
-        "processing" => RecordState::Processing,
-        "completed" => RecordState::Completed,
-        "cancelled" => RecordState::Cancelled,
-        "released" => RecordState::Released,
-        other => return Err(corrupt(format!("unknown state {other:?}"))),
-    };
+    let state =
+        RecordState::parse(&state).ok_or_else(|| corrupt(format!("unknown state {state:?}")))?;
     let owner: Option<uuid::Uuid> = get(row, "owner")?;
     let status: Option<i32> = get(row, "status")?;
     let stored: Option<bool> = get(row, "stored")?;

@@ -233,13 +233,9 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
             .ok_or_else(|| corrupt(format!("record lacks {name}")))
     };
     let opt_int = |name: &str| fields.get(name).map(|v| int(v)).transpose();
-    let state = match text(field("state")?)?.as_str() {
-        "processing" => RecordState::Processing,
-        "completed" => RecordState::Completed,
-        "cancelled" => RecordState::Cancelled,
-        "released" => RecordState::Released,
-        other => return Err(corrupt(format!("unknown state {other}"))),
-    };
+    let state = text(field("state")?)?;
+    let state =
+        RecordState::parse(&state).ok_or_else(|| corrupt(format!("unknown state {state}")))?;
     let owner = match fields.get("owner").map(|v| text(v)).transpose()? {
         Some(token) if !token.is_empty() => Some(OwnerToken(
             uuid::Uuid::parse_str(&token).map_err(|_| corrupt("owner token"))?,
