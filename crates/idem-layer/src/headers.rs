@@ -35,3 +35,6 @@ pub(crate) fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, Ke
     }
     IdempotencyKey::parse(value.as_bytes()).map(Some)
 }
+
+/// The request header that carries the records API's admin credential.
+pub(crate) const ADMIN_TOKEN: HeaderName = HeaderName::from_static("x-idem-admin-token");

@@ -75,6 +75,7 @@ use tower::Service;
 use crate::{
     ResponseBody,
     config::Config,
+    headers::ADMIN_TOKEN,
     problem::{ProblemCode, problem},
     runtime::{operation_name, store_call, unavailable_problem},
 };
@@ -190,10 +191,9 @@ impl<S: Store> RecordsService<S> {
     /// Whether the request carries the admin credential.
     fn is_admin(&self, parts: &Parts) -> bool {
         use sha2::Digest;
-        let (Some(expected), Some(given)) = (
-            self.config.admin_token,
-            parts.headers.get("x-idem-admin-token"),
-        ) else {
+        let (Some(expected), Some(given)) =
+            (self.config.admin_token, parts.headers.get(ADMIN_TOKEN))
+        else {
             return false;
         };
         let given: [u8; 32] = sha2::Sha256::digest(given.as_bytes()).into();
@@ -219,7 +219,7 @@ impl<S: Store> RecordsService<S> {
         match self.config.tenant_of(parts) {
             Some(tenant) => Ok(Some(tenant)),
             None if self.config.admin_token.is_some()
-                && parts.headers.contains_key("x-idem-admin-token") =>
+                && parts.headers.contains_key(ADMIN_TOKEN) =>
             {
                 let detail = "the admin credential is not the one configured";
                 Err((ProblemCode::AdminRequired, detail.to_owned()))
