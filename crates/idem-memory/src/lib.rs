@@ -80,7 +80,9 @@ impl MemoryStoreBuilder {
     /// default 1 GiB). A new key beyond it is refused like a full store; a
     /// completion whose response would cross it is recorded without the
     /// response (its retries get `409 idempotency_response_not_stored`), so
-    /// the action is never run twice and the bound holds.
+    /// the action is never run twice and the bound holds. The check is made
+    /// before the shard is locked: completions racing on different shards
+    /// can each pass it and cross the bound by their responses together.
     pub fn max_bytes(mut self, max_bytes: usize) -> Self {
         self.max_bytes = max_bytes;
         self
