@@ -139,6 +139,15 @@ impl App {
         self.runs.load(Ordering::SeqCst)
     }
 
+    /// Waits (at most 20 s) until a handler has started.
+    pub async fn wait_until_running(&self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while self.runs() == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "no handler started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     async fn call(&self, request: Request<axum::body::Body>) -> Answer {
         let response = self
             .router
@@ -213,9 +222,7 @@ pub async fn duplicates_in_flight_get_409<S: Store>(store: S) {
         let app = Arc::clone(&app);
         tokio::spawn(async move { app.post("/slow", "k", "{}").await })
     };
-    while app.runs() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    app.wait_until_running().await;
     let busy = app.post("/slow", "k", "{}").await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
     assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
@@ -271,9 +278,7 @@ pub async fn cancel_fences_the_running_attempt<S: Store>(store: S) {
         let app = Arc::clone(&app);
         tokio::spawn(async move { app.post("/slow", "c", "{}").await })
     };
-    while app.runs() == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    app.wait_until_running().await;
     let cancel = app.records("DELETE", "?method=POST&path=/slow&key=c").await;
     assert_eq!(cancel.status, StatusCode::OK);
     let json: serde_json::Value = serde_json::from_slice(&cancel.body).expect("json");

@@ -204,7 +204,11 @@ async fn a_cancelled_attempt_commits_nothing() {
     let Some(app) = app().await else { return };
     let router = app.router.clone();
     let running = tokio::spawn(async move { call(&router, Some("k3"), &[("x-wait", "1")]).await });
-    app.state.waiting.acquire().await.expect("waiting").forget();
+    tokio::time::timeout(Duration::from_secs(20), app.state.waiting.acquire())
+        .await
+        .expect("the handler reached its wait")
+        .expect("waiting")
+        .forget();
     let scope = idem_core::Scope::new(
         "acme",
         "POST /orders",
