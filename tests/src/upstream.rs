@@ -55,14 +55,20 @@ impl Upstream {
         self.runs.load(Ordering::SeqCst)
     }
 
-    /// Waits until it has executed `n` requests.
+    /// Waits until it has executed `n` requests; fails the test after 30 s.
     pub async fn wait_runs(&self, n: usize) {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
         loop {
             let entered = self.entered.notified();
             if self.runs() >= n {
                 return;
             }
-            entered.await;
+            let waited = tokio::time::timeout_at(deadline, entered).await;
+            assert!(
+                waited.is_ok(),
+                "the upstream ran {} of {n} requests in 30 s",
+                self.runs()
+            );
         }
     }
 
