@@ -127,7 +127,7 @@ async fn gateway_with_one_record(
     let gateway = idem_tests::start_gateway(&server, &["--store", &url, "--fail-open"]).await;
     let first = send(&client(), post(gateway.addr, key)).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let keys = redis.cli(&["--scan", "--pattern", "idem:{*}"]);
     let record = keys.lines().next().expect("one record").trim().to_owned();
     (upstream, server, gateway.addr, first, record)
 }
@@ -143,10 +143,10 @@ async fn a_clock_that_steps_back_still_replays() {
     };
     let (upstream, _server, gateway, first, record) =
         gateway_with_one_record(&redis, "clock-1").await;
-    // Move the completion an hour into Redis's future.
-    let completed = redis.cli(&["HGET", &record, "completed"]);
+    // Move the completion (the attempt's end) an hour into Redis's future.
+    let completed = redis.cli(&["HGET", &record, "cur_end"]);
     let ahead = completed.trim().parse::<u64>().expect("ms") + 3_600_000;
-    redis.cli(&["HSET", &record, "completed", &ahead.to_string()]);
+    redis.cli(&["HSET", &record, "cur_end", &ahead.to_string()]);
     for _ in 0..3 {
         let replay = send(&client(), post(gateway, "clock-1")).await;
         assert_eq!(replay.status, StatusCode::CREATED);
@@ -238,7 +238,7 @@ async fn a_record_lost_under_a_running_request_is_made_again_from_its_outcome() 
     };
     let first = tokio::spawn(send(&client(), slow("lost-1")));
     upstream.wait_runs(1).await;
-    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let keys = redis.cli(&["--scan", "--pattern", "idem:{*}"]);
     let record = keys.lines().next().expect("one record").trim().to_owned();
     assert_eq!(redis.cli(&["DEL", &record]).trim(), "1");
     upstream.gate.add_permits(1);
@@ -276,7 +276,7 @@ async fn a_late_completion_on_a_lost_record_makes_it_again() {
     };
     let first = tokio::spawn(send(&client(), slow()));
     upstream.wait_runs(1).await;
-    let keys = redis.cli(&["--scan", "--pattern", "idem:*"]);
+    let keys = redis.cli(&["--scan", "--pattern", "idem:{*}"]);
     let record = keys.lines().next().expect("one record").trim().to_owned();
     assert_eq!(redis.cli(&["DEL", &record]).trim(), "1");
     redis.pause();

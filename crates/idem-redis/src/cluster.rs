@@ -69,7 +69,7 @@ impl RedisStore {
     /// The keys of every record (`SCAN` of each node; on a cluster, of
     /// each master), at most [`LIST_SCAN_LIMIT`].
     pub(crate) async fn record_keys(&self) -> Result<Vec<String>, StoreError> {
-        let pattern = format!("{}{{*", self.prefix);
+        let pattern = format!("{}{{*}}", self.prefix);
         let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
         let nodes: Vec<Option<Address>> = match &conn {
             Conn::Single(_) => vec![None],

@@ -255,11 +255,14 @@ impl Store for RedisStore {
             .arg(attempt.to_string())
             .arg(token.0.to_string())
             .arg(millis(request.lease))
-            .arg(millis(request.retention))
-            .arg(request.scope.tenant())
+            .arg(millis(request.retention));
+        let (tenant_field, tenant) = encode_tenant(request.scope.tenant());
+        invocation
+            .arg(tenant)
             .arg(request.scope.operation())
             .arg(request.scope.key().as_str())
-            .arg(ATTEMPT_HISTORY);
+            .arg(ATTEMPT_HISTORY)
+            .arg(tenant_field);
         // If this call is given up (it times out, or its caller's timeout
         // drops it) after the script was sent, the guard frees the
         // reservation by its owner token once the server answers.
@@ -519,6 +522,69 @@ mod tests {
                 .collect()
         }
 
+        /// The same record in the compact layout: no created, updated,
+        /// completed or cur_status, a hashed tenant as bytes.
+        fn compact_record() -> Vec<(&'static str, Vec<u8>)> {
+            let dropped = ["created", "updated", "completed", "cur_status"];
+            let mut fields: Vec<_> = valid_record()
+                .into_iter()
+                .filter(|(name, _)| !dropped.contains(name))
+                .collect();
+            fields.push(("created", b"1700000000000".to_vec()));
+            fields
+        }
+
+        #[test]
+        fn compact_and_older_records_decode_alike() {
+            let scope = ScopeHash::from_bytes([1; 32]);
+            let older = decode_record(scope, &pairs(&valid_record())).expect("older layout");
+            let compact = decode_record(scope, &pairs(&compact_record())).expect("compact layout");
+            assert_eq!(older, compact);
+            assert_eq!(compact.completed_at_ms, Some(1_700_000_003_000));
+            assert_eq!(compact.updated_at_ms, 1_700_000_003_000);
+            assert_eq!(compact.created_at_ms, 1_700_000_000_000);
+            // A first attempt's record: creation is its start.
+            let mut first: Vec<_> = compact_record()
+                .into_iter()
+                .filter(|(name, _)| *name != "created" && *name != "hist")
+                .collect();
+            first.retain(|(name, _)| *name != "gen");
+            first.push(("gen", b"1".to_vec()));
+            let first = decode_record(scope, &pairs(&first)).expect("first attempt");
+            assert_eq!(first.created_at_ms, 1_700_000_001_000);
+        }
+
+        #[test]
+        fn hashed_tenants_are_kept_as_bytes() {
+            let hashed = format!("auth:{}", "0f".repeat(32));
+            let (field, value) = encode_tenant(&hashed);
+            assert_eq!((field, value.len()), ("tenant_bin", 37));
+            let mut fields: Vec<_> = compact_record()
+                .into_iter()
+                .filter(|(name, _)| *name != "tenant")
+                .collect();
+            fields.push((field, value));
+            let record =
+                decode_record(ScopeHash::from_bytes([1; 32]), &pairs(&fields)).expect("decodes");
+            assert_eq!(record.tenant, hashed);
+            // Anything else is kept as it is: upper-case hex, short hashes,
+            // a bare hash.
+            for other in [
+                format!("auth:{}", "0F".repeat(32)),
+                format!("auth:{}", "0f".repeat(31)),
+                "0f".repeat(32),
+                "t1".to_owned(),
+            ] {
+                let (field, value) = encode_tenant(&other);
+                if field == "tenant_bin" {
+                    assert_eq!(other, "0f".repeat(32));
+                    assert_eq!(value.len(), 32);
+                } else {
+                    assert_eq!(value, other.as_bytes());
+                }
+            }
+        }
+
         #[test]
         fn the_valid_record_decodes() {
             let record = decode_record(ScopeHash::from_bytes([1; 32]), &pairs(&valid_record()))
@@ -616,6 +682,7 @@ mod tests {
                         "tenant", "op", "key", "fp", "state", "gen", "owner", "lease_until", "status",
                         "stored", "headers", "body", "completed", "expires", "hist", "cur_id",
                         "cur_start", "cur_end", "cur_outcome", "cur_status", "cur_late", "junk",
+                        "tenant_bin", "created", "updated", "split",
                     ]), value()),
                     0..30,
                 )

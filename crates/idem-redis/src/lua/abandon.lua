@@ -9,7 +9,7 @@ if not live(state, expires) then
 end
 if state == 'processing' and cur_id == ARGV[1] and owner == ARGV[2] then
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
-    'cur_outcome', 'released', 'updated', now)
+    'cur_outcome', 'released')
   return {'released'}
 end
 return {'untouched'}

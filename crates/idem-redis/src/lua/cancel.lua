@@ -7,20 +7,20 @@ if not live(state, expires) or state == 'released' then
   return {'not_found'}
 end
 if state == 'completed' then
-  return {'already_completed', redis.call('HGETALL', record)}
+  return {'already_completed', all_fields()}
 end
 if state == 'cancelled' then
   if cancel_id == ARGV[1] then
     -- A retry of this very cancel whose reply was lost.
-    return {'cancelled', redis.call('HGETALL', record)}
+    return {'cancelled', all_fields()}
   end
-  return {'already_cancelled', redis.call('HGETALL', record)}
+  return {'already_cancelled', all_fields()}
 end
 local until_ms = now + tonumber(retention_ms)
-redis.call('HSET', record, 'state', 'cancelled', 'owner', '', 'updated', now, 'expires', until_ms,
+redis.call('HSET', record, 'state', 'cancelled', 'owner', '', 'expires', until_ms,
   'cancel_id', ARGV[1])
 if outcome == 'running' then
   redis.call('HSET', record, 'cur_outcome', 'cancelled', 'cur_end', now)
 end
 redis.call('PEXPIREAT', record, until_ms)
-return {'cancelled', redis.call('HGETALL', record)}
+return {'cancelled', all_fields()}

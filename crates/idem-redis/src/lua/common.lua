@@ -1,15 +1,28 @@
 -- Shared by every idem script. KEYS[1] is the record's hash; all state of a
 -- scope lives in that one hash, so every script touches one slot.
 --
--- Fields: tenant op key created fp state gen owner lease_until lease_ms
---         retention_ms updated expires status stored headers body completed
---         cur_id cur_start cur_end cur_outcome cur_status cur_late  (the
---         newest attempt) and hist (older attempts, JSON, touched only when
---         a record gets a second attempt or a fenced write arrives).
+-- Fields: tenant (or tenant_bin: a tenant that ends in a 64-digit hex hash,
+--         with the hash as its 32 bytes) op key fp state gen owner
+--         lease_until lease_ms retention_ms expires status stored, the
+--         response as headers and body when both fit in 64 bytes, else as
+--         split (the length of the headers) with headers..body in the
+--         string key KEYS[1]..':r' (same hash tag, same expiry), cur_id
+--         cur_start cur_end cur_outcome cur_late (the newest attempt),
+--         created (only once a second attempt starts; until then it is
+--         cur_start) and hist (older attempts, JSON, touched only when a
+--         record gets a second attempt or a fenced write arrives).
+-- Every value of a typical record fits Redis' compact hash encoding (64
+-- bytes), and no field repeats another: the completion time is cur_end,
+-- the completed status is status, the last change is the later of
+-- cur_start and cur_end. Records written before this layout (with
+-- created, updated, completed and cur_status, and the response inline)
+-- are read as they are.
 -- The hot paths call TIME, one HMGET and at most one HSET, plus one
--- PEXPIREAT when a new attempt starts (retention counts from there).
+-- PEXPIREAT when a new attempt starts (retention counts from there), and
+-- one SET or GET of the response key when the response is large.
 
 local record = KEYS[1]
+local response_key = record .. ':r'
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
@@ -29,10 +42,38 @@ local function live(state, expires)
     return false
   end
   if tonumber(expires) <= now then
-    redis.call('DEL', record)
+    redis.call('DEL', record, response_key)
     return false
   end
   return true
+end
+
+-- The stored response's headers and body: inline, or from the response
+-- key when `split` says it is there.
+local function response(headers, body, split)
+  if not split then
+    return headers, body
+  end
+  local raw = redis.call('GET', response_key) or ''
+  local n = tonumber(split)
+  return string.sub(raw, 1, n), string.sub(raw, n + 1)
+end
+
+-- The record as HGETALL pairs, the response included as headers and body
+-- wherever it is kept.
+local function all_fields()
+  local fields = redis.call('HGETALL', record)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'split' then
+      local headers, body = response(nil, nil, fields[i + 1])
+      table.insert(fields, 'headers')
+      table.insert(fields, headers)
+      table.insert(fields, 'body')
+      table.insert(fields, body)
+      break
+    end
+  end
+  return fields
 end
 
 -- Helpers for the rare paths (a fenced write, a duplicate, a second
@@ -53,10 +94,14 @@ local function rare()
 
   -- The newest attempt in the JSON form of idem_core::Attempt.
   local function current_attempt()
-    local id, gen, started, ended, kind, status, late = unpack(redis.call('HMGET', record,
-      'cur_id', 'gen', 'cur_start', 'cur_end', 'cur_outcome', 'cur_status', 'cur_late'))
+    local id, gen, started, ended, kind, status, late, record_status = unpack(redis.call(
+      'HMGET', record, 'cur_id', 'gen', 'cur_start', 'cur_end', 'cur_outcome', 'cur_status',
+      'cur_late', 'status'))
     local outcome = {kind = kind}
     if kind == 'completed' then
+      if not status or status == '' then
+        status = record_status
+      end
       outcome.status = tonumber(status)
     end
     local ended_at = cjson.null
@@ -82,9 +127,10 @@ local function rare()
       if left < 0 then left = 0 end
       return {'processing', left}
     end
-    local status, stored, headers, body, completed =
-      unpack(redis.call('HMGET', record, 'status', 'stored', 'headers', 'body', 'completed'))
-    return {'completed', tonumber(status), stored, headers, body, age(completed)}
+    local status, stored, headers, body, completed, ended, split = unpack(redis.call('HMGET',
+      record, 'status', 'stored', 'headers', 'body', 'completed', 'cur_end', 'split'))
+    headers, body = response(headers, body, split)
+    return {'completed', tonumber(status), stored, headers, body, age(completed or ended)}
   end
 
   -- Keeps a fenced write as late evidence on its attempt.

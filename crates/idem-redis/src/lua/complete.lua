@@ -17,7 +17,14 @@ if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
   return helpers.current(state)
 end
 -- Retention counts from the reservation: the expiry stays as it is.
-redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
-  'headers', ARGV[6], 'body', ARGV[7], 'completed', now, 'owner', '',
-  'cur_end', now, 'cur_outcome', 'completed', 'cur_status', status, 'updated', now)
+local headers, body = ARGV[6], ARGV[7]
+if #headers <= 64 and #body <= 64 then
+  redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
+    'headers', headers, 'body', body, 'owner', '', 'cur_end', now, 'cur_outcome', 'completed')
+else
+  -- Too long for the compact encoding: the response gets a key of its own.
+  redis.call('SET', response_key, headers .. body, 'PXAT', expires)
+  redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
+    'split', #headers, 'owner', '', 'cur_end', now, 'cur_outcome', 'completed')
+end
 return {'recorded'}

@@ -9,9 +9,9 @@ end
 local kind = 'not_processing'
 if state == 'processing' then
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
-    'cur_outcome', 'released_by_operator', 'updated', now)
+    'cur_outcome', 'released_by_operator')
   kind = 'released'
 end
-local pairs = redis.call('HGETALL', record)
+local pairs = all_fields()
 table.insert(pairs, 1, kind)
 return pairs

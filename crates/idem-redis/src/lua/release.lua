@@ -15,5 +15,5 @@ if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
   return helpers.current(state)
 end
 redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
-  'cur_outcome', 'released', 'updated', now)
+  'cur_outcome', 'released')
 return {'released'}

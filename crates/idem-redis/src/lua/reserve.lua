@@ -1,19 +1,23 @@
 -- ARGV: fingerprint, attempt id, owner token, lease ms, retention ms,
---       tenant, operation, key, attempt history size
+--       tenant, operation, key, attempt history size, the tenant's field
+--       name ('tenant' or 'tenant_bin')
 local fp, attempt_id, token = ARGV[1], ARGV[2], ARGV[3]
 local lease_ms, retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local history = tonumber(ARGV[9])
 local state, expires_at, found_fp, found_gen, lease_until, status, stored, headers, body,
-  completed, cur_id, owner = unpack(redis.call('HMGET', record, 'state', 'expires', 'fp', 'gen',
-  'lease_until', 'status', 'stored', 'headers', 'body', 'completed', 'cur_id', 'owner'))
+  completed, cur_id, owner, ended, split = unpack(redis.call('HMGET', record, 'state', 'expires',
+  'fp', 'gen', 'lease_until', 'status', 'stored', 'headers', 'body', 'completed', 'cur_id', 'owner',
+  'cur_end', 'split'))
 
 -- Starts attempt `gen`; `extra` holds more field/value pairs to set.
 local function start(gen, extra)
   local expires = now + retention_ms
+  -- Until now the record's creation was its first attempt's start.
+  local created, started = unpack(redis.call('HMGET', record, 'created', 'cur_start'))
   local fields = {'fp', fp, 'state', 'processing', 'gen', gen, 'owner', token,
     'lease_until', now + lease_ms, 'lease_ms', lease_ms, 'retention_ms', retention_ms,
     'cur_id', attempt_id, 'cur_start', now, 'cur_end', '', 'cur_outcome', 'running',
-    'cur_status', '', 'cur_late', '', 'updated', now, 'expires', expires}
+    'cur_status', '', 'cur_late', '', 'expires', expires, 'created', created or started or now}
   for i = 1, #extra do
     fields[#fields + 1] = extra[i]
   end
@@ -44,10 +48,10 @@ end
 if not live(state, expires_at) then
   -- The hot path: a new key. One HSET with literal fields, no tables.
   local expires = now + retention_ms
-  redis.call('HSET', record, 'tenant', ARGV[6], 'op', ARGV[7], 'key', ARGV[8], 'created', now,
+  redis.call('HSET', record, ARGV[10], ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
     'fp', fp, 'state', 'processing', 'gen', 1, 'owner', token,
     'lease_until', now + lease_ms, 'lease_ms', lease_ms, 'retention_ms', retention_ms,
-    'cur_id', attempt_id, 'cur_start', now, 'cur_outcome', 'running', 'updated', now, 'expires', expires)
+    'cur_id', attempt_id, 'cur_start', now, 'cur_outcome', 'running', 'expires', expires)
   redis.call('PEXPIREAT', record, expires)
   return {'acquired', 1}
 end
@@ -84,4 +88,5 @@ end
 if state == 'cancelled' then
   return {'cancelled'}
 end
-return {'completed', tonumber(status), stored, headers, body, age(completed)}
+headers, body = response(headers, body, split)
+return {'completed', tonumber(status), stored, headers, body, age(completed or ended)}

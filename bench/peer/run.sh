@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# idem beside the strongest Rust peer, the crates.io `idempotent` 2.0.0 Tower
+# layer, in ONE run: the same axum route bare, behind the peer's layer and
+# behind idem's, on memory and on a private Redis, alternating in rounds.
+#
+#   bench/peer/run.sh
+#
+# Prints, per mode: req/s, p50/p99, and CPU microseconds per request of the
+# app process and of redis-server (CPU per request is far steadier than req/s
+# on a shared machine), Redis commands per request, and the ratios to bare.
+# Needs wrk, redis-server, redis-cli, curl, python3. Starts its own
+# redis-server on a free loopback port and stops it at the end. Builds in
+# $IDEM/target/peer-bench (the peer declares rust-version 1.98 and builds on
+# 1.95 with --ignore-rust-version). Results: $IDEM/target/peer-bench/results.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+IDEM=$(cd "$here/../.." && pwd)
+[ -f "$IDEM/crates/idem-layer/Cargo.toml" ] || { echo "run from the idem checkout, or set IDEM" >&2; exit 2; }
+WORK=$IDEM/target/peer-bench
+mkdir -p "$WORK"
+cp "$here/post.lua" "$here/cmdstats.py" "$WORK/" 2>/dev/null || true
+cd "$WORK"
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+RPORT=$(free_port)
+APORT=$(free_port)
+DUR=${DUR:-6s}
+ROUNDS=${ROUNDS:-3}
+BIN=./target/release/peerbench
+OUTDIR=results
+mkdir -p "$OUTDIR"
+CARGO_TARGET_DIR=$WORK/target cargo build --manifest-path "$here/Cargo.toml" --release --ignore-rust-version -q
+
+redis-server --port $RPORT --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
+  --pidfile "$WORK/redis.pid" --logfile "$WORK/redis.log"
+STARTED_REDIS=1
+for i in $(seq 50); do redis-cli -p $RPORT ping >/dev/null 2>&1 && break; sleep 0.1; done
+REDIS_URL=redis://127.0.0.1:$RPORT
+
+SPID=
+start_server() {  # start_server MODE [URL]
+  $BIN $APORT "$@" 2>>"$OUTDIR/server.log" & SPID=$!
+  for i in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$APORT/count" && return 0; sleep 0.05; done
+  echo "server did not start" >&2; exit 1
+}
+stop_server() { kill -INT "$SPID" 2>/dev/null || true; wait "$SPID" 2>/dev/null || true; SPID=; }
+cleanup() {
+  [ -n "$SPID" ] && stop_server
+  if [ $STARTED_REDIS = 1 ]; then redis-cli -p $RPORT shutdown nosave >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
+
+# ---- correctness: same key twice, changed body, missing key ----
+B='{"amount":100,"currency":"eur","items":[1,2,3]}'
+H=(-H 'Content-Type: application/json' -H 'Authorization: Bearer bench')
+for m in memory redis idem-memory idem-redis; do
+  case $m in *redis) start_server $m $REDIS_URL;; *) start_server $m;; esac
+  U=http://127.0.0.1:$APORT/orders; K="chk-$m-$RANDOM$RANDOM"
+  {
+    echo "=== correctness, mode $m, key $K"
+    echo "--- 1st request";               curl -s -i "${H[@]}" -H "Idempotency-Key: $K" -d "$B" $U | grep -iv '^date'; echo
+    echo "--- 2nd request, same key+body"; curl -s -i "${H[@]}" -H "Idempotency-Key: $K" -d "$B" $U | grep -iv '^date'; echo
+    echo "--- same key, changed body";     curl -s -i "${H[@]}" -H "Idempotency-Key: $K" -d '{"amount":999}' $U | grep -iv '^date'; echo
+    echo "--- no Idempotency-Key";         curl -s -i "${H[@]}" -d "$B" $U | grep -iv '^date'; echo
+    echo "--- handler executions: $(curl -s http://127.0.0.1:$APORT/count) (expect 1)"
+  } | tee -a "$OUTDIR/correctness.txt"
+  stop_server
+done
+
+# CPU seconds used so far by the app process and by redis-server: CPU per
+# request is steadier than throughput on a shared machine.
+app_cpu() { awk -v t="$(getconf CLK_TCK)" '{printf "%.4f", ($14+$15)/t}' /proc/$SPID/stat; }
+redis_cpu() { redis-cli -p $RPORT info cpu | tr -d '\r' | awk -F: '/^used_cpu_(sys|user):/{s+=$2} END{printf "%.4f", s}'; }
+
+# ---- throughput: alternating bare, memory, bare, redis per round ----
+: > "$OUTDIR/bench.tsv"
+for r in $(seq "$ROUNDS"); do
+  for m in bare memory idem-memory bare redis idem-redis; do
+    case $m in *redis) redis-cli -p $RPORT flushall >/dev/null; start_server $m $REDIS_URL;;
+               *) start_server $m;; esac
+    f="$OUTDIR/wrk-r$r-$m-$(date +%s%N).txt"
+    a0=$(app_cpu); r0=$(redis_cpu)
+    wrk -t2 -c64 -d"$DUR" --latency -s post.lua "http://127.0.0.1:$APORT/orders" > "$f"
+    a1=$(app_cpu); r1=$(redis_cpu)
+    runs=$(curl -s "http://127.0.0.1:$APORT/count")
+    stop_server
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$r" "$m" "$f" "$runs" \
+      "$(python3 -c "print($a1-$a0)")" "$(python3 -c "print(round($r1-$r0,4))")" >> "$OUTDIR/bench.tsv"
+    echo "round $r $m: $(grep Requests/sec "$f")"
+  done
+done
+
+python3 - "$OUTDIR/bench.tsv" <<'PY' | tee "$OUTDIR/summary.txt"
+import re, statistics, sys
+def ms(v):
+    m = re.match(r"([\d.]+)(us|ms|s)", v); x = float(m.group(1))
+    return x / 1000 if m.group(2) == "us" else x * 1000 if m.group(2) == "s" else x
+rows = []
+for line in open(sys.argv[1]):
+    r, mode, path, runs, app_s, redis_s = line.rstrip("\n").split("\t")
+    t = open(path).read()
+    total = int(re.search(r"(\d+) requests in", t).group(1))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", t).group(1))
+    p50 = ms(re.search(r"^\s+50%\s+(\S+)", t, re.M).group(1)); p99 = ms(re.search(r"^\s+99%\s+(\S+)", t, re.M).group(1))
+    n2 = re.search(r"Non-2xx or 3xx responses: (\d+)", t); err = re.search(r"Socket errors: (.*)", t)
+    app_us = float(app_s) * 1e6 / total
+    redis_us = float(redis_s) * 1e6 / total if "redis" in mode else 0.0
+    rows.append((int(r), mode, rps, p50, p99, int(n2.group(1)) if n2 else 0, err.group(1) if err else "-", app_us, redis_us))
+print(f"{'round':>5} {'mode':<11} {'req/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'app us/req':>10} {'redis us/req':>12} {'non2xx':>7}  socket-errors")
+for r in rows:
+    print(f"{r[0]:>5} {r[1]:<11} {r[2]:>10.0f} {r[3]:>8.2f} {r[4]:>8.2f} {r[7]:>10.1f} {r[8]:>12.1f} {r[5]:>7}  {r[6]}")
+med = {}
+for mode in ("bare", "memory", "idem-memory", "redis", "idem-redis"):
+    sel = [r for r in rows if r[1] == mode]
+    med[mode] = tuple(statistics.median(x[i] for x in sel) for i in (2, 3, 4, 7, 8))
+    print(f"median {mode:<11} rps={med[mode][0]:.0f} p50={med[mode][1]:.2f}ms p99={med[mode][2]:.2f}ms "
+          f"app={med[mode][3]:.1f}us/req redis={med[mode][4]:.1f}us/req (n={len(sel)})")
+for mode in ("memory", "idem-memory", "redis", "idem-redis"):
+    print(f"median ratio {mode}/bare: rps {med[mode][0]/med['bare'][0]:.3f}  "
+          f"p50 {med[mode][1]/med['bare'][1]:.2f}x  p99 {med[mode][2]/med['bare'][2]:.2f}x")
+PY
+
+# ---- Redis commands per request (1000 sequential new keys, then 1000 replays) ----
+redis-cli -p $RPORT flushall >/dev/null
+: > "$OUTDIR/cmdstats.txt"
+for m in redis idem-redis; do
+  redis-cli -p $RPORT flushall >/dev/null
+  start_server $m $REDIS_URL
+  echo "### $m" | tee -a "$OUTDIR/cmdstats.txt"
+  python3 cmdstats.py $APORT $RPORT 1000 | tee -a "$OUTDIR/cmdstats.txt"
+  stop_server
+done

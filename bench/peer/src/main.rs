@@ -1,0 +1,112 @@
+//! peerbench: axum server with one POST /orders route, optionally wrapped in the
+//! `idempotent` crate's Tower layer (memory store or Valkey/Redis store).
+//!
+//! usage: peerbench PORT bare
+//!        peerbench PORT memory
+//!        peerbench PORT redis redis://127.0.0.1:6391
+//!        peerbench PORT idem-memory
+//!        peerbench PORT idem-redis redis://127.0.0.1:6391
+//!
+//! The idem-* modes wrap the same router in idem's layer (tenant = hash of
+//! Authorization, as idem's gateway does), so both layers are measured in one run.
+//!
+//! GET /count (a safe method, so the layer passes it through untouched) returns how many
+//! times the /orders handler has actually executed; used only for the correctness check.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use bytes::Bytes;
+use idempotent::memory::MemoryStore;
+use idempotent::middleware::IdempotencyLayer;
+use idempotent::valkey::ValkeyStore;
+
+#[derive(Clone, Default)]
+struct AppState {
+    runs: Arc<AtomicU64>,
+}
+
+async fn create_order(State(state): State<AppState>, body: Bytes) -> impl IntoResponse {
+    let id = state.runs.fetch_add(1, Ordering::Relaxed) + 1;
+    let json = format!("{{\"id\":\"{id}\",\"len\":{}}}", body.len());
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        json,
+    )
+}
+
+async fn count(State(state): State<AppState>) -> String {
+    state.runs.load(Ordering::Relaxed).to_string()
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 3 {
+        eprintln!("usage: {} PORT bare|memory|redis [URL]", args[0]);
+        std::process::exit(2);
+    }
+    let port: u16 = args[1].parse()?;
+    let mode = args[2].as_str();
+
+    let state = AppState::default();
+    let router = Router::new()
+        .route("/orders", post(create_order))
+        .route("/count", get(count))
+        .with_state(state);
+
+    // require_key(true): a POST without Idempotency-Key gets 400; no scope hook (single caller).
+    let app = match mode {
+        "bare" => router,
+        "memory" => {
+            let store = MemoryStore::builder().try_build()?;
+            router.layer(IdempotencyLayer::new(store).require_key(true))
+        }
+        "redis" => {
+            let url = args
+                .get(3)
+                .cloned()
+                .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
+            let store = ValkeyStore::with_url(url).prefix("peerbench").try_build().await?;
+            store.ping().await?;
+            router.layer(IdempotencyLayer::new(store).require_key(true))
+        }
+        "idem-memory" => router.layer(
+            idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
+                .tenant(idem_layer::TenantFromAuthorization)
+                .require_key(true),
+        ),
+        "idem-redis" => {
+            let url = args
+                .get(3)
+                .cloned()
+                .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
+            let store = idem_redis::RedisStore::from_url(&url)?;
+            store.ping().await?;
+            router.layer(
+                idem_layer::IdempotencyLayer::new(store)
+                    .tenant(idem_layer::TenantFromAuthorization)
+                    .require_key(true),
+            )
+        }
+        other => {
+            eprintln!("unknown mode {other}");
+            std::process::exit(2);
+        }
+    };
+
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    eprintln!("peerbench listening on 127.0.0.1:{port} mode={mode}");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}

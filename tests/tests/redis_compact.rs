@@ -1,0 +1,194 @@
+//! What a record costs on Redis: gateway-shaped records (a hashed tenant
+//! of 69 characters, a response larger than 64 bytes) stay in Redis'
+//! compact hash encoding within a kilobyte, and records written in the
+//! layout before it are still replayed and listed.
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use axum::{Router, extract::State, routing::post};
+use bytes::Bytes;
+use http::{Request, StatusCode, header};
+use http_body_util::Full;
+use idem_tests::{TestServer, client, redis_server::RedisServer, send, start_gateway};
+
+/// An upstream whose answer is gateway-shaped: two headers and a JSON
+/// body of about a hundred bytes.
+fn upstream(runs: Arc<AtomicUsize>) -> Router {
+    async fn order(State(runs): State<Arc<AtomicUsize>>) -> impl axum::response::IntoResponse {
+        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+        let body = format!(
+            "{{\"id\":\"ord_{n:020}\",\"status\":\"accepted\",\"amount\":1999,\"currency\":\"eur\",\"sku\":\"book-0001\"}}"
+        );
+        (
+            StatusCode::CREATED,
+            [
+                (header::CONTENT_TYPE, "application/json".to_owned()),
+                (header::LOCATION, format!("/orders/ord_{n:020}")),
+            ],
+            body,
+        )
+    }
+    Router::new().route("/orders", post(order)).with_state(runs)
+}
+
+fn order(gateway: std::net::SocketAddr, key: &str) -> Request<Full<Bytes>> {
+    Request::post(format!("http://{gateway}/orders"))
+        .header("idempotency-key", key)
+        .header("authorization", "Bearer a-token-of-some-length-0123456789")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(
+            b"{\"sku\":\"book\",\"qty\":1}",
+        )))
+        .expect("request")
+}
+
+fn record_keys(redis: &RedisServer) -> Vec<String> {
+    let keys = redis.cli(&["--scan", "--pattern", "idem:{*}"]);
+    keys.lines().map(|k| k.trim().to_owned()).collect()
+}
+
+fn memory_usage(redis: &RedisServer, key: &str) -> u64 {
+    let usage = redis.cli(&["MEMORY", "USAGE", key, "SAMPLES", "0"]);
+    usage.trim().parse().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_records_are_compact_and_replay_exactly() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = TestServer::start(upstream(Arc::clone(&runs))).await;
+    let gateway = start_gateway(&server, &["--store", &redis.url()]).await;
+    let first = send(&client(), order(gateway.addr, "order-1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(first.body.len() > 64, "the body is larger than 64 bytes");
+
+    let keys = record_keys(&redis);
+    assert_eq!(keys.len(), 1, "one record: {keys:?}");
+    let record = &keys[0];
+    assert_eq!(
+        redis.cli(&["OBJECT", "ENCODING", record]).trim(),
+        "listpack",
+        "every field fits the compact encoding: {}",
+        redis.cli(&["HGETALL", record])
+    );
+    let response = format!("{record}:r");
+    assert_eq!(redis.cli(&["EXISTS", &response]).trim(), "1");
+    // The response key expires with the record.
+    let record_ttl: i64 = redis.cli(&["PTTL", record]).trim().parse().expect("ttl");
+    let response_ttl: i64 = redis.cli(&["PTTL", &response]).trim().parse().expect("ttl");
+    assert!(record_ttl > 0 && (record_ttl - response_ttl).abs() < 2_000);
+    let fields = redis.cli(&["HKEYS", record]);
+    for repeated in ["created", "updated", "completed", "cur_status", "tenant"] {
+        assert!(
+            !fields.lines().any(|f| f.trim() == repeated),
+            "{repeated} is not kept: {fields}"
+        );
+    }
+    let bytes = memory_usage(&redis, record) + memory_usage(&redis, &response);
+    assert!(bytes > 0 && bytes <= 1024, "{bytes} bytes for one record");
+
+    let replay = send(&client(), order(gateway.addr, "order-1")).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay.headers.get(header::LOCATION),
+        first.headers.get(header::LOCATION)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A record in the layout written before the compact one (every time in
+/// its own field, the tenant as text, the response inline) is replayed
+/// byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_the_older_layout_still_replay() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = TestServer::start(upstream(Arc::clone(&runs))).await;
+    let gateway = start_gateway(&server, &["--store", &redis.url()]).await;
+    let first = send(&client(), order(gateway.addr, "order-old")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let record = record_keys(&redis).pop().expect("one record");
+    let response = format!("{record}:r");
+
+    // Rewrite it as the older scripts wrote it.
+    let mut conn = redis::Client::open(redis.url())
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    let field = async |conn: &mut redis::aio::MultiplexedConnection, name: &str| -> Vec<u8> {
+        redis::cmd("HGET")
+            .arg(&record)
+            .arg(name)
+            .query_async(conn)
+            .await
+            .expect("HGET")
+    };
+    let raw: Vec<u8> = redis::cmd("GET")
+        .arg(&response)
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    let split: usize = String::from_utf8_lossy(&field(&mut conn, "split").await)
+        .parse()
+        .expect("split");
+    let (headers, body) = raw.split_at(split);
+    let tenant_bin = field(&mut conn, "tenant_bin").await;
+    let (prefix, hash) = tenant_bin.split_at(tenant_bin.len() - 32);
+    let tenant = format!("{}{}", String::from_utf8_lossy(prefix), hex::encode(hash));
+    assert_eq!(tenant.len(), 69, "the gateway's tenant is a hash: {tenant}");
+    let ended = field(&mut conn, "cur_end").await;
+    let started = field(&mut conn, "cur_start").await;
+    let _: () = redis::pipe()
+        .cmd("HDEL")
+        .arg(&record)
+        .arg("split")
+        .arg("tenant_bin")
+        .ignore()
+        .cmd("DEL")
+        .arg(&response)
+        .ignore()
+        .cmd("HSET")
+        .arg(&record)
+        .arg("tenant")
+        .arg(&tenant)
+        .arg("headers")
+        .arg(headers)
+        .arg("body")
+        .arg(body)
+        .arg("created")
+        .arg(&started)
+        .arg("updated")
+        .arg(&ended)
+        .arg("completed")
+        .arg(&ended)
+        .arg("cur_status")
+        .arg("201")
+        .ignore()
+        .query_async(&mut conn)
+        .await
+        .expect("older layout");
+    assert_eq!(
+        redis.cli(&["OBJECT", "ENCODING", &record]).trim(),
+        "hashtable"
+    );
+
+    let replay = send(&client(), order(gateway.addr, "order-old")).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay.headers.get(header::LOCATION),
+        first.headers.get(header::LOCATION)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
