@@ -18,7 +18,7 @@ use idem_core::{
     Completion, Current, LateEvidence, Reservation, ReserveRequest, Store,
     conformance::{fingerprint, fresh_scope, response},
 };
-use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_layer::{IdempotencyLayer, InFlight, TenantFromHeader};
 use idem_redis::RedisStore;
 use idem_tests::redis_server::RedisServer;
 use tokio::sync::Semaphore;
@@ -32,13 +32,18 @@ struct App {
 }
 
 fn app(store: RedisStore) -> App {
+    app_with(store, InFlight::Reject)
+}
+
+fn app_with(store: RedisStore, in_flight: InFlight) -> App {
     let runs = Arc::new(AtomicUsize::new(0));
     let gate = Arc::new(Semaphore::new(0));
     let layer = IdempotencyLayer::new(store)
         .tenant(TenantFromHeader::new(http::HeaderName::from_static(
             "x-tenant-id",
         )))
-        .store_timeout(Duration::from_millis(300));
+        .store_timeout(Duration::from_millis(300))
+        .in_flight(in_flight);
     let (r1, r2, g) = (Arc::clone(&runs), Arc::clone(&runs), Arc::clone(&gate));
     let router = Router::new()
         .route(
@@ -111,6 +116,9 @@ const INSIDE_SCRIPTS: &[&str] = &[
     "del",
     "hexists",
     "hgetall",
+    "publish",
+    "set",
+    "get",
 ];
 
 /// Client round trips since `before` (every command but INFO and those run
@@ -128,6 +136,92 @@ fn round_trips_since(
         .map(|name| delta(name))
         .sum();
     (total, delta("evalsha"))
+}
+
+/// Waits (at most 30 s) until `ready` holds.
+async fn until(what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A duplicate waiting for a running request costs Redis no command while
+/// it waits: it subscribes to the record's channel, reads its state once,
+/// and is woken by the completing script's notification. (Polling every
+/// 25 ms would spend about twenty reservations in the half second the
+/// test watches.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_spends_no_commands_while_it_waits() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::from_url(&server.url()).expect("store");
+    let app = app_with(store, InFlight::Wait(Duration::from_secs(60)));
+    // Loads the scripts, so that no NOSCRIPT retry is counted below.
+    assert_eq!(
+        call(&app.router, "/orders", "warm-up", "{}").await.status,
+        StatusCode::CREATED
+    );
+    app.runs.store(0, Ordering::SeqCst);
+    let router = app.router.clone();
+    let first = tokio::spawn(async move { call(&router, "/slow", "waited-on", "{}").await });
+    until("the first request to run", || {
+        app.runs.load(Ordering::SeqCst) == 1
+    })
+    .await;
+
+    let before = server.command_stats();
+    let router = app.router.clone();
+    let second = tokio::spawn(async move { call(&router, "/slow", "waited-on", "{}").await });
+    until("the duplicate to subscribe", || {
+        !server
+            .cli(&["PUBSUB", "CHANNELS", "idem:*"])
+            .trim()
+            .is_empty()
+    })
+    .await;
+    let waiting = server.command_stats();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = server.command_stats();
+    let delta =
+        |a: &std::collections::HashMap<String, (u64, f64)>,
+         b: &std::collections::HashMap<String, (u64, f64)>,
+         name: &str| { b.get(name).map_or(0, |v| v.0) - a.get(name).map_or(0, |v| v.0) };
+    assert_eq!(
+        delta(&waiting, &after, "evalsha"),
+        0,
+        "no reservation while waiting"
+    );
+    assert!(
+        delta(&waiting, &after, "hget") <= 1,
+        "one state read at most"
+    );
+
+    app.gate.add_permits(1);
+    let first = first.await.expect("first");
+    let second = second.await.expect("second");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(second.replayed);
+    assert_eq!(second.body, first.body);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    // The duplicate's whole wait: its reservation, one read, its
+    // reservation after the wake-up; plus the first request's completion.
+    let end = server.command_stats();
+    assert!(
+        delta(&before, &end, "evalsha") <= 3,
+        "{} reservations",
+        delta(&before, &end, "evalsha")
+    );
+    until("the channel to be unsubscribed", || {
+        server
+            .cli(&["PUBSUB", "CHANNELS", "idem:*"])
+            .trim()
+            .is_empty()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

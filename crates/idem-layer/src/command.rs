@@ -294,7 +294,8 @@ impl<S: Store> IdempotencyLayer<S> {
                 Reservation::InProgress { retry_after } => {
                     let now = tokio::time::Instant::now();
                     if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
-                        store.changed(request.scope.hash(), deadline - now).await;
+                        let bound = crate::runtime::wait_bound(deadline - now, retry_after);
+                        store.changed(request.scope.hash(), bound).await;
                         continue;
                     }
                     m::count(Counted::InProgress);

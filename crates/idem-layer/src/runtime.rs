@@ -21,6 +21,13 @@ pub(crate) fn deadline_after(bound: Duration) -> tokio::time::Instant {
         .unwrap_or_else(|| now + crate::MAX_DURATION)
 }
 
+/// How long a waiting duplicate waits for the record to change: until its
+/// own deadline, and no longer than the holder's lease has left (a lapsed
+/// lease publishes nothing; the next reservation takes it over).
+pub(crate) fn wait_bound(deadline_left: Duration, lease_left: Duration) -> Duration {
+    deadline_left.min(lease_left.max(Duration::from_millis(1)))
+}
+
 /// Runs a store call under the configured timeout and records its latency.
 pub(crate) async fn store_call<T>(
     config: &Config,

@@ -25,7 +25,7 @@ use crate::{
     metrics::{self as m, Outcome as Counted},
     normalize_path,
     problem::{ProblemCode, problem},
-    runtime::{deadline_after, operation_name, store_call, store_unavailable},
+    runtime::{deadline_after, operation_name, store_call, store_unavailable, wait_bound},
 };
 
 /// The service produced by [`IdempotencyLayer`].
@@ -332,7 +332,10 @@ where
                         let now = tokio::time::Instant::now();
                         if now < deadline {
                             store
-                                .changed(self.reserve.scope.hash(), deadline - now)
+                                .changed(
+                                    self.reserve.scope.hash(),
+                                    wait_bound(deadline - now, retry_after),
+                                )
                                 .await;
                             continue;
                         }

@@ -99,6 +99,7 @@ impl RedisStoreBuilder {
             (None, Some(nodes)) => Some(("rediss", nodes)),
             (None, None) => None,
         };
+        let single = cluster.is_none();
         let pool = if let Some((scheme, nodes)) = cluster {
             if self.wait_replicas.is_some() {
                 return Err(invalid(
@@ -144,6 +145,7 @@ impl RedisStoreBuilder {
             prefix: self.prefix,
             timeout: self.timeout,
             wait_replicas: self.wait_replicas,
+            watch: crate::watch::Watch::new(single.then_some(self.url.as_str())),
         })
     }
 }

@@ -240,6 +240,8 @@ pub(crate) struct Abandon {
     pub(crate) key: String,
     pub(crate) attempt: String,
     pub(crate) token: String,
+    /// The script's notify argument.
+    pub(crate) notify: &'static str,
     pub(crate) conn: Option<Conn>,
     pub(crate) within: Duration,
 }
@@ -252,18 +254,19 @@ impl Drop for Abandon {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (script, key, attempt, token, within) = (
+        let (script, key, attempt, token, notify, within) = (
             self.script.clone(),
             std::mem::take(&mut self.key),
             std::mem::take(&mut self.attempt),
             std::mem::take(&mut self.token),
+            self.notify,
             self.within,
         );
         runtime.spawn(async move {
             let abandon = async {
                 loop {
                     let mut invocation = script.prepare_invoke();
-                    invocation.key(&key).arg(&attempt).arg(&token);
+                    invocation.key(&key).arg(&attempt).arg(&token).arg(notify);
                     let sent: redis::RedisResult<Value> = match &mut conn {
                         Conn::Single(c) => invocation.invoke_async(c).await,
                         Conn::Cluster(c) => invocation.invoke_async(c).await,

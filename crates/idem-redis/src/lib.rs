@@ -76,6 +76,7 @@ mod connection;
 mod decode;
 mod limits;
 mod scripts;
+mod watch;
 
 pub use builder::{BuildError, RedisStoreBuilder};
 use cluster::scope_from_hex;
@@ -97,6 +98,8 @@ pub struct RedisStore {
     prefix: String,
     timeout: Duration,
     wait_replicas: Option<(usize, Duration)>,
+    /// Waiting duplicates woken by the scripts' notifications.
+    watch: std::sync::Arc<watch::Watch>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -142,6 +145,12 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             wait_replicas: None,
         }
+    }
+
+    /// The scripts' notify argument: `"1"` when they publish to waiters
+    /// (see `watch.rs`).
+    fn notify(&self) -> &'static str {
+        if self.watch.publishes() { "1" } else { "0" }
     }
 
     /// The Redis key of a scope's record: the scope hash inside a hash tag.
@@ -271,6 +280,7 @@ impl Store for RedisStore {
             key: self.record_key(scope),
             attempt: attempt.to_string(),
             token: token.0.to_string(),
+            notify: self.notify(),
             conn: None,
             within: request.lease,
         };
@@ -331,6 +341,7 @@ impl Store for RedisStore {
                 invocation.arg("0").arg("").arg("");
             }
         }
+        invocation.arg(self.notify());
         let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
         let reply = items(reply)?;
         if reply.first().map(text).transpose()?.as_deref() == Some("recorded") {
@@ -350,7 +361,7 @@ impl Store for RedisStore {
         let mut invocation = self.scripts.release.prepare_invoke();
         invocation.key(self.record_key(&lease.scope));
         lease_args(&mut invocation, lease);
-        invocation.arg(lease.attempt.to_string());
+        invocation.arg(lease.attempt.to_string()).arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
         if reply.first().map(text).transpose()?.as_deref() == Some("released") {
             return Ok(Release::Released);
@@ -363,7 +374,8 @@ impl Store for RedisStore {
         // The id lets a retried call recognise its own earlier cancel.
         invocation
             .key(self.record_key(scope))
-            .arg(uuid::Uuid::new_v4().to_string());
+            .arg(uuid::Uuid::new_v4().to_string())
+            .arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
         let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
         let record = || match reply.get(1) {
@@ -408,7 +420,7 @@ impl Store for RedisStore {
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
         let mut invocation = self.scripts.force_release.prepare_invoke();
-        invocation.key(self.record_key(scope));
+        invocation.key(self.record_key(scope)).arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
         let Some((kind, pairs)) = reply.split_first() else {
             return Err(corrupt("empty force-release reply"));
@@ -418,6 +430,21 @@ impl Store for RedisStore {
             "not_processing" => ForceRelease::NotProcessing(decode_record(*scope, pairs)?),
             _ => ForceRelease::NotFound,
         })
+    }
+
+    /// Waits for the record's notification (see the crate docs on
+    /// waiting); polls on a cluster.
+    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
+        if !self.watch.publishes() {
+            tokio::time::sleep(timeout.min(Duration::from_millis(25))).await;
+            return;
+        }
+        let key = self.record_key(scope);
+        let channel = format!("{key}:c");
+        let mut read = redis::cmd("HGET");
+        read.arg(&key).arg("state");
+        let state = async { self.command::<Option<String>>(read).await.ok().flatten() };
+        self.watch.changed(&channel, timeout, state).await;
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {

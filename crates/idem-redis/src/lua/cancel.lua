@@ -1,4 +1,5 @@
--- ARGV: the cancel request's id (the same when a call is retried).
+-- ARGV: the cancel request's id (the same when a call is retried), notify
+-- ('1' to publish).
 -- Answers which side won and the record after it, as HGETALL pairs.
 local state, expires, retention_ms, outcome, cancel_id = unpack(redis.call('HMGET', record,
   'state', 'expires', 'retention_ms', 'cur_outcome', 'cancel_id'))
@@ -23,4 +24,5 @@ if outcome == 'running' then
   redis.call('HSET', record, 'cur_outcome', 'cancelled', 'cur_end', now)
 end
 redis.call('PEXPIREAT', record, until_ms)
+notify(ARGV[2])
 return {'cancelled', all_fields()}

@@ -76,6 +76,14 @@ local function all_fields()
   return fields
 end
 
+-- Wakes the record's waiting duplicates (see watch.rs) when `flag`, the
+-- script's notify argument, is '1'.
+local function notify(flag)
+  if flag == '1' then
+    redis.call('PUBLISH', record .. ':c', '1')
+  end
+end
+
 -- Helpers for the rare paths (a fenced write, a duplicate, a second
 -- attempt), built only when one is taken: creating closures on every call
 -- would cost the hot paths.

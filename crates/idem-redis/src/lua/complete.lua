@@ -1,5 +1,5 @@
 -- ARGV: generation, owner token, attempt id, status, stored ('1' or '0'),
---       encoded headers, body
+--       encoded headers, body, notify ('1' to publish)
 local status = ARGV[4]
 local state, expires, gen, owner =
   unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
@@ -27,4 +27,5 @@ else
   redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
     'split', #headers, 'owner', '', 'cur_end', now, 'cur_outcome', 'completed')
 end
+notify(ARGV[8])
 return {'recorded'}

@@ -1,4 +1,4 @@
--- No ARGV. Releases a processing record whatever its lease (an operator
+-- ARGV: notify ('1' to publish). Releases a processing record whatever its lease (an operator
 -- freeing a stuck key); the attempt ends as released by an operator.
 -- Answers the kind ('released', 'not_processing' or 'not_found') followed
 -- by the record as HGETALL pairs.
@@ -11,6 +11,7 @@ if state == 'processing' then
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
     'cur_outcome', 'released_by_operator')
   kind = 'released'
+  notify(ARGV[1])
 end
 local pairs = all_fields()
 table.insert(pairs, 1, kind)

@@ -1,4 +1,4 @@
--- ARGV: generation, owner token, attempt id
+-- ARGV: generation, owner token, attempt id, notify ('1' to publish)
 local state, expires, gen, owner =
   unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
 if not live(state, expires) then
@@ -16,4 +16,5 @@ if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
 end
 redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
   'cur_outcome', 'released')
+notify(ARGV[4])
 return {'released'}
