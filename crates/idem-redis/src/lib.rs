@@ -8,8 +8,27 @@
 //!   lease generation and owner token inside the script.
 //! * **One hash per scope.** The record lives in one Redis hash under
 //!   `{prefix}{<scope hash>}`: the SHA-256 scope hash inside a hash tag, so
-//!   every key a script touches is in one cluster slot. Response bodies and
-//!   headers are stored as binary-safe bulk strings.
+//!   every key a script touches is in one cluster slot. Every value of a
+//!   typical record fits Redis' compact hash encoding (64 bytes at the
+//!   default `hash-max-listpack-value`): a hashed tenant (`auth:` and 64
+//!   hex digits) is kept as its prefix and 32 bytes, times that other
+//!   fields imply are not repeated, and a response whose headers or body
+//!   exceed 64 bytes is kept, binary-safe, in a string key of its own
+//!   beside the hash (`{prefix}{<scope hash>}:r`, same slot, same expiry).
+//!   A gateway-shaped record with a 100-byte response takes about 850
+//!   bytes of Redis memory. Records written by earlier versions (every
+//!   field, the response inline) are read and replayed as they are. A key
+//!   or a tenant longer than 64 bytes still works; its record is kept in
+//!   Redis' larger hash encoding.
+//! * **Waiting without polling.** With
+//!   the layer's `InFlight::Wait` a duplicate waits for
+//!   the running request's outcome. On a single node, the scripts that
+//!   take a record out of `processing` publish on the record's channel
+//!   (`…:c`); a waiter subscribes on the store's one subscriber connection,
+//!   reads the record's state once (so an outcome that came first is not
+//!   missed), and then costs Redis nothing until the notification wakes it.
+//!   On a cluster (where `PUBLISH` travels to every node), or when the
+//!   subscriber connection cannot be had, waiters poll every 25 ms.
 //! * **Server time.** Leases and retention are measured with Redis `TIME`
 //!   inside the scripts, never the web server's clock; records expire with
 //!   `PEXPIREAT`.
@@ -46,7 +65,7 @@
 //! policy, `volatile-*` included, can evict live records under memory
 //! pressure. [`RedisStore::server_safety`] reads both from `INFO`; the
 //! gateway refuses an evicting policy unless told otherwise and warns
-//! without AOF. A record takes about 2 KB.
+//! without AOF. A record takes about 600 to 900 bytes (see above).
 //!
 //! # Replication
 //!
