@@ -67,6 +67,16 @@ impl fmt::Debug for Scope {
     }
 }
 
+/// Appends the lower-case hex of `bytes` to `out`.
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    }
+}
+
 /// SHA-256 of a scope's three parts, each length-prefixed, so that no key can
 /// collide with or reach into another tenant's records or the store's key
 /// syntax.
@@ -97,7 +107,14 @@ impl ScopeHash {
 
     /// Lower-case hex, 64 characters.
     pub fn to_hex(&self) -> String {
-        hex::encode(self.0)
+        let mut out = String::with_capacity(64);
+        push_hex(&mut out, &self.0);
+        out
+    }
+
+    /// Appends the lower-case hex (64 characters) to `out`.
+    pub fn write_hex(&self, out: &mut String) {
+        push_hex(out, &self.0);
     }
 }
 
@@ -131,7 +148,9 @@ impl Fingerprint {
 
     /// Lower-case hex, 64 characters.
     pub fn to_hex(&self) -> String {
-        hex::encode(self.0)
+        let mut out = String::with_capacity(64);
+        push_hex(&mut out, &self.0);
+        out
     }
 
     /// Parses 64 hex characters.
@@ -151,5 +170,24 @@ impl fmt::Debug for Fingerprint {
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.to_hex())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_is_lower_case_and_complete() {
+        let bytes: [u8; 32] = std::array::from_fn(|i| (i as u8).wrapping_mul(37).wrapping_add(5));
+        assert_eq!(ScopeHash::from_bytes(bytes).to_hex(), hex::encode(bytes));
+        assert_eq!(Fingerprint::from_bytes(bytes).to_hex(), hex::encode(bytes));
+        let mut out = "prefix:".to_owned();
+        ScopeHash::from_bytes([0xff; 32]).write_hex(&mut out);
+        assert_eq!(out, format!("prefix:{}", "ff".repeat(32)));
+        assert_eq!(
+            Fingerprint::from_hex(&Fingerprint::from_bytes(bytes).to_hex()),
+            Some(Fingerprint::from_bytes(bytes))
+        );
     }
 }

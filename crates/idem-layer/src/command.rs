@@ -295,7 +295,7 @@ impl<S: Store> IdempotencyLayer<S> {
                     let now = tokio::time::Instant::now();
                     if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
                         let bound = crate::runtime::wait_bound(deadline - now, retry_after);
-                        store.changed(request.scope.hash(), bound).await;
+                        crate::runtime::wait_for_change(store, request.scope.hash(), bound).await;
                         continue;
                     }
                     m::count(Counted::InProgress);

@@ -29,18 +29,40 @@ pub(crate) fn wait_bound(deadline_left: Duration, lease_left: Duration) -> Durat
 }
 
 /// Runs a store call under the configured timeout and records its latency.
-pub(crate) async fn store_call<T>(
-    config: &Config,
+///
+/// The store's future is boxed at once: a store's futures can be large
+/// (a Redis call holds its script invocation, connection and guards), and
+/// kept inline they would make every future of the request path that
+/// awaits one as large, to be copied whole wherever it moves (into the
+/// boxed service future, into a task).
+pub(crate) fn store_call<'a, T: 'a>(
+    config: &'a Config,
     op: &'static str,
-    call: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let started = std::time::Instant::now();
-    let result = match tokio::time::timeout(config.store_timeout, call).await {
-        Ok(result) => result,
-        Err(_) => Err(StoreError::Timeout(config.store_timeout)),
-    };
-    m::store_latency(op, started.elapsed());
-    result
+    call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
+) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
+    let call: std::pin::Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>> =
+        Box::pin(call);
+    async move {
+        let started = std::time::Instant::now();
+        let result = match tokio::time::timeout(config.store_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(config.store_timeout)),
+        };
+        m::store_latency(op, started.elapsed());
+        result
+    }
+}
+
+/// [`Store::changed`](idem_core::Store::changed), boxed for the reason
+/// [`store_call`] boxes.
+pub(crate) async fn wait_for_change<S: idem_core::Store>(
+    store: &S,
+    scope: &idem_core::ScopeHash,
+    bound: Duration,
+) {
+    let wait: std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>> =
+        Box::pin(store.changed(scope, bound));
+    wait.await;
 }
 
 pub(crate) fn store_unavailable<B>(error: &StoreError) -> Response<ResponseBody<B>> {

@@ -25,7 +25,9 @@ use crate::{
     metrics::{self as m, Outcome as Counted},
     normalize_path,
     problem::{ProblemCode, problem},
-    runtime::{deadline_after, operation_name, store_call, store_unavailable, wait_bound},
+    runtime::{
+        deadline_after, operation_name, store_call, store_unavailable, wait_bound, wait_for_change,
+    },
 };
 
 /// The service produced by [`IdempotencyLayer`].
@@ -331,12 +333,8 @@ where
                     if let Some(deadline) = deadline {
                         let now = tokio::time::Instant::now();
                         if now < deadline {
-                            store
-                                .changed(
-                                    self.reserve.scope.hash(),
-                                    wait_bound(deadline - now, retry_after),
-                                )
-                                .await;
+                            let bound = wait_bound(deadline - now, retry_after);
+                            wait_for_change(&*store, self.reserve.scope.hash(), bound).await;
                             continue;
                         }
                     }

@@ -174,7 +174,12 @@ impl RedisStore {
 
     /// The Redis key of a scope's record: the scope hash inside a hash tag.
     pub fn record_key(&self, scope: &ScopeHash) -> String {
-        format!("{}{{{}}}", self.prefix, scope.to_hex())
+        let mut key = String::with_capacity(self.prefix.len() + 66);
+        key.push_str(&self.prefix);
+        key.push('{');
+        scope.write_hex(&mut key);
+        key.push('}');
+        key
     }
 
     /// Checks that the server answers (`PING`), within the timeout.
@@ -276,9 +281,10 @@ impl Store for RedisStore {
         let scope = request.scope.hash();
         let attempt = AttemptId::new();
         let token = OwnerToken::new();
+        let key = self.record_key(scope);
         let mut invocation = self.scripts.reserve.prepare_invoke();
         invocation
-            .key(self.record_key(scope))
+            .key(&key)
             .arg(request.fingerprint.to_hex())
             .arg(attempt.to_string())
             .arg(token.0.to_string())
@@ -296,7 +302,7 @@ impl Store for RedisStore {
         // reservation by its owner token once the server answers.
         let mut guard = Abandon {
             script: self.scripts.abandon.clone(),
-            key: self.record_key(scope),
+            key,
             attempt: attempt.to_string(),
             token: token.0.to_string(),
             notify: self.notify(),

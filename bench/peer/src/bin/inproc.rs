@@ -3,7 +3,9 @@
 //! that does not move with the machine's load.
 //!
 //! usage: inproc MODE N [new|replay]
-//!   MODE: bare | memory (crates.io `idempotent`) | idem-memory
+//!   MODE: bare | memory (crates.io `idempotent`) | idem-memory | redis | idem-redis
+//!   (the Redis modes take the server from REDIS_URL; only this process's
+//!   instructions are counted, not Redis's)
 //!   new:    a fresh Idempotency-Key per request (reserve, run, complete)
 //!   replay: one key, first request executes, the rest replay
 //!
@@ -38,6 +40,24 @@ fn main() {
                 let store = idempotent::memory::MemoryStore::builder().try_build().unwrap();
                 router.layer(idempotent::middleware::IdempotencyLayer::new(store).require_key(true))
             }
+            "redis" => {
+                let url = std::env::var("REDIS_URL").expect("REDIS_URL");
+                let store = idempotent::valkey::ValkeyStore::with_url(url)
+                    .prefix("peerbench")
+                    .try_build()
+                    .await
+                    .unwrap();
+                router.layer(idempotent::middleware::IdempotencyLayer::new(store).require_key(true))
+            }
+            "idem-redis" => {
+                let url = std::env::var("REDIS_URL").expect("REDIS_URL");
+                let store = idem_redis::RedisStore::from_url(&url).unwrap();
+                router.layer(
+                    idem_layer::IdempotencyLayer::new(store)
+                        .tenant(idem_layer::TenantFromAuthorization)
+                        .require_key(true),
+                )
+            }
             "idem-memory" => router.layer(
                 idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                     .tenant(idem_layer::TenantFromAuthorization)
@@ -47,8 +67,14 @@ fn main() {
         };
         let body = r#"{"amount":100,"currency":"eur","items":[1,2,3]}"#;
         let mut ok = 0usize;
+        // Keys unique to this run, so a Redis that outlives it holds none of them.
+        let run = std::process::id();
         for i in 0..n {
-            let key = if replay { "replay-key".to_owned() } else { format!("key-{i}") };
+            let key = if replay {
+                format!("replay-key-{run}")
+            } else {
+                format!("key-{run}-{i}")
+            };
             let req = Request::post("/orders")
                 .header(header::CONTENT_TYPE, "application/json")
                 .header(header::AUTHORIZATION, "Bearer bench")

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# What a record costs, through the gateway, as the store fills:
+#
+#   bench/records.sh [records] [memory|redis] [expiring]
+#
+# Two idem-gateway processes in front of one bare axum-orders upstream,
+# identical but for `--methods PUT` on the second (so POST passes straight
+# through the same proxy). wrk sends fresh-key POSTs to each for the same
+# time, in 10-second steps until the store holds `records`; after each step
+# the script prints the records held, the protected gateway's RSS growth
+# beside the unprotected one's, and bytes per record: (protected growth -
+# unprotected growth) / records. With
+# `redis`, a private redis-server's `used_memory` growth per record too.
+#
+# Then expiry (`expiring` records, default 200000): a protected gateway with
+# a 20 s retention is filled, a steady round measures p99 while nothing has
+# expired, the records are left to expire, and a round of the same length
+# measures p99 while the store removes them. Sleeps are part of the bench
+# (waiting for records to expire), never of the tests.
+#
+# Needs wrk (Debian: apt-get install wrk). Traffic stays on 127.0.0.1.
+set -euo pipefail
+records=${1:-1000000}
+store=${2:-memory}
+expiring=${3:-200000}
+cd "$(dirname "$0")/.."
+command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
+cargo build --release -q -p axum-orders -p idem-gateway
+bin=target/release/axum-orders
+gateway=target/release/idem-gateway
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$1/orders/0" && return 0; sleep 0.05; done; echo "port $1 did not open" >&2; exit 1; }
+rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
+
+store_url=memory
+redis_port=
+if [ "$store" = redis ]; then
+  redis_port=$(free_port)
+  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
+    --dir "$work" --logfile "$work/redis.log" &
+  for _ in $(seq 50); do redis-cli -p "$redis_port" ping 2>/dev/null | grep -q PONG && break; sleep 0.1; done
+  store_url="redis://127.0.0.1:$redis_port"
+fi
+used_memory() { redis-cli -p "$redis_port" info memory | tr -d '\r' | awk -F: '/^used_memory:/ {print $2}'; }
+
+up=$(free_port); protected=$(free_port); bare=$(free_port)
+IDEM_LISTEN=127.0.0.1:$up IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+memory_flags=(--memory-capacity $((records * 2)) --memory-tenant-quota 0 --memory-max-bytes 16GiB)
+RUST_LOG=warn "$gateway" --listen 127.0.0.1:$protected --upstream http://127.0.0.1:$up \
+  --store "$store_url" "${memory_flags[@]}" --tenant-secret bench-secret-of-32-bytes-or-more-0001 \
+  >"$work/protected.log" 2>&1 & protected_pid=$!
+RUST_LOG=warn "$gateway" --listen 127.0.0.1:$bare --upstream http://127.0.0.1:$up \
+  --methods PUT >"$work/bare.log" 2>&1 & bare_pid=$!
+wait_port "$up"; wait_port "$protected"; wait_port "$bare"
+
+# Fresh-key POSTs over 64 connections for a while; prints
+# "requests rps p99ms errors".
+cat >"$work/post.lua" <<'LUA'
+local counter, prefix = 0, ""
+local threads, started = {}, os.time() .. "-" .. math.random(1e9)
+function setup(thread)
+  table.insert(threads, thread)
+  thread:set("id", #threads)
+end
+function init(args)
+  prefix = started .. "-" .. id .. "-" .. args[1]
+end
+function request()
+  counter = counter + 1
+  return wrk.format("POST", "/orders", {
+    ["Content-Type"] = "application/json",
+    ["Authorization"] = "Bearer records-bench",
+    ["Idempotency-Key"] = prefix .. "-" .. counter,
+  }, '{"sku":"book-42","qty":1,"note":"records bench"}')
+end
+function done(summary, latency, requests)
+  local errors = summary.errors.status + summary.errors.connect + summary.errors.read
+    + summary.errors.write + summary.errors.timeout
+  io.write(string.format("RESULT %d %.0f %.3f %d\n", summary.requests - errors,
+    summary.requests / (summary.duration / 1e6), latency:percentile(99) / 1000, errors))
+end
+LUA
+send() { # port seconds tag -> "answered rps p99 errors"
+  wrk -t2 -c64 -d"$2s" --latency -s "$work/post.lua" "http://127.0.0.1:$1" -- "$3" |
+    awk '/^RESULT/ {print $2, $3, $4, $5}'
+}
+
+echo "== bytes per record through the gateway, $store store"
+printf '%10s %14s %14s %12s %10s %10s\n' records protected_MB unprotected_MB bytes/record p99_ms redis_B/rec
+p0=$(rss_kb $protected_pid); b0=$(rss_kb $bare_pid); m0=0
+[ -n "$redis_port" ] && m0=$(used_memory)
+held=0
+step=0
+while [ "$held" -lt "$records" ]; do
+  step=$((step + 1))
+  read -r answered _ p99 errors < <(send "$protected" 10 "p$step")
+  send "$bare" 10 "b$step" >/dev/null
+  held=$((held + answered))
+  p=$(rss_kb $protected_pid); b=$(rss_kb $bare_pid)
+  per=$(( ((p - p0) - (b - b0)) * 1024 / held ))
+  redis_per=-
+  [ -n "$redis_port" ] && redis_per=$(( ($(used_memory) - m0) / held ))
+  printf '%10d %14.1f %14.1f %12d %10s %10s\n' "$held" "$(echo "$p / 1024" | bc -l)" \
+    "$(echo "$b / 1024" | bc -l)" "$per" "$p99" "$redis_per"
+  [ "$errors" = 0 ] || echo "  $errors errors in this step" >&2
+done
+kill "$protected_pid" "$bare_pid"; wait "$protected_pid" "$bare_pid" 2>/dev/null || true
+[ -n "$redis_port" ] && redis-cli -p "$redis_port" flushall >/dev/null
+
+echo "== p99 while $expiring expired records are removed, $store store"
+protected=$(free_port)
+RUST_LOG=warn "$gateway" --listen 127.0.0.1:$protected --upstream http://127.0.0.1:$up \
+  --store "$store_url" --retention 20s --lease 5s "${memory_flags[@]}" \
+  --tenant-secret bench-secret-of-32-bytes-or-more-0001 >"$work/expiring.log" 2>&1 & protected_pid=$!
+wait_port "$protected"
+started=$(date +%s)
+filled=0
+while [ "$filled" -lt "$expiring" ]; do
+  read -r answered _ < <(send "$protected" 2 "fill$filled")
+  filled=$((filled + answered))
+done
+read -r _ srps sp99 _ < <(send "$protected" 5 steady)
+# Wait until every filled record has expired (retention 20 s from its reservation).
+sleep $(( 22 - ($(date +%s) - started) > 0 ? 22 - ($(date +%s) - started) : 0 ))
+sleep 6  # the steady round's records too
+read -r _ erps ep99 _ < <(send "$protected" 5 expiring)
+read -r _ arps ap99 _ < <(send "$protected" 5 after)
+printf '%-26s %10s %10s\n' round req/s p99_ms
+printf '%-26s %10s %10s\n' "steady (nothing expired)" "$srps" "$sp99"
+printf '%-26s %10s %10s\n' "while $filled expire" "$erps" "$ep99"
+printf '%-26s %10s %10s\n' "after" "$arps" "$ap99"
+echo "p99 while expiring / steady: $(echo "$ep99 / $sp99" | bc -l | cut -c1-5)"
