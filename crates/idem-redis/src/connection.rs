@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::{RedisStore, millis, unavailable};
 
 use idem_core::StoreError;
-use redis::{Script, ScriptInvocation, Value};
+use redis::{ErrorKind, Script, ServerErrorKind, ToRedisArgs, Value};
 
 pub(crate) enum Pool {
     Single(deadpool_redis::Pool),
@@ -19,6 +19,55 @@ pub(crate) enum Pool {
 pub(crate) enum Conn {
     Single(redis::aio::MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// A script call, written as one `EVALSHA` command straight into the
+/// command's buffer (redis-rs' `ScriptInvocation` keeps every key and
+/// argument in an allocation of its own and copies them into the command
+/// on each call). The script is loaded and the call repeated after
+/// `NOSCRIPT` (a restarted server, `SCRIPT FLUSH`).
+pub(crate) struct Invocation<'s> {
+    script: &'s Script,
+    cmd: redis::Cmd,
+}
+
+impl<'s> Invocation<'s> {
+    /// A call of `script` on `keys`; arguments follow with [`arg`](Self::arg).
+    pub(crate) fn new(script: &'s Script, keys: &[&str]) -> Self {
+        let mut cmd = redis::Cmd::with_capacity(16, 256);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+        for key in keys {
+            cmd.arg(*key);
+        }
+        Self { script, cmd }
+    }
+
+    /// Appends an argument.
+    pub(crate) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
+        self.cmd.arg(arg);
+        self
+    }
+
+    /// Runs the call on `conn`.
+    pub(crate) async fn invoke(&self, conn: &mut Conn) -> redis::RedisResult<Value> {
+        match self.query(conn).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                match conn {
+                    Conn::Single(c) => self.script.load_async(c).await?,
+                    Conn::Cluster(c) => self.script.load_async(c).await?,
+                };
+                self.query(conn).await
+            }
+            other => other,
+        }
+    }
+
+    async fn query(&self, conn: &mut Conn) -> redis::RedisResult<Value> {
+        match conn {
+            Conn::Single(c) => self.cmd.query_async(c).await,
+            Conn::Cluster(c) => self.cmd.query_async(c).await,
+        }
+    }
 }
 
 /// One lane: its connection, and since when its calls have failed.
@@ -139,7 +188,7 @@ impl RedisStore {
     /// answers as the first time did.
     pub(crate) async fn run(
         &self,
-        invocation: ScriptInvocation<'_>,
+        invocation: Invocation<'_>,
         wait: bool,
     ) -> Result<(Value, Option<usize>), StoreError> {
         self.run_on(invocation, wait, &mut None).await
@@ -149,7 +198,7 @@ impl RedisStore {
     /// last sent on (as soon as it is sent).
     pub(crate) async fn run_on(
         &self,
-        invocation: ScriptInvocation<'_>,
+        invocation: Invocation<'_>,
         wait: bool,
         used: &mut Option<Conn>,
     ) -> Result<(Value, Option<usize>), StoreError> {
@@ -200,14 +249,11 @@ impl RedisStore {
 
     pub(crate) async fn invoke(
         &self,
-        invocation: &ScriptInvocation<'_>,
+        invocation: &Invocation<'_>,
         conn: &mut Conn,
         wait: bool,
     ) -> redis::RedisResult<(Value, Option<usize>)> {
-        let value: Value = match conn {
-            Conn::Single(c) => invocation.invoke_async(c).await?,
-            Conn::Cluster(c) => invocation.invoke_async(c).await?,
-        };
+        let value = invocation.invoke(conn).await?;
         let acked = match (wait, self.wait_replicas, conn) {
             (true, Some((replicas, timeout)), Conn::Single(c)) => Some(
                 redis::cmd("WAIT")
@@ -265,12 +311,9 @@ impl Drop for Abandon {
         runtime.spawn(async move {
             let abandon = async {
                 loop {
-                    let mut invocation = script.prepare_invoke();
-                    invocation.key(&key).arg(&attempt).arg(&token).arg(notify);
-                    let sent: redis::RedisResult<Value> = match &mut conn {
-                        Conn::Single(c) => invocation.invoke_async(c).await,
-                        Conn::Cluster(c) => invocation.invoke_async(c).await,
-                    };
+                    let mut invocation = Invocation::new(&script, &[&key]);
+                    invocation.arg(&attempt).arg(&token).arg(notify);
+                    let sent = invocation.invoke(&mut conn).await;
                     match sent {
                         Ok(_) => return,
                         Err(error) => {

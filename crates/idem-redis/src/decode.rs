@@ -9,7 +9,9 @@ use idem_core::{
     Attempt, AttemptId, AttemptOutcome, Current, Fingerprint, LateEvidence, Lease, Outcome,
     OwnerToken, Record, RecordState, Replay, ScopeHash, StoreError, StoredResponse,
 };
-use redis::{ScriptInvocation, Value};
+use redis::Value;
+
+use crate::connection::Invocation;
 
 /// Every text in a reply, one after another (a cluster answers `INFO` per
 /// node).
@@ -347,7 +349,7 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
     })
 }
 
-pub(crate) fn lease_args<'a>(invocation: &mut ScriptInvocation<'a>, lease: &Lease) {
+pub(crate) fn lease_args(invocation: &mut Invocation<'_>, lease: &Lease) {
     invocation
         .arg(lease.generation)
         .arg(lease.token.0.to_string());

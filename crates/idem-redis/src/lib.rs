@@ -100,7 +100,7 @@ mod watch;
 pub use builder::{BuildError, RedisStoreBuilder};
 use cluster::scope_from_hex;
 pub use cluster::{Health, LIST_SCAN_LIMIT, failover_bound};
-use connection::{Abandon, Lane, Pool};
+use connection::{Abandon, Invocation, Lane, Pool};
 use decode::*;
 use scripts::Scripts;
 
@@ -282,9 +282,8 @@ impl Store for RedisStore {
         let attempt = AttemptId::new();
         let token = OwnerToken::new();
         let key = self.record_key(scope);
-        let mut invocation = self.scripts.reserve.prepare_invoke();
+        let mut invocation = Invocation::new(&self.scripts.reserve, &[&key]);
         invocation
-            .key(&key)
             .arg(request.fingerprint.to_hex())
             .arg(attempt.to_string())
             .arg(token.0.to_string())
@@ -337,8 +336,8 @@ impl Store for RedisStore {
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        let mut invocation = self.scripts.renew.prepare_invoke();
-        invocation.key(self.record_key(&lease.scope));
+        let key = self.record_key(&lease.scope);
+        let mut invocation = Invocation::new(&self.scripts.renew, &[&key]);
         lease_args(&mut invocation, lease);
         invocation.arg(millis(lease.ttl));
         let reply = items(self.run(invocation, false).await?.0)?;
@@ -349,8 +348,8 @@ impl Store for RedisStore {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
-        let mut invocation = self.scripts.complete.prepare_invoke();
-        invocation.key(self.record_key(&lease.scope));
+        let key = self.record_key(&lease.scope);
+        let mut invocation = Invocation::new(&self.scripts.complete, &[&key]);
         lease_args(&mut invocation, lease);
         invocation
             .arg(lease.attempt.to_string())
@@ -383,8 +382,8 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        let mut invocation = self.scripts.release.prepare_invoke();
-        invocation.key(self.record_key(&lease.scope));
+        let key = self.record_key(&lease.scope);
+        let mut invocation = Invocation::new(&self.scripts.release, &[&key]);
         lease_args(&mut invocation, lease);
         invocation.arg(lease.attempt.to_string()).arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
@@ -395,10 +394,10 @@ impl Store for RedisStore {
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        let mut invocation = self.scripts.cancel.prepare_invoke();
+        let key = self.record_key(scope);
+        let mut invocation = Invocation::new(&self.scripts.cancel, &[&key]);
         // The id lets a retried call recognise its own earlier cancel.
         invocation
-            .key(self.record_key(scope))
             .arg(uuid::Uuid::new_v4().to_string())
             .arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
@@ -444,8 +443,9 @@ impl Store for RedisStore {
     }
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        let mut invocation = self.scripts.force_release.prepare_invoke();
-        invocation.key(self.record_key(scope)).arg(self.notify());
+        let key = self.record_key(scope);
+        let mut invocation = Invocation::new(&self.scripts.force_release, &[&key]);
+        invocation.arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
         let Some((kind, pairs)) = reply.split_first() else {
             return Err(corrupt("empty force-release reply"));
@@ -473,8 +473,8 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        let mut invocation = self.scripts.get.prepare_invoke();
-        invocation.key(self.record_key(scope));
+        let key = self.record_key(scope);
+        let invocation = Invocation::new(&self.scripts.get, &[&key]);
         let pairs = items(self.run(invocation, false).await?.0)?;
         if pairs.is_empty() {
             return Ok(None);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use idem_client::limits::{BoxFuture, Gate, GateError, Limit, SharedBudget, Turn};
 use redis::{Script, Value};
 
-use crate::{RedisStore, int, items};
+use crate::{RedisStore, connection::Invocation, int, items};
 
 /// The gate's scripts.
 #[derive(Debug)]
@@ -57,10 +57,12 @@ impl Gate for RedisStore {
     ) -> BoxFuture<'a, Result<Turn, GateError>> {
         Box::pin(async move {
             let interval = limit.interval();
-            let mut invocation = self.limit_scripts.take.prepare_invoke();
+            let (tat, cool) = (
+                self.limit_key(boundary, "tat"),
+                self.limit_key(boundary, "cool"),
+            );
+            let mut invocation = Invocation::new(&self.limit_scripts.take, &[&tat, &cool]);
             invocation
-                .key(self.limit_key(boundary, "tat"))
-                .key(self.limit_key(boundary, "cool"))
                 .arg(micros(interval))
                 .arg(micros(interval * (limit.burst - 1)))
                 .arg(micros(max_wait));
@@ -94,10 +96,9 @@ impl Gate for RedisStore {
         period: Duration,
     ) -> BoxFuture<'a, Result<(), GateError>> {
         Box::pin(async move {
-            let mut invocation = self.limit_scripts.cool.prepare_invoke();
-            invocation
-                .key(self.limit_key(boundary, "cool"))
-                .arg(micros(period).max(1));
+            let key = self.limit_key(boundary, "cool");
+            let mut invocation = Invocation::new(&self.limit_scripts.cool, &[&key]);
+            invocation.arg(micros(period).max(1));
             self.run(invocation, false).await.map_err(gate_error)?;
             Ok(())
         })
@@ -110,9 +111,9 @@ impl Gate for RedisStore {
         retry: bool,
     ) -> BoxFuture<'a, Result<bool, GateError>> {
         Box::pin(async move {
-            let mut invocation = self.limit_scripts.budget.prepare_invoke();
+            let key = self.limit_key(boundary, "budget");
+            let mut invocation = Invocation::new(&self.limit_scripts.budget, &[&key]);
             invocation
-                .key(self.limit_key(boundary, "budget"))
                 .arg(crate::millis(budget.window).max(1))
                 .arg(budget.min_retries)
                 .arg(budget.percent)
