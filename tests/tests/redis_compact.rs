@@ -55,16 +55,50 @@ fn memory_usage(redis: &RedisServer, key: &str) -> u64 {
     usage.trim().parse().unwrap_or(0)
 }
 
+/// A gateway on `redis` in front of the upstream, and its first order
+/// under `key`, answered 201.
+async fn one_order(
+    redis: &RedisServer,
+    key: &str,
+) -> (
+    Arc<AtomicUsize>,
+    TestServer,
+    idem_gateway::Started,
+    idem_tests::Reply,
+) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = TestServer::start(upstream(Arc::clone(&runs))).await;
+    let gateway = start_gateway(&server, &["--store", &redis.url()]).await;
+    let first = send(&client(), order(gateway.addr, key)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    (runs, server, gateway, first)
+}
+
+/// The key's retry replays `first`: same status, body and location, and
+/// the upstream ran once.
+async fn replays_exactly(
+    gateway: std::net::SocketAddr,
+    key: &str,
+    first: &idem_tests::Reply,
+    runs: &AtomicUsize,
+) {
+    let replay = send(&client(), order(gateway, key)).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        replay.headers.get(header::LOCATION),
+        first.headers.get(header::LOCATION)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_records_are_compact_and_replay_exactly() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let runs = Arc::new(AtomicUsize::new(0));
-    let server = TestServer::start(upstream(Arc::clone(&runs))).await;
-    let gateway = start_gateway(&server, &["--store", &redis.url()]).await;
-    let first = send(&client(), order(gateway.addr, "order-1")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    let (runs, _server, gateway, first) = one_order(&redis, "order-1").await;
     assert!(first.body.len() > 64, "the body is larger than 64 bytes");
 
     let keys = record_keys(&redis);
@@ -92,15 +126,7 @@ async fn gateway_records_are_compact_and_replay_exactly() {
     let bytes = memory_usage(&redis, record) + memory_usage(&redis, &response);
     assert!(bytes > 0 && bytes <= 1024, "{bytes} bytes for one record");
 
-    let replay = send(&client(), order(gateway.addr, "order-1")).await;
-    assert_eq!(replay.status, StatusCode::CREATED);
-    assert!(replay.replayed());
-    assert_eq!(replay.body, first.body);
-    assert_eq!(
-        replay.headers.get(header::LOCATION),
-        first.headers.get(header::LOCATION)
-    );
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    replays_exactly(gateway.addr, "order-1", &first, &runs).await;
 }
 
 /// A record in the layout written before the compact one (every time in
@@ -111,11 +137,7 @@ async fn records_of_the_older_layout_still_replay() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let runs = Arc::new(AtomicUsize::new(0));
-    let server = TestServer::start(upstream(Arc::clone(&runs))).await;
-    let gateway = start_gateway(&server, &["--store", &redis.url()]).await;
-    let first = send(&client(), order(gateway.addr, "order-old")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    let (runs, _server, gateway, first) = one_order(&redis, "order-old").await;
     let record = record_keys(&redis).pop().expect("one record");
     let response = format!("{record}:r");
 
@@ -182,13 +204,5 @@ async fn records_of_the_older_layout_still_replay() {
         "hashtable"
     );
 
-    let replay = send(&client(), order(gateway.addr, "order-old")).await;
-    assert_eq!(replay.status, StatusCode::CREATED);
-    assert!(replay.replayed());
-    assert_eq!(replay.body, first.body);
-    assert_eq!(
-        replay.headers.get(header::LOCATION),
-        first.headers.get(header::LOCATION)
-    );
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    replays_exactly(gateway.addr, "order-old", &first, &runs).await;
 }
