@@ -125,18 +125,21 @@ impl Outcome {
         match self {
             Outcome::NotStored { status } => Outcome::NotStored { status: *status },
             Outcome::Stored(response) => {
-                let total = response.headers.iter().map(|(_, v)| v.len()).sum();
-                let mut values = bytes::BytesMut::with_capacity(total);
+                // One allocation for every header value and the body.
+                let total = response.headers.iter().map(|(_, v)| v.len()).sum::<usize>()
+                    + response.body.len();
+                let mut buffer = Vec::with_capacity(total);
                 for (_, value) in &response.headers {
-                    values.extend_from_slice(value);
+                    buffer.extend_from_slice(value);
                 }
-                let values = values.freeze();
+                buffer.extend_from_slice(&response.body);
+                let buffer = Bytes::from(buffer);
                 let mut at = 0;
                 let headers = response
                     .headers
                     .iter()
                     .map(|(name, value)| {
-                        let slice = values.slice(at..at + value.len());
+                        let slice = buffer.slice(at..at + value.len());
                         at += value.len();
                         (name.clone(), slice)
                     })
@@ -144,7 +147,7 @@ impl Outcome {
                 Outcome::Stored(StoredResponse {
                     status: response.status,
                     headers,
-                    body: Bytes::copy_from_slice(&response.body),
+                    body: buffer.slice(at..),
                 })
             }
         }

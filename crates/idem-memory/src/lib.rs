@@ -239,6 +239,76 @@ impl Hasher for ScopeHasher {
 
 type Map<V> = HashMap<ScopeHash, V, BuildHasherDefault<ScopeHasher>>;
 
+/// A shard's records, found by the scope each record holds: an entry is
+/// one pointer, not the scope hash again beside it (32 bytes less per
+/// record, before the table's spare room).
+#[derive(Default)]
+struct Records(hashbrown::HashTable<Box<Option<Record>>>);
+
+impl std::fmt::Debug for Records {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Records")
+            .field("len", &self.0.len())
+            .finish()
+    }
+}
+
+/// The table's hash of a scope: its first eight bytes (it is uniform).
+fn scope_hash(scope: &ScopeHash) -> u64 {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&scope.as_bytes()[..8]);
+    u64::from_le_bytes(word)
+}
+
+/// The scope a slot holds; an emptied slot (only ever the one being
+/// changed, under the shard's lock) holds none.
+fn slot_scope(slot: &Option<Record>) -> Option<&ScopeHash> {
+    slot.as_ref().map(|record| &record.scope)
+}
+
+impl Records {
+    fn get(&self, scope: &ScopeHash) -> Option<&Option<Record>> {
+        self.0
+            .find(scope_hash(scope), |slot| slot_scope(slot) == Some(scope))
+            .map(|slot| &**slot)
+    }
+
+    fn get_mut(&mut self, scope: &ScopeHash) -> Option<&mut Option<Record>> {
+        self.0
+            .find_mut(scope_hash(scope), |slot| slot_scope(slot) == Some(scope))
+            .map(|slot| &mut **slot)
+    }
+
+    fn contains_key(&self, scope: &ScopeHash) -> bool {
+        self.get(scope).is_some()
+    }
+
+    fn insert(&mut self, record: Record) {
+        let hash = scope_hash(&record.scope);
+        self.0.insert_unique(hash, Box::new(Some(record)), |slot| {
+            slot_scope(slot).map_or(0, scope_hash)
+        });
+    }
+
+    /// Removes the record of `scope`, or the emptied slot that held it.
+    fn remove(&mut self, scope: &ScopeHash) -> Option<Box<Option<Record>>> {
+        self.0
+            .find_entry(scope_hash(scope), |slot| {
+                slot_scope(slot).is_none_or(|held| held == scope)
+            })
+            .ok()
+            .map(|entry| entry.remove().0)
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Option<Record>> {
+        self.0.iter().map(|slot| &**slot)
+    }
+}
+
 #[derive(Debug, Default)]
 struct Shard {
     state: Mutex<ShardState>,
@@ -248,16 +318,14 @@ struct Shard {
 struct ShardState {
     /// Boxed, so that growing the map moves pointers, not records; an
     /// `Option` inside, so transitions run on the record in place.
-    records: Map<Box<Option<Record>>>,
+    records: Records,
     expiries: BinaryHeap<Reverse<(u64, ScopeHash)>>,
     waiters: Map<Arc<Notify>>,
 }
 
 impl ShardState {
     fn record(&self, scope: &ScopeHash) -> Option<&Record> {
-        self.records
-            .get(scope)
-            .and_then(|slot| slot.as_ref().as_ref())
+        self.records.get(scope).and_then(|slot| slot.as_ref())
     }
 
     /// Removes up to `limit` expired records, handing each to `removed`
@@ -297,12 +365,8 @@ impl ShardState {
         if self.expiries.len() > 2 * self.records.len() + 16 {
             self.expiries = self
                 .records
-                .iter()
-                .filter_map(|(scope, slot)| {
-                    slot.as_ref()
-                        .as_ref()
-                        .map(|r| Reverse((r.expires_at_ms, *scope)))
-                })
+                .values()
+                .filter_map(|slot| slot.as_ref().map(|r| Reverse((r.expires_at_ms, r.scope))))
                 .collect();
         }
     }
@@ -538,7 +602,7 @@ impl MemoryStore {
                 state.records.remove(scope);
             }
             (false, Some(record)) => {
-                state.records.insert(*scope, Box::new(Some(record)));
+                state.records.insert(record);
             }
             _ => {}
         }
@@ -717,7 +781,7 @@ impl Store for MemoryStore {
                 state
                     .records
                     .values()
-                    .filter_map(|slot| slot.as_ref().as_ref())
+                    .filter_map(|slot| slot.as_ref())
                     .filter(|record| query.matches(record, now_ms))
                     .cloned(),
             );
