@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a record costs, through the gateway, as the store fills:
 #
-#   bench/records.sh [records] [memory|redis] [expiring]
+#   bench/records.sh [records] [memory|redis|postgres] [expiring]
 #
 # Two idem-gateway processes in front of one bare axum-orders upstream,
 # identical but for `--methods PUT` on the second (so POST passes straight
@@ -44,6 +44,22 @@ if [ "$store" = redis ]; then
   for _ in $(seq 50); do redis-cli -p "$redis_port" ping 2>/dev/null | grep -q PONG && break; sleep 0.1; done
   store_url="redis://127.0.0.1:$redis_port"
 fi
+pg_port=
+if [ "$store" = postgres ]; then
+  pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+  pg_port=$(free_port)
+  pg_dir=$(mktemp -d)
+  chown postgres "$pg_dir"
+  runuser -u postgres -- "$pg_bin/initdb" -D "$pg_dir/data" -A trust -U postgres --no-sync -E UTF8 >/dev/null
+  runuser -u postgres -- "$pg_bin/postgres" -D "$pg_dir/data" -p "$pg_port" -k "$pg_dir" \
+    -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c max_connections=300 \
+    >"$work/postgres.log" 2>&1 &
+  trap 'kill $(jobs -p) 2>/dev/null || true; sleep 1; rm -rf "$work" "$pg_dir"' EXIT
+  for _ in $(seq 100); do "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$pg_port" && break; sleep 0.1; done
+  store_url="postgres://postgres@127.0.0.1:$pg_port/postgres"
+fi
+pg_bytes() { "$pg_bin/psql" -h 127.0.0.1 -p "$pg_port" -U postgres -tAc \
+  "SELECT COALESCE(pg_total_relation_size(to_regclass('idem_records')), 0)" postgres; }
 used_memory() { redis-cli -p "$redis_port" info memory | tr -d '\r' | awk -F: '/^used_memory:/ {print $2}'; }
 
 up=$(free_port); protected=$(free_port); bare=$(free_port)
@@ -89,9 +105,10 @@ send() { # port seconds tag -> "answered rps p99 errors"
 }
 
 echo "== bytes per record through the gateway, $store store"
-printf '%10s %14s %14s %12s %10s %10s\n' records protected_MB unprotected_MB bytes/record p99_ms redis_B/rec
+printf '%10s %14s %14s %12s %10s %10s\n' records protected_MB unprotected_MB bytes/record p99_ms store_B/rec
 p0=$(rss_kb $protected_pid); b0=$(rss_kb $bare_pid); m0=0
 [ -n "$redis_port" ] && m0=$(used_memory)
+[ -n "$pg_port" ] && m0=$(pg_bytes)
 held=0
 step=0
 while [ "$held" -lt "$records" ]; do
@@ -101,14 +118,16 @@ while [ "$held" -lt "$records" ]; do
   held=$((held + answered))
   p=$(rss_kb $protected_pid); b=$(rss_kb $bare_pid)
   per=$(( ((p - p0) - (b - b0)) * 1024 / held ))
-  redis_per=-
-  [ -n "$redis_port" ] && redis_per=$(( ($(used_memory) - m0) / held ))
+  store_per=-
+  [ -n "$redis_port" ] && store_per=$(( ($(used_memory) - m0) / held ))
+  [ -n "$pg_port" ] && store_per=$(( ($(pg_bytes) - m0) / held ))
   printf '%10d %14.1f %14.1f %12d %10s %10s\n' "$held" "$(echo "$p / 1024" | bc -l)" \
-    "$(echo "$b / 1024" | bc -l)" "$per" "$p99" "$redis_per"
+    "$(echo "$b / 1024" | bc -l)" "$per" "$p99" "$store_per"
   [ "$errors" = 0 ] || echo "  $errors errors in this step" >&2
 done
 kill "$protected_pid" "$bare_pid"; wait "$protected_pid" "$bare_pid" 2>/dev/null || true
 [ -n "$redis_port" ] && redis-cli -p "$redis_port" flushall >/dev/null
+[ -n "$pg_port" ] && "$pg_bin/psql" -h 127.0.0.1 -p "$pg_port" -U postgres -qc "TRUNCATE idem_records" postgres
 
 echo "== p99 while $expiring expired records are removed, $store store"
 protected=$(free_port)
@@ -126,7 +145,9 @@ read -r _ srps sp99 _ < <(send "$protected" 5 steady)
 # Wait until every filled record has expired (retention 20 s from its reservation).
 sleep $(( 22 - ($(date +%s) - started) > 0 ? 22 - ($(date +%s) - started) : 0 ))
 sleep 6  # the steady round's records too
-read -r _ erps ep99 _ < <(send "$protected" 5 expiring)
+expiring_round=5
+[ -n "$pg_port" ] && expiring_round=70
+read -r _ erps ep99 _ < <(send "$protected" "$expiring_round" expiring)
 read -r _ arps ap99 _ < <(send "$protected" 5 after)
 printf '%-26s %10s %10s\n' round req/s p99_ms
 printf '%-26s %10s %10s\n' "steady (nothing expired)" "$srps" "$sp99"
