@@ -44,8 +44,10 @@ fi
 if [ "$target" = gateway ]; then
   # One bare upstream; two gateways in front of it, identical but for the methods.
   IDEM_LISTEN=127.0.0.1:38082 IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+  # One caller sends every request: no tenant quota, room for every record.
   RUST_LOG=warn "$gateway" --listen 127.0.0.1:38080 --upstream http://127.0.0.1:38082 \
-    --store "$store_url" >"$work/layered.log" 2>&1 &
+    --store "$store_url" --memory-tenant-quota 0 --memory-capacity 10000000 \
+    --memory-max-bytes 16GiB >"$work/layered.log" 2>&1 &
   RUST_LOG=warn "$gateway" --listen 127.0.0.1:38081 --upstream http://127.0.0.1:38082 \
     --methods PUT >"$work/bare.log" 2>&1 &
 else
