@@ -67,8 +67,9 @@ impl fmt::Debug for Scope {
     }
 }
 
-/// Appends the lower-case hex of `bytes` to `out`.
-fn push_hex(out: &mut String, bytes: &[u8]) {
+/// Appends the lower-case hex of `bytes` to `out` (the spelling of scope
+/// hashes, fingerprints and hashed tenants).
+pub fn push_hex(out: &mut String, bytes: &[u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     out.reserve(bytes.len() * 2);
     for byte in bytes {

@@ -74,10 +74,7 @@ impl Hashing {
         };
         let mut out = String::with_capacity(prefix.len() + 64);
         out.push_str(prefix);
-        for byte in digest {
-            out.push(char::from_digit(u32::from(byte >> 4), 16).unwrap_or('0'));
-            out.push(char::from_digit(u32::from(byte & 0xf), 16).unwrap_or('0'));
-        }
+        idem_core::push_hex(&mut out, &digest);
         out
     }
 }

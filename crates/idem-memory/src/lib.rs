@@ -279,10 +279,6 @@ impl Records {
             .map(|slot| &mut **slot)
     }
 
-    fn contains_key(&self, scope: &ScopeHash) -> bool {
-        self.get(scope).is_some()
-    }
-
     fn insert(&mut self, record: Record) {
         let hash = scope_hash(&record.scope);
         self.0.insert_unique(hash, Box::new(Some(record)), |slot| {
@@ -556,10 +552,9 @@ impl MemoryStore {
                 .map(|r| (r.expires_at_ms, r.state, r.generation))
         };
         let mut vacant = None;
-        let existed = state.records.contains_key(scope);
-        let slot: &mut Option<Record> = match state.records.get_mut(scope) {
-            Some(slot) => slot,
-            None => &mut vacant,
+        let (existed, slot): (bool, &mut Option<Record>) = match state.records.get_mut(scope) {
+            Some(slot) => (true, slot),
+            None => (false, &mut vacant),
         };
         let (before, before_weight, before_live) = (facts(slot), weight(slot), occupies(slot));
         let took = reserving_for.is_some() && !before_live;

@@ -110,7 +110,10 @@ fn decode_tenant(fields: &HashMap<String, &Value>) -> Result<String, StoreError>
         .checked_sub(32)
         .ok_or_else(|| corrupt("short tenant"))?;
     let prefix = std::str::from_utf8(&raw[..split]).map_err(|_| corrupt("tenant prefix"))?;
-    Ok(format!("{prefix}{}", hex::encode(&raw[split..])))
+    let mut tenant = String::with_capacity(prefix.len() + 64);
+    tenant.push_str(prefix);
+    idem_core::push_hex(&mut tenant, &raw[split..]);
+    Ok(tenant)
 }
 
 pub(crate) fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {

@@ -460,10 +460,6 @@ impl Store for RedisStore {
     /// Waits for the record's notification (see the crate docs on
     /// waiting); polls on a cluster.
     async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
-        if !self.watch.publishes() {
-            tokio::time::sleep(timeout.min(Duration::from_millis(25))).await;
-            return;
-        }
         let key = self.record_key(scope);
         let channel = format!("{key}:c");
         let mut read = redis::cmd("HGET");
