@@ -12,18 +12,20 @@ use std::{
     time::Duration,
 };
 
-use axum::{Router, routing::post};
+use axum::{Router, extract::Path, routing::post};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
-use idem_core::Store;
-use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_core::{Reservation, ReserveRequest, Scope, Store};
+use idem_layer::{IdempotencyContext, IdempotencyLayer, TenantFromHeader};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
 /// An app on `store`: `/orders` answers 201 with a run number, headers
 /// and a binary body; `/fail` answers 503; `/panic` panics; `/big` answers
-/// a body over the storable limit; `/slow` waits for a permit.
+/// a body over the storable limit; `/slow` waits for a permit;
+/// `/status/{n}` answers status n; `/ctx` answers the attempt's generation
+/// and whether it took over from another.
 pub struct App {
     router: Router,
     runs: Arc<AtomicUsize>,
@@ -58,12 +60,24 @@ impl Answer {
 impl App {
     /// The app on `store`, with a fresh tenant.
     pub fn new<S: Store>(store: S) -> Self {
+        Self::with_layer(Self::layer(store))
+    }
+
+    /// The suite's layer on `store` (tenant from `x-tenant`, responses up
+    /// to 1 KiB stored), to adjust before [`App::with_layer`].
+    pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
+        IdempotencyLayer::new(store)
+            .tenant(TenantFromHeader::from_static("x-tenant"))
+            .max_response(1024)
+    }
+
+    /// The app behind `layer`, with a fresh tenant.
+    pub fn with_layer<S: Store>(layer: IdempotencyLayer<S>) -> Self {
         let runs = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(Semaphore::new(0));
-        let layer = IdempotencyLayer::new(store)
-            .tenant(TenantFromHeader::from_static("x-tenant"))
-            .max_response(1024);
-        let (r1, r2, r3, r4) = (
+        let (r1, r2, r3, r4, r5, r6) = (
+            Arc::clone(&runs),
+            Arc::clone(&runs),
             Arc::clone(&runs),
             Arc::clone(&runs),
             Arc::clone(&runs),
@@ -120,6 +134,27 @@ impl App {
                             permit.forget();
                         }
                         (StatusCode::CREATED, "slow done")
+                    }
+                }),
+            )
+            .route(
+                "/status/{n}",
+                post(move |Path(n): Path<u16>| {
+                    let run = r5.fetch_add(1, Ordering::SeqCst) + 1;
+                    let status = StatusCode::from_u16(n).unwrap_or(StatusCode::BAD_REQUEST);
+                    async move { (status, format!("status {n} run {run}")) }
+                }),
+            )
+            .route(
+                "/ctx",
+                post(move |ctx: IdempotencyContext| {
+                    r6.fetch_add(1, Ordering::SeqCst);
+                    let superseded = ctx.superseded.map(|a| a.generation);
+                    async move {
+                        format!(
+                            "generation={} superseded={superseded:?}",
+                            ctx.generation
+                        )
                     }
                 }),
             );
@@ -319,6 +354,126 @@ pub async fn records_api_shows_and_lists<S: Store>(store: S) {
     assert_eq!(hidden.status, StatusCode::NOT_FOUND);
 }
 
+/// The same key with another payload is a conflict in every state the
+/// record can be in: completed, processing and cancelled; the conflict
+/// changes nothing. A released key is free again for any payload.
+pub async fn another_payload_conflicts_in_every_state<S: Store>(store: S) {
+    let app = Arc::new(App::new(store));
+    let running = {
+        let app = Arc::clone(&app);
+        tokio::spawn(async move { app.post("/slow", "s", "{\"a\":1}").await })
+    };
+    app.wait_until_running().await;
+    let processing = app.post("/slow", "s", "{\"a\":2}").await;
+    assert_eq!(processing.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(processing.code().as_deref(), Some("idempotency_conflict"));
+    let cancel = app.records("DELETE", "?method=POST&path=/slow&key=s").await;
+    assert_eq!(cancel.status, StatusCode::OK);
+    let cancelled = app.post("/slow", "s", "{\"a\":2}").await;
+    assert_eq!(cancelled.code().as_deref(), Some("idempotency_conflict"));
+    let same = app.post("/slow", "s", "{\"a\":1}").await;
+    assert_eq!(same.code().as_deref(), Some("idempotency_cancelled"));
+    app.gate.add_permits(1);
+    assert_eq!(running.await.expect("join").status, StatusCode::GONE);
+    assert_eq!(app.runs(), 1);
+
+    assert_eq!(
+        app.post("/fail", "f", "{\"a\":1}").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        app.post("/fail", "f", "{\"a\":2}").await.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a released key takes another payload"
+    );
+    assert_eq!(app.runs(), 3);
+}
+
+/// The outcome table: 2xx, 3xx and 4xx (but 408, 425, 429) are stored
+/// and replayed with their bodies; 5xx, 408, 425 and 429 release the key
+/// and run again.
+pub async fn outcomes_are_stored_or_released_by_status<S: Store>(store: S) {
+    let app = App::new(store);
+    let mut runs = 0;
+    for status in [200u16, 201, 204, 302, 400, 404, 409] {
+        // One key per status: the operation is the route template.
+        let (path, key) = (format!("/status/{status}"), format!("k{status}"));
+        let first = app.post(&path, &key, "{}").await;
+        runs += 1;
+        assert_eq!(first.status.as_u16(), status);
+        let again = app.post(&path, &key, "{}").await;
+        assert!(again.replayed(), "{status} is replayed");
+        assert_eq!(again.status.as_u16(), status);
+        assert_eq!(again.body, first.body, "{status} replays its body");
+        assert_eq!(app.runs(), runs, "{status} runs once");
+    }
+    for status in [500u16, 503, 408, 425, 429] {
+        let (path, key) = (format!("/status/{status}"), format!("k{status}"));
+        let first = app.post(&path, &key, "{}").await;
+        let again = app.post(&path, &key, "{}").await;
+        runs += 2;
+        assert!(!again.replayed(), "{status} is not replayed");
+        assert_eq!(again.body, format!("status {status} run {runs}"));
+        assert_ne!(again.body, first.body);
+        assert_eq!(app.runs(), runs, "{status} runs again");
+    }
+}
+
+/// A dead owner's lease (reserved in the store directly, never renewed)
+/// answers 409 until it lapses; then the next request takes it over with
+/// the next generation, learns whom it superseded, and is replayed after.
+pub async fn lapsed_lease_is_taken_over<S: Store>(store: S) {
+    let lease = Duration::from_millis(800);
+    let layer = App::layer(store).lease(lease);
+    let store = Arc::clone(layer.store());
+    let app = App::with_layer(layer);
+    let request = Request::post("/ctx")
+        .header("content-type", "application/json")
+        .body(())
+        .expect("request");
+    let (parts, ()) = request.into_parts();
+    let fingerprint = idem_layer::fingerprint::fingerprint(
+        "POST /ctx",
+        &parts,
+        &[http::header::CONTENT_TYPE],
+        b"{}",
+    );
+    let reserve = ReserveRequest {
+        scope: Scope::new(app.tenant.clone(), "POST /ctx", "t".parse().expect("key")),
+        fingerprint,
+        lease,
+        retention: Duration::from_secs(3600),
+    };
+    let dead = match store.reserve(&reserve).await.expect("reserve") {
+        Reservation::Acquired(lease) => lease,
+        other => panic!("not acquired: {other:?}"),
+    };
+    let busy = app.post("/ctx", "t", "{}").await;
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let taken = loop {
+        let answer = app.post("/ctx", "t", "{}").await;
+        if answer.status != StatusCode::CONFLICT {
+            break answer;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never taken over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(taken.status, StatusCode::OK);
+    assert_eq!(
+        std::str::from_utf8(&taken.body).expect("utf8"),
+        format!(
+            "generation={} superseded=Some({})",
+            dead.generation + 1,
+            dead.generation
+        )
+    );
+    let replay = app.post("/ctx", "t", "{}").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, taken.body);
+    assert_eq!(app.runs(), 1);
+}
+
 /// Expands to one test per layer check, on the store the closure makes,
 /// with whatever must live as long as the test (its server); `None` skips
 /// (a server not installed, outside CI).
@@ -328,6 +483,9 @@ macro_rules! layer_tests {
         $crate::layer_tests!(@each $make;
             replays_exactly,
             another_payload_conflicts,
+            another_payload_conflicts_in_every_state,
+            outcomes_are_stored_or_released_by_status,
+            lapsed_lease_is_taken_over,
             duplicates_in_flight_get_409,
             failures_release_the_key,
             oversized_responses_are_not_replayed,

@@ -12,20 +12,20 @@ use http::{Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
 use idem_core::{
-    Completion, CompletionSlot, Current, DeferredCompletion, Lease, Outcome, Release, Renewal,
-    Reservation, ReserveRequest, Store, StoredResponse,
+    Completion, CompletionSlot, Current, DeferredCompletion, Lease, Outcome, Renewal, Reservation,
+    ReserveRequest, Store, StoredResponse,
 };
 use tower::Service;
 use tracing::Instrument;
 
 use crate::{
-    IdempotencyLayer, LateResponse, ResponseBody, UnknownOutcome,
+    LateResponse, ResponseBody, UnknownOutcome,
     answer::{answer_current, storable_headers},
     body::BoxError,
     config::Config,
     metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
-    runtime::{deadline_after, store_call},
+    runtime::{Runtime, deadline_after, store_call},
 };
 
 /// What the handler produced, read as far as the storable limit.
@@ -152,55 +152,28 @@ async fn while_held<S: Store, T>(
     }
 }
 
-/// Releases the key after a temporary failure. Answers what the record
-/// says now when the lease was lost (the attempt was superseded or
-/// cancelled), so the attempt's client can get that instead.
-pub(crate) async fn release<S: Store>(
-    layer: &IdempotencyLayer<S>,
-    lease: &Lease,
-) -> Option<Current> {
-    m::count(Counted::Released);
-    match store_call(&layer.config, "release", layer.store.release(lease)).await {
-        Ok(Release::Released) => None,
-        Ok(Release::Fenced(current)) => {
-            m::count(Counted::Fenced);
-            Some(current)
-        }
-        Err(error) => {
-            tracing::warn!(%error, "could not release the reservation");
-            None
-        }
-    }
-}
-
 /// Records what an attempt produced: stores the outcome, or releases the
 /// key when the predicate calls the status temporary. Answers what the
 /// record says now when the attempt was fenced. A completion that hits a
 /// store error is retried in the background while the lease is held.
 pub(crate) async fn settle<S: Store>(
-    layer: &IdempotencyLayer<S>,
+    rt: &Runtime<S>,
     request: &ReserveRequest,
     lease: &Lease,
     status: http::StatusCode,
     outcome: Outcome,
 ) -> Option<Current> {
-    if !(layer.config.should_store)(status) {
-        return release(layer, lease).await;
+    if !(rt.config.should_store)(status) {
+        return rt.release(lease).await;
     }
-    match store_call(
-        &layer.config,
-        "complete",
-        layer.store.complete(lease, &outcome),
-    )
-    .await
-    {
+    match store_call(&rt.config, "complete", rt.store.complete(lease, &outcome)).await {
         Ok(Completion::Recorded) => {
             m::count(Counted::Executed);
             None
         }
         Ok(Completion::Fenced(Current::Vacant)) => {
             m::count(Counted::Executed);
-            recreate(layer, request, &outcome).await;
+            recreate(rt, request, &outcome).await;
             None
         }
         Ok(Completion::Fenced(current)) => {
@@ -215,9 +188,8 @@ pub(crate) async fn settle<S: Store>(
             // second execution.
             m::count(Counted::StoreError);
             tracing::error!(%error, "could not record the outcome yet; retrying while the lease is held");
-            layer.tasks.spawn(
-                record_later(layer.clone(), request.clone(), lease.clone(), outcome)
-                    .in_current_span(),
+            rt.tasks.spawn(
+                record_later(rt.clone(), request.clone(), lease.clone(), outcome).in_current_span(),
             );
             None
         }
@@ -230,13 +202,9 @@ pub(crate) async fn settle<S: Store>(
 /// the record is made again from the outcome: reserved anew and completed
 /// at once. Only a vacant scope is written; if another attempt reserved
 /// it meanwhile, that attempt's record stands.
-async fn recreate<S: Store>(
-    layer: &IdempotencyLayer<S>,
-    request: &ReserveRequest,
-    outcome: &Outcome,
-) {
-    let config = &*layer.config;
-    let store = &*layer.store;
+async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: &Outcome) {
+    let config = &*rt.config;
+    let store = &*rt.store;
     let lease = match store_call(config, "reserve", store.reserve(request)).await {
         Ok(Reservation::Acquired(lease)) => lease,
         Ok(_) => {
@@ -307,7 +275,7 @@ enum Produced<B> {
 /// One execution of the handler under `lease`, and the recording of its
 /// outcome.
 pub(crate) async fn attempt<I, S, ReqBody, ResBody>(
-    layer: IdempotencyLayer<S>,
+    rt: Runtime<S>,
     mut inner: I,
     mut request: Request<ReqBody>,
     reserved: ReserveRequest,
@@ -319,8 +287,8 @@ where
     ResBody: Body<Data = Bytes> + Unpin,
     ResBody::Error: Into<BoxError>,
 {
-    let config = &*layer.config;
-    let store = &*layer.store;
+    let config = &*rt.config;
+    let store = &*rt.store;
     let max_response = config.max_response;
     // Where a handler leaves a transaction to commit with the outcome.
     let slot = CompletionSlot::new();
@@ -335,9 +303,9 @@ where
     .catch_unwind();
     // A failed attempt releases the key; if it was superseded meanwhile,
     // its client gets what the record says now instead of its own failure.
-    let (layer_ref, lease_ref) = (&layer, &lease);
+    let (rt_ref, lease_ref) = (&rt, &lease);
     let failed = |detail: String| async move {
-        match release(layer_ref, lease_ref).await.and_then(answer_current) {
+        match rt_ref.release(lease_ref).await.and_then(answer_current) {
             Some(answer) => answer,
             None => problem(ProblemCode::HandlerFailed, &detail, None),
         }
@@ -351,13 +319,12 @@ where
                 "outcome unknown: the key stays reserved while a late answer may come"
             );
             let late = unknown.take_late();
-            layer
-                .tasks
-                .spawn(await_late(layer.clone(), reserved, lease, late).in_current_span());
+            rt.tasks
+                .spawn(await_late(rt.clone(), reserved, lease, late).in_current_span());
             return Ok(response.map(ResponseBody::inner));
         }
         Ok(Err(error)) => {
-            return match release(&layer, &lease).await.and_then(answer_current) {
+            return match rt.release(&lease).await.and_then(answer_current) {
                 Some(answer) => Ok(answer),
                 None => Err(error),
             };
@@ -375,11 +342,11 @@ where
     }
     let answer = match slot.take() {
         Some(deferred) if (config.should_store)(parts.status) => {
-            settle_in_transaction(&layer, &lease, deferred, outcome).await
+            settle_in_transaction(&rt, &lease, deferred, outcome).await
         }
         // Not recorded: a deferred transaction is dropped, which rolls
         // back what the handler wrote, and the key is released.
-        _ => settle(&layer, &reserved, &lease, parts.status, outcome)
+        _ => settle(&rt, &reserved, &lease, parts.status, outcome)
             .await
             .and_then(answer_current),
     };
@@ -392,13 +359,13 @@ where
 /// the answer, since nothing the handler wrote was committed (or whether
 /// it was is unknown).
 async fn settle_in_transaction<S: Store, B>(
-    layer: &IdempotencyLayer<S>,
+    rt: &Runtime<S>,
     lease: &Lease,
     deferred: Box<dyn DeferredCompletion>,
     outcome: Outcome,
 ) -> Option<Response<ResponseBody<B>>> {
     let commit = deferred.commit(lease.clone(), outcome);
-    match store_call(&layer.config, "complete", commit).await {
+    match store_call(&rt.config, "complete", commit).await {
         Ok(Completion::Recorded) => {
             m::count(Counted::Executed);
             None
@@ -441,7 +408,7 @@ fn unavailable<B>(detail: &str) -> Response<ResponseBody<B>> {
 /// the lease is left to lapse: a later retry takes over with the next
 /// generation, which the executor can see.
 async fn await_late<S: Store>(
-    layer: IdempotencyLayer<S>,
+    rt: Runtime<S>,
     request: ReserveRequest,
     lease: Lease,
     late: Option<futures_util::future::BoxFuture<'static, Option<LateResponse>>>,
@@ -450,13 +417,13 @@ async fn await_late<S: Store>(
         tracing::warn!("outcome unknown and no answer can come; the lease will lapse");
         return;
     };
-    let config = &*layer.config;
+    let config = &*rt.config;
     let max_response = config.max_response;
     let answer = tokio::time::timeout(config.unknown_wait, async move {
         let response = late.await?;
         Some(buffer(response, max_response).await)
     });
-    let produced = match renewing(config, &*layer.store, &lease, answer).await {
+    let produced = match renewing(config, &*rt.store, &lease, answer).await {
         Ok(Some(buffered)) => outcome_of(buffered),
         Ok(None) | Err(_) => {
             tracing::warn!("no late answer came; the lease will lapse and a retry takes over");
@@ -472,7 +439,7 @@ async fn await_late<S: Store>(
                 status = parts.status.as_u16(),
                 "late answer arrived; recording it"
             );
-            let _ = settle(&layer, &request, &lease, parts.status, outcome).await;
+            let _ = settle(&rt, &request, &lease, parts.status, outcome).await;
         }
         Err(error) => {
             tracing::warn!(%error, "the late answer's body failed; the lease will lapse");
@@ -483,13 +450,13 @@ async fn await_late<S: Store>(
 /// Retries a completion that failed on a store error, every 100 ms, while
 /// the lease is held (renewing it), until it is recorded or fenced.
 async fn record_later<S: Store>(
-    layer: IdempotencyLayer<S>,
+    rt: Runtime<S>,
     request: ReserveRequest,
     lease: Lease,
     outcome: Outcome,
 ) {
-    let config = &*layer.config;
-    let store = &*layer.store;
+    let config = &*rt.config;
+    let store = &*rt.store;
     let retries = async {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -501,7 +468,7 @@ async fn record_later<S: Store>(
                 }
                 Ok(Completion::Fenced(Current::Vacant)) => {
                     m::count(Counted::Executed);
-                    recreate(&layer, &request, &outcome).await;
+                    recreate(&rt, &request, &outcome).await;
                     return;
                 }
                 Ok(Completion::Fenced(_)) => {
@@ -519,7 +486,7 @@ async fn record_later<S: Store>(
     // completion is fenced and kept as evidence), or with the record itself
     // (then it is made again from the outcome).
     match store_call(config, "complete", store.complete(&lease, &outcome)).await {
-        Ok(Completion::Fenced(Current::Vacant)) => recreate(&layer, &request, &outcome).await,
+        Ok(Completion::Fenced(Current::Vacant)) => recreate(&rt, &request, &outcome).await,
         Ok(Completion::Recorded) => m::count(Counted::Executed),
         _ => tracing::error!(
             "the outcome could not be recorded before the lease was lost; a retry will take over"

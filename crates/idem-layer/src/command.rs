@@ -51,7 +51,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     IdempotencyLayer, InFlight,
-    attempt::{release, renewing, settle},
+    attempt::{renewing, settle},
     fingerprint::{canonical_tokens, update_part},
     metrics::{self as m, Outcome as Counted},
     runtime::{deadline_after, store_call},
@@ -189,6 +189,10 @@ pub enum CommandError<E> {
     /// The stored result does not decode as the caller's type.
     #[error("the stored result does not decode: {0}")]
     Undecodable(#[source] serde_json::Error),
+    /// The layer's configuration is invalid (see
+    /// [`IdempotencyLayer::validate`]); the action was not run.
+    #[error("invalid idempotency configuration: {0}")]
+    Misconfigured(#[source] crate::ConfigError),
     /// The store failed: nothing is known; retry later.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -208,7 +212,8 @@ impl<S: Store> IdempotencyLayer<S> {
         F: FnOnce(CommandContext) -> Fut,
         Fut: Future<Output = Result<T, ActionError<E>>>,
     {
-        let config = &*self.config;
+        let config = &*self.runtime.config;
+        config.validate().map_err(CommandError::Misconfigured)?;
         let request = ReserveRequest {
             scope: command.scope.clone(),
             fingerprint: command.fingerprint,
@@ -225,7 +230,7 @@ impl<S: Store> IdempotencyLayer<S> {
             superseded,
         };
         let work = AssertUnwindSafe(action(context)).catch_unwind();
-        let produced = renewing(config, &*self.store, &lease, work).await;
+        let produced = renewing(config, &*self.runtime.store, &lease, work).await;
         let (status, body, result) = match produced {
             Ok(Ok(value)) => match serde_json::to_vec(&value) {
                 Ok(body) => (SUCCEEDED, body, Ok(Done::Ran(value))),
@@ -259,7 +264,7 @@ impl<S: Store> IdempotencyLayer<S> {
             body: Bytes::from(body),
         });
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-        match settle(self, &request, &lease, status, outcome).await {
+        match settle(&self.runtime, &request, &lease, status, outcome).await {
             // Fenced: a newer attempt or a cancellation owns the record;
             // its answer is the command's.
             Some(current) => answer(current),
@@ -278,8 +283,8 @@ impl<S: Store> IdempotencyLayer<S> {
         T: DeserializeOwned,
         E: DeserializeOwned,
     {
-        let config = &*self.config;
-        let store = &*self.store;
+        let config = &*self.runtime.config;
+        let store = &*self.runtime.store;
         let deadline = match config.in_flight {
             InFlight::Wait(bound) => Some(deadline_after(bound)),
             InFlight::Reject => None,
@@ -322,7 +327,7 @@ impl<S: Store> IdempotencyLayer<S> {
         lease: &Lease,
         error: CommandError<E>,
     ) -> Result<Done<T>, CommandError<E>> {
-        match release(self, lease).await {
+        match self.runtime.release(lease).await {
             Some(current) => answer(current),
             None => Err(error),
         }

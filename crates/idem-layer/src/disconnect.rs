@@ -8,7 +8,7 @@ use std::{
 use idem_core::{Lease, Store};
 use tokio_util::task::TaskTracker;
 
-use crate::IdempotencyLayer;
+use crate::runtime::Runtime;
 
 /// Polls a future inline; if dropped before it finished, spawns the rest
 /// of it so it still runs to completion (on-disconnect `Detach` mode). This
@@ -62,7 +62,7 @@ impl<F: Future + Send + 'static> Drop for RunToCompletion<F> {
 /// Releases the reservation if the response future is dropped before the
 /// attempt finished (on-disconnect `Release` mode).
 pub(crate) struct ReleaseOnDrop<S: Store> {
-    pub(crate) layer: IdempotencyLayer<S>,
+    pub(crate) rt: Runtime<S>,
     pub(crate) lease: Option<Lease>,
 }
 
@@ -80,11 +80,11 @@ impl<S: Store> Drop for ReleaseOnDrop<S> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let layer = self.layer.clone();
-        let tasks = layer.tasks.clone();
+        let rt = self.rt.clone();
+        let tasks = rt.tasks.clone();
         tasks.spawn_on(
             async move {
-                crate::attempt::release(&layer, &lease).await;
+                rt.release(&lease).await;
             },
             &runtime,
         );

@@ -13,6 +13,7 @@ use crate::{
     },
     fingerprint::FingerprintFn,
     problem::ProblemHook,
+    runtime::Runtime,
     tenant::{Tenant, TenantExtractor, TenantFromExtension},
 };
 
@@ -38,24 +39,22 @@ use crate::{
 /// | [`fail_open`](Self::fail_open) | off: 503 when the store fails |
 /// | [`on_disconnect`](Self::on_disconnect) | [`OnDisconnect::Detach`] |
 ///
-/// The layer panics when it is applied with an invalid configuration
-/// (retention not longer than the lease, a zero lease or timeout); call
-/// [`validate`](Self::validate) first to report it yourself.
+/// Call [`validate`](Self::validate) at start: it refuses a retention not
+/// longer than the lease, a zero lease or store timeout, and durations
+/// over [`MAX_DURATION`](crate::MAX_DURATION). Applying the layer never
+/// panics; with a configuration `validate` refuses, the service logs the
+/// error and answers every request of a protected method
+/// `500 idempotency_misconfigured` without running the handler (never
+/// unprotected), and [`run`](Self::run) answers
+/// [`CommandError::Misconfigured`](crate::CommandError::Misconfigured).
 pub struct IdempotencyLayer<S> {
-    pub(crate) store: Arc<S>,
-    pub(crate) config: Arc<Config>,
-    /// Work that outlives its request: detached handlers, completions
-    /// retried after a store error, answers awaited after an unknown
-    /// outcome. Shared by clones; [`IdempotencyLayer::drain`] waits for it.
-    pub(crate) tasks: tokio_util::task::TaskTracker,
+    pub(crate) runtime: Runtime<S>,
 }
 
 impl<S> Clone for IdempotencyLayer<S> {
     fn clone(&self) -> Self {
         Self {
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
-            tasks: self.tasks.clone(),
+            runtime: self.runtime.clone(),
         }
     }
 }
@@ -63,11 +62,11 @@ impl<S> Clone for IdempotencyLayer<S> {
 impl<S> fmt::Debug for IdempotencyLayer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field("methods", &self.config.methods)
-            .field("require_key", &self.config.require_key)
-            .field("lease", &self.config.lease)
-            .field("retention", &self.config.retention)
-            .field("in_flight", &self.config.in_flight)
+            .field("methods", &self.runtime.config.methods)
+            .field("require_key", &self.runtime.config.require_key)
+            .field("lease", &self.runtime.config.lease)
+            .field("retention", &self.runtime.config.retention)
+            .field("in_flight", &self.runtime.config.in_flight)
             .finish_non_exhaustive()
     }
 }
@@ -75,37 +74,40 @@ impl<S> fmt::Debug for IdempotencyLayer<S> {
 impl<S: Store> IdempotencyLayer<S> {
     /// A layer on `store` with the default configuration.
     pub fn new(store: S) -> Self {
+        let config = Config {
+            methods: vec![Method::POST, Method::PATCH],
+            require_key: false,
+            tenant: Arc::new(TenantFromExtension::<Tenant>::new()),
+            allow_anonymous: false,
+            fingerprint_headers: vec![header::CONTENT_TYPE],
+            fingerprint_fn: None,
+            max_body: 1024 * 1024,
+            body_timeout: Duration::from_secs(30),
+            max_response: 1024 * 1024,
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3600),
+            in_flight: InFlight::Reject,
+            should_store: Arc::new(default_should_store),
+            replay_denylist: default_replay_denylist(),
+            fail_open: false,
+            store_timeout: Duration::from_secs(1),
+            on_disconnect: OnDisconnect::Detach,
+            unknown_wait: Duration::from_secs(60),
+            problem_type_base: None,
+            problem_hook: None,
+            admin_token: None,
+        };
         Self {
-            store: Arc::new(store),
-            config: Arc::new(Config {
-                methods: vec![Method::POST, Method::PATCH],
-                require_key: false,
-                tenant: Arc::new(TenantFromExtension::<Tenant>::new()),
-                allow_anonymous: false,
-                fingerprint_headers: vec![header::CONTENT_TYPE],
-                fingerprint_fn: None,
-                max_body: 1024 * 1024,
-                body_timeout: Duration::from_secs(30),
-                max_response: 1024 * 1024,
-                lease: Duration::from_secs(30),
-                retention: Duration::from_secs(24 * 3600),
-                in_flight: InFlight::Reject,
-                should_store: Arc::new(default_should_store),
-                replay_denylist: default_replay_denylist(),
-                fail_open: false,
-                store_timeout: Duration::from_secs(1),
-                on_disconnect: OnDisconnect::Detach,
-                unknown_wait: Duration::from_secs(60),
-                problem_type_base: None,
-                problem_hook: None,
-                admin_token: None,
-            }),
-            tasks: tokio_util::task::TaskTracker::new(),
+            runtime: Runtime {
+                store: Arc::new(store),
+                config: Arc::new(config),
+                tasks: tokio_util::task::TaskTracker::new(),
+            },
         }
     }
 
     fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
-        change(Arc::make_mut(&mut self.config));
+        change(Arc::make_mut(&mut self.runtime.config));
         self
     }
 
@@ -279,7 +281,7 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// Checks the configuration.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.config.validate()
+        self.runtime.config.validate()
     }
 
     /// Waits, up to `bound`, for the work that outlives its requests:
@@ -290,30 +292,30 @@ impl<S: Store> IdempotencyLayer<S> {
     /// tasks were still running when the bound passed (0: all finished);
     /// their records stay processing until their leases lapse.
     pub async fn drain(&self, bound: Duration) -> usize {
-        self.tasks.close();
-        let finished = tokio::time::timeout(bound, self.tasks.wait()).await;
-        self.tasks.reopen();
+        self.runtime.tasks.close();
+        let finished = tokio::time::timeout(bound, self.runtime.tasks.wait()).await;
+        self.runtime.tasks.reopen();
         match finished {
             Ok(()) => 0,
-            Err(_) => self.tasks.len(),
+            Err(_) => self.runtime.tasks.len(),
         }
     }
 
     /// How many tasks of the layer outlive their requests right now.
     pub fn background_tasks(&self) -> usize {
-        self.tasks.len()
+        self.runtime.tasks.len()
     }
 
     /// The records API (GET and DELETE) on the same store and tenant
     /// extractor. Mount it at a path of your choice, for example
     /// `Router::route_service("/_idempotency/records", layer.records_service())`.
     pub fn records_service(&self) -> RecordsService<S> {
-        RecordsService::new(Arc::clone(&self.store), Arc::clone(&self.config))
+        RecordsService::new(self.runtime.clone())
     }
 
     /// The store the layer uses.
     pub fn store(&self) -> &Arc<S> {
-        &self.store
+        &self.runtime.store
     }
 }
 
@@ -321,9 +323,16 @@ impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
     type Service = Idempotency<I, S>;
 
     fn layer(&self, inner: I) -> Self::Service {
-        if let Err(e) = self.config.validate() {
-            panic!("invalid idempotency layer configuration: {e}");
-        }
-        Idempotency::new(inner, self.clone())
+        let misconfigured = match self.runtime.config.validate() {
+            Ok(()) => false,
+            Err(error) => {
+                tracing::error!(
+                    %error,
+                    "invalid idempotency layer configuration; requests of protected methods are refused"
+                );
+                true
+            }
+        };
+        Idempotency::new(inner, self.runtime.clone(), misconfigured)
     }
 }

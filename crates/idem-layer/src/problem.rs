@@ -62,6 +62,11 @@ pub enum ProblemCode {
     /// 403: the records API request needs the admin credential (another
     /// tenant's records, or every tenant's).
     AdminRequired,
+    /// 500: the layer was applied with a configuration
+    /// [`IdempotencyLayer::validate`](crate::IdempotencyLayer::validate)
+    /// refuses; requests of the protected methods are refused, never run
+    /// unprotected. Call `validate` at start to fail there instead.
+    Misconfigured,
 }
 
 impl ProblemCode {
@@ -86,6 +91,7 @@ impl ProblemCode {
             ProblemCode::LayerMissing => "idempotency_layer_missing",
             ProblemCode::QuotaExceeded => "idempotency_quota_exceeded",
             ProblemCode::AdminRequired => "idempotency_admin_required",
+            ProblemCode::Misconfigured => "idempotency_misconfigured",
         }
     }
 
@@ -104,7 +110,7 @@ impl ProblemCode {
             ProblemCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProblemCode::Conflict => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemCode::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ProblemCode::HandlerFailed | ProblemCode::LayerMissing => {
+            ProblemCode::HandlerFailed | ProblemCode::LayerMissing | ProblemCode::Misconfigured => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
@@ -133,6 +139,7 @@ impl ProblemCode {
             ProblemCode::LayerMissing => "The idempotency layer did not run for this request",
             ProblemCode::QuotaExceeded => "The caller holds its quota of idempotency records",
             ProblemCode::AdminRequired => "The records API admin credential is required",
+            ProblemCode::Misconfigured => "The idempotency layer is misconfigured",
         }
     }
 }

@@ -56,7 +56,6 @@
 
 use std::{
     convert::Infallible,
-    sync::Arc,
     task::{Context, Poll},
     time::{Duration, UNIX_EPOCH},
 };
@@ -74,10 +73,9 @@ use tower::Service;
 
 use crate::{
     ResponseBody,
-    config::Config,
     headers::ADMIN_TOKEN,
     problem::{ProblemCode, problem},
-    runtime::{operation_name, store_call, unavailable_problem},
+    runtime::{Runtime, operation_name, store_call, unavailable_problem},
 };
 
 /// The body type of the records API.
@@ -85,15 +83,13 @@ pub type RecordsBody = ResponseBody<Empty<Bytes>>;
 
 /// Tower service for the records API; see the [module docs](self).
 pub struct RecordsService<S> {
-    store: Arc<S>,
-    config: Arc<Config>,
+    rt: Runtime<S>,
 }
 
 impl<S> Clone for RecordsService<S> {
     fn clone(&self) -> Self {
         Self {
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
+            rt: self.rt.clone(),
         }
     }
 }
@@ -105,8 +101,8 @@ impl<S> std::fmt::Debug for RecordsService<S> {
 }
 
 impl<S> RecordsService<S> {
-    pub(crate) fn new(store: Arc<S>, config: Arc<Config>) -> Self {
-        Self { store, config }
+    pub(crate) fn new(rt: Runtime<S>) -> Self {
+        Self { rt }
     }
 }
 
@@ -124,7 +120,7 @@ impl<S: Store, B: Send + 'static> Service<Request<B>> for RecordsService<S> {
         let this = self.clone();
         Box::pin(async move {
             let answer = this.answer(request).await;
-            Ok(this.config.shape(answer))
+            Ok(this.rt.config.shape(answer))
         })
     }
 }
@@ -192,7 +188,7 @@ impl<S: Store> RecordsService<S> {
     fn is_admin(&self, parts: &Parts) -> bool {
         use sha2::Digest;
         let (Some(expected), Some(given)) =
-            (self.config.admin_token, parts.headers.get(ADMIN_TOKEN))
+            (self.rt.config.admin_token, parts.headers.get(ADMIN_TOKEN))
         else {
             return false;
         };
@@ -216,9 +212,9 @@ impl<S: Store> RecordsService<S> {
             let detail = "acting for another tenant needs the admin credential";
             return Err((ProblemCode::AdminRequired, detail.to_owned()));
         }
-        match self.config.tenant_of(parts) {
+        match self.rt.config.tenant_of(parts) {
             Some(tenant) => Ok(Some(tenant)),
-            None if self.config.admin_token.is_some()
+            None if self.rt.config.admin_token.is_some()
                 && parts.headers.contains_key(ADMIN_TOKEN) =>
             {
                 let detail = "the admin credential is not the one configured";
@@ -293,14 +289,14 @@ impl<S: Store> RecordsService<S> {
             )
         };
         let unavailable = |error: idem_core::StoreError| unavailable_problem(&error);
-        let config = &self.config;
+        let config = &self.rt.config;
         // Naming any part of a record asks for that record; naming none
         // asks for a list.
         let one = query.key.is_some() || query.method.is_some() || query.path.is_some();
         Ok(match (&parts.method, one) {
             (&Method::GET, false) => {
                 let list = Self::list_query(tenant, &query)?;
-                match store_call(config, "list", self.store.list(&list)).await {
+                match store_call(config, "list", self.rt.store.list(&list)).await {
                     Ok(records) => json_response(
                         StatusCode::OK,
                         &json!({ "records": records.iter().map(record_json).collect::<Vec<_>>() }),
@@ -310,7 +306,7 @@ impl<S: Store> RecordsService<S> {
             }
             (&Method::GET, true) => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, "get", self.store.get(&scope)).await {
+                match store_call(config, "get", self.rt.store.get(&scope)).await {
                     Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record)),
                     Ok(None) => return Err(not_found()),
                     Err(error) => unavailable(error),
@@ -318,7 +314,7 @@ impl<S: Store> RecordsService<S> {
             }
             (&Method::DELETE, _) => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, "cancel", self.store.cancel(&scope)).await {
+                match store_call(config, "cancel", self.rt.store.cancel(&scope)).await {
                     Ok(Cancellation::Cancelled(record)) => answer_cancel("cancelled", &record),
                     Ok(Cancellation::AlreadyCancelled(record)) => {
                         answer_cancel("already_cancelled", &record)
@@ -332,7 +328,8 @@ impl<S: Store> RecordsService<S> {
             }
             (&Method::POST, _) if query.action.as_deref() == Some("release") => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, "force_release", self.store.force_release(&scope)).await {
+                match store_call(config, "force_release", self.rt.store.force_release(&scope)).await
+                {
                     Ok(ForceRelease::Released(record)) => {
                         tracing::warn!(scope = %record.scope, "an operator released a record");
                         json_response(

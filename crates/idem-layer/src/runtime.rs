@@ -1,10 +1,13 @@
-//! What the request path and the records API share: store calls under
-//! the timeout, the 503 answer, the caller's tenant and the operation name.
+//! What the request path, the commands and the records API share: the
+//! [`Runtime`] (store, settings, background work), store calls under the
+//! timeout, releasing a lease, the 503 answer, the caller's tenant and the
+//! operation name.
 
-use std::{future::Future, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use http::{Response, request::Parts};
-use idem_core::StoreError;
+use idem_core::{Current, Lease, Release, Store, StoreError};
+use tokio_util::task::TaskTracker;
 
 use crate::{
     ResponseBody,
@@ -13,6 +16,50 @@ use crate::{
     problem::{ProblemCode, problem},
     tenant::ANONYMOUS_TENANT,
 };
+
+/// What every part of the layer works with: the store, the settings, and
+/// the work that outlives its request. Cloned per request (three reference
+/// counts); the public [`IdempotencyLayer`](crate::IdempotencyLayer) holds
+/// one and hands it to the services it makes.
+pub(crate) struct Runtime<S> {
+    pub(crate) store: Arc<S>,
+    pub(crate) config: Arc<Config>,
+    /// Work that outlives its request: detached handlers, completions
+    /// retried after a store error, answers awaited after an unknown
+    /// outcome. Shared by clones; `IdempotencyLayer::drain` waits for it.
+    pub(crate) tasks: TaskTracker,
+}
+
+impl<S> Clone for Runtime<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+            tasks: self.tasks.clone(),
+        }
+    }
+}
+
+impl<S: Store> Runtime<S> {
+    /// Releases the key after a temporary failure or a dropped attempt.
+    /// Answers what the record says now when the lease was lost (the
+    /// attempt was superseded or cancelled), so the attempt's client can
+    /// get that instead.
+    pub(crate) async fn release(&self, lease: &Lease) -> Option<Current> {
+        m::count(Counted::Released);
+        match store_call(&self.config, "release", self.store.release(lease)).await {
+            Ok(Release::Released) => None,
+            Ok(Release::Fenced(current)) => {
+                m::count(Counted::Fenced);
+                Some(current)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not release the reservation");
+                None
+            }
+        }
+    }
+}
 
 /// `now + bound`, saturating far in the future instead of overflowing.
 pub(crate) fn deadline_after(bound: Duration) -> tokio::time::Instant {

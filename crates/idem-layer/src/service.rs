@@ -16,7 +16,7 @@ use tower::Service;
 use tracing::Instrument;
 
 use crate::{
-    IdempotencyContext, IdempotencyLayer, InFlight, OnDisconnect, ResponseBody,
+    IdempotencyContext, InFlight, OnDisconnect, ResponseBody,
     answer::{cancelled, in_progress, replay_response},
     attempt::attempt,
     body::BoxError,
@@ -26,7 +26,8 @@ use crate::{
     normalize_path,
     problem::{ProblemCode, problem},
     runtime::{
-        deadline_after, operation_name, store_call, store_unavailable, wait_bound, wait_for_change,
+        Runtime, deadline_after, operation_name, store_call, store_unavailable, wait_bound,
+        wait_for_change,
     },
 };
 
@@ -38,14 +39,17 @@ use crate::{
 /// per scope at a time, and its stored outcome is replayed to duplicates.
 pub struct Idempotency<I, S> {
     inner: I,
-    layer: IdempotencyLayer<S>,
+    rt: Runtime<S>,
+    /// The configuration failed validation: protected requests are refused.
+    misconfigured: bool,
 }
 
 impl<I: Clone, S> Clone for Idempotency<I, S> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            layer: self.layer.clone(),
+            rt: self.rt.clone(),
+            misconfigured: self.misconfigured,
         }
     }
 }
@@ -59,8 +63,12 @@ impl<I: std::fmt::Debug, S> std::fmt::Debug for Idempotency<I, S> {
 }
 
 impl<I, S> Idempotency<I, S> {
-    pub(crate) fn new(inner: I, layer: IdempotencyLayer<S>) -> Self {
-        Self { inner, layer }
+    pub(crate) fn new(inner: I, rt: Runtime<S>, misconfigured: bool) -> Self {
+        Self {
+            inner,
+            rt,
+            misconfigured,
+        }
     }
 }
 
@@ -89,7 +97,7 @@ where
         // Take the service that was driven to readiness, leave a clone.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let methods = &self.layer.config.methods;
+        let methods = &self.rt.config.methods;
         if !methods.contains(request.method()) {
             let method = request.method().as_str();
             if methods
@@ -103,18 +111,25 @@ where
                     "the method {method:?} differs from a protected method only by case; send it in upper case"
                 );
                 let refusal = problem(ProblemCode::MethodCaseMismatch, &detail, None);
-                let refusal = self.layer.config.shape(refusal);
+                let refusal = self.rt.config.shape(refusal);
                 return Box::pin(async move { Ok(refusal) });
             }
             let future = inner.call(request);
             return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
         }
-        let layer = self.layer.clone();
-        if layer.config.shapes_problems() {
-            let config = Arc::clone(&layer.config);
-            return Box::pin(async move { Ok(config.shape(handle(layer, inner, request).await?)) });
+        if self.misconfigured {
+            m::count(Counted::Rejected);
+            let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
+            let refusal = problem(ProblemCode::Misconfigured, detail, None);
+            let refusal = self.rt.config.shape(refusal);
+            return Box::pin(async move { Ok(refusal) });
         }
-        Box::pin(handle(layer, inner, request))
+        let rt = self.rt.clone();
+        if rt.config.shapes_problems() {
+            let config = Arc::clone(&rt.config);
+            return Box::pin(async move { Ok(config.shape(handle(rt, inner, request).await?)) });
+        }
+        Box::pin(handle(rt, inner, request))
     }
 }
 
@@ -160,7 +175,7 @@ where
 }
 
 async fn handle<I, S, ReqBody, ResBody>(
-    layer: IdempotencyLayer<S>,
+    rt: Runtime<S>,
     inner: I,
     request: Request<ReqBody>,
 ) -> Result<Response<ResponseBody<ResBody>>, I::Error>
@@ -175,7 +190,7 @@ where
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let config = &layer.config;
+    let config = &rt.config;
     let key = match read_key(request.headers()) {
         Ok(Some(key)) => key,
         Ok(None) if config.require_key => {
@@ -224,7 +239,7 @@ where
         retention: config.retention,
     };
     let keyed = Keyed {
-        layer: layer.clone(),
+        rt: rt.clone(),
         inner,
         parts,
         body,
@@ -274,7 +289,7 @@ where
 
 /// A keyed request on its way through the state machine.
 struct Keyed<I, S, ReqBody> {
-    layer: IdempotencyLayer<S>,
+    rt: Runtime<S>,
     inner: I,
     parts: Parts,
     body: Bytes,
@@ -293,8 +308,8 @@ where
     ResBody::Error: Into<BoxError>,
 {
     async fn run(self) -> Result<Response<ResponseBody<ResBody>>, I::Error> {
-        let config = Arc::clone(&self.layer.config);
-        let store = Arc::clone(&self.layer.store);
+        let config = Arc::clone(&self.rt.config);
+        let store = Arc::clone(&self.rt.store);
         let deadline = match config.in_flight {
             InFlight::Wait(bound) => Some(deadline_after(bound)),
             InFlight::Reject => None,
@@ -357,7 +372,7 @@ where
         superseded: Option<Attempt>,
     ) -> Result<Response<ResponseBody<ResBody>>, I::Error> {
         let Keyed {
-            layer,
+            rt,
             inner,
             mut parts,
             body,
@@ -376,24 +391,24 @@ where
             superseded,
         });
         let request = Request::from_parts(parts, ReqBody::from(body));
-        match layer.config.on_disconnect {
+        match rt.config.on_disconnect {
             OnDisconnect::Detach => {
                 // The attempt runs inline while the client waits; if the
                 // client goes away, the unfinished attempt moves to a task
                 // of its own and its outcome is still recorded.
-                let tasks = layer.tasks.clone();
+                let tasks = rt.tasks.clone();
                 RunToCompletion::new(
-                    attempt(layer, inner, request, reserve, lease).in_current_span(),
+                    attempt(rt, inner, request, reserve, lease).in_current_span(),
                     tasks,
                 )
                 .await
             }
             OnDisconnect::Release => {
                 let guard = ReleaseOnDrop {
-                    layer: layer.clone(),
+                    rt: rt.clone(),
                     lease: Some(lease.clone()),
                 };
-                let result = attempt(layer, inner, request, reserve, lease).await;
+                let result = attempt(rt, inner, request, reserve, lease).await;
                 guard.disarm();
                 result
             }

@@ -641,23 +641,51 @@ async fn long_handler_keeps_its_lease() {
     assert_eq!(probe.calls(), 1);
 }
 
-#[test]
-fn retention_not_longer_than_lease_is_a_configuration_error() {
-    let layer = IdempotencyLayer::new(MemoryStore::new())
+#[tokio::test]
+async fn retention_not_longer_than_lease_is_a_configuration_error() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store)
         .lease(Duration::from_secs(30))
         .retention(Duration::from_secs(30));
     assert!(matches!(
         layer.validate(),
         Err(idem_layer::ConfigError::RetentionNotLongerThanLease { .. })
     ));
-    let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        layer.layer(tower::service_fn(|_: http::Request<()>| async {
-            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<
-                bytes::Bytes,
-            >::new()))
-        }))
-    }));
-    assert!(applied.is_err(), "applying an invalid layer fails at start");
+    // Applied anyway: no panic; protected requests are refused, keyed or
+    // not, and never run unprotected; other methods pass through.
+    let svc = service(&layer, &probe);
+    let keyed = send(&svc, order("k", r#"{"qty":1}"#)).await;
+    assert_eq!(keyed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(keyed.code().as_deref(), Some("idempotency_misconfigured"));
+    assert_eq!(keyed.content_type(), Some("application/problem+json"));
+    let keyless = send(&svc, post("/orders").tenant("t1").body("{}").build()).await;
+    assert_eq!(keyless.code().as_deref(), Some("idempotency_misconfigured"));
+    assert_eq!(probe.calls(), 0, "nothing ran");
+    let read = send(&svc, method(http::Method::GET, "/orders").build()).await;
+    assert_eq!(read.status, StatusCode::CREATED, "GET passes through");
+    assert_eq!(probe.calls(), 1);
+    assert!(store.is_empty(), "nothing was reserved");
+    // The command API refuses too.
+    let command = idem_layer::Command::new(
+        "t1",
+        "charge",
+        idem_layer::IdempotencyKey::parse(b"k").expect("key"),
+        &serde_json::json!({"amount": 1}),
+    )
+    .expect("command");
+    let ran = std::sync::atomic::AtomicBool::new(false);
+    let answer = layer
+        .run::<u32, String, _, _>(&command, |_| async {
+            ran.store(true, std::sync::atomic::Ordering::SeqCst);
+            Ok(1)
+        })
+        .await;
+    assert!(matches!(
+        answer,
+        Err(idem_layer::CommandError::Misconfigured(_))
+    ));
+    assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
     assert!(IdempotencyLayer::new(MemoryStore::new()).validate().is_ok());
 }
 
