@@ -97,6 +97,15 @@ async fn acquire<H: Harness>(h: &H, scope: &Scope, fp: u8) -> crate::Lease {
 }
 
 /// A body with every byte value, including NUL and invalid UTF-8.
+async fn complete<H: Harness>(h: &H, lease: &crate::Lease, outcome: &Outcome) -> Completion {
+    h.store().complete(lease, outcome).await.expect("complete")
+}
+
+/// Completes and checks the outcome was recorded.
+async fn recorded<H: Harness>(h: &H, lease: &crate::Lease, outcome: &Outcome) {
+    assert_eq!(complete(h, lease, outcome).await, Completion::Recorded);
+}
+
 fn binary_body() -> Vec<u8> {
     (0..=255u8).chain(0..=255u8).collect()
 }
@@ -129,13 +138,7 @@ pub async fn completed_replays_exact_response<H: Harness>(h: &H) {
     let scope = fresh_scope("replay");
     let lease = acquire(h, &scope, 1).await;
     let outcome = response(201, &binary_body());
-    assert_eq!(
-        h.store()
-            .complete(&lease, &outcome)
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &outcome).await;
     h.advance(Duration::from_millis(1500)).await;
     match reserve(h, &scope, 1).await {
         Reservation::Completed(replay) => {
@@ -164,13 +167,7 @@ pub async fn not_stored_outcome_is_kept<H: Harness>(h: &H) {
     let scope = fresh_scope("too-large");
     let lease = acquire(h, &scope, 1).await;
     let outcome = Outcome::NotStored { status: 200 };
-    assert_eq!(
-        h.store()
-            .complete(&lease, &outcome)
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &outcome).await;
     match reserve(h, &scope, 1).await {
         Reservation::Completed(replay) => assert_eq!(replay.outcome, outcome),
         other => panic!("expected Completed, got {other:?}"),
@@ -190,13 +187,7 @@ pub async fn conflict_leaves_record_untouched<H: Harness>(h: &H) {
     assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
     assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
     // completed
-    assert_eq!(
-        h.store()
-            .complete(&lease, &response(200, b"ok"))
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &response(200, b"ok")).await;
     let before = h.store().get(scope.hash()).await.expect("get");
     assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
     assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
@@ -272,13 +263,7 @@ pub async fn renewal_outlives_retention<H: Harness>(h: &H) {
         reserve(h, &scope, 1).await,
         Reservation::InProgress { .. }
     ));
-    assert_eq!(
-        h.store()
-            .complete(&lease, &response(200, b"late but fine"))
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &response(200, b"late but fine")).await;
 }
 
 /// A lapsed lease is taken over with generation + 1; the old attempt is
@@ -324,10 +309,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
         Renewal::Fenced(Current::Processing { .. })
     ));
     assert!(matches!(
-        h.store()
-            .complete(&first, &response(201, b"first"))
-            .await
-            .expect("complete"),
+        complete(h, &first, &response(201, b"first")).await,
         Completion::Fenced(Current::Processing { .. })
     ));
     let record = h
@@ -347,13 +329,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
     ));
     // The new owner's result wins, and the first attempt's later release is fenced too.
     let second_outcome = response(202, b"second");
-    assert_eq!(
-        h.store()
-            .complete(&second, &second_outcome)
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &second, &second_outcome).await;
     match h.store().release(&first).await.expect("release") {
         Release::Fenced(Current::Completed(replay)) => assert_eq!(replay.outcome, second_outcome),
         other => panic!("expected Fenced(Completed), got {other:?}"),
@@ -395,10 +371,7 @@ pub async fn wrong_token_is_fenced<H: Harness>(h: &H) {
         ..lease.clone()
     };
     assert!(matches!(
-        h.store()
-            .complete(&forged, &response(200, b"x"))
-            .await
-            .expect("complete"),
+        complete(h, &forged, &response(200, b"x")).await,
         Completion::Fenced(_)
     ));
     assert!(matches!(
@@ -409,13 +382,7 @@ pub async fn wrong_token_is_fenced<H: Harness>(h: &H) {
         h.store().renew(&forged).await.expect("renew"),
         Renewal::Fenced(_)
     ));
-    assert_eq!(
-        h.store()
-            .complete(&lease, &response(200, b"x"))
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &response(200, b"x")).await;
 }
 
 /// Release frees the key (any fingerprint); the next attempt gets the next
@@ -447,10 +414,7 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
     assert_eq!(record.attempts.len(), 2);
     // The released attempt can write nothing any more.
     assert!(matches!(
-        h.store()
-            .complete(&first, &response(200, b"late"))
-            .await
-            .expect("complete"),
+        complete(h, &first, &response(200, b"late")).await,
         Completion::Fenced(_)
     ));
 }
@@ -468,10 +432,7 @@ pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
         other => panic!("expected Cancelled, got {other:?}"),
     }
     assert_eq!(
-        h.store()
-            .complete(&lease, &response(201, b"done"))
-            .await
-            .expect("complete"),
+        complete(h, &lease, &response(201, b"done")).await,
         Completion::Fenced(Current::Cancelled)
     );
     assert!(matches!(
@@ -502,13 +463,7 @@ pub async fn cancel_after_completion_reports_outcome<H: Harness>(h: &H) {
     let scope = fresh_scope("cancel-late");
     let lease = acquire(h, &scope, 1).await;
     let outcome = response(201, b"created");
-    assert_eq!(
-        h.store()
-            .complete(&lease, &outcome)
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &outcome).await;
     match h.store().cancel(scope.hash()).await.expect("cancel") {
         Cancellation::AlreadyCompleted(record) => {
             assert_eq!(record.state, RecordState::Completed);
@@ -559,13 +514,7 @@ pub async fn cancel_released_is_not_found<H: Harness>(h: &H) {
 pub async fn expiry_after_retention<H: Harness>(h: &H) {
     let scope = fresh_scope("expire");
     let lease = acquire(h, &scope, 1).await;
-    assert_eq!(
-        h.store()
-            .complete(&lease, &response(200, b"old"))
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &response(200, b"old")).await;
     h.advance(h.retention() / 2).await;
     assert!(matches!(
         reserve(h, &scope, 1).await,
@@ -608,13 +557,7 @@ pub async fn tenants_are_isolated<H: Harness>(h: &H) {
     let a = fresh_scope("shared-key");
     let b = fresh_scope("shared-key");
     let lease = acquire(h, &a, 1).await;
-    assert_eq!(
-        h.store()
-            .complete(&lease, &response(201, b"a"))
-            .await
-            .expect("complete"),
-        Completion::Recorded
-    );
+    recorded(h, &lease, &response(201, b"a")).await;
     assert!(matches!(reserve(h, &b, 2).await, Reservation::Acquired(_)));
 }
 
@@ -657,10 +600,7 @@ pub async fn force_release_frees_a_stuck_key<H: Harness>(h: &H) {
         AttemptOutcome::ReleasedByOperator
     );
     assert!(matches!(
-        h.store()
-            .complete(&lease, &response(201, b"late"))
-            .await
-            .expect("complete"),
+        complete(h, &lease, &response(201, b"late")).await,
         Completion::Fenced(Current::Vacant)
     ));
     let next = acquire(h, &scope, 1).await;

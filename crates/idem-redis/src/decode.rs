@@ -309,27 +309,7 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
     if fields.contains_key("cur_id") {
         attempts.push(current_attempt(&fields, int(field("gen")?)?)?);
     }
-    // The compact layout derives what older records kept in fields of
-    // their own: creation is the first attempt's start until a second
-    // attempt begins, completion is the newest attempt's end, the last
-    // change is the later of its start and end.
-    let started = opt_int("cur_start")?;
-    let ended = match fields.get("cur_end").map(|v| text(v)).transpose()? {
-        Some(ended) if !ended.is_empty() => {
-            Some(ended.parse::<u64>().map_err(|_| corrupt("attempt end"))?)
-        }
-        _ => None,
-    };
-    let completed_at_ms = match opt_int("completed")? {
-        Some(at) => Some(at),
-        None if state == RecordState::Completed => ended,
-        None => None,
-    };
-    let updated_at_ms = [opt_int("updated")?, started, ended]
-        .into_iter()
-        .flatten()
-        .max()
-        .unwrap_or(0);
+    let times = times(&fields, state)?;
     Ok(Record {
         scope,
         tenant: decode_tenant(&fields)?,
@@ -343,12 +323,49 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
         lease_expires_at_ms: opt_int("lease_until")?.unwrap_or(0),
         lease_ms: opt_int("lease_ms")?.unwrap_or(0),
         retention_ms: opt_int("retention_ms")?.unwrap_or(0),
-        created_at_ms: opt_int("created")?.or(started).unwrap_or(0),
-        updated_at_ms,
-        completed_at_ms,
+        created_at_ms: times.created,
+        updated_at_ms: times.updated,
+        completed_at_ms: times.completed,
         expires_at_ms: opt_int("expires")?.unwrap_or(0),
         outcome,
         attempts,
+    })
+}
+
+/// A record's creation, last change and completion, in Unix ms.
+struct Times {
+    created: u64,
+    updated: u64,
+    completed: Option<u64>,
+}
+
+/// The compact layout derives what older records kept in fields of their
+/// own: creation is the first attempt's start until a second attempt
+/// begins, completion is the newest attempt's end, the last change is the
+/// later of its start and end. Fields of the older layout win.
+fn times(fields: &HashMap<String, &Value>, state: RecordState) -> Result<Times, StoreError> {
+    let opt_int = |name: &str| fields.get(name).map(|v| int(v)).transpose();
+    let started = opt_int("cur_start")?;
+    let ended = match fields.get("cur_end").map(|v| text(v)).transpose()? {
+        Some(ended) if !ended.is_empty() => {
+            Some(ended.parse::<u64>().map_err(|_| corrupt("attempt end"))?)
+        }
+        _ => None,
+    };
+    let completed = match opt_int("completed")? {
+        Some(at) => Some(at),
+        None if state == RecordState::Completed => ended,
+        None => None,
+    };
+    let updated = [opt_int("updated")?, started, ended]
+        .into_iter()
+        .flatten()
+        .max()
+        .unwrap_or(0);
+    Ok(Times {
+        created: opt_int("created")?.or(started).unwrap_or(0),
+        updated,
+        completed,
     })
 }
 

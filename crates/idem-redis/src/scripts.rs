@@ -3,6 +3,8 @@
 use redis::Script;
 
 pub(crate) const COMMON: &str = include_str!("lua/common.lua");
+/// The lease check of the scripts that end an attempt (complete, release).
+const FENCE: &str = include_str!("lua/fence.lua");
 
 /// The scripts, each prefixed with the shared functions.
 #[derive(Debug)]
@@ -20,11 +22,12 @@ pub(crate) struct Scripts {
 impl Scripts {
     pub(crate) fn new() -> Self {
         let script = |body: &str| Script::new(&format!("{COMMON}\n{body}"));
+        let fenced = |body: &str| Script::new(&format!("{COMMON}\n{FENCE}\n{body}"));
         Self {
             reserve: script(include_str!("lua/reserve.lua")),
             renew: script(include_str!("lua/renew.lua")),
-            complete: script(include_str!("lua/complete.lua")),
-            release: script(include_str!("lua/release.lua")),
+            complete: fenced(include_str!("lua/complete.lua")),
+            release: fenced(include_str!("lua/release.lua")),
             cancel: script(include_str!("lua/cancel.lua")),
             get: script(include_str!("lua/get.lua")),
             abandon: script(include_str!("lua/abandon.lua")),

@@ -1,20 +1,9 @@
 -- ARGV: generation, owner token, attempt id, status, stored ('1' or '0'),
 --       encoded headers, body, notify ('1' to publish)
 local status = ARGV[4]
-local state, expires, gen, owner =
-  unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
-if not live(state, expires) then
-  return {'vacant'}
-end
-if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
-  local cur_id, cur_outcome = unpack(redis.call('HMGET', record, 'cur_id', 'cur_outcome'))
-  if state == 'completed' and gen == ARGV[1] and cur_id == ARGV[3] and cur_outcome == 'completed' then
-    -- A retry of this very completion whose reply was lost.
-    return {'recorded'}
-  end
-  local helpers = rare()
-  helpers.keep_evidence(ARGV[3], 'completed:' .. status .. ':' .. now)
-  return helpers.current(state)
+local reply, expires = fenced('completed', status)
+if reply then
+  return reply
 end
 -- Retention counts from the reservation: the expiry stays as it is.
 local headers, body = ARGV[6], ARGV[7]
