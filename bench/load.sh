@@ -61,33 +61,9 @@ for port in 38080 38081; do
   done
 done
 
-cat >"$work/post.lua" <<'LUA'
--- A fresh key per request: start time, thread number, then a counter.
-local counter = 0
-local threads = 0
-local started = os.time()
-function setup(thread)
-  threads = threads + 1
-  thread:set("prefix", started .. "-" .. threads)
-end
-function request()
-  counter = counter + 1
-  return wrk.format("POST", "/orders", {
-    ["Content-Type"] = "application/json",
-    ["Authorization"] = "Bearer load-test",
-    ["Idempotency-Key"] = prefix .. "-" .. counter,
-  }, '{"sku":"book-42","qty":1,"note":"load test"}')
-end
-function done(summary, latency, requests)
-  io.write(string.format("RESULT %.0f %.3f %d\n",
-    summary.requests / (summary.duration / 1e6),
-    latency:percentile(99) / 1000,
-    summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))
-end
-LUA
 
 run() { # port -> "rps p99ms errors"
-  wrk -t2 -c"$connections" -d"${seconds}s" --latency -s "$work/post.lua" "http://127.0.0.1:$1" | awk '/^RESULT/ {print $2, $3, $4}'
+  wrk -t2 -c"$connections" -d"${seconds}s" --latency -s bench/fresh_keys.lua "http://127.0.0.1:$1" | awk '/^RESULT/ {print $3, $4, $5}'
 }
 
 printf '%-6s %12s %10s %12s %10s %8s %10s\n' round bare_rps bare_p99 layer_rps layer_p99 ratio records

@@ -74,33 +74,8 @@ wait_port "$up"; wait_port "$protected"; wait_port "$bare"
 
 # Fresh-key POSTs over 64 connections for a while; prints
 # "requests rps p99ms errors".
-cat >"$work/post.lua" <<'LUA'
-local counter, prefix = 0, ""
-local threads, started = {}, os.time() .. "-" .. math.random(1e9)
-function setup(thread)
-  table.insert(threads, thread)
-  thread:set("id", #threads)
-end
-function init(args)
-  prefix = started .. "-" .. id .. "-" .. args[1]
-end
-function request()
-  counter = counter + 1
-  return wrk.format("POST", "/orders", {
-    ["Content-Type"] = "application/json",
-    ["Authorization"] = "Bearer records-bench",
-    ["Idempotency-Key"] = prefix .. "-" .. counter,
-  }, '{"sku":"book-42","qty":1,"note":"records bench"}')
-end
-function done(summary, latency, requests)
-  local errors = summary.errors.status + summary.errors.connect + summary.errors.read
-    + summary.errors.write + summary.errors.timeout
-  io.write(string.format("RESULT %d %.0f %.3f %d\n", summary.requests - errors,
-    summary.requests / (summary.duration / 1e6), latency:percentile(99) / 1000, errors))
-end
-LUA
 send() { # port seconds tag -> "answered rps p99 errors"
-  wrk -t2 -c64 -d"$2s" --latency -s "$work/post.lua" "http://127.0.0.1:$1" -- "$3" |
+  wrk -t2 -c64 -d"$2s" --latency -s bench/fresh_keys.lua "http://127.0.0.1:$1" -- "$3" |
     awk '/^RESULT/ {print $2, $3, $4, $5}'
 }
 

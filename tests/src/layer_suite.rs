@@ -176,11 +176,10 @@ impl App {
 
     /// Waits (at most 20 s) until a handler has started.
     pub async fn wait_until_running(&self) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while self.runs() == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "no handler started");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        crate::wait_until(Duration::from_secs(20), "a handler to start", async || {
+            self.runs() > 0
+        })
+        .await;
     }
 
     async fn call(&self, request: Request<axum::body::Body>) -> Answer {
@@ -450,15 +449,12 @@ pub async fn lapsed_lease_is_taken_over<S: Store>(store: S) {
     };
     let busy = app.post("/ctx", "t", "{}").await;
     assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let taken = loop {
-        let answer = app.post("/ctx", "t", "{}").await;
-        if answer.status != StatusCode::CONFLICT {
-            break answer;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never taken over");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let taken = crate::poll_until(
+        Duration::from_secs(20),
+        async || app.post("/ctx", "t", "{}").await,
+        |answer| answer.status != StatusCode::CONFLICT,
+    )
+    .await;
     assert_eq!(taken.status, StatusCode::OK);
     assert_eq!(
         std::str::from_utf8(&taken.body).expect("utf8"),

@@ -236,14 +236,14 @@ async fn a_master_killed_under_load_fails_over_without_a_second_execution() {
     }
     // Health said so during the outage, and is whole again.
     assert!(saw_unhealthy, "/healthz never reported the lost slots");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let now = health().await;
-        if now.status == StatusCode::OK {
-            assert!(String::from_utf8_lossy(&now.body).contains("16384/16384"));
-            break;
-        }
-        assert!(Instant::now() < deadline, "health never came back: {now:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let now = idem_tests::poll_until(Duration::from_secs(20), health, |now| {
+        now.status == StatusCode::OK
+    })
+    .await;
+    assert_eq!(
+        now.status,
+        StatusCode::OK,
+        "health never came back: {now:?}"
+    );
+    assert!(String::from_utf8_lossy(&now.body).contains("16384/16384"));
 }

@@ -10,10 +10,11 @@ use http::{Method, Request, StatusCode};
 use http_body_util::Full;
 use idem_gateway::{Config, Started};
 use idem_tests::{
-    Reply, TestServer, client,
+    Reply, TestServer, client, poll_until,
     redis_server::{RedisCluster, RedisServer},
     send,
     upstream::Upstream,
+    wait_until,
 };
 
 struct Gateway {
@@ -294,18 +295,12 @@ async fn client_disconnect_records_the_outcome(flags: &[&str]) {
     socket.shutdown().await.expect("shutdown");
     drop(socket);
     upstream.gate.add_permits(1);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let retry = loop {
-        let reply = post(&gw, "/slow", "d1", "{}").await;
-        if reply.status != StatusCode::CONFLICT {
-            break reply;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the detached request never completed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || post(&gw, "/slow", "d1", "{}").await,
+        |reply| reply.status != StatusCode::CONFLICT,
+    )
+    .await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed(), "the retry is replayed, not re-executed");
     assert_eq!(upstream.runs(), 1);
@@ -518,14 +513,12 @@ async fn redis_paused_is_503_within_the_timeout_and_upstream_untouched() {
     redis.resume();
     // Recovery: the key that got 503 is free and runs once, well within
     // its 30 s lease; the earlier keys replay.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let recovered = loop {
-        let reply = post(&gw, "/orders", "during", "{}").await;
-        if reply.status == StatusCode::CREATED || Instant::now() >= deadline {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let recovered = poll_until(
+        Duration::from_secs(10),
+        async || post(&gw, "/orders", "during", "{}").await,
+        |reply| reply.status == StatusCode::CREATED,
+    )
+    .await;
     assert_eq!(
         recovered.status,
         StatusCode::CREATED,
@@ -565,11 +558,12 @@ async fn two_gateways_on_one_redis_execute_once() {
     }
     upstream.wait_runs(1).await;
     // The 19 duplicates are answered (409) while the one execution is held.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while tasks.iter().filter(|t| t.is_finished()).count() < 19 {
-        assert!(Instant::now() < deadline, "duplicates not answered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "19 duplicates answered",
+        async || tasks.iter().filter(|t| t.is_finished()).count() >= 19,
+    )
+    .await;
     upstream.gate.add_permits(1);
     for task in tasks {
         let status = task.await.expect("join").status;

@@ -14,7 +14,7 @@ use std::{
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
-use idem_tests::{Reply, TestServer, client, send, start_gateway, upstream::Upstream};
+use idem_tests::{Reply, TestServer, client, poll_until, send, start_gateway, upstream::Upstream};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpListener,
@@ -42,21 +42,6 @@ async fn post(gateway: SocketAddr, path: &str, key: &str) -> Reply {
 }
 
 /// Retries `attempt` every 50 ms until `done` holds, for at most `within`.
-async fn until(
-    within: Duration,
-    mut attempt: impl AsyncFnMut() -> Reply,
-    done: impl Fn(&Reply) -> bool,
-) -> Reply {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let reply = attempt().await;
-        if done(&reply) || tokio::time::Instant::now() >= deadline {
-            return reply;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// The upstream takes longer than the gateway waits: the client gets 504,
 /// retries get 409 (no second execution while the first may still run),
 /// and when the upstream's answer arrives it is recorded and replayed.
@@ -79,7 +64,7 @@ async fn an_upstream_timeout_keeps_the_key_and_records_the_late_answer() {
     }
     assert_eq!(upstream.runs(), 1);
     upstream.gate.add_permits(1);
-    let replay = until(
+    let replay = poll_until(
         Duration::from_secs(10),
         async || post(gateway.addr, "/slow", "late-1").await,
         Reply::replayed,
@@ -116,7 +101,7 @@ async fn an_upstream_that_never_answers_is_taken_over_after_the_lease() {
     let busy = post(gateway.addr, "/slow", "never-1").await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
     // After the lease (measured by the store), a retry takes over.
-    let takeover = until(
+    let takeover = poll_until(
         Duration::from_secs(10),
         async || post(gateway.addr, "/slow", "never-1").await,
         |r| r.status != StatusCode::CONFLICT,

@@ -114,18 +114,14 @@ async fn the_background_sweep_deletes_expired_records() {
         .reserve(&request("soon-gone", short, short))
         .await
         .expect("reserve");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
+    idem_tests::wait_until(Duration::from_secs(20), "the sweep", async || {
         let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_records")
             .fetch_one(store.pool())
             .await
             .expect("count");
-        if left == 0 {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never swept");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        left == 0
+    })
+    .await;
 }
 
 /// The schema file users apply by hand is what `migrate` runs, and

@@ -185,23 +185,23 @@ async fn an_operator_finds_and_releases_a_stuck_record() {
     );
 
     // The gauge counts the processing record whose lease lapsed.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let metrics = send(
-            &client(),
-            Request::get(format!("{base}/metrics"))
-                .body(Full::new(Bytes::new()))
-                .expect("request"),
-        )
-        .await;
-        let text = String::from_utf8_lossy(&metrics.body).into_owned();
-        if text.contains("idem_records_lapsed 1") {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no lapsed gauge in:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let text = idem_tests::poll_until(
+        Duration::from_secs(20),
+        async || {
+            let metrics = send(
+                &client(),
+                Request::get(format!("{base}/metrics"))
+                    .body(Full::new(Bytes::new()))
+                    .expect("request"),
+            )
+            .await;
+            String::from_utf8_lossy(&metrics.body).into_owned()
+        },
+        |text| text.contains("idem_records_lapsed 1"),
+    )
+    .await;
+    assert!(
+        text.contains("idem_records_lapsed 1"),
+        "no lapsed gauge in:\n{text}"
+    );
 }

@@ -286,11 +286,12 @@ async fn a_late_completion_on_a_lost_record_makes_it_again() {
     assert_eq!(first.status, StatusCode::CREATED);
     redis.resume();
     // The background completion makes the record again.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while redis.cli(&["HGET", &record, "state"]).trim() != "completed" {
-        assert!(tokio::time::Instant::now() < deadline, "never made again");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    idem_tests::wait_until(
+        Duration::from_secs(20),
+        "the record to be made again",
+        async || redis.cli(&["HGET", &record, "state"]).trim() == "completed",
+    )
+    .await;
     let replay = send(&client(), slow()).await;
     assert!(replay.replayed(), "{replay:?}");
     assert_eq!(replay.body, first.body);

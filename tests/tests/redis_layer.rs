@@ -20,7 +20,7 @@ use idem_core::{
 };
 use idem_layer::{IdempotencyLayer, InFlight, TenantFromHeader};
 use idem_redis::RedisStore;
-use idem_tests::redis_server::RedisServer;
+use idem_tests::{poll_until, redis_server::RedisServer, wait_until};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
@@ -139,14 +139,6 @@ fn round_trips_since(
 }
 
 /// Waits (at most 30 s) until `ready` holds.
-async fn until(what: &str, mut ready: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// A duplicate waiting for a running request costs Redis no command while
 /// it waits: it subscribes to the record's channel, reads its state once,
 /// and is woken by the completing script's notification. (Polling every
@@ -167,20 +159,26 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits() {
     app.runs.store(0, Ordering::SeqCst);
     let router = app.router.clone();
     let first = tokio::spawn(async move { call(&router, "/slow", "waited-on", "{}").await });
-    until("the first request to run", || {
-        app.runs.load(Ordering::SeqCst) == 1
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "the first request to run",
+        async || app.runs.load(Ordering::SeqCst) == 1,
+    )
     .await;
 
     let before = server.command_stats();
     let router = app.router.clone();
     let second = tokio::spawn(async move { call(&router, "/slow", "waited-on", "{}").await });
-    until("the duplicate to subscribe", || {
-        !server
-            .cli(&["PUBSUB", "CHANNELS", "idem:*"])
-            .trim()
-            .is_empty()
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "the duplicate to subscribe",
+        async || {
+            !server
+                .cli(&["PUBSUB", "CHANNELS", "idem:*"])
+                .trim()
+                .is_empty()
+        },
+    )
     .await;
     let waiting = server.command_stats();
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -215,12 +213,16 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits() {
         "{} reservations",
         delta(&before, &end, "evalsha")
     );
-    until("the channel to be unsubscribed", || {
-        server
-            .cli(&["PUBSUB", "CHANNELS", "idem:*"])
-            .trim()
-            .is_empty()
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "the channel to be unsubscribed",
+        async || {
+            server
+                .cli(&["PUBSUB", "CHANNELS", "idem:*"])
+                .trim()
+                .is_empty()
+        },
+    )
     .await;
 }
 
@@ -401,18 +403,12 @@ async fn paused_redis_answers_503_within_the_timeout_and_recovers() {
     // hold the key for its whole 30 s lease with nobody running it: the
     // store frees it by its owner token, and the retry runs well within the
     // lease.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut last = None;
-    while Instant::now() < deadline {
-        let reply = call(&app.router, "/orders", "during", "{}").await;
-        if reply.status == StatusCode::CREATED {
-            last = Some(reply);
-            break;
-        }
-        last = Some(reply);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let last = last.expect("an answer");
+    let last = poll_until(
+        Duration::from_secs(10),
+        async || call(&app.router, "/orders", "during", "{}").await,
+        |reply| reply.status == StatusCode::CREATED,
+    )
+    .await;
     assert_eq!(
         last.status,
         StatusCode::CREATED,
@@ -569,14 +565,16 @@ async fn wait_for_replicas_refuses_a_reservation_no_replica_has() {
     let Some(_replica) = RedisServer::spawn_with(&["--replicaof", "127.0.0.1", &port]) else {
         return;
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !primary
-        .cli(&["INFO", "replication"])
-        .contains("state=online")
-    {
-        assert!(Instant::now() < deadline, "the replica did not come online");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the replica to come online",
+        async || {
+            primary
+                .cli(&["INFO", "replication"])
+                .contains("state=online")
+        },
+    )
+    .await;
     let store = RedisStore::builder(&primary.url())
         .wait_for_replicas(1, Duration::from_secs(2))
         .build()

@@ -78,6 +78,55 @@ pub fn push_hex(out: &mut String, bytes: &[u8]) {
     }
 }
 
+/// The methods and formatting shared by the 32-byte digests: raw bytes in
+/// and out, lower-case hex out (`Display`, `Debug`).
+macro_rules! digest_type {
+    ($name:ident, $debug:literal) => {
+        impl $name {
+            /// Wraps raw digest bytes.
+            pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+                Self(bytes)
+            }
+
+            /// The raw digest bytes.
+            pub const fn as_bytes(&self) -> &[u8; 32] {
+                &self.0
+            }
+
+            /// Lower-case hex, 64 characters.
+            pub fn to_hex(&self) -> String {
+                let mut out = String::with_capacity(64);
+                push_hex(&mut out, &self.0);
+                out
+            }
+
+            /// Appends the lower-case hex (64 characters) to `out`.
+            pub fn write_hex(&self, out: &mut String) {
+                push_hex(out, &self.0);
+            }
+
+            /// Parses 64 hex characters.
+            pub fn from_hex(text: &str) -> Option<Self> {
+                let mut bytes = [0u8; 32];
+                hex::decode_to_slice(text, &mut bytes).ok()?;
+                Some(Self(bytes))
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.to_hex())
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($debug, "({})"), self.to_hex())
+            }
+        }
+    };
+}
+
 /// SHA-256 of a scope's three parts, each length-prefixed, so that no key can
 /// collide with or reach into another tenant's records or the store's key
 /// syntax.
@@ -95,40 +144,6 @@ impl ScopeHash {
         }
         Self(hasher.finalize().into())
     }
-
-    /// Wraps raw hash bytes.
-    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
-        Self(bytes)
-    }
-
-    /// The raw hash bytes.
-    pub const fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
-    }
-
-    /// Lower-case hex, 64 characters.
-    pub fn to_hex(&self) -> String {
-        let mut out = String::with_capacity(64);
-        push_hex(&mut out, &self.0);
-        out
-    }
-
-    /// Appends the lower-case hex (64 characters) to `out`.
-    pub fn write_hex(&self, out: &mut String) {
-        push_hex(out, &self.0);
-    }
-}
-
-impl fmt::Display for ScopeHash {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_hex())
-    }
-}
-
-impl fmt::Debug for ScopeHash {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ScopeHash({})", self.to_hex())
-    }
 }
 
 /// SHA-256 over what makes two requests "the same request" (see the layer's
@@ -136,43 +151,8 @@ impl fmt::Debug for ScopeHash {
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
-impl Fingerprint {
-    /// Wraps raw digest bytes.
-    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
-        Self(bytes)
-    }
-
-    /// The raw digest bytes.
-    pub const fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
-    }
-
-    /// Lower-case hex, 64 characters.
-    pub fn to_hex(&self) -> String {
-        let mut out = String::with_capacity(64);
-        push_hex(&mut out, &self.0);
-        out
-    }
-
-    /// Parses 64 hex characters.
-    pub fn from_hex(text: &str) -> Option<Self> {
-        let mut bytes = [0u8; 32];
-        hex::decode_to_slice(text, &mut bytes).ok()?;
-        Some(Self(bytes))
-    }
-}
-
-impl fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", self.to_hex())
-    }
-}
-
-impl fmt::Display for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_hex())
-    }
-}
+digest_type!(ScopeHash, "ScopeHash");
+digest_type!(Fingerprint, "Fingerprint");
 
 #[cfg(test)]
 mod tests {
