@@ -97,6 +97,31 @@ async fn acquire<H: Harness>(h: &H, scope: &Scope, fp: u8) -> crate::Lease {
 }
 
 /// A body with every byte value, including NUL and invalid UTF-8.
+/// Reserves and checks the answer's kind: `expect_reservation!(h, &scope,
+/// fingerprint, Reservation::Acquired(_))`.
+macro_rules! expect_reservation {
+    ($h:expr, $scope:expr, $fp:expr, $pattern:pat) => {{
+        let answer = reserve($h, $scope, $fp).await;
+        assert!(matches!(answer, $pattern), "{answer:?}");
+    }};
+}
+
+async fn release<H: Harness>(h: &H, lease: &crate::Lease) -> crate::Release {
+    h.store().release(lease).await.expect("release")
+}
+
+async fn renew<H: Harness>(h: &H, lease: &crate::Lease) -> crate::Renewal {
+    h.store().renew(lease).await.expect("renew")
+}
+
+async fn cancel<H: Harness>(h: &H, scope: &crate::ScopeHash) -> crate::Cancellation {
+    h.store().cancel(scope).await.expect("cancel")
+}
+
+async fn get<H: Harness>(h: &H, scope: &crate::ScopeHash) -> Option<crate::Record> {
+    h.store().get(scope).await.expect("get")
+}
+
 async fn complete<H: Harness>(h: &H, lease: &crate::Lease, outcome: &Outcome) -> Completion {
     h.store().complete(lease, outcome).await.expect("complete")
 }
@@ -179,28 +204,28 @@ pub async fn conflict_leaves_record_untouched<H: Harness>(h: &H) {
     // processing
     let scope = fresh_scope("conflict");
     let lease = acquire(h, &scope, 1).await;
-    let before = h.store().get(scope.hash()).await.expect("get");
+    let before = get(h, scope.hash()).await;
     assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
-    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+    assert_eq!(get(h, scope.hash()).await, before);
     // processing, lease lapsed: still a conflict, no takeover
     h.advance(h.lease() + Duration::from_millis(100)).await;
     assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
-    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+    assert_eq!(get(h, scope.hash()).await, before);
     // completed
     recorded(h, &lease, &response(200, b"ok")).await;
-    let before = h.store().get(scope.hash()).await.expect("get");
+    let before = get(h, scope.hash()).await;
     assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
-    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+    assert_eq!(get(h, scope.hash()).await, before);
     // cancelled
     let scope = fresh_scope("conflict-cancelled");
     let _lease = acquire(h, &scope, 1).await;
     assert!(matches!(
-        h.store().cancel(scope.hash()).await.expect("cancel"),
+        cancel(h, scope.hash()).await,
         Cancellation::Cancelled(_)
     ));
-    let before = h.store().get(scope.hash()).await.expect("get");
+    let before = get(h, scope.hash()).await;
     assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
-    assert_eq!(h.store().get(scope.hash()).await.expect("get"), before);
+    assert_eq!(get(h, scope.hash()).await, before);
 }
 
 /// A live lease answers in progress with the time left on it.
@@ -232,10 +257,7 @@ pub async fn renew_extends_lease<H: Harness>(h: &H) {
     let scope = fresh_scope("renew");
     let lease = acquire(h, &scope, 1).await;
     h.advance(h.lease() * 2 / 3).await;
-    assert_eq!(
-        h.store().renew(&lease).await.expect("renew"),
-        Renewal::Renewed
-    );
+    assert_eq!(renew(h, &lease).await, Renewal::Renewed);
     h.advance(h.lease() * 2 / 3).await;
     assert!(
         matches!(reserve(h, &scope, 1).await, Reservation::InProgress { .. }),
@@ -254,15 +276,12 @@ pub async fn renewal_outlives_retention<H: Harness>(h: &H) {
         h.advance(step).await;
         elapsed += step;
         assert_eq!(
-            h.store().renew(&lease).await.expect("renew"),
+            renew(h, &lease).await,
             Renewal::Renewed,
             "after {elapsed:?}"
         );
     }
-    assert!(matches!(
-        reserve(h, &scope, 1).await,
-        Reservation::InProgress { .. }
-    ));
+    expect_reservation!(h, &scope, 1, Reservation::InProgress { .. });
     recorded(h, &lease, &response(200, b"late but fine")).await;
 }
 
@@ -305,7 +324,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
         panic!("expected TakenOver");
     };
     assert!(matches!(
-        h.store().renew(&first).await.expect("renew"),
+        renew(h, &first).await,
         Renewal::Fenced(Current::Processing { .. })
     ));
     assert!(matches!(
@@ -330,7 +349,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
     // The new owner's result wins, and the first attempt's later release is fenced too.
     let second_outcome = response(202, b"second");
     recorded(h, &second, &second_outcome).await;
-    match h.store().release(&first).await.expect("release") {
+    match release(h, &first).await {
         Release::Fenced(Current::Completed(replay)) => assert_eq!(replay.outcome, second_outcome),
         other => panic!("expected Fenced(Completed), got {other:?}"),
     }
@@ -374,14 +393,8 @@ pub async fn wrong_token_is_fenced<H: Harness>(h: &H) {
         complete(h, &forged, &response(200, b"x")).await,
         Completion::Fenced(_)
     ));
-    assert!(matches!(
-        h.store().release(&forged).await.expect("release"),
-        Release::Fenced(_)
-    ));
-    assert!(matches!(
-        h.store().renew(&forged).await.expect("renew"),
-        Renewal::Fenced(_)
-    ));
+    assert!(matches!(release(h, &forged).await, Release::Fenced(_)));
+    assert!(matches!(renew(h, &forged).await, Renewal::Fenced(_)));
     recorded(h, &lease, &response(200, b"x")).await;
 }
 
@@ -390,10 +403,7 @@ pub async fn wrong_token_is_fenced<H: Harness>(h: &H) {
 pub async fn release_frees_key<H: Harness>(h: &H) {
     let scope = fresh_scope("release");
     let first = acquire(h, &scope, 1).await;
-    assert_eq!(
-        h.store().release(&first).await.expect("release"),
-        Release::Released
-    );
+    assert_eq!(release(h, &first).await, Release::Released);
     let record = h
         .store()
         .get(scope.hash())
@@ -424,7 +434,7 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
 pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
     let scope = fresh_scope("cancel");
     let lease = acquire(h, &scope, 1).await;
-    match h.store().cancel(scope.hash()).await.expect("cancel") {
+    match cancel(h, scope.hash()).await {
         Cancellation::Cancelled(record) => {
             assert_eq!(record.state, RecordState::Cancelled);
             assert_eq!(record.attempts[0].outcome, AttemptOutcome::Cancelled);
@@ -436,7 +446,7 @@ pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
         Completion::Fenced(Current::Cancelled)
     );
     assert!(matches!(
-        h.store().renew(&lease).await.expect("renew"),
+        renew(h, &lease).await,
         Renewal::Fenced(Current::Cancelled)
     ));
     assert_eq!(reserve(h, &scope, 1).await, Reservation::Cancelled);
@@ -453,7 +463,7 @@ pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
         Some(LateEvidence::Completed { status: 201, .. })
     ));
     assert!(matches!(
-        h.store().cancel(scope.hash()).await.expect("cancel"),
+        cancel(h, scope.hash()).await,
         Cancellation::AlreadyCancelled(_)
     ));
 }
@@ -464,31 +474,22 @@ pub async fn cancel_after_completion_reports_outcome<H: Harness>(h: &H) {
     let lease = acquire(h, &scope, 1).await;
     let outcome = response(201, b"created");
     recorded(h, &lease, &outcome).await;
-    match h.store().cancel(scope.hash()).await.expect("cancel") {
+    match cancel(h, scope.hash()).await {
         Cancellation::AlreadyCompleted(record) => {
             assert_eq!(record.state, RecordState::Completed);
             assert_eq!(record.outcome, Some(outcome.clone()));
         }
         other => panic!("expected AlreadyCompleted, got {other:?}"),
     }
-    assert!(matches!(
-        reserve(h, &scope, 1).await,
-        Reservation::Completed(_)
-    ));
+    expect_reservation!(h, &scope, 1, Reservation::Completed(_));
 }
 
 /// Cancel of an absent scope is not found and creates nothing.
 pub async fn cancel_absent_is_not_found<H: Harness>(h: &H) {
     let scope = fresh_scope("nothing");
-    assert_eq!(
-        h.store().cancel(scope.hash()).await.expect("cancel"),
-        Cancellation::NotFound
-    );
-    assert_eq!(h.store().get(scope.hash()).await.expect("get"), None);
-    assert!(matches!(
-        reserve(h, &scope, 1).await,
-        Reservation::Acquired(_)
-    ));
+    assert_eq!(cancel(h, scope.hash()).await, Cancellation::NotFound);
+    assert_eq!(get(h, scope.hash()).await, None);
+    expect_reservation!(h, &scope, 1, Reservation::Acquired(_));
 }
 
 /// A released record is vacant: cancel finds nothing, and the key stays
@@ -496,18 +497,9 @@ pub async fn cancel_absent_is_not_found<H: Harness>(h: &H) {
 pub async fn cancel_released_is_not_found<H: Harness>(h: &H) {
     let scope = fresh_scope("released-cancel");
     let lease = acquire(h, &scope, 1).await;
-    assert_eq!(
-        h.store().release(&lease).await.expect("release"),
-        Release::Released
-    );
-    assert_eq!(
-        h.store().cancel(scope.hash()).await.expect("cancel"),
-        Cancellation::NotFound
-    );
-    assert!(matches!(
-        reserve(h, &scope, 2).await,
-        Reservation::Acquired(_)
-    ));
+    assert_eq!(release(h, &lease).await, Release::Released);
+    assert_eq!(cancel(h, scope.hash()).await, Cancellation::NotFound);
+    expect_reservation!(h, &scope, 2, Reservation::Acquired(_));
 }
 
 /// After the retention window the key is new again.
@@ -516,13 +508,10 @@ pub async fn expiry_after_retention<H: Harness>(h: &H) {
     let lease = acquire(h, &scope, 1).await;
     recorded(h, &lease, &response(200, b"old")).await;
     h.advance(h.retention() / 2).await;
-    assert!(matches!(
-        reserve(h, &scope, 1).await,
-        Reservation::Completed(_)
-    ));
+    expect_reservation!(h, &scope, 1, Reservation::Completed(_));
     h.advance(h.retention() / 2 + Duration::from_millis(300))
         .await;
-    assert_eq!(h.store().get(scope.hash()).await.expect("get"), None);
+    assert_eq!(get(h, scope.hash()).await, None);
     let lease = acquire(h, &scope, 2).await;
     assert_eq!(lease.generation, 1, "an expired record is forgotten");
 }
@@ -533,10 +522,7 @@ pub async fn attempt_history_is_bounded<H: Harness>(h: &H) {
     let mut last = None;
     for _ in 0..ATTEMPT_HISTORY + 3 {
         let lease = acquire(h, &scope, 1).await;
-        assert_eq!(
-            h.store().release(&lease).await.expect("release"),
-            Release::Released
-        );
+        assert_eq!(release(h, &lease).await, Release::Released);
         last = Some(lease);
     }
     let last = last.expect("at least one attempt");
@@ -558,7 +544,7 @@ pub async fn tenants_are_isolated<H: Harness>(h: &H) {
     let b = fresh_scope("shared-key");
     let lease = acquire(h, &a, 1).await;
     recorded(h, &lease, &response(201, b"a")).await;
-    assert!(matches!(reserve(h, &b, 2).await, Reservation::Acquired(_)));
+    expect_reservation!(h, &b, 2, Reservation::Acquired(_));
 }
 
 /// Many concurrent reservations of one scope: exactly one acquires.

@@ -129,11 +129,10 @@ async fn superseded_attempts_client_gets_the_records_answer_on_failure() {
     // `/slow` waits at the gate; the gate's permits come after the cancel.
     let first = tokio::spawn(send(&service, order_to("/slow", "sup-1")));
     wait_calls(&probe, 1).await;
-    let cancel = send(
+    let cancel = records_call(
         &records,
-        method(Method::DELETE, "/records?method=POST&path=/slow&key=sup-1")
-            .tenant("t1")
-            .build(),
+        Method::DELETE,
+        "/records?method=POST&path=/slow&key=sup-1",
     )
     .await;
     assert_eq!(cancel.status, StatusCode::OK);

@@ -20,12 +20,10 @@ async fn hundred_concurrent_duplicates_execute_once_reject_mode() {
         let answers = answers.clone();
         // A combinator rather than an async block: the compiler proves the
         // layer's future `Send` here without higher-ranked trouble.
-        let reply = futures_util::FutureExt::map(
-            send(&svc, post("/slow").key("same").tenant("t1").build()),
-            move |answer| {
+        let reply =
+            futures_util::FutureExt::map(send(&svc, keyed("/slow", "same")), move |answer| {
                 let _ = answers.send(answer.status);
-            },
-        );
+            });
         tokio::spawn(reply);
     }
     // While the one execution is held, all 99 duplicates are answered 409.
@@ -45,7 +43,7 @@ async fn hundred_concurrent_duplicates_execute_once_wait_mode() {
     let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(10)));
     let svc = service(&layer, &probe);
     let tasks: Vec<_> = (0..100)
-        .map(|_| tokio::spawn(send(&svc, post("/slow").key("same").tenant("t1").build())))
+        .map(|_| tokio::spawn(send(&svc, keyed("/slow", "same"))))
         .collect();
     wait_calls(&probe, 1).await;
     // Every duplicate is waiting for the outcome before it exists, so the
@@ -83,13 +81,10 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
     let probe = Probe::default();
     let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(2)));
     let svc = service(&layer, &probe);
-    let first = tokio::spawn(
-        svc.clone()
-            .oneshot(post("/slow").key("k").tenant("t1").build()),
-    );
+    let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
     let started = tokio::time::Instant::now();
-    let waited = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    let waited = send(&svc, keyed("/slow", "k")).await;
     assert_eq!(waited.code().as_deref(), Some("idempotency_in_progress"));
     let elapsed = started.elapsed();
     assert!(
@@ -109,9 +104,7 @@ async fn disconnect_in_detach_mode_records_the_outcome() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store), &probe);
-    let request = svc
-        .clone()
-        .oneshot(post("/slow").key("k").tenant("t1").build());
+    let request = svc.clone().oneshot(keyed("/slow", "k"));
     let client = tokio::spawn(request);
     wait_calls(&probe, 1).await;
     client.abort(); // the client disconnects
@@ -120,7 +113,7 @@ async fn disconnect_in_detach_mode_records_the_outcome() {
     // The handler finishes and records its outcome.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let retry = loop {
-        let answer = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+        let answer = send(&svc, keyed("/slow", "k")).await;
         if answer.status != StatusCode::CONFLICT {
             break answer;
         }
@@ -138,10 +131,7 @@ async fn disconnect_in_release_mode_drops_the_handler_and_frees_the_key() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store).on_disconnect(OnDisconnect::Release), &probe);
-    let client = tokio::spawn(
-        svc.clone()
-            .oneshot(post("/slow").key("k").tenant("t1").build()),
-    );
+    let client = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
     client.abort();
     assert!(client.await.is_err_and(|e| e.is_cancelled()));
@@ -149,7 +139,7 @@ async fn disconnect_in_release_mode_drops_the_handler_and_frees_the_key() {
     probe.open_gate(1);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let retry = loop {
-        let answer = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+        let answer = send(&svc, keyed("/slow", "k")).await;
         if answer.status != StatusCode::CONFLICT {
             break answer;
         }
@@ -174,16 +164,12 @@ async fn cancel_after_completion_reports_the_completed_outcome() {
     let probe = Probe::default();
     let layer = layer(&store);
     let svc = service(&layer, &probe);
-    let first = send(&svc, post("/orders").key("k").tenant("t1").build()).await;
+    let first = send(&svc, keyed("/orders", "k")).await;
     let records = layer.records_service();
-    let cancel = send(
+    let cancel = records_call(
         &records,
-        method(
-            http::Method::DELETE,
-            "/records?method=POST&path=/orders&key=k",
-        )
-        .tenant("t1")
-        .build(),
+        http::Method::DELETE,
+        "/records?method=POST&path=/orders&key=k",
     )
     .await;
     assert_eq!(cancel.status, StatusCode::OK);
@@ -191,7 +177,7 @@ async fn cancel_after_completion_reports_the_completed_outcome() {
     assert_eq!(json["result"], "already_completed");
     assert_eq!(json["record"]["state"], "completed");
     assert_eq!(json["record"]["status"], 201);
-    let retry = send(&svc, post("/orders").key("k").tenant("t1").build()).await;
+    let retry = send(&svc, keyed("/orders", "k")).await;
     assert!(retry.replayed());
     assert_eq!(retry.body, first.body);
     assert_eq!(probe.calls(), 1);
@@ -214,11 +200,7 @@ async fn cancel_racing_completion_always_agrees() {
         // Give the request a head start of varying length.
         tokio::time::sleep(std::time::Duration::from_micros(700 * (i % 4))).await;
         let uri = format!("/records?method=POST&path={path}&key={key}");
-        let cancel = send(
-            &records,
-            method(http::Method::DELETE, &uri).tenant("t1").build(),
-        )
-        .await;
+        let cancel = records_call(&records, http::Method::DELETE, &uri).await;
         let own = own.await.expect("join");
         let retry = send(&svc, post(&path).key(&key).tenant("t1").build()).await;
         races.push((cancel, own, retry));
@@ -281,19 +263,19 @@ async fn cancel_and_completion_each_win_when_first() {
         json["result"].as_str().expect("result").to_owned()
     };
     // Cancel first.
-    let own = tokio::spawn(send(&svc, post("/slow").key("first").tenant("t1").build()));
+    let own = tokio::spawn(send(&svc, keyed("/slow", "first")));
     wait_calls(&probe, 1).await;
     assert_eq!(result(&cancel("first").await), "cancelled");
     probe.open_gate(1);
     assert_eq!(own.await.expect("join").status, StatusCode::GONE);
-    let retry = send(&svc, post("/slow").key("first").tenant("t1").build()).await;
+    let retry = send(&svc, keyed("/slow", "first")).await;
     assert_eq!(retry.status, StatusCode::GONE);
     // Completion first.
     probe.open_gate(1);
-    let own = send(&svc, post("/slow").key("second").tenant("t1").build()).await;
+    let own = send(&svc, keyed("/slow", "second")).await;
     assert_eq!(own.status, StatusCode::CREATED);
     assert_eq!(result(&cancel("second").await), "already_completed");
-    let retry = send(&svc, post("/slow").key("second").tenant("t1").build()).await;
+    let retry = send(&svc, keyed("/slow", "second")).await;
     assert!(retry.replayed());
     assert_eq!(retry.body, own.body);
     assert_eq!(probe.calls(), 2);

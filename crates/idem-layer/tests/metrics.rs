@@ -48,7 +48,7 @@ async fn outcomes_and_store_latency_are_counted() {
     send(&svc, order("k", r#"{"a":1}"#)).await;
     send(&svc, order("k", r#"{"a":1}"#)).await;
     send(&svc, order("k", r#"{"a":2}"#)).await;
-    send(&svc, post("/status/503").key("x").tenant("t1").build()).await;
+    send(&svc, keyed("/status/503", "x")).await;
 
     let snapshot = snapshotter.snapshot().into_vec();
     assert_eq!(counter(&snapshot, "executed"), 1);

@@ -89,13 +89,10 @@ async fn duplicate_in_flight_gets_409_with_retry_after() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store).lease(Duration::from_secs(12)), &probe);
-    let first = tokio::spawn(
-        svc.clone()
-            .oneshot(post("/slow").key("k").tenant("t1").build()),
-    );
+    let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
 
-    let busy = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    let busy = send(&svc, keyed("/slow", "k")).await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
     assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
     let retry_after: u64 = busy
@@ -108,7 +105,7 @@ async fn duplicate_in_flight_gets_409_with_retry_after() {
     probe.open_gate(1);
     let first = first.await.expect("join").expect("response");
     assert_eq!(first.status(), StatusCode::CREATED);
-    let replay = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    let replay = send(&svc, keyed("/slow", "k")).await;
     assert!(replay.replayed());
     assert_eq!(probe.calls(), 1);
 }
@@ -121,7 +118,7 @@ async fn lapsed_lease_is_taken_over_with_next_generation() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store).lease(Duration::from_secs(5)), &probe);
-    let request = || post("/ctx").key("k").tenant("t1").build();
+    let request = || keyed("/ctx", "k");
 
     // The "crashed" first attempt, with the fingerprint the layer computes.
     let scope = Scope::new("t1", "POST /ctx", "k".parse().expect("key"));
@@ -169,21 +166,14 @@ async fn cancelled_record_answers_410() {
     let probe = Probe::default();
     let layer = layer(&store);
     let svc = service(&layer, &probe);
-    let slow = tokio::spawn(
-        svc.clone()
-            .oneshot(post("/slow").key("k").tenant("t1").build()),
-    );
+    let slow = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
 
     let records = layer.records_service();
-    let cancel = send(
+    let cancel = records_call(
         &records,
-        method(
-            http::Method::DELETE,
-            "/_idempotency/records?method=POST&path=/slow&key=k",
-        )
-        .tenant("t1")
-        .build(),
+        http::Method::DELETE,
+        "/_idempotency/records?method=POST&path=/slow&key=k",
     )
     .await;
     assert_eq!(cancel.status, StatusCode::OK);
@@ -198,20 +188,16 @@ async fn cancelled_record_answers_410() {
         StatusCode::GONE,
         "the cancelled attempt's own client gets 410"
     );
-    let retry = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+    let retry = send(&svc, keyed("/slow", "k")).await;
     assert_eq!(retry.status, StatusCode::GONE);
     assert_eq!(retry.code().as_deref(), Some("idempotency_cancelled"));
     assert_eq!(probe.calls(), 1);
     // Cancellation did not stop the handler: it finished, and its outcome is late evidence.
     assert_eq!(probe.finished(), 1);
-    let record = send(
+    let record = records_call(
         &records,
-        method(
-            http::Method::GET,
-            "/_idempotency/records?method=POST&path=/slow&key=k",
-        )
-        .tenant("t1")
-        .build(),
+        http::Method::GET,
+        "/_idempotency/records?method=POST&path=/slow&key=k",
     )
     .await;
     let json: serde_json::Value = serde_json::from_slice(&record.body).expect("json");
@@ -226,9 +212,9 @@ async fn stored_outcomes_are_replayed() {
         let probe = Probe::default();
         let svc = service(&layer(&store), &probe);
         let path = format!("/status/{status}");
-        let first = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        let first = send(&svc, keyed(&path, "k")).await;
         assert_eq!(first.status.as_u16(), status);
-        let second = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        let second = send(&svc, keyed(&path, "k")).await;
         assert_eq!(second.status.as_u16(), status, "status {status} replayed");
         assert!(second.replayed(), "status {status} replayed");
         assert_eq!(second.body, first.body);
@@ -243,10 +229,10 @@ async fn temporary_failures_release_the_key() {
         let probe = Probe::default();
         let svc = service(&layer(&store), &probe);
         let path = format!("/status/{status}");
-        let first = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        let first = send(&svc, keyed(&path, "k")).await;
         assert_eq!(first.status.as_u16(), status, "passed through");
         assert_eq!(first.body, format!("status {status} run 1"));
-        let second = send(&svc, post(&path).key("k").tenant("t1").build()).await;
+        let second = send(&svc, keyed(&path, "k")).await;
         assert!(!second.replayed(), "status {status} is not replayed");
         assert_eq!(second.body, format!("status {status} run 2"));
         assert_eq!(probe.calls(), 2, "status {status} re-executes");
@@ -259,25 +245,19 @@ async fn handler_error_and_panic_release_the_key() {
     let probe = Probe::default();
     let svc = service(&layer(&store), &probe);
 
-    let error = svc
-        .clone()
-        .oneshot(post("/error").key("e").tenant("t1").build())
-        .await;
+    let error = svc.clone().oneshot(keyed("/error", "e")).await;
     assert!(
         error.is_err(),
         "a handler error is passed through as the service error"
     );
-    let error = svc
-        .clone()
-        .oneshot(post("/error").key("e").tenant("t1").build())
-        .await;
+    let error = svc.clone().oneshot(keyed("/error", "e")).await;
     assert!(error.is_err());
     assert_eq!(probe.calls(), 2, "the error released the key");
 
-    let panic = send(&svc, post("/panic").key("p").tenant("t1").build()).await;
+    let panic = send(&svc, keyed("/panic", "p")).await;
     assert_eq!(panic.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(panic.code().as_deref(), Some("handler_failed"));
-    let again = send(&svc, post("/panic").key("p").tenant("t1").build()).await;
+    let again = send(&svc, keyed("/panic", "p")).await;
     assert_eq!(again.code().as_deref(), Some("handler_failed"));
     assert_eq!(probe.calls(), 4, "the panic released the key");
 }
@@ -291,18 +271,10 @@ async fn outcome_predicate_is_configurable() {
         &layer(&store).store_outcome_if(|s| s.as_u16() != 404),
         &probe,
     );
-    send(&svc, post("/status/503").key("a").tenant("t1").build()).await;
-    assert!(
-        send(&svc, post("/status/503").key("a").tenant("t1").build())
-            .await
-            .replayed()
-    );
-    send(&svc, post("/status/404").key("b").tenant("t1").build()).await;
-    assert!(
-        !send(&svc, post("/status/404").key("b").tenant("t1").build())
-            .await
-            .replayed()
-    );
+    send(&svc, keyed("/status/503", "a")).await;
+    assert!(send(&svc, keyed("/status/503", "a")).await.replayed());
+    send(&svc, keyed("/status/404", "b")).await;
+    assert!(!send(&svc, keyed("/status/404", "b")).await.replayed());
     assert_eq!(probe.calls(), 3);
 }
 
@@ -311,7 +283,7 @@ async fn response_over_storable_limit_reaches_first_caller_only() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store).max_response(1024), &probe);
-    let first = send(&svc, post("/big/5000").key("k").tenant("t1").build()).await;
+    let first = send(&svc, keyed("/big/5000", "k")).await;
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(
         first.body.len(),
@@ -319,7 +291,7 @@ async fn response_over_storable_limit_reaches_first_caller_only() {
         "the first caller gets the whole body"
     );
     assert!(first.body.iter().all(|b| *b == b'x'));
-    let retry = send(&svc, post("/big/5000").key("k").tenant("t1").build()).await;
+    let retry = send(&svc, keyed("/big/5000", "k")).await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(
         retry.code().as_deref(),
@@ -327,8 +299,8 @@ async fn response_over_storable_limit_reaches_first_caller_only() {
     );
     assert_eq!(probe.calls(), 1, "the handler is not run again");
     // Exactly at the limit is stored.
-    let at_limit = send(&svc, post("/big/1024").key("k2").tenant("t1").build()).await;
-    let replay = send(&svc, post("/big/1024").key("k2").tenant("t1").build()).await;
+    let at_limit = send(&svc, keyed("/big/1024", "k2")).await;
+    let replay = send(&svc, keyed("/big/1024", "k2")).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, at_limit.body);
 }
@@ -461,7 +433,7 @@ async fn quoted_and_bare_keys_name_the_same_record() {
     let probe = Probe::default();
     let svc = service(&layer(&store), &probe);
     let first = send(&svc, post("/orders").key("\"abc\"").tenant("t1").build()).await;
-    let second = send(&svc, post("/orders").key("abc").tenant("t1").build()).await;
+    let second = send(&svc, keyed("/orders", "abc")).await;
     assert!(second.replayed());
     assert_eq!(first.body, second.body);
     assert_eq!(probe.calls(), 1);
@@ -586,8 +558,8 @@ async fn query_string_is_part_of_the_fingerprint() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store), &probe);
-    send(&svc, post("/status/200?x=1").key("k").tenant("t1").build()).await;
-    let conflict = send(&svc, post("/status/200?x=2").key("k").tenant("t1").build()).await;
+    send(&svc, keyed("/status/200?x=1", "k")).await;
+    let conflict = send(&svc, keyed("/status/200?x=2", "k")).await;
     assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
 }
 
@@ -623,14 +595,11 @@ async fn long_handler_keeps_its_lease() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store).lease(Duration::from_secs(3)), &probe);
-    let first = tokio::spawn(
-        svc.clone()
-            .oneshot(post("/slow").key("k").tenant("t1").build()),
-    );
+    let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let busy = send(&svc, post("/slow").key("k").tenant("t1").build()).await;
+        let busy = send(&svc, keyed("/slow", "k")).await;
         assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
     }
     probe.open_gate(1);
@@ -695,15 +664,11 @@ async fn records_api_shows_attempts_and_hides_other_tenants() {
     let probe = Probe::default();
     let layer = layer(&store);
     let svc = service(&layer, &probe);
-    send(&svc, post("/status/503").key("k").tenant("t1").build()).await;
-    send(&svc, post("/status/503").key("k").tenant("t1").build()).await;
+    send(&svc, keyed("/status/503", "k")).await;
+    send(&svc, keyed("/status/503", "k")).await;
     let mut records = layer.records_service();
     let uri = "/_idempotency/records?method=POST&path=%2Fstatus%2F503&key=k";
-    let mine = send(
-        &records,
-        method(http::Method::GET, uri).tenant("t1").build(),
-    )
-    .await;
+    let mine = records_call(&records, http::Method::GET, uri).await;
     assert_eq!(mine.status, StatusCode::OK);
     let json: serde_json::Value = serde_json::from_slice(&mine.body).expect("json");
     assert_eq!(json["state"], "released");
@@ -730,21 +695,9 @@ async fn records_api_shows_attempts_and_hides_other_tenants() {
     )
     .await;
     assert_eq!(delete.status, StatusCode::NOT_FOUND);
-    let absent = send(
-        &records,
-        method(http::Method::GET, "/r?method=POST&path=/x&key=zz")
-            .tenant("t1")
-            .build(),
-    )
-    .await;
+    let absent = records_call(&records, http::Method::GET, "/r?method=POST&path=/x&key=zz").await;
     assert_eq!(absent.status, StatusCode::NOT_FOUND);
-    let bad = send(
-        &records,
-        method(http::Method::GET, "/r?method=POST")
-            .tenant("t1")
-            .build(),
-    )
-    .await;
+    let bad = records_call(&records, http::Method::GET, "/r?method=POST").await;
     assert_eq!(
         bad.code().as_deref(),
         Some("idempotency_record_query_invalid")

@@ -202,6 +202,15 @@ where
     }
 }
 
+/// A records API call from tenant `t1`.
+pub async fn records_call<S: idem_core::Store>(
+    records: &idem_layer::RecordsService<S>,
+    method: http::Method,
+    uri: &str,
+) -> Answer {
+    send(records, self::method(method, uri).tenant("t1").build()).await
+}
+
 /// A request builder: `post("/orders").key("k").tenant("t").json("{}")`.
 pub struct Req(http::request::Builder, Bytes);
 
@@ -243,6 +252,11 @@ impl Req {
 }
 
 /// The standard keyed order request of tenant `t1`.
+/// A keyed POST of `path` from tenant `t1`, without a body.
+pub fn keyed(path: &str, key: &str) -> Request<Full<Bytes>> {
+    post(path).key(key).tenant("t1").build()
+}
+
 pub fn order(key: &str, body: &str) -> Request<Full<Bytes>> {
     post("/orders").key(key).tenant("t1").json(body).build()
 }
