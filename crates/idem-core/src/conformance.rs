@@ -141,12 +141,7 @@ pub async fn reserve_new_acquires<H: Harness>(h: &H) {
     let lease = acquire(h, &scope, 1).await;
     assert_eq!(lease.generation, 1);
     assert_eq!(lease.scope, *scope.hash());
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record exists");
+    let record = get(h, scope.hash()).await.expect("record exists");
     assert_eq!(record.state, RecordState::Processing);
     assert_eq!(record.generation, 1);
     assert_eq!(record.tenant, scope.tenant());
@@ -172,12 +167,7 @@ pub async fn completed_replays_exact_response<H: Harness>(h: &H) {
         }
         other => panic!("expected Completed, got {other:?}"),
     }
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(record.state, RecordState::Completed);
     assert_eq!(record.outcome, Some(outcome));
     assert_eq!(
@@ -239,12 +229,7 @@ pub async fn in_progress_while_lease_live<H: Harness>(h: &H) {
         }
         other => panic!("expected InProgress, got {other:?}"),
     }
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(
         record.attempts.len(),
         1,
@@ -302,12 +287,7 @@ pub async fn takeover_after_lease_expiry<H: Harness>(h: &H) {
     };
     assert_eq!(second.generation, 2);
     assert_ne!(second.attempt, first.attempt);
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(record.generation, 2);
     assert_eq!(record.attempts.len(), 2);
     assert_eq!(record.attempts[0].outcome, AttemptOutcome::Superseded);
@@ -331,12 +311,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
         complete(h, &first, &response(201, b"first")).await,
         Completion::Fenced(Current::Processing { .. })
     ));
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(
         record.state,
         RecordState::Processing,
@@ -368,12 +343,7 @@ pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
         Reservation::Completed(replay) => assert_eq!(replay.outcome, second_outcome),
         other => panic!("expected Completed, got {other:?}"),
     }
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(record.outcome, Some(second_outcome));
     assert!(matches!(
         record.attempt(first.attempt).expect("attempt kept").late,
@@ -404,22 +374,12 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
     let scope = fresh_scope("release");
     let first = acquire(h, &scope, 1).await;
     assert_eq!(release(h, &first).await, Release::Released);
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record kept");
+    let record = get(h, scope.hash()).await.expect("record kept");
     assert_eq!(record.state, RecordState::Released);
     assert_eq!(record.attempts[0].outcome, AttemptOutcome::Released);
     let second = acquire(h, &scope, 2).await;
     assert_eq!(second.generation, 2);
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(record.fingerprint, fingerprint(2));
     assert_eq!(record.attempts.len(), 2);
     // The released attempt can write nothing any more.
@@ -450,12 +410,7 @@ pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
         Renewal::Fenced(Current::Cancelled)
     ));
     assert_eq!(reserve(h, &scope, 1).await, Reservation::Cancelled);
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(record.state, RecordState::Cancelled);
     assert_eq!(record.outcome, None);
     assert!(matches!(
@@ -526,12 +481,7 @@ pub async fn attempt_history_is_bounded<H: Harness>(h: &H) {
         last = Some(lease);
     }
     let last = last.expect("at least one attempt");
-    let record = h
-        .store()
-        .get(scope.hash())
-        .await
-        .expect("get")
-        .expect("record");
+    let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(record.attempts.len(), ATTEMPT_HISTORY);
     assert_eq!(record.generation, (ATTEMPT_HISTORY + 3) as u64);
     assert_eq!(record.attempts.last().map(|a| a.id), Some(last.attempt));
