@@ -54,12 +54,14 @@ pub fn is_json(content_type: &[u8]) -> bool {
         .next()
         .unwrap_or_default()
         .trim_ascii();
-    let Ok(essence) = std::str::from_utf8(essence) else {
+    const APPLICATION: &[u8] = b"application/";
+    if std::str::from_utf8(essence).is_err() {
         return false;
-    };
-    let essence = essence.to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
+    }
+    essence.eq_ignore_ascii_case(b"application/json")
+        || (essence.len() >= APPLICATION.len() + 5
+            && essence[..APPLICATION.len()].eq_ignore_ascii_case(APPLICATION)
+            && essence[essence.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }
 
 /// The canonical RFC 8785 text of a JSON body, or `None` if it does not

@@ -3,13 +3,15 @@
 //! | name | kind | labels |
 //! |---|---|---|
 //! | `idem_requests_total` | counter | `outcome`: executed, replayed, conflict, in_progress, released, takeover, fenced, cancelled, store_error, fail_open, rejected, unknown |
-//! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get |
+//! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get, list, force_release |
 //! | `idem_replay_age_seconds` | histogram | |
 //!
 //! Install any `metrics` recorder (the gateway uses the Prometheus
 //! exporter) to collect them; without one they cost next to nothing.
 
 use std::time::Duration;
+
+use metrics::{Key, Label, Level, Metadata};
 
 /// The name of the request counter.
 pub const REQUESTS_TOTAL: &str = "idem_requests_total";
@@ -35,31 +37,75 @@ pub(crate) enum Outcome {
     Unknown,
 }
 
+/// What `metrics`' macros would attach: this module, at level INFO.
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+/// A key whose name and one label are known at compile time: built once,
+/// where the macros would build (and allocate) a key on every call.
+macro_rules! static_key {
+    ($name:expr, $label:literal, $value:expr) => {{
+        static LABELS: [Label; 1] = [Label::from_static_parts($label, $value)];
+        static KEY: Key = Key::from_static_parts($name, &LABELS);
+        &KEY
+    }};
+}
+
 impl Outcome {
-    fn label(self) -> &'static str {
-        match self {
-            Outcome::Executed => "executed",
-            Outcome::Replayed => "replayed",
-            Outcome::Conflict => "conflict",
-            Outcome::InProgress => "in_progress",
-            Outcome::Released => "released",
-            Outcome::Takeover => "takeover",
-            Outcome::Fenced => "fenced",
-            Outcome::Cancelled => "cancelled",
-            Outcome::StoreError => "store_error",
-            Outcome::FailOpen => "fail_open",
-            Outcome::Rejected => "rejected",
-            Outcome::Unknown => "unknown",
+    fn key(self) -> &'static Key {
+        macro_rules! keys {
+            ($($outcome:ident => $label:literal),* $(,)?) => {
+                match self {
+                    $(Outcome::$outcome => static_key!(REQUESTS_TOTAL, "outcome", $label),)*
+                }
+            };
         }
+        keys!(
+            Executed => "executed",
+            Replayed => "replayed",
+            Conflict => "conflict",
+            InProgress => "in_progress",
+            Released => "released",
+            Takeover => "takeover",
+            Fenced => "fenced",
+            Cancelled => "cancelled",
+            StoreError => "store_error",
+            FailOpen => "fail_open",
+            Rejected => "rejected",
+            Unknown => "unknown",
+        )
     }
 }
 
 pub(crate) fn count(outcome: Outcome) {
-    metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome.label()).increment(1);
+    metrics::with_recorder(|recorder| recorder.register_counter(outcome.key(), &METADATA))
+        .increment(1);
+}
+
+/// The store latency key of an operation; the store calls of the layer
+/// are a fixed set, anything else gets a key built per call.
+fn store_key(op: &'static str) -> std::borrow::Cow<'static, Key> {
+    let key = match op {
+        "reserve" => static_key!(STORE_DURATION, "op", "reserve"),
+        "renew" => static_key!(STORE_DURATION, "op", "renew"),
+        "complete" => static_key!(STORE_DURATION, "op", "complete"),
+        "release" => static_key!(STORE_DURATION, "op", "release"),
+        "cancel" => static_key!(STORE_DURATION, "op", "cancel"),
+        "get" => static_key!(STORE_DURATION, "op", "get"),
+        "list" => static_key!(STORE_DURATION, "op", "list"),
+        "force_release" => static_key!(STORE_DURATION, "op", "force_release"),
+        other => {
+            let labels = vec![Label::from_static_parts("op", other)];
+            return std::borrow::Cow::Owned(Key::from_parts(STORE_DURATION, labels));
+        }
+    };
+    std::borrow::Cow::Borrowed(key)
 }
 
 pub(crate) fn store_latency(op: &'static str, elapsed: Duration) {
-    metrics::histogram!(STORE_DURATION, "op" => op).record(elapsed.as_secs_f64());
+    let key = store_key(op);
+    metrics::with_recorder(|recorder| recorder.register_histogram(&key, &METADATA))
+        .record(elapsed.as_secs_f64());
 }
 
 pub(crate) fn replay_age(age: Duration) {

@@ -226,3 +226,30 @@ fn fingerprints_of_ordinary_numbers_are_unchanged() {
         assert_eq!(print(body), before, "{body}");
     }
 }
+
+#[test]
+fn json_content_types_are_recognized_by_their_essence() {
+    use idem_layer::fingerprint::is_json;
+    for json in [
+        &b"application/json"[..],
+        b"Application/JSON; charset=utf-8",
+        b" application/json ",
+        b"application/problem+json",
+        b"APPLICATION/VND.API+JSON;v=1",
+        b"application/+json",
+    ] {
+        assert!(is_json(json), "{}", String::from_utf8_lossy(json));
+    }
+    for other in [
+        &b"text/json"[..],
+        b"application/jsonx",
+        b"application/json+xml",
+        b"text/plain+json",
+        b"application/",
+        b"+json",
+        b"application/\xff+json",
+        b"",
+    ] {
+        assert!(!is_json(other), "{}", String::from_utf8_lossy(other));
+    }
+}
