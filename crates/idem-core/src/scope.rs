@@ -100,6 +100,17 @@ macro_rules! digest_type {
                 out
             }
 
+            /// The lower-case hex as 64 ASCII bytes, without allocating.
+            pub fn hex_bytes(&self) -> [u8; 64] {
+                const DIGITS: &[u8; 16] = b"0123456789abcdef";
+                let mut out = [0u8; 64];
+                for (i, byte) in self.0.iter().enumerate() {
+                    out[2 * i] = DIGITS[usize::from(byte >> 4)];
+                    out[2 * i + 1] = DIGITS[usize::from(byte & 0xf)];
+                }
+                out
+            }
+
             /// Appends the lower-case hex (64 characters) to `out`.
             pub fn write_hex(&self, out: &mut String) {
                 push_hex(out, &self.0);
@@ -163,6 +174,10 @@ mod tests {
         let bytes: [u8; 32] = std::array::from_fn(|i| (i as u8).wrapping_mul(37).wrapping_add(5));
         assert_eq!(ScopeHash::from_bytes(bytes).to_hex(), hex::encode(bytes));
         assert_eq!(Fingerprint::from_bytes(bytes).to_hex(), hex::encode(bytes));
+        assert_eq!(
+            &Fingerprint::from_bytes(bytes).hex_bytes()[..],
+            hex::encode(bytes).as_bytes()
+        );
         let mut out = "prefix:".to_owned();
         ScopeHash::from_bytes([0xff; 32]).write_hex(&mut out);
         assert_eq!(out, format!("prefix:{}", "ff".repeat(32)));

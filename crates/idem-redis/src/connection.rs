@@ -282,10 +282,10 @@ impl RedisStore {
 /// nobody runs. Retried until the server answers, for at most a lease
 /// (after which a takeover frees the key anyway).
 pub(crate) struct Abandon {
-    pub(crate) script: Script,
+    pub(crate) script: std::sync::Arc<Script>,
     pub(crate) key: String,
-    pub(crate) attempt: String,
-    pub(crate) token: String,
+    pub(crate) attempt: uuid::Uuid,
+    pub(crate) token: uuid::Uuid,
     /// The script's notify argument.
     pub(crate) notify: &'static str,
     pub(crate) conn: Option<Conn>,
@@ -300,14 +300,13 @@ impl Drop for Abandon {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (script, key, attempt, token, notify, within) = (
-            self.script.clone(),
+        let (script, key, notify, within) = (
+            std::sync::Arc::clone(&self.script),
             std::mem::take(&mut self.key),
-            std::mem::take(&mut self.attempt),
-            std::mem::take(&mut self.token),
             self.notify,
             self.within,
         );
+        let (attempt, token) = (self.attempt.to_string(), self.token.to_string());
         runtime.spawn(async move {
             let abandon = async {
                 loop {

@@ -79,20 +79,29 @@ pub(crate) fn bytes(value: &Value) -> Result<Bytes, StoreError> {
 /// bytes)`: 69 characters become 37 bytes, within the 64 bytes of Redis'
 /// compact hash encoding.
 pub(crate) fn encode_tenant(tenant: &str) -> (&'static str, Vec<u8>) {
-    let split = tenant.len().saturating_sub(64);
-    if let (Some(prefix), Some(hash)) = (tenant.get(..split), tenant.get(split..))
-        && hash.len() == 64
-        && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-    {
+    // Lower-case hex digits only: an upper-case digit would not read back
+    // as written.
+    fn nibble(digit: u8) -> Option<u8> {
+        match digit {
+            b'0'..=b'9' => Some(digit - b'0'),
+            b'a'..=b'f' => Some(digit - b'a' + 10),
+            _ => None,
+        }
+    }
+    let bytes = tenant.as_bytes();
+    if let Some(split) = bytes.len().checked_sub(64) {
+        let (prefix, hash) = bytes.split_at(split);
         let mut out = Vec::with_capacity(prefix.len() + 32);
-        out.extend_from_slice(prefix.as_bytes());
-        let mut raw = [0u8; 32];
-        if hex::decode_to_slice(hash, &mut raw).is_ok() {
-            out.extend_from_slice(&raw);
+        out.extend_from_slice(prefix);
+        let decoded = hash.chunks_exact(2).try_for_each(|pair| {
+            out.push(nibble(pair[0])? << 4 | nibble(pair[1])?);
+            Some(())
+        });
+        if decoded.is_some() {
             return ("tenant_bin", out);
         }
     }
-    ("tenant", tenant.as_bytes().to_vec())
+    ("tenant", bytes.to_vec())
 }
 
 /// Reads back what [`encode_tenant`] wrote.
@@ -370,7 +379,8 @@ fn times(fields: &HashMap<String, &Value>, state: RecordState) -> Result<Times, 
 }
 
 pub(crate) fn lease_args(invocation: &mut Invocation<'_>, lease: &Lease) {
-    invocation
-        .arg(lease.generation)
-        .arg(lease.token.0.to_string());
+    invocation.arg(lease.generation).arg(crate::uuid_text(
+        &lease.token.0,
+        &mut uuid::Uuid::encode_buffer(),
+    ));
 }

@@ -276,6 +276,12 @@ fn decode_reservation(
     })
 }
 
+/// A UUID's hyphenated lower-case text, written into `buffer` (no
+/// allocation): what `to_string` would give.
+pub(crate) fn uuid_text<'b>(id: &uuid::Uuid, buffer: &'b mut [u8; 45]) -> &'b str {
+    id.hyphenated().encode_lower(buffer)
+}
+
 impl Store for RedisStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
@@ -284,9 +290,9 @@ impl Store for RedisStore {
         let key = self.record_key(scope);
         let mut invocation = Invocation::new(&self.scripts.reserve, &[&key]);
         invocation
-            .arg(request.fingerprint.to_hex())
-            .arg(attempt.to_string())
-            .arg(token.0.to_string())
+            .arg(&request.fingerprint.hex_bytes()[..])
+            .arg(uuid_text(&attempt.0, &mut uuid::Uuid::encode_buffer()))
+            .arg(uuid_text(&token.0, &mut uuid::Uuid::encode_buffer()))
             .arg(millis(request.lease))
             .arg(millis(request.retention));
         let (tenant_field, tenant) = encode_tenant(request.scope.tenant());
@@ -300,10 +306,10 @@ impl Store for RedisStore {
         // drops it) after the script was sent, the guard frees the
         // reservation by its owner token once the server answers.
         let mut guard = Abandon {
-            script: self.scripts.abandon.clone(),
+            script: std::sync::Arc::clone(&self.scripts.abandon),
             key,
-            attempt: attempt.to_string(),
-            token: token.0.to_string(),
+            attempt: attempt.0,
+            token: token.0,
             notify: self.notify(),
             conn: None,
             within: request.lease,
@@ -352,7 +358,10 @@ impl Store for RedisStore {
         let mut invocation = Invocation::new(&self.scripts.complete, &[&key]);
         lease_args(&mut invocation, lease);
         invocation
-            .arg(lease.attempt.to_string())
+            .arg(uuid_text(
+                &lease.attempt.0,
+                &mut uuid::Uuid::encode_buffer(),
+            ))
             .arg(outcome.status());
         match outcome {
             Outcome::Stored(response) => {
@@ -385,7 +394,12 @@ impl Store for RedisStore {
         let key = self.record_key(&lease.scope);
         let mut invocation = Invocation::new(&self.scripts.release, &[&key]);
         lease_args(&mut invocation, lease);
-        invocation.arg(lease.attempt.to_string()).arg(self.notify());
+        invocation
+            .arg(uuid_text(
+                &lease.attempt.0,
+                &mut uuid::Uuid::encode_buffer(),
+            ))
+            .arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
         if reply.first().map(text).transpose()?.as_deref() == Some("released") {
             return Ok(Release::Released);

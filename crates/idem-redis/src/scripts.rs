@@ -15,7 +15,9 @@ pub(crate) struct Scripts {
     pub(crate) release: Script,
     pub(crate) cancel: Script,
     pub(crate) get: Script,
-    pub(crate) abandon: Script,
+    /// Shared with the guards that may run it after their call was given
+    /// up (cloning a `Script` copies its source).
+    pub(crate) abandon: std::sync::Arc<Script>,
     pub(crate) force_release: Script,
 }
 
@@ -30,7 +32,7 @@ impl Scripts {
             release: fenced(include_str!("lua/release.lua")),
             cancel: script(include_str!("lua/cancel.lua")),
             get: script(include_str!("lua/get.lua")),
-            abandon: script(include_str!("lua/abandon.lua")),
+            abandon: std::sync::Arc::new(script(include_str!("lua/abandon.lua"))),
             force_release: script(include_str!("lua/force_release.lua")),
         }
     }
