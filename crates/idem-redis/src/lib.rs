@@ -25,8 +25,10 @@
 //!   the running request's outcome. On a single node, the scripts that
 //!   take a record out of `processing` publish on the record's channel
 //!   (`…:c`); a waiter subscribes on the store's one subscriber connection,
-//!   reads the record's state once (so an outcome that came first is not
-//!   missed), and then costs Redis nothing until the notification wakes it.
+//!   marks the record as waited on and reads its state in one script (so an
+//!   outcome that came first is not missed), and then costs Redis nothing
+//!   until the notification wakes it. Completions and releases of records
+//!   nobody waits on publish nothing.
 //!   On a cluster (where `PUBLISH` travels to every node), or when the
 //!   subscriber connection cannot be had, waiters poll every 25 ms.
 //! * **Server time.** Leases and retention are measured with Redis `TIME`
@@ -476,9 +478,15 @@ impl Store for RedisStore {
     async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
         let key = self.record_key(scope);
         let channel = format!("{key}:c");
-        let mut read = redis::cmd("HGET");
-        read.arg(&key).arg("state");
-        let state = async { self.command::<Option<String>>(read).await.ok().flatten() };
+        // Read once subscribed: marks the record as waited on (so that the
+        // scripts ending its attempt publish) and answers its state.
+        let state = async {
+            let invocation = Invocation::new(&self.scripts.watch, &[&key]);
+            match self.run(invocation, false).await {
+                Ok((Value::BulkString(state), _)) => String::from_utf8(state).ok(),
+                _ => None,
+            }
+        };
         self.watch.changed(&channel, timeout, state).await;
     }
 

@@ -19,6 +19,8 @@ pub(crate) struct Scripts {
     /// up (cloning a `Script` copies its source).
     pub(crate) abandon: std::sync::Arc<Script>,
     pub(crate) force_release: Script,
+    /// Marks a record as waited on and reads its state (no prologue).
+    pub(crate) watch: Script,
 }
 
 impl Scripts {
@@ -34,6 +36,7 @@ impl Scripts {
             get: script(include_str!("lua/get.lua")),
             abandon: std::sync::Arc::new(script(include_str!("lua/abandon.lua"))),
             force_release: script(include_str!("lua/force_release.lua")),
+            watch: Script::new(include_str!("lua/watch.lua")),
         }
     }
 }

@@ -4,7 +4,9 @@
 //! connection per store wakes the waiters of that record.
 //!
 //! A waiter subscribes (once per record, shared by every waiter of it),
-//! then reads the record's state once: an outcome published before the
+//! then marks the record as waited on and reads its state, in one script
+//! (complete and release publish only for a marked record; cancel, abandon
+//! and force release always do): an outcome published before the
 //! subscription took effect is seen by that read, one published after it
 //! wakes the waiter. While it waits it costs Redis nothing. On a cluster
 //! (where a plain `PUBLISH` would travel to every node) and whenever the

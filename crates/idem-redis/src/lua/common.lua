@@ -17,7 +17,8 @@
 -- cur_start and cur_end. Records written before this layout (with
 -- created, updated, completed and cur_status, and the response inline)
 -- are read as they are.
--- The hot paths call TIME, one HMGET and at most one HSET, plus one
+-- The hot paths call TIME, one HMGET (two for a reservation of an
+-- existing record) and at most one HSET, plus one
 -- PEXPIREAT when a new attempt starts (retention counts from there), and
 -- one SET or GET of the response key when the response is large.
 
@@ -77,7 +78,8 @@ local function all_fields()
 end
 
 -- Wakes the record's waiting duplicates (see watch.rs) when `flag`, the
--- script's notify argument, is '1'.
+-- script's notify argument, is '1'. Complete and release call it only for
+-- a record a waiter marked (field w, see watch.lua).
 local function notify(flag)
   if flag == '1' then
     redis.call('PUBLISH', record .. ':c', '1')

@@ -1,7 +1,7 @@
 -- ARGV: generation, owner token, attempt id, status, stored ('1' or '0'),
 --       encoded headers, body, notify ('1' to publish)
 local status = ARGV[4]
-local reply, expires = fenced('completed', status)
+local reply, expires, watched = fenced('completed', status)
 if reply then
   return reply
 end
@@ -16,5 +16,7 @@ else
   redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
     'split', #headers, 'owner', '', 'cur_end', now, 'cur_outcome', 'completed')
 end
-notify(ARGV[8])
+if watched then
+  notify(ARGV[8])
+end
 return {'recorded'}

@@ -1,9 +1,11 @@
 -- ARGV: generation, owner token, attempt id, notify ('1' to publish)
-local reply = fenced('released', '')
+local reply, _, watched = fenced('released', '')
 if reply then
   return reply
 end
 redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
   'cur_outcome', 'released')
-notify(ARGV[4])
+if watched then
+  notify(ARGV[4])
+end
 return {'released'}

@@ -4,10 +4,9 @@
 local fp, attempt_id, token = ARGV[1], ARGV[2], ARGV[3]
 local lease_ms, retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local history = tonumber(ARGV[9])
-local state, expires_at, found_fp, found_gen, lease_until, status, stored, headers, body,
-  completed, cur_id, owner, ended, split = unpack(redis.call('HMGET', record, 'state', 'expires',
-  'fp', 'gen', 'lease_until', 'status', 'stored', 'headers', 'body', 'completed', 'cur_id', 'owner',
-  'cur_end', 'split'))
+-- A new key needs only the state (absent); the other fields are read once
+-- the record is known to be live.
+local state, expires_at = unpack(redis.call('HMGET', record, 'state', 'expires'))
 
 -- Starts attempt `gen`; `extra` holds more field/value pairs to set.
 local function start(gen, extra)
@@ -55,6 +54,9 @@ if not live(state, expires_at) then
   redis.call('PEXPIREAT', record, expires)
   return {'acquired', 1}
 end
+local found_fp, found_gen, lease_until, status, stored, headers, body, completed, cur_id, owner,
+  ended, split = unpack(redis.call('HMGET', record, 'fp', 'gen', 'lease_until', 'status', 'stored',
+  'headers', 'body', 'completed', 'cur_id', 'owner', 'cur_end', 'split'))
 local gen = tonumber(found_gen)
 if state == 'released' then
   local _, hist = archive()
