@@ -87,7 +87,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .get(3)
                 .cloned()
                 .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
-            let store = idem_redis::RedisStore::from_url(&url)?;
+            // IDEM_LANES: the store's number of connections (default 4).
+            let mut builder = idem_redis::RedisStore::builder(&url);
+            if let Some(lanes) = std::env::var("IDEM_LANES").ok().and_then(|n| n.parse().ok()) {
+                builder = builder.lanes(lanes);
+            }
+            let store = builder.build()?;
             store.ping().await?;
             router.layer(
                 idem_layer::IdempotencyLayer::new(store)

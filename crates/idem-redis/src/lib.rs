@@ -39,7 +39,7 @@
 //!   conflict or an in-progress answer costs one.
 //! * **Pooled, multiplexed.** Connections come from a `deadpool-redis` pool
 //!   (which creates them and checks them with `PING`) and are held in a few
-//!   *lanes* ([`RedisStoreBuilder::lanes`], default 4): redis-rs multiplexes
+//!   *lanes* ([`RedisStoreBuilder::lanes`], default 1): redis-rs multiplexes
 //!   concurrent calls on each lane's connection, so a call costs no extra
 //!   round trip for checking a connection out. On a single node, a lane
 //!   whose connection fails or times out is refilled from the pool on its
@@ -162,7 +162,7 @@ impl RedisStore {
             url: url.to_owned(),
             prefix: "idem:".to_owned(),
             pool_size: 16,
-            lanes: 4,
+            lanes: 1,
             timeout: Duration::from_secs(1),
             wait_replicas: None,
         }
