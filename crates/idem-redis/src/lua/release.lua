@@ -3,7 +3,7 @@ local reply, _, watched = fenced('released', '')
 if reply then
   return reply
 end
-redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
+redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', ms(now),
   'cur_outcome', 'released')
 if watched then
   notify(ARGV[4])

@@ -10,13 +10,13 @@ local state, expires_at = unpack(redis.call('HMGET', record, 'state', 'expires')
 
 -- Starts attempt `gen`; `extra` holds more field/value pairs to set.
 local function start(gen, extra)
-  local expires = now + retention_ms
+  local expires = ms(now + retention_ms)
   -- Until now the record's creation was its first attempt's start.
   local created, started = unpack(redis.call('HMGET', record, 'created', 'cur_start'))
-  local fields = {'fp', fp, 'state', 'processing', 'gen', gen, 'owner', token,
-    'lease_until', now + lease_ms, 'lease_ms', lease_ms, 'retention_ms', retention_ms,
-    'cur_id', attempt_id, 'cur_start', now, 'cur_end', '', 'cur_outcome', 'running',
-    'cur_status', '', 'cur_late', '', 'expires', expires, 'created', created or started or now}
+  local fields = {'fp', fp, 'state', 'processing', 'gen', ms(gen), 'owner', token,
+    'lease_until', ms(now + lease_ms), 'lease_ms', ARGV[4], 'retention_ms', ARGV[5],
+    'cur_id', attempt_id, 'cur_start', ms(now), 'cur_end', '', 'cur_outcome', 'running',
+    'cur_status', '', 'cur_late', '', 'expires', expires, 'created', created or started or ms(now)}
   for i = 1, #extra do
     fields[#fields + 1] = extra[i]
   end
@@ -46,11 +46,12 @@ end
 
 if not live(state, expires_at) then
   -- The hot path: a new key. One HSET with literal fields, no tables.
-  local expires = now + retention_ms
+  -- Text, not numbers (see ms).
+  local expires = ms(now + retention_ms)
   redis.call('HSET', record, ARGV[10], ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
-    'fp', fp, 'state', 'processing', 'gen', 1, 'owner', token,
-    'lease_until', now + lease_ms, 'lease_ms', lease_ms, 'retention_ms', retention_ms,
-    'cur_id', attempt_id, 'cur_start', now, 'cur_outcome', 'running', 'expires', expires)
+    'fp', fp, 'state', 'processing', 'gen', '1', 'owner', token,
+    'lease_until', ms(now + lease_ms), 'lease_ms', ARGV[4], 'retention_ms', ARGV[5],
+    'cur_id', attempt_id, 'cur_start', ms(now), 'cur_outcome', 'running', 'expires', expires)
   redis.call('PEXPIREAT', record, expires)
   return {'acquired', 1}
 end
