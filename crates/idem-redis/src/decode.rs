@@ -192,15 +192,21 @@ pub(crate) fn decode_current(reply: &[Value]) -> Result<Current, StoreError> {
             retry_after: Duration::from_millis(int(at(1)?)?),
         }),
         "completed" => {
-            let outcome = outcome(
-                int(at(1)?)?,
-                &text(at(2)?)?,
-                &bytes(at(3)?)?,
-                bytes(at(4)?)?,
-            )?;
+            // '<status>:<stored>:<age ms>', then headers and body.
+            let meta = text(at(1)?)?;
+            let mut parts = meta.splitn(3, ':');
+            let mut number = |what: &str| {
+                parts
+                    .next()
+                    .and_then(|part| part.parse::<u64>().ok())
+                    .ok_or_else(|| corrupt(format!("completed reply lacks {what}")))
+            };
+            let (status, stored, age) = (number("status")?, number("stored")?, number("age")?);
+            let stored = if stored == 1 { "1" } else { "0" };
+            let outcome = outcome(status, stored, &bytes(at(2)?)?, bytes(at(3)?)?)?;
             Ok(Current::Completed(Replay {
                 outcome,
-                age: Duration::from_millis(int(at(5)?)?),
+                age: Duration::from_millis(age),
             }))
         }
         other => Err(corrupt(format!("unexpected reply {other}"))),

@@ -131,7 +131,9 @@ local function rare()
     }
   end
 
-  -- What the record says now, for duplicates and fenced attempts.
+  -- What the record says now, for duplicates and fenced attempts. A
+  -- completed record is {'completed', '<status>:<stored>:<age ms>',
+  -- headers, body}: four elements, each of which the client parses.
   local function current(state)
     if not state or state == 'released' then
       return {'vacant'}
@@ -147,7 +149,7 @@ local function rare()
     local status, stored, headers, body, completed, ended, split = unpack(redis.call('HMGET',
       record, 'status', 'stored', 'headers', 'body', 'completed', 'cur_end', 'split'))
     headers, body = response(headers, body, split)
-    return {'completed', tonumber(status), stored, headers, body, age(completed or ended)}
+    return {'completed', status .. ':' .. stored .. ':' .. age(completed or ended), headers, body}
   end
 
   -- Keeps a fenced write as late evidence on its attempt.

@@ -92,4 +92,4 @@ if state == 'cancelled' then
   return {'cancelled'}
 end
 headers, body = response(headers, body, split)
-return {'completed', tonumber(status), stored, headers, body, age(completed or ended)}
+return {'completed', status .. ':' .. stored .. ':' .. age(completed or ended), headers, body}
