@@ -56,6 +56,28 @@ pub(crate) fn text(value: &Value) -> Result<String, StoreError> {
     }
 }
 
+/// A reply's tag (`"acquired"`, `"completed"`, ...), borrowed.
+pub(crate) fn tag(value: Option<&Value>) -> Result<&str, StoreError> {
+    match value {
+        Some(Value::BulkString(bytes)) => {
+            std::str::from_utf8(bytes).map_err(|_| corrupt("non-UTF-8 tag"))
+        }
+        Some(Value::SimpleString(s)) => Ok(s),
+        Some(other) => Err(corrupt(format!("expected a tag, got {other:?}"))),
+        None => Err(corrupt("empty reply")),
+    }
+}
+
+/// A bulk string taken out of the reply without copying.
+fn owned_bytes(value: Option<Value>) -> Result<Bytes, StoreError> {
+    match value {
+        Some(Value::BulkString(bytes)) => Ok(Bytes::from(bytes)),
+        Some(Value::Nil) => Ok(Bytes::new()),
+        Some(other) => Err(corrupt(format!("expected bytes, got {other:?}"))),
+        None => Err(corrupt("short reply")),
+    }
+}
+
 pub(crate) fn int(value: &Value) -> Result<u64, StoreError> {
     match value {
         Value::Int(n) => u64::try_from(*n).map_err(|_| corrupt("negative number")),
@@ -178,14 +200,14 @@ pub(crate) fn outcome(
 }
 
 /// Decodes the `current(state)` reply shape of the scripts.
-pub(crate) fn decode_current(reply: &[Value]) -> Result<Current, StoreError> {
-    let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
+pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreError> {
+    let tag = tag(reply.first())?;
     let at = |i: usize| {
         reply
             .get(i)
             .ok_or_else(|| corrupt(format!("short reply to {tag}")))
     };
-    match tag.as_str() {
+    match tag {
         "vacant" => Ok(Current::Vacant),
         "cancelled" => Ok(Current::Cancelled),
         "processing" => Ok(Current::Processing {
@@ -193,7 +215,7 @@ pub(crate) fn decode_current(reply: &[Value]) -> Result<Current, StoreError> {
         }),
         "completed" => {
             // '<status>:<stored>:<age ms>', then headers and body.
-            let meta = text(at(1)?)?;
+            let meta = self::tag(Some(at(1)?))?;
             let mut parts = meta.splitn(3, ':');
             let mut number = |what: &str| {
                 parts
@@ -203,7 +225,17 @@ pub(crate) fn decode_current(reply: &[Value]) -> Result<Current, StoreError> {
             };
             let (status, stored, age) = (number("status")?, number("stored")?, number("age")?);
             let stored = if stored == 1 { "1" } else { "0" };
-            let outcome = outcome(status, stored, &bytes(at(2)?)?, bytes(at(3)?)?)?;
+            if reply.len() < 4 {
+                return Err(corrupt("short reply to completed"));
+            }
+            // The body is taken out of the reply, not copied.
+            let body = owned_bytes(Some(reply.swap_remove(3)))?;
+            let headers = match &reply[2] {
+                Value::BulkString(headers) => headers.as_slice(),
+                Value::Nil => &[],
+                other => return Err(corrupt(format!("expected headers, got {other:?}"))),
+            };
+            let outcome = outcome(status, stored, headers, body)?;
             Ok(Current::Completed(Replay {
                 outcome,
                 age: Duration::from_millis(age),

@@ -251,12 +251,11 @@ impl ServerSafety {
 
 /// The reserve script's answer; `lease` makes the lease of a generation.
 fn decode_reservation(
-    reply: &[Value],
+    reply: Vec<Value>,
     lease: impl Fn(u64) -> Lease,
 ) -> Result<Reservation, StoreError> {
     let field = |i: usize| reply.get(i).ok_or_else(|| corrupt("short reply"));
-    let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
-    Ok(match tag.as_str() {
+    Ok(match decode::tag(reply.first())? {
         "acquired" => Reservation::Acquired(lease(int(field(1)?)?)),
         "taken_over" => {
             let superseded: Attempt = serde_json::from_slice(&bytes(field(2)?)?)
@@ -326,7 +325,7 @@ impl Store for RedisStore {
             token,
             ttl: request.lease,
         };
-        let reservation = decode_reservation(&items(reply)?, lease)?;
+        let reservation = decode_reservation(items(reply)?, lease)?;
         if let (
             Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. },
             Some((acked, wanted)),
@@ -349,10 +348,10 @@ impl Store for RedisStore {
         lease_args(&mut invocation, lease);
         invocation.arg(millis(lease.ttl));
         let reply = items(self.run(invocation, false).await?.0)?;
-        if reply.first().map(text).transpose()?.as_deref() == Some("renewed") {
+        if decode::tag(reply.first())? == "renewed" {
             return Ok(Renewal::Renewed);
         }
-        Ok(Renewal::Fenced(decode_current(&reply)?))
+        Ok(Renewal::Fenced(decode_current(reply)?))
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
@@ -379,7 +378,7 @@ impl Store for RedisStore {
         invocation.arg(self.notify());
         let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
         let reply = items(reply)?;
-        if reply.first().map(text).transpose()?.as_deref() == Some("recorded") {
+        if decode::tag(reply.first())? == "recorded" {
             if let Some((acked, wanted)) = self.short_of_replicas(acked) {
                 tracing::warn!(
                     acked,
@@ -389,7 +388,7 @@ impl Store for RedisStore {
             }
             return Ok(Completion::Recorded);
         }
-        Ok(Completion::Fenced(decode_current(&reply)?))
+        Ok(Completion::Fenced(decode_current(reply)?))
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
@@ -403,10 +402,10 @@ impl Store for RedisStore {
             ))
             .arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
-        if reply.first().map(text).transpose()?.as_deref() == Some("released") {
+        if decode::tag(reply.first())? == "released" {
             return Ok(Release::Released);
         }
-        Ok(Release::Fenced(decode_current(&reply)?))
+        Ok(Release::Fenced(decode_current(reply)?))
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
@@ -762,7 +761,7 @@ mod tests {
                     .flat_map(|(name, value)| [Value::BulkString(name.as_bytes().to_vec()), value])
                     .collect();
                 let _ = decode_record(ScopeHash::from_bytes([1; 32]), &pairs);
-                let _ = decode_current(&pairs);
+                let _ = decode_current(pairs.clone());
             }
         }
     }
