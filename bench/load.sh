@@ -23,12 +23,7 @@ connections=${3:-64}
 store=${4:-memory}
 target=${5:-app}
 cd "$(dirname "$0")/.."
-command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
-cargo build --release -q -p axum-orders -p idem-gateway
-bin=target/release/axum-orders
-gateway=target/release/idem-gateway
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+. bench/prologue.sh
 
 store_url=memory
 if [ "$store" = redis ]; then

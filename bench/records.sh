@@ -24,12 +24,7 @@ records=${1:-1000000}
 store=${2:-memory}
 expiring=${3:-200000}
 cd "$(dirname "$0")/.."
-command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
-cargo build --release -q -p axum-orders -p idem-gateway
-bin=target/release/axum-orders
-gateway=target/release/idem-gateway
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+. bench/prologue.sh
 
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$1/orders/0" && return 0; sleep 0.05; done; echo "port $1 did not open" >&2; exit 1; }

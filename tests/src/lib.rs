@@ -20,34 +20,7 @@ use hyper_util::{
     rt::TokioExecutor,
 };
 
-/// Calls `attempt` until `done` holds of its answer or `within` passed,
-/// pausing 20 ms between calls; answers the last answer, so the caller's
-/// assertions say what was wrong when the time ran out.
-pub async fn poll_until<T>(
-    within: std::time::Duration,
-    mut attempt: impl AsyncFnMut() -> T,
-    done: impl Fn(&T) -> bool,
-) -> T {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let answer = attempt().await;
-        if done(&answer) || tokio::time::Instant::now() >= deadline {
-            return answer;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-}
-
-/// Waits until `ready` holds; fails the test naming `what` once `within`
-/// passed.
-pub async fn wait_until(
-    within: std::time::Duration,
-    what: &str,
-    mut ready: impl AsyncFnMut() -> bool,
-) {
-    let ready = poll_until(within, async || ready().await, |ready| *ready).await;
-    assert!(ready, "timed out after {within:?} waiting for {what}");
-}
+pub use idem_core::conformance::{poll_until, wait_until};
 
 /// A running axum server on an ephemeral loopback port; stops on drop.
 #[derive(Debug)]

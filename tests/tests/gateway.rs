@@ -309,30 +309,26 @@ async fn client_disconnect_records_the_outcome(flags: &[&str]) {
 
 // ===== memory store =====
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_replay_conflict_and_headers() {
-    replay_conflict_and_headers(&[]).await;
+/// One test per behaviour, on a gateway with the memory store and these
+/// flags.
+macro_rules! on_memory {
+    ($($name:ident => $behaviour:ident($flags:expr)),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $behaviour($flags).await;
+            }
+        )*
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_concurrent_duplicates() {
-    concurrent_duplicates_execute_once(&[]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_outcomes_and_tenants() {
-    outcomes_and_tenants(&["--max-body", "1024"]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_records_api_and_cancel() {
-    records_api_and_cancel(&[]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_client_disconnect() {
-    client_disconnect_records_the_outcome(&[]).await;
-}
+on_memory!(
+    memory_replay_conflict_and_headers => replay_conflict_and_headers(&[]),
+    memory_concurrent_duplicates => concurrent_duplicates_execute_once(&[]),
+    memory_outcomes_and_tenants => outcomes_and_tenants(&["--max-body", "1024"]),
+    memory_records_api_and_cancel => records_api_and_cancel(&[]),
+    memory_client_disconnect => client_disconnect_records_the_outcome(&[]),
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_upstream_is_502_and_releases_the_key() {

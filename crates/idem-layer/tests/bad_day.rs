@@ -25,20 +25,6 @@ use idem_memory::MemoryStore;
 use tokio::sync::oneshot;
 use tower::{Layer, util::BoxCloneSyncService};
 
-/// Polls `check` every 10 ms until it holds or `within` passes.
-async fn eventually(within: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        if check().await {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// The memory store whose first `fail_renewals` renewals fail, as a store
 /// blip would.
 #[derive(Clone)]
@@ -189,12 +175,15 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
     let mut answer = Response::new(Full::new(Bytes::from_static(b"{\"order\":7}")));
     *answer.status_mut() = StatusCode::CREATED;
     send_late.send(answer).expect("late answer taken");
-    let replayed = eventually(Duration::from_secs(10), async || {
-        let retry = send(&service, order("unk-1", "{}")).await;
-        retry.status == StatusCode::CREATED && retry.replayed()
-    })
+    wait_until(
+        Duration::from_secs(10),
+        "the late answer to be replayed",
+        async || {
+            let retry = send(&service, order("unk-1", "{}")).await;
+            retry.status == StatusCode::CREATED && retry.replayed()
+        },
+    )
     .await;
-    assert!(replayed, "the late answer is replayed");
     let retry = send(&service, order("unk-1", "{}")).await;
     assert_eq!(&retry.body[..], b"{\"order\":7}");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
@@ -332,12 +321,12 @@ async fn drain_waits_for_detached_handlers() {
     wait_calls(&probe, 1).await;
     client.abort();
     let _ = client.await;
-    assert!(
-        eventually(Duration::from_secs(10), async || layer.background_tasks()
-            == 1)
-        .await,
-        "the handler detached"
-    );
+    wait_until(
+        Duration::from_secs(10),
+        "the handler to detach",
+        async || layer.background_tasks() == 1,
+    )
+    .await;
     let drained = tokio::spawn({
         let layer = layer.clone();
         async move { layer.drain(Duration::from_secs(30)).await }
@@ -355,11 +344,12 @@ async fn drain_waits_for_detached_handlers() {
     wait_calls(&probe, 2).await;
     client.abort();
     let _ = client.await;
-    assert!(
-        eventually(Duration::from_secs(10), async || layer.background_tasks()
-            == 1)
-        .await
-    );
+    wait_until(
+        Duration::from_secs(10),
+        "the handler to detach",
+        async || layer.background_tasks() == 1,
+    )
+    .await;
     assert_eq!(layer.drain(Duration::from_millis(50)).await, 1);
     probe.open_gate(1);
 }

@@ -48,15 +48,12 @@ async fn hundred_concurrent_duplicates_execute_once_wait_mode() {
     wait_calls(&probe, 1).await;
     // Every duplicate is waiting for the outcome before it exists, so the
     // replays below come from waiting, not from arriving late.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while store.waiting() < 99 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "only {} duplicates waiting",
-            store.waiting()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "99 waiting duplicates",
+        async || store.waiting() >= 99,
+    )
+    .await;
     assert_eq!(probe.calls(), 1);
     probe.open_gate(1);
     let mut bodies = Vec::new();
@@ -111,15 +108,12 @@ async fn disconnect_in_detach_mode_records_the_outcome() {
     assert!(client.await.is_err_and(|e| e.is_cancelled()));
     probe.open_gate(1);
     // The handler finishes and records its outcome.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let retry = loop {
-        let answer = send(&svc, keyed("/slow", "k")).await;
-        if answer.status != StatusCode::CONFLICT {
-            break answer;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never recorded");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || send(&svc, keyed("/slow", "k")).await,
+        |answer| answer.status != StatusCode::CONFLICT,
+    )
+    .await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed());
     assert_eq!(retry.body, "{\"order\":1}");
@@ -137,16 +131,15 @@ async fn disconnect_in_release_mode_drops_the_handler_and_frees_the_key() {
     assert!(client.await.is_err_and(|e| e.is_cancelled()));
     // The release runs in a task of its own; wait for the key to be free.
     probe.open_gate(1);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let retry = loop {
-        let answer = send(&svc, keyed("/slow", "k")).await;
-        if answer.status != StatusCode::CONFLICT {
-            break answer;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never released");
-        probe.open_gate(1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || {
+            probe.open_gate(1);
+            send(&svc, keyed("/slow", "k")).await
+        },
+        |answer| answer.status != StatusCode::CONFLICT,
+    )
+    .await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(
         !retry.replayed(),

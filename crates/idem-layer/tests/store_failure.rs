@@ -240,14 +240,12 @@ async fn a_failed_completion_is_recorded_in_the_background() {
     let first = send(&svc, order("k", "{}")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     // Until the background completion lands, a retry is told 409.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let retry = loop {
-        let retry = send(&svc, order("k", "{}")).await;
-        if retry.status != StatusCode::CONFLICT || tokio::time::Instant::now() >= deadline {
-            break retry;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || send(&svc, order("k", "{}")).await,
+        |retry| retry.status != StatusCode::CONFLICT,
+    )
+    .await;
     assert!(retry.replayed(), "{:?} {:?}", retry.status, retry.code());
     assert_eq!(retry.body, first.body);
     assert_eq!(probe.calls(), 1);
@@ -268,24 +266,20 @@ async fn the_background_completion_gives_up_when_the_lease_lapses() {
     probe.open_gate(1);
     assert_eq!(first.await.expect("join").status, StatusCode::CREATED);
     assert_eq!(layer.background_tasks(), 1, "recording in the background");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while layer.background_tasks() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the background completion never gave up"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the background completion to give up",
+        async || layer.background_tasks() == 0,
+    )
+    .await;
     store.mode.store(OK, Ordering::SeqCst);
     probe.open_gate(1);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let retry = loop {
-        let retry = send(&svc, order_at("/slow", "k")).await;
-        if retry.status != StatusCode::CONFLICT || tokio::time::Instant::now() >= deadline {
-            break retry;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || send(&svc, order_at("/slow", "k")).await,
+        |retry| retry.status != StatusCode::CONFLICT,
+    )
+    .await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed(), "a takeover, not a replay");
     assert_eq!(probe.calls(), 2);

@@ -761,7 +761,7 @@ mod tests {
                     .flat_map(|(name, value)| [Value::BulkString(name.as_bytes().to_vec()), value])
                     .collect();
                 let _ = decode_record(ScopeHash::from_bytes([1; 32]), &pairs);
-                let _ = decode_current(pairs.clone());
+                let _ = decode_current(pairs);
             }
         }
     }

@@ -269,6 +269,9 @@ pub fn service(
 }
 
 /// Waits until the handler has started `n` times.
+#[allow(unused_imports)] // not every test file waits
+pub use idem_core::conformance::{poll_until, wait_until};
+
 pub async fn wait_calls(probe: &Probe, n: usize) {
     loop {
         let entered = probe.entered.notified();
