@@ -257,8 +257,7 @@ async fn a_lowercase_method_is_refused() {
                 request = request.key("lower-1");
             }
             let answer = send(&service, request.build()).await;
-            assert_eq!(answer.status, StatusCode::BAD_REQUEST);
-            assert_eq!(answer.code().as_deref(), Some("method_case_mismatch"));
+            answer.assert_problem(StatusCode::BAD_REQUEST, "method_case_mismatch");
             assert_eq!(answer.content_type(), Some("application/problem+json"));
         }
     }
@@ -274,8 +273,7 @@ async fn big_numbers_that_differ_conflict() {
     let first = send(&service, order("big-1", "{\"amount\":10000000000000001}")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let other = send(&service, order("big-1", "{\"amount\":10000000000000000}")).await;
-    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(other.code().as_deref(), Some("idempotency_conflict"));
+    other.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_conflict");
     let same = send(
         &service,
         order("big-1", "{\"amount\":1.0000000000000001e16}"),

@@ -12,9 +12,7 @@ use tower::ServiceExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hundred_concurrent_duplicates_execute_once_reject_mode() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
     let (answers, mut answered) = tokio::sync::mpsc::unbounded_channel();
     for _ in 0..100 {
         let answers = answers.clone();
@@ -98,9 +96,7 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
 /// replay.
 #[tokio::test]
 async fn disconnect_in_detach_mode_records_the_outcome() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
     let request = svc.clone().oneshot(keyed("/slow", "k"));
     let client = tokio::spawn(request);
     wait_calls(&probe, 1).await;

@@ -3,7 +3,6 @@
 mod common;
 
 use common::*;
-use idem_memory::MemoryStore;
 use metrics_util::{
     CompositeKey, MetricKind,
     debugging::{DebugValue, DebuggingRecorder},
@@ -41,9 +40,7 @@ async fn outcomes_and_store_latency_are_counted() {
     let snapshotter = recorder.snapshotter();
     let _guard = metrics::set_default_local_recorder(&recorder);
 
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, _probe, svc) = fresh();
     send(&svc, order("k", r#"{"a":1}"#)).await;
     send(&svc, order("k", r#"{"a":1}"#)).await;
     send(&svc, order("k", r#"{"a":1}"#)).await;

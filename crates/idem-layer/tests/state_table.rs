@@ -14,9 +14,7 @@ use tower::{Layer, Service, ServiceExt};
 
 #[tokio::test]
 async fn absent_executes_and_completed_replays_exact_bytes() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
 
     let first = send(&svc, order("k1", r#"{"item":"book","qty":1}"#)).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -45,9 +43,7 @@ async fn absent_executes_and_completed_replays_exact_bytes() {
 
 #[tokio::test]
 async fn different_payload_is_a_conflict_in_every_state() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
 
     // completed
     assert_eq!(
@@ -55,8 +51,7 @@ async fn different_payload_is_a_conflict_in_every_state() {
         StatusCode::CREATED
     );
     let conflict = send(&svc, order("k", r#"{"qty":2}"#)).await;
-    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
+    conflict.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_conflict");
     assert_eq!(conflict.content_type(), Some("application/problem+json"));
     // the conflict changed nothing: the original still replays
     let replay = send(&svc, order("k", r#"{"qty":1}"#)).await;
@@ -93,8 +88,7 @@ async fn duplicate_in_flight_gets_409_with_retry_after() {
     wait_calls(&probe, 1).await;
 
     let busy = send(&svc, keyed("/slow", "k")).await;
-    assert_eq!(busy.status, StatusCode::CONFLICT);
-    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    busy.assert_problem(StatusCode::CONFLICT, "idempotency_in_progress");
     let retry_after: u64 = busy
         .header("retry-after")
         .expect("Retry-After")
@@ -189,8 +183,7 @@ async fn cancelled_record_answers_410() {
         "the cancelled attempt's own client gets 410"
     );
     let retry = send(&svc, keyed("/slow", "k")).await;
-    assert_eq!(retry.status, StatusCode::GONE);
-    assert_eq!(retry.code().as_deref(), Some("idempotency_cancelled"));
+    retry.assert_problem(StatusCode::GONE, "idempotency_cancelled");
     assert_eq!(probe.calls(), 1);
     // Cancellation did not stop the handler: it finished, and its outcome is late evidence.
     assert_eq!(probe.finished(), 1);
@@ -241,9 +234,7 @@ async fn temporary_failures_release_the_key() {
 
 #[tokio::test]
 async fn handler_error_and_panic_release_the_key() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
 
     let error = svc.clone().oneshot(keyed("/error", "e")).await;
     assert!(
@@ -255,8 +246,7 @@ async fn handler_error_and_panic_release_the_key() {
     assert_eq!(probe.calls(), 2, "the error released the key");
 
     let panic = send(&svc, keyed("/panic", "p")).await;
-    assert_eq!(panic.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(panic.code().as_deref(), Some("handler_failed"));
+    panic.assert_problem(StatusCode::INTERNAL_SERVER_ERROR, "handler_failed");
     let again = send(&svc, keyed("/panic", "p")).await;
     assert_eq!(again.code().as_deref(), Some("handler_failed"));
     assert_eq!(probe.calls(), 4, "the panic released the key");
@@ -307,9 +297,7 @@ async fn response_over_storable_limit_reaches_first_caller_only() {
 
 #[tokio::test]
 async fn other_methods_pass_through_without_store_calls() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (store, probe, svc) = fresh();
     for _ in 0..2 {
         let answer = send(
             &svc,
@@ -357,9 +345,7 @@ async fn other_methods_pass_through_without_store_calls() {
 
 #[tokio::test]
 async fn missing_key_passes_through_unless_required() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (store, probe, svc) = fresh();
     send(&svc, post("/orders").tenant("t1").build()).await;
     send(&svc, post("/orders").tenant("t1").build()).await;
     assert_eq!(probe.calls(), 2);
@@ -367,16 +353,13 @@ async fn missing_key_passes_through_unless_required() {
 
     let svc = service(&layer(&store).require_key(true), &probe);
     let refused = send(&svc, post("/orders").tenant("t1").build()).await;
-    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
-    assert_eq!(refused.code().as_deref(), Some("idempotency_key_missing"));
+    refused.assert_problem(StatusCode::BAD_REQUEST, "idempotency_key_missing");
     assert_eq!(probe.calls(), 2);
 }
 
 #[tokio::test]
 async fn invalid_keys_get_400_from_the_vectors() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
     let mut checked = 0;
     for line in include_str!("fixtures/idempotency-key.jsonl")
         .lines()
@@ -417,21 +400,16 @@ async fn invalid_keys_get_400_from_the_vectors() {
 
 #[tokio::test]
 async fn two_key_fields_are_invalid() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
     let request = post("/orders").key("a").key("a").tenant("t1").build();
     let answer = send(&svc, request).await;
-    assert_eq!(answer.status, StatusCode::BAD_REQUEST);
-    assert_eq!(answer.code().as_deref(), Some("idempotency_key_invalid"));
+    answer.assert_problem(StatusCode::BAD_REQUEST, "idempotency_key_invalid");
     assert_eq!(probe.calls(), 0);
 }
 
 #[tokio::test]
 async fn quoted_and_bare_keys_name_the_same_record() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
     let first = send(&svc, post("/orders").key("\"abc\"").tenant("t1").build()).await;
     let second = send(&svc, keyed("/orders", "abc")).await;
     assert!(second.replayed());
@@ -441,9 +419,7 @@ async fn quoted_and_bare_keys_name_the_same_record() {
 
 #[tokio::test]
 async fn tenants_are_isolated_and_required() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (store, probe, svc) = fresh();
     let a = send(
         &svc,
         post("/orders")
@@ -500,8 +476,7 @@ async fn body_over_the_limit_is_413_and_never_executes() {
             .build(),
     )
     .await;
-    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE);
-    assert_eq!(answer.code().as_deref(), Some("request_body_too_large"));
+    answer.assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "request_body_too_large");
     // No declared length.
     let answer = send(
         &svc,
@@ -535,9 +510,7 @@ async fn body_over_the_limit_is_413_and_never_executes() {
 
 #[tokio::test]
 async fn json_key_order_and_whitespace_do_not_change_the_fingerprint() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, probe, svc) = fresh();
     send(&svc, order("k", r#"{"a":1,"b":[1,2],"c":{"y":1,"x":2}}"#)).await;
     let replay = send(
         &svc,
@@ -555,9 +528,7 @@ async fn json_key_order_and_whitespace_do_not_change_the_fingerprint() {
 
 #[tokio::test]
 async fn query_string_is_part_of_the_fingerprint() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, _probe, svc) = fresh();
     send(&svc, keyed("/status/200?x=1", "k")).await;
     let conflict = send(&svc, keyed("/status/200?x=2", "k")).await;
     assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
@@ -578,9 +549,7 @@ async fn custom_fingerprint_replaces_the_default() {
 
 #[tokio::test]
 async fn handler_sees_the_context() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, _probe, svc) = fresh();
     let answer = send(&svc, post("/ctx").key("\"my key\"").tenant("acme").build()).await;
     assert_eq!(
         std::str::from_utf8(&answer.body).expect("utf8"),
@@ -625,8 +594,10 @@ async fn retention_not_longer_than_lease_is_a_configuration_error() {
     // not, and never run unprotected; other methods pass through.
     let svc = service(&layer, &probe);
     let keyed = send(&svc, order("k", r#"{"qty":1}"#)).await;
-    assert_eq!(keyed.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(keyed.code().as_deref(), Some("idempotency_misconfigured"));
+    keyed.assert_problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "idempotency_misconfigured",
+    );
     assert_eq!(keyed.content_type(), Some("application/problem+json"));
     let keyless = send(&svc, post("/orders").tenant("t1").body("{}").build()).await;
     assert_eq!(keyless.code().as_deref(), Some("idempotency_misconfigured"));

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use idem_core::Scope;
-use idem_memory::MemoryStore;
 use tracing_subscriber::fmt::{MakeWriter, format::FmtSpan};
 
 #[derive(Clone, Default)]
@@ -42,9 +41,7 @@ async fn spans_name_the_scope_hash_not_the_key() {
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
+    let (_store, _probe, svc) = fresh();
     let secret = "card-4242-4242-secret-key";
     send(&svc, order(secret, "{}")).await;
     send(&svc, order(secret, "{}")).await;

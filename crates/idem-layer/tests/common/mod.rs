@@ -156,6 +156,12 @@ pub struct Answer {
 }
 
 impl Answer {
+    /// Checks a refusal: its status and problem `code`.
+    pub fn assert_problem(&self, status: StatusCode, code: &str) {
+        assert_eq!(self.status, status, "{:?}", self.code());
+        assert_eq!(self.code().as_deref(), Some(code));
+    }
+
     /// The problem `code` member, if the body is a problem document.
     pub fn code(&self) -> Option<String> {
         let value: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
@@ -259,6 +265,18 @@ pub fn keyed(path: &str, key: &str) -> Request<Full<Bytes>> {
 
 pub fn order(key: &str, body: &str) -> Request<Full<Bytes>> {
     post("/orders").key(key).tenant("t1").json(body).build()
+}
+
+/// A memory store, a probe, and the default layer's service over them.
+pub fn fresh() -> (
+    MemoryStore,
+    Probe,
+    idem_layer::Idempotency<Inner, MemoryStore>,
+) {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&layer(&store), &probe);
+    (store, probe, svc)
 }
 
 pub fn service(
