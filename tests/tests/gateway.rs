@@ -410,15 +410,15 @@ async fn healthz_metrics_and_invalid_flags() {
 
 // ===== Redis =====
 
-fn redis_flags(url: &str) -> Vec<String> {
+fn redis_flags(url: &str) -> Vec<&str> {
     vec![
-        "--store".to_owned(),
-        url.to_owned(),
-        "--store-timeout".to_owned(),
-        "300ms".to_owned(),
+        "--store",
+        url,
+        "--store-timeout",
+        "300ms",
         // Two gateways on one Redis must derive the same tenants.
-        "--tenant-secret".to_owned(),
-        "the test gateways' shared tenant secret".to_owned(),
+        "--tenant-secret",
+        "the test gateways' shared tenant secret",
     ]
 }
 
@@ -429,8 +429,8 @@ macro_rules! on_redis {
             let Some(redis) = RedisServer::spawn() else {
                 return;
             };
-            let flags = redis_flags(&redis.url());
-            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let url = redis.url();
+            let flags = redis_flags(&url);
             $behaviour(&flags).await;
         }
     };
@@ -455,9 +455,9 @@ async fn redis_outcomes_and_tenants() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let mut flags = redis_flags(&redis.url());
-    flags.extend(["--max-body".to_owned(), "1024".to_owned()]);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let url = redis.url();
+    let mut flags = redis_flags(&url);
+    flags.extend(["--max-body", "1024"]);
     outcomes_and_tenants(&flags).await;
 }
 
@@ -466,11 +466,11 @@ async fn redis_paused_is_503_within_the_timeout_and_upstream_untouched() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let flags = redis_flags(&redis.url());
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let url = redis.url();
+    let flags = redis_flags(&url);
     let (upstream, _server, gw) = setup(&flags).await;
-    // Warm every connection lane of the store, so the call below is really
-    // queued behind the paused server.
+    // Warm the store's connections, so the call below is really queued
+    // behind the paused server.
     for n in 0..8 {
         assert_eq!(
             post(&gw, "/orders", &format!("before-{n}"), "{}")
@@ -531,8 +531,8 @@ async fn two_gateways_on_one_redis_execute_once() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let flags = redis_flags(&redis.url());
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let url = redis.url();
+    let flags = redis_flags(&url);
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
     let a = Gateway::start(&server, &flags).await;
@@ -580,8 +580,8 @@ async fn cluster_store_through_the_gateway() {
     let Some(cluster) = RedisCluster::spawn() else {
         return;
     };
-    let flags = redis_flags(&cluster.url());
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let url = cluster.url();
+    let flags = redis_flags(&url);
     let (upstream, _server, gw) = setup(&flags).await;
     for i in 0..10 {
         let key = format!("c{i}");

@@ -315,16 +315,20 @@ async fn drain_waits_for_detached_handlers() {
     let probe = Probe::default();
     let layer = layer(&store);
     let service = service(&layer, &probe);
-    let client = tokio::spawn(send(&service, order_to("/slow", "drain-1")));
-    wait_calls(&probe, 1).await;
-    client.abort();
-    let _ = client.await;
-    wait_until(
-        Duration::from_secs(10),
-        "the handler to detach",
-        async || layer.background_tasks() == 1,
-    )
-    .await;
+    // A request whose client leaves while its handler (the `calls`th) runs.
+    let detach = async |key: &str, calls: usize| {
+        let client = tokio::spawn(send(&service, order_to("/slow", key)));
+        wait_calls(&probe, calls).await;
+        client.abort();
+        let _ = client.await;
+        wait_until(
+            Duration::from_secs(10),
+            "the handler to detach",
+            async || layer.background_tasks() == 1,
+        )
+        .await;
+    };
+    detach("drain-1", 1).await;
     let drained = tokio::spawn({
         let layer = layer.clone();
         async move { layer.drain(Duration::from_secs(30)).await }
@@ -338,16 +342,7 @@ async fn drain_waits_for_detached_handlers() {
         .expect("record");
     assert_eq!(record.state, idem_core::RecordState::Completed);
     // A drain that runs out of time says how much it left.
-    let client = tokio::spawn(send(&service, order_to("/slow", "drain-2")));
-    wait_calls(&probe, 2).await;
-    client.abort();
-    let _ = client.await;
-    wait_until(
-        Duration::from_secs(10),
-        "the handler to detach",
-        async || layer.background_tasks() == 1,
-    )
-    .await;
+    detach("drain-2", 2).await;
     assert_eq!(layer.drain(Duration::from_millis(50)).await, 1);
     probe.open_gate(1);
 }
