@@ -100,6 +100,14 @@ async fn serve(router: Router) -> String {
     format!("http://{addr}")
 }
 
+/// A server that always answers `503 busy`, with this `Retry-After` if any.
+async fn busy_server(retry_after: Option<&str>) -> (Script, String) {
+    let headers = retry_after
+        .map(|value| vec![("retry-after", value.to_owned())])
+        .unwrap_or_default();
+    scripted_server(vec![(503, headers, "busy")]).await
+}
+
 async fn scripted_server(answers: Vec<Scripted>) -> (Script, String) {
     let script = Script::new(answers);
     let url = serve(
@@ -149,8 +157,7 @@ fn problem(code: &str) -> &'static str {
 
 #[tokio::test(start_paused = true)]
 async fn retry_after_seconds_is_the_exact_delay() {
-    let (script, url) =
-        scripted_server(vec![(503, vec![("retry-after", "3".to_owned())], "busy")]).await;
+    let (script, url) = busy_server(Some("3")).await;
     let client = RetryLayer::new().layer(http());
     let (status, info, body) = send(&client, post(&url, "{}")).await;
     assert_eq!(status, StatusCode::OK);
@@ -185,12 +192,7 @@ async fn retry_after_http_date_is_honoured() {
 
 #[tokio::test(start_paused = true)]
 async fn unparseable_retry_after_falls_back_to_backoff() {
-    let (script, url) = scripted_server(vec![(
-        503,
-        vec![("retry-after", "soon".to_owned())],
-        "busy",
-    )])
-    .await;
+    let (script, url) = busy_server(Some("soon")).await;
     let client = RetryLayer::new()
         .base_delay(Duration::from_millis(200))
         .layer(http());
@@ -291,7 +293,7 @@ async fn in_progress_409_is_retried_with_the_same_key() {
 
 #[tokio::test(start_paused = true)]
 async fn a_caller_key_is_kept() {
-    let (script, url) = scripted_server(vec![(503, vec![], "busy")]).await;
+    let (script, url) = busy_server(None).await;
     let client = RetryLayer::new().layer(http());
     let mut request = post(&url, "{}");
     request
@@ -307,14 +309,14 @@ async fn a_caller_key_is_kept() {
 
 #[tokio::test(start_paused = true)]
 async fn unsafe_requests_without_a_key_are_sent_once() {
-    let (script, url) = scripted_server(vec![(503, vec![], "busy")]).await;
+    let (script, url) = busy_server(None).await;
     let client = RetryLayer::new().key_methods([]).layer(http());
     let (status, info, _) = send(&client, post(&url, "{}")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(info.stopped, Some(StopReason::UnsafeMethod));
     assert_eq!(script.hits(), 1);
     // A GET is idempotent: retried without a key.
-    let (script, url) = scripted_server(vec![(503, vec![], "busy")]).await;
+    let (script, url) = busy_server(None).await;
     let request = Request::builder()
         .method(Method::GET)
         .uri(format!("{url}/"))
@@ -328,7 +330,7 @@ async fn unsafe_requests_without_a_key_are_sent_once() {
 
 #[tokio::test(start_paused = true)]
 async fn large_bodies_are_sent_once() {
-    let (script, url) = scripted_server(vec![(503, vec![], "busy")]).await;
+    let (script, url) = busy_server(None).await;
     let client = RetryLayer::new().body_limit(16).layer(http());
     let body = "{\"this body is longer than sixteen bytes\":1}";
     let (status, info, _) = send(&client, post(&url, body)).await;
@@ -526,20 +528,14 @@ mod properties {
 /// with the answer in hand; it never panics.
 #[tokio::test(start_paused = true)]
 async fn an_absurd_retry_after_stops_at_the_deadline() {
-    let (script, url) = scripted_server(vec![(
-        503,
-        vec![("retry-after", "99999999999999999999".to_owned())],
-        "busy",
-    )])
-    .await;
+    let (script, url) = busy_server(Some("99999999999999999999")).await;
     let client = RetryLayer::new().layer(http());
     let (status, info, _) = send(&client, post(&url, "{}")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(info.stopped, Some(StopReason::Deadline));
     assert_eq!(script.hits(), 1);
     // A deadline no clock can hold is no deadline, not a panic.
-    let (script, url) =
-        scripted_server(vec![(503, vec![("retry-after", "1".to_owned())], "busy")]).await;
+    let (script, url) = busy_server(Some("1")).await;
     let client = RetryLayer::new()
         .deadline(Duration::from_secs(u64::MAX))
         .layer(http());

@@ -465,41 +465,26 @@ async fn body_over_the_limit_is_413_and_never_executes() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let svc = service(&layer(&store).max_body(100), &probe);
-    // Declared length over the limit.
-    let answer = send(
-        &svc,
-        post("/orders")
-            .key("k")
-            .tenant("t1")
-            .header("content-length", "101")
-            .body(vec![b'a'; 101])
-            .build(),
-    )
-    .await;
-    answer.assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "request_body_too_large");
-    // No declared length.
-    let answer = send(
-        &svc,
-        post("/orders")
-            .key("k")
-            .tenant("t1")
-            .body(vec![b'a'; 101])
-            .build(),
-    )
-    .await;
-    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE);
+    // A keyed body of `len` bytes, its length declared or not.
+    let body_of = |len: usize, declared: bool| {
+        let request = post("/orders").key("k").tenant("t1");
+        let request = if declared {
+            request.header("content-length", &len.to_string())
+        } else {
+            request
+        };
+        send(&svc, request.body(vec![b'a'; len]).build())
+    };
+    body_of(101, true)
+        .await
+        .assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "request_body_too_large");
+    body_of(101, false)
+        .await
+        .assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "request_body_too_large");
     assert_eq!(probe.calls(), 0);
     assert!(store.is_empty(), "nothing was reserved");
     // At the limit it runs.
-    let answer = send(
-        &svc,
-        post("/orders")
-            .key("k")
-            .tenant("t1")
-            .body(vec![b'a'; 100])
-            .build(),
-    )
-    .await;
+    let answer = body_of(100, false).await;
     assert_eq!(answer.status, StatusCode::CREATED);
     assert_eq!(
         answer.header("x-echo-len"),

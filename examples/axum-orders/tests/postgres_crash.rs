@@ -2,10 +2,7 @@
 //! `axum-orders` process on a private PostgreSQL, killed with SIGKILL: the
 //! `orders` table ends with exactly one row for a key whatever the crash.
 
-use std::{
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{process::Command, time::Duration};
 
 use bytes::Bytes;
 use http::{Request, StatusCode};
@@ -64,15 +61,14 @@ impl Orders {
 
     /// Posts `key` until the answer is not `409 in progress` (bounded).
     async fn post_until_done(&self, key: &str) -> Reply {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let reply = send(&client(), self.post(key, None)).await;
-            if reply.status != StatusCode::CONFLICT {
-                return reply;
-            }
-            assert!(Instant::now() < deadline, "still in progress");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        let reply = idem_tests::poll_until(
+            Duration::from_secs(30),
+            async || send(&client(), self.post(key, None)).await,
+            |reply| reply.status != StatusCode::CONFLICT,
+        )
+        .await;
+        assert_ne!(reply.status, StatusCode::CONFLICT, "still in progress");
+        reply
     }
 }
 

@@ -3,12 +3,7 @@
 //! broker redelivers, and the ledger shows every charge once; every
 //! redelivery is answered from the record.
 
-use std::{
-    collections::HashMap,
-    path::Path,
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{collections::HashMap, path::Path, process::Command, time::Duration};
 
 use idem_tests::{nats_server::NatsServer, process::Spawned, redis_server::RedisServer};
 
@@ -74,18 +69,15 @@ async fn killed_before_acknowledging_charges_once_and_redeliveries_replay() {
     // the next consumer, which answers c-3 from the record.
     let second = consumer(&nats, &redis, &ledger_path, None);
     second.wait_for_line("answered c-3 from the record");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let counts = ledger(&ledger_path);
-        if (1..=5).all(|n| counts.contains_key(&format!("c-{n}"))) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not every charge ran: {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let all_ran =
+        |counts: &HashMap<String, usize>| (1..=5).all(|n| counts.contains_key(&format!("c-{n}")));
+    let counts = idem_tests::poll_until(
+        Duration::from_secs(30),
+        async || ledger(&ledger_path),
+        all_ran,
+    )
+    .await;
+    assert!(all_ran(&counts), "not every charge ran: {counts:?}");
     // A duplicate message of a charge already made is answered from the
     // record; the same id with another amount is refused, never charged.
     publish(&js, "c-2", 200).await;

@@ -12,10 +12,11 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use idem_tests::{
-    Reply, TestServer, client,
+    Reply, TestServer, client, poll_until,
     redis_server::{RedisCluster, RedisServer},
     send,
     upstream::Upstream,
+    wait_until,
 };
 
 struct Process {
@@ -67,14 +68,12 @@ impl Process {
     /// Waits until the gateway stopped accepting connections: its graceful
     /// shutdown has begun.
     async fn wait_until_closed(&self) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(&self.addr).await.is_ok() {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "still accepting 20 s after the signal"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        wait_until(
+            Duration::from_secs(20),
+            "the listener to close after the signal",
+            async || tokio::net::TcpStream::connect(&self.addr).await.is_err(),
+        )
+        .await;
     }
 
     fn signal(&self, signal: &str) {
@@ -152,18 +151,18 @@ const LEASE: &str = "6s";
 /// Retries until the answer is no longer `409 idempotency_in_progress`
 /// (the lease lapsed and a retry took over), within 30 s.
 async fn until_not_in_progress(gateway: &Process, path: &str, key: &str) -> Reply {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let reply = post(gateway, path, key).await;
-        if reply.code().as_deref() != Some("idempotency_in_progress") {
-            return reply;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "still in progress 30 s later"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let reply = poll_until(
+        Duration::from_secs(30),
+        async || post(gateway, path, key).await,
+        |reply| reply.code().as_deref() != Some("idempotency_in_progress"),
+    )
+    .await;
+    assert_ne!(
+        reply.code().as_deref(),
+        Some("idempotency_in_progress"),
+        "still in progress 30 s later"
+    );
+    reply
 }
 
 /// A private Redis and a counting upstream, and the flags that put a
@@ -314,14 +313,12 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     let _ = lost.await;
     // The gateway saw it go: the request now runs detached, the case whose
     // outcome used to be lost at shutdown.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !log.text().contains("client went away") {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the gateway never saw the client go"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        Duration::from_secs(20),
+        "the gateway to see the client go",
+        async || log.text().contains("client went away"),
+    )
+    .await;
     gateway.terminate();
     // Connections are closed and the drain has begun before the upstream
     // answers: only the drain can record this outcome.
@@ -501,21 +498,17 @@ async fn crash_after_completion_before_the_client_reads() {
         )
         .expect("write");
     // Wait for the store to say the outcome is recorded: the signal is the record itself.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let states = redis.cli(&["--scan", "--pattern", "idem:*"]);
-        let completed = states
-            .lines()
-            .any(|key| redis.cli(&["HGET", key, "state"]).trim() == "completed");
-        if completed {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the outcome was never recorded"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the outcome to be recorded",
+        async || {
+            redis
+                .cli(&["--scan", "--pattern", "idem:*"])
+                .lines()
+                .any(|key| redis.cli(&["HGET", key, "state"]).trim() == "completed")
+        },
+    )
+    .await;
     first.kill();
     drop(silent);
 
@@ -765,18 +758,15 @@ async fn a_full_memory_store_says_so() {
     assert_eq!(health.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(&health.body[..], b"store full\n");
     // The gauge is refreshed every second.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let text = String::from_utf8_lossy(&send(&http, get("/metrics")).await.body).into_owned();
-        if text.contains("idem_store_full 1") && text.contains("idem_store_records 3") {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no full gauge in:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let full =
+        |text: &String| text.contains("idem_store_full 1") && text.contains("idem_store_records 3");
+    let text = poll_until(
+        Duration::from_secs(20),
+        async || String::from_utf8_lossy(&send(&http, get("/metrics")).await.body).into_owned(),
+        full,
+    )
+    .await;
+    assert!(full(&text), "no full gauge in:\n{text}");
     assert_eq!(upstream.runs(), 3);
 }
 
@@ -820,23 +810,20 @@ async fn the_memory_byte_bound_holds_while_tenants_flood() {
             .body(Full::new(Bytes::new()))
             .expect("request")
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let text = String::from_utf8_lossy(&send(&http, metrics()).await.body).into_owned();
-        let bytes = text
-            .lines()
+    let gauge = |text: &String| {
+        text.lines()
             .find_map(|line| line.strip_prefix("idem_store_bytes "))
-            .and_then(|v| v.trim().parse::<f64>().ok());
-        if let Some(bytes) = bytes.filter(|b| *b > 0.0) {
-            assert!(bytes <= 65_536.0, "{bytes} bytes over the bound");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no bytes gauge in:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|bytes| *bytes > 0.0)
+    };
+    let text = poll_until(
+        Duration::from_secs(20),
+        async || String::from_utf8_lossy(&send(&http, metrics()).await.body).into_owned(),
+        |text| gauge(text).is_some(),
+    )
+    .await;
+    let bytes = gauge(&text).unwrap_or_else(|| panic!("no bytes gauge in:\n{text}"));
+    assert!(bytes <= 65_536.0, "{bytes} bytes over the bound");
     assert_eq!(upstream.runs(), created.len());
 }
 
@@ -988,17 +975,12 @@ async fn replicas_short_of_the_requested_are_reported() {
     let Some(mut replica) = RedisServer::spawn_with(&["--replicaof", "127.0.0.1", &port]) else {
         return;
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !master
-        .cli(&["INFO", "replication"])
-        .contains("state=online")
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the replica never synced"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(Duration::from_secs(20), "the replica to sync", async || {
+        master
+            .cli(&["INFO", "replication"])
+            .contains("state=online")
+    })
+    .await;
     let running = tokio::spawn(send(&http, post("/slow", "replica-lost")));
     upstream.wait_runs(1).await;
     replica.kill();
