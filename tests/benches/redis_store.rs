@@ -21,6 +21,7 @@ use idem_tests::redis_server::RedisServer;
 
 const COMMON: &str = include_str!("../../crates/idem-redis/src/lua/common.lua");
 const RESERVE: &str = include_str!("../../crates/idem-redis/src/lua/reserve.lua");
+const FENCE: &str = include_str!("../../crates/idem-redis/src/lua/fence.lua");
 const COMPLETE: &str = include_str!("../../crates/idem-redis/src/lua/complete.lua");
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -63,6 +64,7 @@ async fn direct(
         .arg("POST /orders")
         .arg(&key)
         .arg(8)
+        .arg("tenant")
         .invoke_async(conn)
         .await
         .expect("reserve");
@@ -76,10 +78,39 @@ async fn direct(
         .arg("1")
         .arg(b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json".as_slice())
         .arg(b"{\"id\":42,\"status\":\"created\"}".as_slice())
+        .arg("0")
         .invoke_async(conn)
         .await
         .expect("complete");
     black_box(reply);
+}
+
+/// Runs `iterations` calls of `call` over 64 tasks; answers the time as if
+/// they had run one after another (criterion's per-iteration time).
+async fn concurrently<F, Fut>(iterations: u64, call: F) -> Duration
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let call = Arc::new(call);
+    let per_task = iterations.div_ceil(64);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let call = Arc::clone(&call);
+            tokio::spawn(async move {
+                for _ in 0..per_task {
+                    call().await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    started
+        .elapsed()
+        .mul_f64(iterations as f64 / (per_task * 64) as f64)
 }
 
 fn redis_store(c: &mut Criterion) {
@@ -97,7 +128,7 @@ fn redis_store(c: &mut Criterion) {
         .block_on(client.get_multiplexed_async_connection())
         .expect("connection");
     let reserve = redis::Script::new(&format!("{COMMON}\n{RESERVE}"));
-    let complete = redis::Script::new(&format!("{COMMON}\n{COMPLETE}"));
+    let complete = redis::Script::new(&format!("{COMMON}\n{FENCE}\n{COMPLETE}"));
     runtime.block_on(async {
         new_key(&store).await;
         direct(&mut conn, &reserve, &complete).await;
@@ -133,53 +164,20 @@ fn redis_store(c: &mut Criterion) {
     group.bench_function("store_new_key_64_concurrent", |b| {
         b.to_async(&runtime).iter_custom(|iterations| {
             let store = Arc::clone(&store);
-            async move {
-                let per_task = iterations.div_ceil(64);
-                let started = Instant::now();
-                let tasks: Vec<_> = (0..64)
-                    .map(|_| {
-                        let store = Arc::clone(&store);
-                        tokio::spawn(async move {
-                            for _ in 0..per_task {
-                                new_key(&store).await;
-                            }
-                        })
-                    })
-                    .collect();
-                for task in tasks {
-                    task.await.expect("task");
-                }
-                started
-                    .elapsed()
-                    .mul_f64(iterations as f64 / (per_task * 64) as f64)
-            }
+            concurrently(iterations, move || {
+                let store = Arc::clone(&store);
+                async move { new_key(&store).await }
+            })
         });
     });
     group.bench_function("baseline_direct_64_concurrent", |b| {
         b.to_async(&runtime).iter_custom(|iterations| {
-            let conn = conn.clone();
-            let (reserve, complete) = (reserve.clone(), complete.clone());
-            async move {
-                let per_task = iterations.div_ceil(64);
-                let started = Instant::now();
-                let tasks: Vec<_> = (0..64)
-                    .map(|_| {
-                        let mut conn = conn.clone();
-                        let (reserve, complete) = (reserve.clone(), complete.clone());
-                        tokio::spawn(async move {
-                            for _ in 0..per_task {
-                                direct(&mut conn, &reserve, &complete).await;
-                            }
-                        })
-                    })
-                    .collect();
-                for task in tasks {
-                    task.await.expect("task");
-                }
-                started
-                    .elapsed()
-                    .mul_f64(iterations as f64 / (per_task * 64) as f64)
-            }
+            let (conn, reserve, complete) = (conn.clone(), reserve.clone(), complete.clone());
+            concurrently(iterations, move || {
+                let mut conn = conn.clone();
+                let (reserve, complete) = (reserve.clone(), complete.clone());
+                async move { direct(&mut conn, &reserve, &complete).await }
+            })
         });
     });
     group.finish();

@@ -100,6 +100,20 @@ async fn serve(router: Router) -> String {
     format!("http://{addr}")
 }
 
+/// The whole body of a response.
+async fn body_of<B>(response: http::Response<B>) -> Bytes
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes()
+}
+
 /// A server that always answers `503 busy`, with this `Retry-After` if any.
 async fn busy_server(retry_after: Option<&str>) -> (Script, String) {
     let headers = retry_after
@@ -142,12 +156,7 @@ async fn send(
         .cloned()
         .expect("retry info");
     let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let body = body_of(response).await;
     (status, info, body)
 }
 
@@ -443,12 +452,7 @@ async fn a_lost_response_is_replayed_not_re_executed() {
         response.headers().contains_key("idempotent-replayed"),
         "the retry was replayed"
     );
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let body = body_of(response).await;
     assert_eq!(body, "charged once, run 1");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the charge ran once");
 }

@@ -59,20 +59,10 @@ async fn different_payload_is_a_conflict_in_every_state() {
     assert_eq!(probe.calls(), 1);
 
     // processing
-    let slow = svc
-        .clone()
-        .oneshot(post("/slow").key("s").tenant("t1").json("{}").build());
+    let slow = svc.clone().oneshot(keyed_json("/slow", "s", "t1", "{}"));
     let slow = tokio::spawn(slow);
     wait_calls(&probe, 2).await;
-    let conflict = send(
-        &svc,
-        post("/slow")
-            .key("s")
-            .tenant("t1")
-            .json(r#"{"x":1}"#)
-            .build(),
-    )
-    .await;
+    let conflict = send(&svc, keyed_json("/slow", "s", "t1", r#"{"x":1}"#)).await;
     assert_eq!(conflict.code().as_deref(), Some("idempotency_conflict"));
     probe.open_gate(1);
     slow.await.expect("join").expect("response");
@@ -420,24 +410,8 @@ async fn quoted_and_bare_keys_name_the_same_record() {
 #[tokio::test]
 async fn tenants_are_isolated_and_required() {
     let (store, probe, svc) = fresh();
-    let a = send(
-        &svc,
-        post("/orders")
-            .key("same")
-            .tenant("alice")
-            .json("{}")
-            .build(),
-    )
-    .await;
-    let b = send(
-        &svc,
-        post("/orders")
-            .key("same")
-            .tenant("bob")
-            .json(r#"{"other":1}"#)
-            .build(),
-    )
-    .await;
+    let a = send(&svc, keyed_json("/orders", "same", "alice", "{}")).await;
+    let b = send(&svc, keyed_json("/orders", "same", "bob", r#"{"other":1}"#)).await;
     assert!(!a.replayed() && !b.replayed());
     assert_ne!(a.body, b.body);
     assert_eq!(probe.calls(), 2);

@@ -263,6 +263,11 @@ pub fn keyed(path: &str, key: &str) -> Request<Full<Bytes>> {
     post(path).key(key).tenant("t1").build()
 }
 
+/// A keyed POST of `path` with a JSON body, from `tenant`.
+pub fn keyed_json(path: &str, key: &str, tenant: &str, json: &str) -> Request<Full<Bytes>> {
+    post(path).key(key).tenant(tenant).json(json).build()
+}
+
 pub fn order(key: &str, body: &str) -> Request<Full<Bytes>> {
     post("/orders").key(key).tenant("t1").json(body).build()
 }
