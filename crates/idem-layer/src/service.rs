@@ -31,7 +31,7 @@ use crate::{
     },
 };
 
-/// The service produced by [`IdempotencyLayer`].
+/// The service produced by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
 /// Requests of other methods, and keyless requests (unless a key is
 /// required), reach the inner service untouched. Keyed requests are

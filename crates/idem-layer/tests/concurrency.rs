@@ -118,9 +118,7 @@ async fn disconnect_in_detach_mode_records_the_outcome() {
 
 #[tokio::test]
 async fn disconnect_in_release_mode_drops_the_handler_and_frees_the_key() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store).on_disconnect(OnDisconnect::Release), &probe);
+    let (_store, probe, svc) = fresh_with(|layer| layer.on_disconnect(OnDisconnect::Release));
     let client = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
     client.abort();

@@ -71,9 +71,7 @@ async fn different_payload_is_a_conflict_in_every_state() {
 
 #[tokio::test]
 async fn duplicate_in_flight_gets_409_with_retry_after() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store).lease(Duration::from_secs(12)), &probe);
+    let (_store, probe, svc) = fresh_with(|layer| layer.lease(Duration::from_secs(12)));
     let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
 
@@ -99,9 +97,7 @@ async fn duplicate_in_flight_gets_409_with_retry_after() {
 /// handler learns which attempt it superseded.
 #[tokio::test(start_paused = true)]
 async fn lapsed_lease_is_taken_over_with_next_generation() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store).lease(Duration::from_secs(5)), &probe);
+    let (store, probe, svc) = fresh_with(|layer| layer.lease(Duration::from_secs(5)));
     let request = || keyed("/ctx", "k");
 
     // The "crashed" first attempt, with the fingerprint the layer computes.
@@ -260,9 +256,7 @@ async fn outcome_predicate_is_configurable() {
 
 #[tokio::test]
 async fn response_over_storable_limit_reaches_first_caller_only() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store).max_response(1024), &probe);
+    let (_store, probe, svc) = fresh_with(|layer| layer.max_response(1024));
     let first = send(&svc, keyed("/big/5000", "k")).await;
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(
@@ -436,9 +430,7 @@ async fn tenants_are_isolated_and_required() {
 
 #[tokio::test]
 async fn body_over_the_limit_is_413_and_never_executes() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store).max_body(100), &probe);
+    let (store, probe, svc) = fresh_with(|layer| layer.max_body(100));
     // A keyed body of `len` bytes, its length declared or not.
     let body_of = |len: usize, declared: bool| {
         let request = post("/orders").key("k").tenant("t1");
@@ -520,9 +512,7 @@ async fn handler_sees_the_context() {
 /// out (no takeover while the process is alive).
 #[tokio::test(start_paused = true)]
 async fn long_handler_keeps_its_lease() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store).lease(Duration::from_secs(3)), &probe);
+    let (_store, probe, svc) = fresh_with(|layer| layer.lease(Duration::from_secs(3)));
     let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
     for _ in 0..5 {

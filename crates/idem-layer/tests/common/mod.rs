@@ -284,6 +284,20 @@ pub fn fresh() -> (
     (store, probe, svc)
 }
 
+/// [`fresh`], with the layer configured by `configure`.
+pub fn fresh_with(
+    configure: impl FnOnce(IdempotencyLayer<MemoryStore>) -> IdempotencyLayer<MemoryStore>,
+) -> (
+    MemoryStore,
+    Probe,
+    idem_layer::Idempotency<Inner, MemoryStore>,
+) {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let svc = service(&configure(layer(&store)), &probe);
+    (store, probe, svc)
+}
+
 pub fn service(
     layer: &IdempotencyLayer<MemoryStore>,
     probe: &Probe,
