@@ -35,7 +35,7 @@
 //! });
 //! ```
 
-use std::{fmt::Display, sync::Arc};
+use std::fmt::Display;
 
 use hmac::{Hmac, Mac};
 use http::{HeaderName, request::Parts};
@@ -46,7 +46,9 @@ use sha2::{Digest, Sha256};
 #[derive(Clone)]
 enum Hashing {
     Plain,
-    Keyed(Arc<[u8]>),
+    /// HMAC-SHA256 keyed once: each tenant clones the keyed state, so the
+    /// key's two padding blocks are not hashed again per request.
+    Keyed(Hmac<Sha256>),
 }
 
 impl std::fmt::Debug for Hashing {
@@ -59,18 +61,23 @@ impl std::fmt::Debug for Hashing {
 }
 
 impl Hashing {
+    fn keyed(secret: &[u8]) -> Self {
+        match <Hmac<Sha256> as Mac>::new_from_slice(secret) {
+            Ok(mac) => Hashing::Keyed(mac),
+            // HMAC takes keys of every length: not reached.
+            Err(_) => Hashing::Plain,
+        }
+    }
+
     /// `prefix` + the hex digest of `value`.
     fn tenant(&self, prefix: &str, value: &[u8]) -> String {
         let digest: [u8; 32] = match self {
             Hashing::Plain => Sha256::digest(value).into(),
-            Hashing::Keyed(key) => match <Hmac<Sha256> as Mac>::new_from_slice(key) {
-                Ok(mut mac) => {
-                    mac.update(value);
-                    mac.finalize().into_bytes().into()
-                }
-                // HMAC takes keys of every length: not reached.
-                Err(_) => Sha256::digest(value).into(),
-            },
+            Hashing::Keyed(keyed) => {
+                let mut mac = keyed.clone();
+                mac.update(value);
+                mac.finalize().into_bytes().into()
+            }
         };
         let mut out = String::with_capacity(prefix.len() + 64);
         out.push_str(prefix);
@@ -179,7 +186,7 @@ impl TenantFromHeader {
     pub fn hashed(name: &'static str, secret: impl Into<Vec<u8>>) -> Self {
         Self {
             name: HeaderName::from_static(name),
-            hashing: Some(Hashing::Keyed(Arc::from(secret.into()))),
+            hashing: Some(Hashing::keyed(&secret.into())),
         }
     }
 }
@@ -220,7 +227,7 @@ impl TenantFromAuthorization {
     /// serves the same records.
     pub fn keyed(secret: impl Into<Vec<u8>>) -> TenantFromKeyedAuthorization {
         TenantFromKeyedAuthorization {
-            hashing: Hashing::Keyed(Arc::from(secret.into())),
+            hashing: Hashing::keyed(&secret.into()),
         }
     }
 }
@@ -275,5 +282,31 @@ impl TenantExtractor for TenantFromKeyedAuthorization {
 /// keyed extractors store, for tenants resolved elsewhere (a verified
 /// token's claim, say) that should be kept the same way.
 pub fn keyed_tenant(secret: &[u8], prefix: &str, value: &[u8]) -> String {
-    Hashing::Keyed(Arc::from(secret)).tenant(prefix, value)
+    Hashing::keyed(secret).tenant(prefix, value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keyed tenants are HMAC-SHA256 exactly (RFC 4231, cases 1 and 6: a
+    /// short key and one longer than a block), however the keyed state is
+    /// reused: stored tenants must not change between versions.
+    #[test]
+    fn keyed_tenants_are_rfc_4231_hmac_sha256() {
+        assert_eq!(
+            keyed_tenant(&[0x0b; 20], "p:", b"Hi There"),
+            "p:b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+        );
+        let long = Hashing::keyed(&[0xaa; 131]);
+        for _ in 0..2 {
+            assert_eq!(
+                long.tenant(
+                    "",
+                    b"Test Using Larger Than Block-Size Key - Hash Key First"
+                ),
+                "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+            );
+        }
+    }
 }
