@@ -23,7 +23,7 @@ use crate::{
     answer::{answer_current, storable_headers},
     body::BoxError,
     config::Config,
-    metrics::{self as m, Outcome as Counted},
+    metrics::{self as m, Outcome as Counted, StoreOp},
     problem::{ProblemCode, problem},
     runtime::{Runtime, deadline_after, store_call},
 };
@@ -96,7 +96,7 @@ async fn keep_alive<S: Store>(config: &Config, store: &S, lease: &Lease) {
     loop {
         tokio::time::sleep_until(next).await;
         let sent = tokio::time::Instant::now();
-        match store_call(config, "renew", store.renew(lease)).await {
+        match store_call(config, StoreOp::Renew, store.renew(lease)).await {
             Ok(Renewal::Renewed) => {
                 held_until = sent.checked_add(lease.ttl).unwrap_or(held_until);
                 next = sent.checked_add(period).unwrap_or(held_until);
@@ -166,7 +166,13 @@ pub(crate) async fn settle<S: Store>(
     if !(rt.config.should_store)(status) {
         return rt.release(lease).await;
     }
-    match store_call(&rt.config, "complete", rt.store.complete(lease, &outcome)).await {
+    match store_call(
+        &rt.config,
+        StoreOp::Complete,
+        rt.store.complete(lease, &outcome),
+    )
+    .await
+    {
         Ok(Completion::Recorded) => {
             m::count(Counted::Executed);
             None
@@ -205,7 +211,7 @@ pub(crate) async fn settle<S: Store>(
 async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: &Outcome) {
     let config = &*rt.config;
     let store = &*rt.store;
-    let lease = match store_call(config, "reserve", store.reserve(request)).await {
+    let lease = match store_call(config, StoreOp::Reserve, store.reserve(request)).await {
         Ok(Reservation::Acquired(lease)) => lease,
         Ok(_) => {
             tracing::warn!(
@@ -219,7 +225,7 @@ async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: 
             return;
         }
     };
-    match store_call(config, "complete", store.complete(&lease, outcome)).await {
+    match store_call(config, StoreOp::Complete, store.complete(&lease, outcome)).await {
         Ok(Completion::Recorded) => tracing::warn!(
             status = outcome.status(),
             "the record vanished under the completion (a failover may have lost it); made \
@@ -365,7 +371,7 @@ async fn settle_in_transaction<S: Store, B>(
     outcome: Outcome,
 ) -> Option<Response<ResponseBody<B>>> {
     let commit = deferred.commit(lease.clone(), outcome);
-    match store_call(&rt.config, "complete", commit).await {
+    match store_call(&rt.config, StoreOp::Complete, commit).await {
         Ok(Completion::Recorded) => {
             m::count(Counted::Executed);
             None
@@ -460,7 +466,7 @@ async fn record_later<S: Store>(
     let retries = async {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            match store_call(config, "complete", store.complete(&lease, &outcome)).await {
+            match store_call(config, StoreOp::Complete, store.complete(&lease, &outcome)).await {
                 Ok(Completion::Recorded) => {
                     m::count(Counted::Executed);
                     tracing::info!("outcome recorded after a store error");
@@ -485,7 +491,7 @@ async fn record_later<S: Store>(
     // The lease was lost: to a newer attempt or a cancellation (the
     // completion is fenced and kept as evidence), or with the record itself
     // (then it is made again from the outcome).
-    match store_call(config, "complete", store.complete(&lease, &outcome)).await {
+    match store_call(config, StoreOp::Complete, store.complete(&lease, &outcome)).await {
         Ok(Completion::Fenced(Current::Vacant)) => recreate(&rt, &request, &outcome).await,
         Ok(Completion::Recorded) => m::count(Counted::Executed),
         _ => tracing::error!(

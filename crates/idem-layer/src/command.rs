@@ -53,7 +53,7 @@ use crate::{
     IdempotencyLayer, InFlight,
     attempt::{renewing, settle},
     fingerprint::{canonical_tokens, update_part},
-    metrics::{self as m, Outcome as Counted},
+    metrics::{self as m, Outcome as Counted, StoreOp},
     runtime::{deadline_after, store_call},
 };
 
@@ -290,7 +290,7 @@ impl<S: Store> IdempotencyLayer<S> {
             InFlight::Reject => None,
         };
         loop {
-            let answer = match store_call(config, "reserve", store.reserve(request)).await? {
+            let answer = match store_call(config, StoreOp::Reserve, store.reserve(request)).await? {
                 Reservation::Acquired(lease) => return Ok(Ok((lease, None))),
                 Reservation::TakenOver { lease, superseded } => {
                     m::count(Counted::Takeover);

@@ -51,60 +51,66 @@ macro_rules! static_key {
     }};
 }
 
-impl Outcome {
-    fn key(self) -> &'static Key {
-        macro_rules! keys {
-            ($($outcome:ident => $label:literal),* $(,)?) => {
+/// `fn key(self) -> &'static Key` for an enum whose variants are the
+/// values of one label of one metric.
+macro_rules! keyed_by_variant {
+    ($type:ident, $name:expr, $label:literal: $($variant:ident => $value:literal),* $(,)?) => {
+        impl $type {
+            fn key(self) -> &'static Key {
                 match self {
-                    $(Outcome::$outcome => static_key!(REQUESTS_TOTAL, "outcome", $label),)*
+                    $($type::$variant => static_key!($name, $label, $value),)*
                 }
-            };
+            }
         }
-        keys!(
-            Executed => "executed",
-            Replayed => "replayed",
-            Conflict => "conflict",
-            InProgress => "in_progress",
-            Released => "released",
-            Takeover => "takeover",
-            Fenced => "fenced",
-            Cancelled => "cancelled",
-            StoreError => "store_error",
-            FailOpen => "fail_open",
-            Rejected => "rejected",
-            Unknown => "unknown",
-        )
-    }
+    };
 }
+
+keyed_by_variant!(Outcome, REQUESTS_TOTAL, "outcome":
+    Executed => "executed",
+    Replayed => "replayed",
+    Conflict => "conflict",
+    InProgress => "in_progress",
+    Released => "released",
+    Takeover => "takeover",
+    Fenced => "fenced",
+    Cancelled => "cancelled",
+    StoreError => "store_error",
+    FailOpen => "fail_open",
+    Rejected => "rejected",
+    Unknown => "unknown",
+);
 
 pub(crate) fn count(outcome: Outcome) {
     metrics::with_recorder(|recorder| recorder.register_counter(outcome.key(), &METADATA))
         .increment(1);
 }
 
-/// The store latency key of an operation; the store calls of the layer
-/// are a fixed set, anything else gets a key built per call.
-fn store_key(op: &'static str) -> std::borrow::Cow<'static, Key> {
-    let key = match op {
-        "reserve" => static_key!(STORE_DURATION, "op", "reserve"),
-        "renew" => static_key!(STORE_DURATION, "op", "renew"),
-        "complete" => static_key!(STORE_DURATION, "op", "complete"),
-        "release" => static_key!(STORE_DURATION, "op", "release"),
-        "cancel" => static_key!(STORE_DURATION, "op", "cancel"),
-        "get" => static_key!(STORE_DURATION, "op", "get"),
-        "list" => static_key!(STORE_DURATION, "op", "list"),
-        "force_release" => static_key!(STORE_DURATION, "op", "force_release"),
-        other => {
-            let labels = vec![Label::from_static_parts("op", other)];
-            return std::borrow::Cow::Owned(Key::from_parts(STORE_DURATION, labels));
-        }
-    };
-    std::borrow::Cow::Borrowed(key)
+/// A store call, as its latency is labelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreOp {
+    Reserve,
+    Renew,
+    Complete,
+    Release,
+    Cancel,
+    Get,
+    List,
+    ForceRelease,
 }
 
-pub(crate) fn store_latency(op: &'static str, elapsed: Duration) {
-    let key = store_key(op);
-    metrics::with_recorder(|recorder| recorder.register_histogram(&key, &METADATA))
+keyed_by_variant!(StoreOp, STORE_DURATION, "op":
+    Reserve => "reserve",
+    Renew => "renew",
+    Complete => "complete",
+    Release => "release",
+    Cancel => "cancel",
+    Get => "get",
+    List => "list",
+    ForceRelease => "force_release",
+);
+
+pub(crate) fn store_latency(op: StoreOp, elapsed: Duration) {
+    metrics::with_recorder(|recorder| recorder.register_histogram(op.key(), &METADATA))
         .record(elapsed.as_secs_f64());
 }
 

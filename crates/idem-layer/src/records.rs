@@ -74,6 +74,7 @@ use tower::Service;
 use crate::{
     ResponseBody,
     headers::ADMIN_TOKEN,
+    metrics::StoreOp,
     problem::{ProblemCode, problem},
     runtime::{Runtime, operation_name, store_call, unavailable_problem},
 };
@@ -296,7 +297,7 @@ impl<S: Store> RecordsService<S> {
         Ok(match (&parts.method, one) {
             (&Method::GET, false) => {
                 let list = Self::list_query(tenant, &query)?;
-                match store_call(config, "list", self.rt.store.list(&list)).await {
+                match store_call(config, StoreOp::List, self.rt.store.list(&list)).await {
                     Ok(records) => json_response(
                         StatusCode::OK,
                         &json!({ "records": records.iter().map(record_json).collect::<Vec<_>>() }),
@@ -306,7 +307,7 @@ impl<S: Store> RecordsService<S> {
             }
             (&Method::GET, true) => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, "get", self.rt.store.get(&scope)).await {
+                match store_call(config, StoreOp::Get, self.rt.store.get(&scope)).await {
                     Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record)),
                     Ok(None) => return Err(not_found()),
                     Err(error) => unavailable(error),
@@ -314,7 +315,7 @@ impl<S: Store> RecordsService<S> {
             }
             (&Method::DELETE, _) => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, "cancel", self.rt.store.cancel(&scope)).await {
+                match store_call(config, StoreOp::Cancel, self.rt.store.cancel(&scope)).await {
                     Ok(Cancellation::Cancelled(record)) => answer_cancel("cancelled", &record),
                     Ok(Cancellation::AlreadyCancelled(record)) => {
                         answer_cancel("already_cancelled", &record)
@@ -328,7 +329,12 @@ impl<S: Store> RecordsService<S> {
             }
             (&Method::POST, _) if query.action.as_deref() == Some("release") => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, "force_release", self.rt.store.force_release(&scope)).await
+                match store_call(
+                    config,
+                    StoreOp::ForceRelease,
+                    self.rt.store.force_release(&scope),
+                )
+                .await
                 {
                     Ok(ForceRelease::Released(record)) => {
                         tracing::warn!(scope = %record.scope, "an operator released a record");

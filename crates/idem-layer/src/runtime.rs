@@ -12,7 +12,7 @@ use tokio_util::task::TaskTracker;
 use crate::{
     ResponseBody,
     config::Config,
-    metrics::{self as m, Outcome as Counted},
+    metrics::{self as m, Outcome as Counted, StoreOp},
     problem::{ProblemCode, problem},
     tenant::ANONYMOUS_TENANT,
 };
@@ -47,7 +47,7 @@ impl<S: Store> Runtime<S> {
     /// get that instead.
     pub(crate) async fn release(&self, lease: &Lease) -> Option<Current> {
         m::count(Counted::Released);
-        match store_call(&self.config, "release", self.store.release(lease)).await {
+        match store_call(&self.config, StoreOp::Release, self.store.release(lease)).await {
             Ok(Release::Released) => None,
             Ok(Release::Fenced(current)) => {
                 m::count(Counted::Fenced);
@@ -84,7 +84,7 @@ pub(crate) fn wait_bound(deadline_left: Duration, lease_left: Duration) -> Durat
 /// boxed service future, into a task).
 pub(crate) fn store_call<'a, T: 'a>(
     config: &'a Config,
-    op: &'static str,
+    op: StoreOp,
     call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
 ) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
     let call: std::pin::Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>> =

@@ -22,7 +22,7 @@ use crate::{
     body::BoxError,
     disconnect::{ReleaseOnDrop, RunToCompletion},
     headers::read_key,
-    metrics::{self as m, Outcome as Counted},
+    metrics::{self as m, Outcome as Counted, StoreOp},
     normalize_path,
     problem::{ProblemCode, problem},
     runtime::{
@@ -63,6 +63,20 @@ impl<I: std::fmt::Debug, S> std::fmt::Debug for Idempotency<I, S> {
 }
 
 impl<I, S> Idempotency<I, S> {
+    /// A refusal before anything was read: counted, shaped, answered.
+    fn refuse<B, E>(
+        &self,
+        code: ProblemCode,
+        detail: &str,
+    ) -> BoxFuture<'static, Result<Response<ResponseBody<B>>, E>>
+    where
+        B: Send + 'static,
+    {
+        m::count(Counted::Rejected);
+        let refusal = self.rt.config.shape(problem(code, detail, None));
+        Box::pin(async move { Ok(refusal) })
+    }
+
     pub(crate) fn new(inner: I, rt: Runtime<S>, misconfigured: bool) -> Self {
         Self {
             inner,
@@ -106,23 +120,17 @@ where
             {
                 // `post` where `POST` is protected: many servers treat it as
                 // POST, so it must not pass unprotected.
-                m::count(Counted::Rejected);
                 let detail = format!(
                     "the method {method:?} differs from a protected method only by case; send it in upper case"
                 );
-                let refusal = problem(ProblemCode::MethodCaseMismatch, &detail, None);
-                let refusal = self.rt.config.shape(refusal);
-                return Box::pin(async move { Ok(refusal) });
+                return self.refuse(ProblemCode::MethodCaseMismatch, &detail);
             }
             let future = inner.call(request);
             return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
         }
         if self.misconfigured {
-            m::count(Counted::Rejected);
             let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
-            let refusal = problem(ProblemCode::Misconfigured, detail, None);
-            let refusal = self.rt.config.shape(refusal);
-            return Box::pin(async move { Ok(refusal) });
+            return self.refuse(ProblemCode::Misconfigured, detail);
         }
         let rt = self.rt.clone();
         if rt.config.shapes_problems() {
@@ -315,8 +323,12 @@ where
             InFlight::Reject => None,
         };
         loop {
-            let reservation = match store_call(&config, "reserve", store.reserve(&self.reserve))
-                .await
+            let reservation = match store_call(
+                &config,
+                StoreOp::Reserve,
+                store.reserve(&self.reserve),
+            )
+            .await
             {
                 Ok(reservation) => reservation,
                 // Fail-open covers a store that cannot be reached, never one
