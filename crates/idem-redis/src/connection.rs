@@ -48,6 +48,14 @@ impl<'s> Invocation<'s> {
         self
     }
 
+    /// Appends a UUID in its hyphenated lower-case text (what `to_string`
+    /// gives), written from a stack buffer.
+    pub(crate) fn uuid(&mut self, id: &uuid::Uuid) -> &mut Self {
+        let mut buffer = uuid::Uuid::encode_buffer();
+        let text: &str = id.hyphenated().encode_lower(&mut buffer);
+        self.arg(text)
+    }
+
     /// Runs the call on `conn`.
     pub(crate) async fn invoke(&self, conn: &mut Conn) -> redis::RedisResult<Value> {
         match self.query(conn).await {
@@ -306,12 +314,12 @@ impl Drop for Abandon {
             self.notify,
             self.within,
         );
-        let (attempt, token) = (self.attempt.to_string(), self.token.to_string());
+        let (attempt, token) = (self.attempt, self.token);
         runtime.spawn(async move {
             let abandon = async {
                 loop {
                     let mut invocation = Invocation::new(&script, &[&key]);
-                    invocation.arg(&attempt).arg(&token).arg(notify);
+                    invocation.uuid(&attempt).uuid(&token).arg(notify);
                     let sent = invocation.invoke(&mut conn).await;
                     match sent {
                         Ok(_) => return,

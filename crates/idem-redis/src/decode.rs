@@ -69,12 +69,11 @@ pub(crate) fn tag(value: Option<&Value>) -> Result<&str, StoreError> {
 }
 
 /// A bulk string taken out of the reply without copying.
-fn owned_bytes(value: Option<Value>) -> Result<Bytes, StoreError> {
+fn owned_bytes(value: Value) -> Result<Bytes, StoreError> {
     match value {
-        Some(Value::BulkString(bytes)) => Ok(Bytes::from(bytes)),
-        Some(Value::Nil) => Ok(Bytes::new()),
-        Some(other) => Err(corrupt(format!("expected bytes, got {other:?}"))),
-        None => Err(corrupt("short reply")),
+        Value::BulkString(bytes) => Ok(Bytes::from(bytes)),
+        Value::Nil => Ok(Bytes::new()),
+        other => Err(corrupt(format!("expected bytes, got {other:?}"))),
     }
 }
 
@@ -181,14 +180,16 @@ pub(crate) fn decode_headers(mut raw: &[u8]) -> Result<Vec<(String, Bytes)>, Sto
     Ok(headers)
 }
 
+/// A completed record's outcome; `stored` is the record's flag (the
+/// response was kept for replay).
 pub(crate) fn outcome(
     status: u64,
-    stored: &str,
+    stored: bool,
     headers: &[u8],
     body: Bytes,
 ) -> Result<Outcome, StoreError> {
     let status = u16::try_from(status).map_err(|_| corrupt("status"))?;
-    Ok(if stored == "1" {
+    Ok(if stored {
         Outcome::Stored(StoredResponse {
             status,
             headers: decode_headers(headers)?,
@@ -224,18 +225,17 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
                     .ok_or_else(|| corrupt(format!("completed reply lacks {what}")))
             };
             let (status, stored, age) = (number("status")?, number("stored")?, number("age")?);
-            let stored = if stored == 1 { "1" } else { "0" };
             if reply.len() < 4 {
                 return Err(corrupt("short reply to completed"));
             }
             // The body is taken out of the reply, not copied.
-            let body = owned_bytes(Some(reply.swap_remove(3)))?;
+            let body = owned_bytes(reply.swap_remove(3))?;
             let headers = match &reply[2] {
                 Value::BulkString(headers) => headers.as_slice(),
                 Value::Nil => &[],
                 other => return Err(corrupt(format!("expected headers, got {other:?}"))),
             };
-            let outcome = outcome(status, stored, headers, body)?;
+            let outcome = outcome(status, stored == 1, headers, body)?;
             Ok(Current::Completed(Replay {
                 outcome,
                 age: Duration::from_millis(age),
@@ -341,7 +341,7 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
     let outcome = match (state, fields.get("status")) {
         (RecordState::Completed, Some(status)) => Some(outcome(
             int(status)?,
-            &text(field("stored")?)?,
+            text(field("stored")?)? == "1",
             &bytes(field("headers")?)?,
             bytes(field("body")?)?,
         )?),
@@ -417,8 +417,5 @@ fn times(fields: &HashMap<String, &Value>, state: RecordState) -> Result<Times, 
 }
 
 pub(crate) fn lease_args(invocation: &mut Invocation<'_>, lease: &Lease) {
-    invocation.arg(lease.generation).arg(crate::uuid_text(
-        &lease.token.0,
-        &mut uuid::Uuid::encode_buffer(),
-    ));
+    invocation.arg(lease.generation).uuid(&lease.token.0);
 }

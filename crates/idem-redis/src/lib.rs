@@ -277,12 +277,6 @@ fn decode_reservation(
     })
 }
 
-/// A UUID's hyphenated lower-case text, written into `buffer` (no
-/// allocation): what `to_string` would give.
-pub(crate) fn uuid_text<'b>(id: &uuid::Uuid, buffer: &'b mut [u8; 45]) -> &'b str {
-    id.hyphenated().encode_lower(buffer)
-}
-
 impl Store for RedisStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
@@ -292,8 +286,8 @@ impl Store for RedisStore {
         let mut invocation = Invocation::new(&self.scripts.reserve, &[&key]);
         invocation
             .arg(&request.fingerprint.hex_bytes()[..])
-            .arg(uuid_text(&attempt.0, &mut uuid::Uuid::encode_buffer()))
-            .arg(uuid_text(&token.0, &mut uuid::Uuid::encode_buffer()))
+            .uuid(&attempt.0)
+            .uuid(&token.0)
             .arg(millis(request.lease))
             .arg(millis(request.retention));
         let (tenant_field, tenant) = encode_tenant(request.scope.tenant());
@@ -358,12 +352,7 @@ impl Store for RedisStore {
         let key = self.record_key(&lease.scope);
         let mut invocation = Invocation::new(&self.scripts.complete, &[&key]);
         lease_args(&mut invocation, lease);
-        invocation
-            .arg(uuid_text(
-                &lease.attempt.0,
-                &mut uuid::Uuid::encode_buffer(),
-            ))
-            .arg(outcome.status());
+        invocation.uuid(&lease.attempt.0).arg(outcome.status());
         match outcome {
             Outcome::Stored(response) => {
                 invocation
@@ -395,12 +384,7 @@ impl Store for RedisStore {
         let key = self.record_key(&lease.scope);
         let mut invocation = Invocation::new(&self.scripts.release, &[&key]);
         lease_args(&mut invocation, lease);
-        invocation
-            .arg(uuid_text(
-                &lease.attempt.0,
-                &mut uuid::Uuid::encode_buffer(),
-            ))
-            .arg(self.notify());
+        invocation.uuid(&lease.attempt.0).arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
         if decode::tag(reply.first())? == "released" {
             return Ok(Release::Released);
@@ -412,9 +396,7 @@ impl Store for RedisStore {
         let key = self.record_key(scope);
         let mut invocation = Invocation::new(&self.scripts.cancel, &[&key]);
         // The id lets a retried call recognise its own earlier cancel.
-        invocation
-            .arg(uuid::Uuid::new_v4().to_string())
-            .arg(self.notify());
+        invocation.uuid(&uuid::Uuid::new_v4()).arg(self.notify());
         let reply = items(self.run(invocation, false).await?.0)?;
         let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
         let record = || match reply.get(1) {

@@ -27,9 +27,9 @@ local response_key = record .. ':r'
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
--- Integer milliseconds as the text Redis keeps. A Lua number handed to
--- redis.call is converted by Redis itself, several times slower than
--- string.format (about 0.4 µs a number): hot paths pass text.
+-- An integer (milliseconds, a length) as the text Redis keeps. A Lua
+-- number handed to redis.call is converted by Redis itself, several times
+-- slower than string.format (about 0.4 µs a number): hot paths pass text.
 local function ms(value)
   return string.format('%d', value)
 end

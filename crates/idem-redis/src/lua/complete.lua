@@ -14,7 +14,7 @@ else
   -- Too long for the compact encoding: the response gets a key of its own.
   redis.call('SET', response_key, headers .. body, 'PXAT', expires)
   redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
-    'split', #headers, 'owner', '', 'cur_end', ms(now), 'cur_outcome', 'completed')
+    'split', ms(#headers), 'owner', '', 'cur_end', ms(now), 'cur_outcome', 'completed')
 end
 if watched then
   notify(ARGV[8])

@@ -7,10 +7,11 @@ if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
   return rare().current(state)
 end
 local lease_until = now + tonumber(ARGV[3])
-redis.call('HSET', record, 'lease_until', ms(lease_until), 'lease_ms', ARGV[3])
+local until_text = ms(lease_until)
+redis.call('HSET', record, 'lease_until', until_text, 'lease_ms', ARGV[3])
 if lease_until > tonumber(expires) then
   -- A request that runs longer than the retention never expires under its feet.
-  redis.call('HSET', record, 'expires', ms(lease_until))
-  redis.call('PEXPIREAT', record, ms(lease_until))
+  redis.call('HSET', record, 'expires', until_text)
+  redis.call('PEXPIREAT', record, until_text)
 end
 return {'renewed'}

@@ -10,13 +10,13 @@ local state, expires_at = unpack(redis.call('HMGET', record, 'state', 'expires')
 
 -- Starts attempt `gen`; `extra` holds more field/value pairs to set.
 local function start(gen, extra)
-  local expires = ms(now + retention_ms)
+  local expires, now_text = ms(now + retention_ms), ms(now)
   -- Until now the record's creation was its first attempt's start.
   local created, started = unpack(redis.call('HMGET', record, 'created', 'cur_start'))
   local fields = {'fp', fp, 'state', 'processing', 'gen', ms(gen), 'owner', token,
     'lease_until', ms(now + lease_ms), 'lease_ms', ARGV[4], 'retention_ms', ARGV[5],
-    'cur_id', attempt_id, 'cur_start', ms(now), 'cur_end', '', 'cur_outcome', 'running',
-    'cur_status', '', 'cur_late', '', 'expires', expires, 'created', created or started or ms(now)}
+    'cur_id', attempt_id, 'cur_start', now_text, 'cur_end', '', 'cur_outcome', 'running',
+    'cur_status', '', 'cur_late', '', 'expires', expires, 'created', created or started or now_text}
   for i = 1, #extra do
     fields[#fields + 1] = extra[i]
   end
