@@ -240,6 +240,19 @@ impl RedisServer {
     }
 }
 
+/// How many calls of `command` two [`RedisServer::command_stats`]
+/// snapshots are apart.
+pub fn calls_between(
+    before: &std::collections::HashMap<String, (u64, f64)>,
+    after: &std::collections::HashMap<String, (u64, f64)>,
+    command: &str,
+) -> u64 {
+    let calls = |stats: &std::collections::HashMap<String, (u64, f64)>| {
+        stats.get(command).map_or(0, |stat| stat.0)
+    };
+    calls(after) - calls(before)
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         if let Some(child) = &self.child {

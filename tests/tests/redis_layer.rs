@@ -20,7 +20,11 @@ use idem_core::{
 };
 use idem_layer::{IdempotencyLayer, InFlight, TenantFromHeader};
 use idem_redis::RedisStore;
-use idem_tests::{poll_until, redis_server::RedisServer, wait_until};
+use idem_tests::{
+    poll_until,
+    redis_server::{RedisServer, calls_between},
+    wait_until,
+};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
@@ -128,8 +132,7 @@ fn round_trips_since(
     before: &std::collections::HashMap<String, (u64, f64)>,
 ) -> (u64, u64) {
     let after = server.command_stats();
-    let delta =
-        |name: &str| after.get(name).map_or(0, |a| a.0) - before.get(name).map_or(0, |b| b.0);
+    let delta = |name: &str| calls_between(before, &after, name);
     let total = after
         .keys()
         .filter(|name| *name != "info" && !INSIDE_SCRIPTS.contains(&name.as_str()))
@@ -138,7 +141,6 @@ fn round_trips_since(
     (total, delta("evalsha"))
 }
 
-/// Waits (at most 30 s) until `ready` holds.
 /// Whether a record carries the waited-on mark (run with `EVAL`).
 const MARKED: &str = "for _, k in ipairs(redis.call('KEYS', 'idem:*')) do \
     if redis.call('TYPE', k).ok == 'hash' and redis.call('HGET', k, 'w') then return 1 end \
@@ -162,11 +164,8 @@ async fn outcomes_nobody_waits_on_publish_nothing() {
     }
     assert!(call(&app.router, "/orders", "a", "{}").await.replayed);
     let end = server.command_stats();
-    let count = |stats: &std::collections::HashMap<String, (u64, f64)>, name: &str| {
-        stats.get(name).map_or(0, |v| v.0)
-    };
-    assert!(count(&end, "evalsha") > count(&before, "evalsha"));
-    assert_eq!(count(&end, "publish"), count(&before, "publish"));
+    assert!(calls_between(&before, &end, "evalsha") > 0);
+    assert_eq!(calls_between(&before, &end, "publish"), 0);
     assert_eq!(server.cli(&["EVAL", MARKED, "0"]).trim(), "0");
 }
 
@@ -223,12 +222,8 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits() {
     let waiting = server.command_stats();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = server.command_stats();
-    let delta =
-        |a: &std::collections::HashMap<String, (u64, f64)>,
-         b: &std::collections::HashMap<String, (u64, f64)>,
-         name: &str| { b.get(name).map_or(0, |v| v.0) - a.get(name).map_or(0, |v| v.0) };
     assert_eq!(
-        delta(&waiting, &after, "evalsha"),
+        calls_between(&waiting, &after, "evalsha"),
         0,
         "no reservation while waiting"
     );
@@ -246,10 +241,11 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits() {
     // which published because the record was marked. (A script's first
     // call answers NOSCRIPT and is sent again after a load: not counted.)
     let end = server.command_stats();
-    let scripts = delta(&before, &end, "evalsha") - delta(&before, &end, "script|load");
+    let scripts =
+        calls_between(&before, &end, "evalsha") - calls_between(&before, &end, "script|load");
     assert!(scripts <= 4, "{scripts} scripts");
     assert!(
-        delta(&before, &end, "publish") >= 1,
+        calls_between(&before, &end, "publish") >= 1,
         "the completion published"
     );
     wait_until(
@@ -306,9 +302,12 @@ async fn round_trips_per_request_and_redis_time() {
 
     let router = app.router.clone();
     let slow = tokio::spawn(async move { call(&router, "/slow", "s", "{}").await });
-    while app.runs.load(Ordering::SeqCst) < 10 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_until(
+        Duration::from_secs(30),
+        "the slow request to run",
+        async || app.runs.load(Ordering::SeqCst) >= 10,
+    )
+    .await;
     let before = server.command_stats();
     let busy = call(&app.router, "/slow", "s", "{}").await;
     assert_eq!(busy.code.as_deref(), Some("idempotency_in_progress"));
