@@ -332,8 +332,10 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
     let state = text(field("state")?)?;
     let state =
         RecordState::parse(&state).ok_or_else(|| corrupt(format!("unknown state {state}")))?;
+    // The token is kept after an attempt ends (the scripts check the
+    // state first); only a processing record has an owner.
     let owner = match fields.get("owner").map(|v| text(v)).transpose()? {
-        Some(token) if !token.is_empty() => Some(OwnerToken(
+        Some(token) if state == RecordState::Processing && !token.is_empty() => Some(OwnerToken(
             uuid::Uuid::parse_str(&token).map_err(|_| corrupt("owner token"))?,
         )),
         _ => None,

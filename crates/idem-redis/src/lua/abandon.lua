@@ -10,7 +10,7 @@ end
 if state == 'processing' and cur_id == ARGV[1] and owner == ARGV[2] then
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
     'cur_outcome', 'released')
-  notify(ARGV[3])
+  rare().notify(ARGV[3])
   return {'released'}
 end
 return {'untouched'}

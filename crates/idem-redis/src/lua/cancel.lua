@@ -8,14 +8,14 @@ if not live(state, expires) or state == 'released' then
   return {'not_found'}
 end
 if state == 'completed' then
-  return {'already_completed', all_fields()}
+  return {'already_completed', rare().all_fields()}
 end
 if state == 'cancelled' then
   if cancel_id == ARGV[1] then
     -- A retry of this very cancel whose reply was lost.
-    return {'cancelled', all_fields()}
+    return {'cancelled', rare().all_fields()}
   end
-  return {'already_cancelled', all_fields()}
+  return {'already_cancelled', rare().all_fields()}
 end
 local until_ms = now + tonumber(retention_ms)
 redis.call('HSET', record, 'state', 'cancelled', 'owner', '', 'expires', until_ms,
@@ -24,5 +24,6 @@ if outcome == 'running' then
   redis.call('HSET', record, 'cur_outcome', 'cancelled', 'cur_end', now)
 end
 redis.call('PEXPIREAT', record, until_ms)
-notify(ARGV[2])
-return {'cancelled', all_fields()}
+local helpers = rare()
+helpers.notify(ARGV[2])
+return {'cancelled', helpers.all_fields()}

@@ -11,6 +11,9 @@
 --         created (only once a second attempt starts; until then it is
 --         cur_start) and hist (older attempts, JSON, touched only when a
 --         record gets a second attempt or a fenced write arrives).
+--         owner (the lease holder's token) means something only while the
+--         state is processing: every check of it checks the state first,
+--         so ending an attempt leaves it in place instead of writing it.
 -- Every value of a typical record fits Redis' compact hash encoding (64
 -- bytes), and no field repeats another: the completion time is cur_end,
 -- the completed status is status, the last change is the later of
@@ -18,7 +21,8 @@
 -- created, updated, completed and cur_status, and the response inline)
 -- are read as they are.
 -- The hot paths call TIME, one HMGET (two for a reservation of an
--- existing record) and at most one HSET, plus one
+-- existing record, the second reading only what its state needs) and at
+-- most one HSET, plus one
 -- PEXPIREAT when a new attempt starts (retention counts from there), and
 -- one SET or GET of the response key when the response is large.
 
@@ -67,36 +71,36 @@ local function response(headers, body, split)
   return string.sub(raw, 1, n), string.sub(raw, n + 1)
 end
 
--- The record as HGETALL pairs, the response included as headers and body
--- wherever it is kept.
-local function all_fields()
-  local fields = redis.call('HGETALL', record)
-  for i = 1, #fields, 2 do
-    if fields[i] == 'split' then
-      local headers, body = response(nil, nil, fields[i + 1])
-      table.insert(fields, 'headers')
-      table.insert(fields, headers)
-      table.insert(fields, 'body')
-      table.insert(fields, body)
-      break
-    end
-  end
-  return fields
-end
-
--- Wakes the record's waiting duplicates (see watch.rs) when `flag`, the
--- script's notify argument, is '1'. Complete and release call it only for
--- a record a waiter marked (field w, see watch.lua).
-local function notify(flag)
-  if flag == '1' then
-    redis.call('PUBLISH', record .. ':c', '1')
-  end
-end
-
 -- Helpers for the rare paths (a fenced write, a duplicate, a second
 -- attempt), built only when one is taken: creating closures on every call
 -- would cost the hot paths.
 local function rare()
+  -- The record as HGETALL pairs, the response included as headers and body
+  -- wherever it is kept.
+  local function all_fields()
+    local fields = redis.call('HGETALL', record)
+    for i = 1, #fields, 2 do
+      if fields[i] == 'split' then
+        local headers, body = response(nil, nil, fields[i + 1])
+        table.insert(fields, 'headers')
+        table.insert(fields, headers)
+        table.insert(fields, 'body')
+        table.insert(fields, body)
+        break
+      end
+    end
+    return fields
+  end
+
+  -- Wakes the record's waiting duplicates (see watch.rs) when `flag`, the
+  -- script's notify argument, is '1'. Complete and release call it only for
+  -- a record a waiter marked (field w, see watch.lua).
+  local function notify(flag)
+    if flag == '1' then
+      redis.call('PUBLISH', record .. ':c', '1')
+    end
+  end
+
   -- 'completed:201:1700000000000' or 'released::1700000000000' as a table.
   local function late_table(late)
     if not late or late == '' then
@@ -180,5 +184,7 @@ local function rare()
     current_attempt = current_attempt,
     current = current,
     keep_evidence = keep_evidence,
+    all_fields = all_fields,
+    notify = notify,
   }
 end

@@ -9,14 +9,14 @@ end
 local headers, body = ARGV[6], ARGV[7]
 if #headers <= 64 and #body <= 64 then
   redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
-    'headers', headers, 'body', body, 'owner', '', 'cur_end', ms(now), 'cur_outcome', 'completed')
+    'headers', headers, 'body', body, 'cur_end', ms(now), 'cur_outcome', 'completed')
 else
   -- Too long for the compact encoding: the response gets a key of its own.
   redis.call('SET', response_key, headers .. body, 'PXAT', expires)
   redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
-    'split', ms(#headers), 'owner', '', 'cur_end', ms(now), 'cur_outcome', 'completed')
+    'split', ms(#headers), 'cur_end', ms(now), 'cur_outcome', 'completed')
 end
 if watched then
-  notify(ARGV[8])
+  rare().notify(ARGV[8])
 end
 return {'recorded'}

@@ -7,12 +7,13 @@ if not live(state, expires) then
   return {'not_found'}
 end
 local kind = 'not_processing'
+local helpers = rare()
 if state == 'processing' then
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
     'cur_outcome', 'released_by_operator')
   kind = 'released'
-  notify(ARGV[1])
+  helpers.notify(ARGV[1])
 end
-local pairs = all_fields()
+local pairs = helpers.all_fields()
 table.insert(pairs, 1, kind)
 return pairs

@@ -3,4 +3,4 @@ local state, expires = unpack(redis.call('HMGET', record, 'state', 'expires'))
 if not live(state, expires) then
   return {}
 end
-return all_fields()
+return rare().all_fields()

@@ -3,9 +3,9 @@ local reply, _, watched = fenced('released', '')
 if reply then
   return reply
 end
-redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', ms(now),
+redis.call('HSET', record, 'state', 'released', 'cur_end', ms(now),
   'cur_outcome', 'released')
 if watched then
-  notify(ARGV[4])
+  rare().notify(ARGV[4])
 end
 return {'released'}

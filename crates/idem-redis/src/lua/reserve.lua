@@ -55,9 +55,22 @@ if not live(state, expires_at) then
   redis.call('PEXPIREAT', record, expires)
   return {'acquired', 1}
 end
-local found_fp, found_gen, lease_until, status, stored, headers, body, completed, cur_id, owner,
-  ended, split = unpack(redis.call('HMGET', record, 'fp', 'gen', 'lease_until', 'status', 'stored',
-  'headers', 'body', 'completed', 'cur_id', 'owner', 'cur_end', 'split'))
+if state == 'completed' then
+  -- The replay: only the fields it answers with.
+  local found_fp, status, stored, headers, body, ended, split = unpack(redis.call('HMGET', record,
+    'fp', 'status', 'stored', 'headers', 'body', 'cur_end', 'split'))
+  if found_fp ~= fp then
+    return {'conflict'}
+  end
+  if not ended or ended == '' then
+    -- Records of the layout before the compact one kept it apart.
+    ended = redis.call('HGET', record, 'completed')
+  end
+  headers, body = response(headers, body, split)
+  return {'completed', status .. ':' .. stored .. ':' .. age(ended), headers, body}
+end
+local found_fp, found_gen, lease_until, cur_id, owner = unpack(redis.call('HMGET', record, 'fp',
+  'gen', 'lease_until', 'cur_id', 'owner'))
 local gen = tonumber(found_gen)
 if state == 'released' then
   local _, hist = archive()
@@ -88,8 +101,4 @@ if state == 'processing' then
   local superseded, hist = archive()
   return {'taken_over', start(gen + 1, hist), cjson.encode(superseded)}
 end
-if state == 'cancelled' then
-  return {'cancelled'}
-end
-headers, body = response(headers, body, split)
-return {'completed', status .. ':' .. stored .. ':' .. age(completed or ended), headers, body}
+return {'cancelled'}
