@@ -19,15 +19,27 @@ trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true; rm -rf "$wor
 for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 cli() { redis-cli -p "$port" "$@"; }
 load() { cli -x SCRIPT LOAD <"$1"; }
-assemble() { # out parts...
-  local out=$1; shift
-  : >"$out"
-  for part in "$@"; do cat "$part" >>"$out"; printf '\n' >>"$out"; done
+history=$(sed -n 's/^pub const ATTEMPT_HISTORY: usize = \([0-9]*\);/\1/p' crates/idem-core/src/*.rs)
+# A script as idem-redis assembles it (src/scripts.rs): the prologue with
+# the store's constants, then the body with the helpers at its `--@common`
+# line (before it when it has none) and the fence at its `--@fence` line.
+assemble() { # out body
+  local out=$1 body=$2
+  {
+    sed -e "s/@NOTIFY@/true/; s/@HISTORY@/$history/" "$lua/head.lua"
+    printf '\n'
+    if grep -qx -- '--@common' "$body"; then
+      sed -e "/^--@common\$/{r $lua/common.lua" -e 'd}' \
+        -e "/^--@fence\$/{r $lua/fence.lua" -e 'd}' "$body"
+    else
+      cat "$lua/common.lua"; printf '\n'; cat "$body"
+    fi
+  } >"$out"
 }
-assemble "$work/reserve.lua" "$lua/common.lua" "$lua/reserve.lua"
-assemble "$work/complete.lua" "$lua/common.lua" "$lua/fence.lua" "$lua/complete.lua"
+assemble "$work/reserve.lua" "$lua/reserve.lua"
+assemble "$work/complete.lua" "$lua/complete.lua"
 printf 'return 1\n' >"$work/empty.lua"
-assemble "$work/prologue.lua" "$lua/common.lua"; printf 'return 1\n' >>"$work/prologue.lua"
+printf 'return 1\n' >"$work/return.lua"; assemble "$work/prologue.lua" "$work/return.lua"
 printf "redis.call('HSET', KEYS[1], 'a', ARGV[1], 'b', ARGV[2], 'c', ARGV[3])\nreturn 1\n" >"$work/hset3.lua"
 {
   printf "redis.call('HSET', KEYS[1]"
@@ -37,7 +49,7 @@ printf "redis.call('HSET', KEYS[1], 'a', ARGV[1], 'b', ARGV[2], 'c', ARGV[3])\nr
 
 fp=$(printf 'f%.0s' $(seq 64)); attempt=11111111-1111-1111-1111-111111111111
 token=22222222-2222-2222-2222-222222222222; tenant="auth:$(printf 'a%.0s' $(seq 32))"
-reserve_args=("$fp" "$attempt" "$token" 30000 86400000 "$tenant" "POST /orders" order-1 8 tenant)
+reserve_args=("$fp" "$attempt" "$token" 30000 86400000 "$tenant" "POST /orders" order-1 tenant)
 # usec_per_call of one script over `calls` calls; KEY may hold __rand_int__.
 cost() { # script key
   local sha; sha=$(load "$1")
@@ -50,7 +62,7 @@ cost() { # script key
 rsha=$(load "$work/reserve.lua"); csha=$(load "$work/complete.lua")
 cli EVALSHA "$rsha" 1 'idem:{replay}' "${reserve_args[@]}" >/dev/null
 cli EVALSHA "$csha" 1 'idem:{replay}' 1 "$token" "$attempt" 201 1 \
-  'content-type: application/json' '{"id":"1"}' 0 >/dev/null
+  'content-type: application/json' '{"id":"1"}' >/dev/null
 printf '%-34s %10s\n' script usec/call
 printf '%-34s %10s\n' 'empty script' "$(cost "$work/empty.lua" 'idem:{__rand_int__}')"
 printf '%-34s %10s\n' 'shared prologue only' "$(cost "$work/prologue.lua" 'idem:{__rand_int__}')"

@@ -19,11 +19,6 @@ use idem_redis::RedisStore;
 use idem_tests::bench::{outcome, request};
 use idem_tests::redis_server::RedisServer;
 
-const COMMON: &str = include_str!("../../crates/idem-redis/src/lua/common.lua");
-const RESERVE: &str = include_str!("../../crates/idem-redis/src/lua/reserve.lua");
-const FENCE: &str = include_str!("../../crates/idem-redis/src/lua/fence.lua");
-const COMPLETE: &str = include_str!("../../crates/idem-redis/src/lua/complete.lua");
-
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 fn fresh_key() -> String {
@@ -63,7 +58,6 @@ async fn direct(
         .arg("bench")
         .arg("POST /orders")
         .arg(&key)
-        .arg(8)
         .arg("tenant")
         .invoke_async(conn)
         .await
@@ -78,7 +72,6 @@ async fn direct(
         .arg("1")
         .arg(b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json".as_slice())
         .arg(b"{\"id\":42,\"status\":\"created\"}".as_slice())
-        .arg("0")
         .invoke_async(conn)
         .await
         .expect("complete");
@@ -127,8 +120,10 @@ fn redis_store(c: &mut Criterion) {
     let mut conn = runtime
         .block_on(client.get_multiplexed_async_connection())
         .expect("connection");
-    let reserve = redis::Script::new(&format!("{COMMON}\n{RESERVE}"));
-    let complete = redis::Script::new(&format!("{COMMON}\n{FENCE}\n{COMPLETE}"));
+    let script = |name: &str| {
+        redis::Script::new(&idem_redis::script_source(name).expect("a script of the store"))
+    };
+    let (reserve, complete) = (script("reserve"), script("complete"));
     runtime.block_on(async {
         new_key(&store).await;
         direct(&mut conn, &reserve, &complete).await;

@@ -140,6 +140,7 @@ impl RedisStoreBuilder {
                 "expected redis://, rediss://, redis+cluster:// or rediss+cluster://",
             ));
         };
+        let watch = crate::watch::Watch::new(single.then_some(self.url.as_str()));
         Ok(RedisStore {
             lanes: (0..self.lanes)
                 .map(|_| parking_lot::Mutex::new(Lane::default()))
@@ -147,12 +148,12 @@ impl RedisStoreBuilder {
             last_replacement: parking_lot::Mutex::new(None),
             next_lane: std::sync::atomic::AtomicUsize::new(0),
             pool,
-            scripts: Scripts::new(),
+            scripts: Scripts::new(watch.publishes()),
             limit_scripts: limits::LimitScripts::new(),
             prefix: self.prefix,
             timeout: self.timeout,
             wait_replicas: self.wait_replicas,
-            watch: crate::watch::Watch::new(single.then_some(self.url.as_str())),
+            watch,
         })
     }
 }

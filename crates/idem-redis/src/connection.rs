@@ -294,8 +294,6 @@ pub(crate) struct Abandon {
     pub(crate) key: String,
     pub(crate) attempt: uuid::Uuid,
     pub(crate) token: uuid::Uuid,
-    /// The script's notify argument.
-    pub(crate) notify: &'static str,
     pub(crate) conn: Option<Conn>,
     pub(crate) within: Duration,
 }
@@ -308,10 +306,9 @@ impl Drop for Abandon {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (script, key, notify, within) = (
+        let (script, key, within) = (
             std::sync::Arc::clone(&self.script),
             std::mem::take(&mut self.key),
-            self.notify,
             self.within,
         );
         let (attempt, token) = (self.attempt, self.token);
@@ -319,7 +316,7 @@ impl Drop for Abandon {
             let abandon = async {
                 loop {
                     let mut invocation = Invocation::new(&script, &[&key]);
-                    invocation.uuid(&attempt).uuid(&token).arg(notify);
+                    invocation.uuid(&attempt).uuid(&token);
                     let sent = invocation.invoke(&mut conn).await;
                     match sent {
                         Ok(_) => return,

@@ -85,9 +85,9 @@
 use std::time::Duration;
 
 use idem_core::{
-    ATTEMPT_HISTORY, Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease,
-    Outcome, OwnerToken, Record, RecordQuery, Release, Renewal, Reservation, ReserveRequest,
-    ScopeHash, Store, StoreError,
+    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, Outcome,
+    OwnerToken, Record, RecordQuery, Release, Renewal, Reservation, ReserveRequest, ScopeHash,
+    Store, StoreError,
 };
 use redis::Value;
 
@@ -102,6 +102,15 @@ mod watch;
 pub use builder::{BuildError, RedisStoreBuilder};
 use cluster::scope_from_hex;
 pub use cluster::{Health, LIST_SCAN_LIMIT, failover_bound};
+
+/// The Lua source of one of the store's scripts (`"reserve"`,
+/// `"complete"`, `"release"`, ...) as a single-node store loads it, for
+/// benchmarks that call the scripts directly; `None` for an unknown name.
+#[doc(hidden)]
+pub fn script_source(name: &str) -> Option<String> {
+    let body = scripts::body(name);
+    (!body.is_empty()).then(|| scripts::source(body, true))
+}
 use connection::{Abandon, Invocation, Lane, Pool};
 use decode::*;
 use scripts::Scripts;
@@ -166,12 +175,6 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             wait_replicas: None,
         }
-    }
-
-    /// The scripts' notify argument: `"1"` when they publish to waiters
-    /// (see `watch.rs`).
-    fn notify(&self) -> &'static str {
-        if self.watch.publishes() { "1" } else { "0" }
     }
 
     /// The Redis key of a scope's record: the scope hash inside a hash tag.
@@ -295,7 +298,6 @@ impl Store for RedisStore {
             .arg(tenant)
             .arg(request.scope.operation())
             .arg(request.scope.key().as_str())
-            .arg(ATTEMPT_HISTORY)
             .arg(tenant_field);
         // If this call is given up (it times out, or its caller's timeout
         // drops it) after the script was sent, the guard frees the
@@ -305,7 +307,6 @@ impl Store for RedisStore {
             key,
             attempt: attempt.0,
             token: token.0,
-            notify: self.notify(),
             conn: None,
             within: request.lease,
         };
@@ -364,7 +365,6 @@ impl Store for RedisStore {
                 invocation.arg("0").arg("").arg("");
             }
         }
-        invocation.arg(self.notify());
         let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
         let reply = items(reply)?;
         if decode::tag(reply.first())? == "recorded" {
@@ -384,7 +384,7 @@ impl Store for RedisStore {
         let key = self.record_key(&lease.scope);
         let mut invocation = Invocation::new(&self.scripts.release, &[&key]);
         lease_args(&mut invocation, lease);
-        invocation.uuid(&lease.attempt.0).arg(self.notify());
+        invocation.uuid(&lease.attempt.0);
         let reply = items(self.run(invocation, false).await?.0)?;
         if decode::tag(reply.first())? == "released" {
             return Ok(Release::Released);
@@ -396,7 +396,7 @@ impl Store for RedisStore {
         let key = self.record_key(scope);
         let mut invocation = Invocation::new(&self.scripts.cancel, &[&key]);
         // The id lets a retried call recognise its own earlier cancel.
-        invocation.uuid(&uuid::Uuid::new_v4()).arg(self.notify());
+        invocation.uuid(&uuid::Uuid::new_v4());
         let reply = items(self.run(invocation, false).await?.0)?;
         let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
         let record = || match reply.get(1) {
@@ -441,8 +441,7 @@ impl Store for RedisStore {
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
         let key = self.record_key(scope);
-        let mut invocation = Invocation::new(&self.scripts.force_release, &[&key]);
-        invocation.arg(self.notify());
+        let invocation = Invocation::new(&self.scripts.force_release, &[&key]);
         let reply = items(self.run(invocation, false).await?.0)?;
         let Some((kind, pairs)) = reply.split_first() else {
             return Err(corrupt("empty force-release reply"));

@@ -1,12 +1,38 @@
-//! The Lua scripts, each prefixed with the shared functions.
+//! The Lua scripts, each assembled from the shared prologue, its own body
+//! and the shared helpers.
+//!
+//! A script is `head.lua` (the record key, the store's constants, the
+//! clock), then its body, with `common.lua` (the helpers) and `fence.lua`
+//! (the lease check of complete and release) put where the body has a
+//! `--@common` or `--@fence` line; a body without `--@common` gets the
+//! helpers before it. The hot paths (a new key, a replay, a completion, a
+//! release) come before that line, so a call that takes one never builds
+//! the helpers' closures.
 
 use redis::Script;
 
-pub(crate) const COMMON: &str = include_str!("lua/common.lua");
-/// The lease check of the scripts that end an attempt (complete, release).
+use idem_core::ATTEMPT_HISTORY;
+
+const HEAD: &str = include_str!("lua/head.lua");
+const COMMON: &str = include_str!("lua/common.lua");
 const FENCE: &str = include_str!("lua/fence.lua");
 
-/// The scripts, each prefixed with the shared functions.
+/// The source of a script: the prologue with the store's constants
+/// filled in (`notify`: whether the scripts ending an attempt publish to
+/// its waiters), then `body` with the helpers in place.
+pub(crate) fn source(body: &str, notify: bool) -> String {
+    let head = HEAD
+        .replace("@NOTIFY@", if notify { "true" } else { "false" })
+        .replace("@HISTORY@", &ATTEMPT_HISTORY.to_string());
+    let body = if body.contains("--@common\n") {
+        body.replacen("--@common\n", COMMON, 1)
+    } else {
+        format!("{COMMON}\n{body}")
+    };
+    format!("{head}\n{}", body.replacen("--@fence\n", FENCE, 1))
+}
+
+/// The scripts of one store.
 #[derive(Debug)]
 pub(crate) struct Scripts {
     pub(crate) reserve: Script,
@@ -24,19 +50,34 @@ pub(crate) struct Scripts {
 }
 
 impl Scripts {
-    pub(crate) fn new() -> Self {
-        let script = |body: &str| Script::new(&format!("{COMMON}\n{body}"));
-        let fenced = |body: &str| Script::new(&format!("{COMMON}\n{FENCE}\n{body}"));
+    /// The scripts of a store that publishes to waiters when `notify`.
+    pub(crate) fn new(notify: bool) -> Self {
+        let script = |name: &str| Script::new(&source(body(name), notify));
         Self {
-            reserve: script(include_str!("lua/reserve.lua")),
-            renew: script(include_str!("lua/renew.lua")),
-            complete: fenced(include_str!("lua/complete.lua")),
-            release: fenced(include_str!("lua/release.lua")),
-            cancel: script(include_str!("lua/cancel.lua")),
-            get: script(include_str!("lua/get.lua")),
-            abandon: std::sync::Arc::new(script(include_str!("lua/abandon.lua"))),
-            force_release: script(include_str!("lua/force_release.lua")),
+            reserve: script("reserve"),
+            renew: script("renew"),
+            complete: script("complete"),
+            release: script("release"),
+            cancel: script("cancel"),
+            get: script("get"),
+            abandon: std::sync::Arc::new(script("abandon")),
+            force_release: script("force_release"),
             watch: Script::new(include_str!("lua/watch.lua")),
         }
+    }
+}
+
+/// The body of the script `name`, empty for an unknown name.
+pub(crate) fn body(name: &str) -> &'static str {
+    match name {
+        "reserve" => include_str!("lua/reserve.lua"),
+        "renew" => include_str!("lua/renew.lua"),
+        "complete" => include_str!("lua/complete.lua"),
+        "release" => include_str!("lua/release.lua"),
+        "cancel" => include_str!("lua/cancel.lua"),
+        "get" => include_str!("lua/get.lua"),
+        "abandon" => include_str!("lua/abandon.lua"),
+        "force_release" => include_str!("lua/force_release.lua"),
+        _ => "",
     }
 }

@@ -1,4 +1,4 @@
--- ARGV: attempt id, owner token, notify ('1' to publish). Frees a reservation whose caller gave up
+-- ARGV: attempt id, owner token. Frees a reservation whose caller gave up
 -- before its reply came (the call timed out, for example behind a paused
 -- server): nobody runs that attempt, so the key must not stay taken for a
 -- whole lease. Anything else about the record is left alone.
@@ -10,7 +10,7 @@ end
 if state == 'processing' and cur_id == ARGV[1] and owner == ARGV[2] then
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
     'cur_outcome', 'released')
-  rare().notify(ARGV[3])
+  rare().notify()
   return {'released'}
 end
 return {'untouched'}

@@ -1,5 +1,4 @@
--- ARGV: the cancel request's id (the same when a call is retried), notify
--- ('1' to publish).
+-- ARGV: the cancel request's id (the same when a call is retried).
 -- Answers which side won and the record after it, as HGETALL pairs.
 local state, expires, retention_ms, outcome, cancel_id = unpack(redis.call('HMGET', record,
   'state', 'expires', 'retention_ms', 'cur_outcome', 'cancel_id'))
@@ -25,5 +24,5 @@ if outcome == 'running' then
 end
 redis.call('PEXPIREAT', record, until_ms)
 local helpers = rare()
-helpers.notify(ARGV[2])
+helpers.notify()
 return {'cancelled', helpers.all_fields()}

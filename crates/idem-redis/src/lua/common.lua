@@ -1,35 +1,9 @@
--- Shared by every idem script. KEYS[1] is the record's hash; all state of a
--- scope lives in that one hash, so every script touches one slot.
---
--- Fields: tenant (or tenant_bin: a tenant that ends in a 64-digit hex hash,
---         with the hash as its 32 bytes) op key fp state gen owner
---         lease_until lease_ms retention_ms expires status stored, the
---         response as headers and body when both fit in 64 bytes, else as
---         split (the length of the headers) with headers..body in the
---         string key KEYS[1]..':r' (same hash tag, same expiry), cur_id
---         cur_start cur_end cur_outcome cur_late (the newest attempt),
---         created (only once a second attempt starts; until then it is
---         cur_start) and hist (older attempts, JSON, touched only when a
---         record gets a second attempt or a fenced write arrives).
---         owner (the lease holder's token) means something only while the
---         state is processing: every check of it checks the state first,
---         so ending an attempt leaves it in place instead of writing it.
--- Every value of a typical record fits Redis' compact hash encoding (64
--- bytes), and no field repeats another: the completion time is cur_end,
--- the completed status is status, the last change is the later of
--- cur_start and cur_end. Records written before this layout (with
--- created, updated, completed and cur_status, and the response inline)
--- are read as they are.
--- The hot paths call TIME, one HMGET (two for a reservation of an
--- existing record, the second reading only what its state needs) and at
--- most one HSET, plus one
--- PEXPIREAT when a new attempt starts (retention counts from there), and
--- one SET or GET of the response key when the response is large.
+-- The helpers shared by the scripts (after head.lua). A script's hot path
+-- runs before them where it can (see scripts.rs: the `--@common` line of a
+-- script is where they go): each `local function` is a closure built on
+-- every call that reaches its definition, about 600 instructions apiece.
 
-local record = KEYS[1]
 local response_key = record .. ':r'
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 -- An integer (milliseconds, a length) as the text Redis keeps. A Lua
 -- number handed to redis.call is converted by Redis itself, several times
@@ -92,11 +66,11 @@ local function rare()
     return fields
   end
 
-  -- Wakes the record's waiting duplicates (see watch.rs) when `flag`, the
-  -- script's notify argument, is '1'. Complete and release call it only for
-  -- a record a waiter marked (field w, see watch.lua).
-  local function notify(flag)
-    if flag == '1' then
+  -- Wakes the record's waiting duplicates (see watch.rs) on a store that
+  -- publishes. Complete and release call it only for a record a waiter
+  -- marked (field w, see watch.lua).
+  local function notify()
+    if NOTIFY then
       redis.call('PUBLISH', record .. ':c', '1')
     end
   end

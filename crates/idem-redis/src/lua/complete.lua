@@ -1,22 +1,28 @@
 -- ARGV: generation, owner token, attempt id, status, stored ('1' or '0'),
---       encoded headers, body, notify ('1' to publish)
-local status = ARGV[4]
-local reply, expires, watched = fenced('completed', status)
-if reply then
-  return reply
+--       encoded headers, body
+local state, expires, gen, owner, watched =
+  unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner', 'w'))
+if state == 'processing' and gen == ARGV[1] and owner == ARGV[2]
+    and tonumber(expires) > now then
+  -- The hot path: the caller holds the lease. Retention counts from the
+  -- reservation: the expiry stays as it is.
+  local headers, body = ARGV[6], ARGV[7]
+  if #headers <= 64 and #body <= 64 then
+    redis.call('HSET', record, 'state', 'completed', 'status', ARGV[4], 'stored', ARGV[5],
+      'headers', headers, 'body', body, 'cur_end', string.format('%d', now),
+      'cur_outcome', 'completed')
+  else
+    -- Too long for the compact encoding: the response gets a key of its own.
+    redis.call('SET', record .. ':r', headers .. body, 'PXAT', expires)
+    redis.call('HSET', record, 'state', 'completed', 'status', ARGV[4], 'stored', ARGV[5],
+      'split', string.format('%d', #headers), 'cur_end', string.format('%d', now),
+      'cur_outcome', 'completed')
+  end
+  if watched and NOTIFY then
+    redis.call('PUBLISH', record .. ':c', '1')
+  end
+  return {'recorded'}
 end
--- Retention counts from the reservation: the expiry stays as it is.
-local headers, body = ARGV[6], ARGV[7]
-if #headers <= 64 and #body <= 64 then
-  redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
-    'headers', headers, 'body', body, 'cur_end', ms(now), 'cur_outcome', 'completed')
-else
-  -- Too long for the compact encoding: the response gets a key of its own.
-  redis.call('SET', response_key, headers .. body, 'PXAT', expires)
-  redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', ARGV[5],
-    'split', ms(#headers), 'cur_end', ms(now), 'cur_outcome', 'completed')
-end
-if watched then
-  rare().notify(ARGV[8])
-end
-return {'recorded'}
+--@common
+--@fence
+return fenced('completed', ARGV[4], state, expires, gen)

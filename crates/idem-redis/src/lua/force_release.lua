@@ -1,4 +1,4 @@
--- ARGV: notify ('1' to publish). Releases a processing record whatever its lease (an operator
+-- No ARGV. Releases a processing record whatever its lease (an operator
 -- freeing a stuck key); the attempt ends as released by an operator.
 -- Answers the kind ('released', 'not_processing' or 'not_found') followed
 -- by the record as HGETALL pairs.
@@ -12,7 +12,7 @@ if state == 'processing' then
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
     'cur_outcome', 'released_by_operator')
   kind = 'released'
-  helpers.notify(ARGV[1])
+  helpers.notify()
 end
 local pairs = helpers.all_fields()
 table.insert(pairs, 1, kind)

@@ -1,12 +1,59 @@
 -- ARGV: fingerprint, attempt id, owner token, lease ms, retention ms,
---       tenant, operation, key, attempt history size, the tenant's field
---       name ('tenant' or 'tenant_bin')
-local fp, attempt_id, token = ARGV[1], ARGV[2], ARGV[3]
-local lease_ms, retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-local history = tonumber(ARGV[9])
+--       tenant, operation, key, the tenant's field name ('tenant' or
+--       'tenant_bin')
+local fp = ARGV[1]
 -- A new key needs only the state (absent); the other fields are read once
 -- the record is known to be live.
 local state, expires_at = unpack(redis.call('HMGET', record, 'state', 'expires'))
+
+if not state or tonumber(expires_at) <= now then
+  -- The hot path: a new key (or one whose record outlived its expiry).
+  -- One HSET with literal fields, no tables, no helpers. Text, not
+  -- numbers: a Lua number handed to redis.call is converted by Redis
+  -- itself, several times slower than string.format.
+  if state then
+    redis.call('DEL', record, record .. ':r')
+  end
+  local expires = string.format('%d', now + tonumber(ARGV[5]))
+  redis.call('HSET', record, ARGV[9], ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
+    'fp', fp, 'state', 'processing', 'gen', '1', 'owner', ARGV[3],
+    'lease_until', string.format('%d', now + tonumber(ARGV[4])), 'lease_ms', ARGV[4],
+    'retention_ms', ARGV[5], 'cur_id', ARGV[2], 'cur_start', string.format('%d', now),
+    'cur_outcome', 'running', 'expires', expires)
+  redis.call('PEXPIREAT', record, expires)
+  return {'acquired', 1}
+end
+
+if state == 'completed' then
+  -- The other hot path, a replay: only the fields it answers with.
+  local found_fp, status, stored, headers, body, ended, split = unpack(redis.call('HMGET', record,
+    'fp', 'status', 'stored', 'headers', 'body', 'cur_end', 'split'))
+  if found_fp ~= fp then
+    return {'conflict'}
+  end
+  if not ended or ended == '' then
+    -- Records of the layout before the compact one kept it apart.
+    ended = redis.call('HGET', record, 'completed')
+  end
+  if split then
+    -- The response is kept in a key of its own (see complete.lua).
+    local raw = redis.call('GET', record .. ':r') or ''
+    local n = tonumber(split)
+    headers, body = string.sub(raw, 1, n), string.sub(raw, n + 1)
+  end
+  -- Its age never negative: a clock that stepped back (failover, NTP)
+  -- must not make a record unreadable.
+  local age = now - tonumber(ended)
+  if age < 0 then
+    age = 0
+  end
+  return {'completed', status .. ':' .. stored .. ':' .. age, headers, body}
+end
+
+--@common
+
+local attempt_id, token = ARGV[2], ARGV[3]
+local lease_ms, retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 
 -- Starts attempt `gen`; `extra` holds more field/value pairs to set.
 local function start(gen, extra)
@@ -34,7 +81,7 @@ local function archive()
     hist = cjson.decode(raw)
   end
   table.insert(hist, attempt)
-  while #hist > history - 1 do
+  while #hist > HISTORY - 1 do
     table.remove(hist, 1)
   end
   local encoded = ''
@@ -44,31 +91,6 @@ local function archive()
   return attempt, {'hist', encoded}
 end
 
-if not live(state, expires_at) then
-  -- The hot path: a new key. One HSET with literal fields, no tables.
-  -- Text, not numbers (see ms).
-  local expires = ms(now + retention_ms)
-  redis.call('HSET', record, ARGV[10], ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
-    'fp', fp, 'state', 'processing', 'gen', '1', 'owner', token,
-    'lease_until', ms(now + lease_ms), 'lease_ms', ARGV[4], 'retention_ms', ARGV[5],
-    'cur_id', attempt_id, 'cur_start', ms(now), 'cur_outcome', 'running', 'expires', expires)
-  redis.call('PEXPIREAT', record, expires)
-  return {'acquired', 1}
-end
-if state == 'completed' then
-  -- The replay: only the fields it answers with.
-  local found_fp, status, stored, headers, body, ended, split = unpack(redis.call('HMGET', record,
-    'fp', 'status', 'stored', 'headers', 'body', 'cur_end', 'split'))
-  if found_fp ~= fp then
-    return {'conflict'}
-  end
-  if not ended or ended == '' then
-    -- Records of the layout before the compact one kept it apart.
-    ended = redis.call('HGET', record, 'completed')
-  end
-  headers, body = response(headers, body, split)
-  return {'completed', status .. ':' .. stored .. ':' .. age(ended), headers, body}
-end
 local found_fp, found_gen, lease_until, cur_id, owner = unpack(redis.call('HMGET', record, 'fp',
   'gen', 'lease_until', 'cur_id', 'owner'))
 local gen = tonumber(found_gen)

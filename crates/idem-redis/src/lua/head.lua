@@ -1,0 +1,40 @@
+-- The prologue of every idem script. KEYS[1] is the record's hash; all
+-- state of a scope lives in that one hash, so every script touches one
+-- slot. scripts.rs fills in the store's constants (@NOTIFY@, @HISTORY@)
+-- instead of passing them per call: each script argument costs Redis
+-- about as much as a field it writes.
+--
+-- Fields: tenant (or tenant_bin: a tenant that ends in a 64-digit hex hash,
+--         with the hash as its 32 bytes) op key fp state gen owner
+--         lease_until lease_ms retention_ms expires status stored, the
+--         response as headers and body when both fit in 64 bytes, else as
+--         split (the length of the headers) with headers..body in the
+--         string key KEYS[1]..':r' (same hash tag, same expiry), cur_id
+--         cur_start cur_end cur_outcome cur_late (the newest attempt),
+--         created (only once a second attempt starts; until then it is
+--         cur_start) and hist (older attempts, JSON, touched only when a
+--         record gets a second attempt or a fenced write arrives).
+--         owner (the lease holder's token) means something only while the
+--         state is processing: every check of it checks the state first,
+--         so ending an attempt leaves it in place instead of writing it.
+-- Every value of a typical record fits Redis' compact hash encoding (64
+-- bytes), and no field repeats another: the completion time is cur_end,
+-- the completed status is status, the last change is the later of
+-- cur_start and cur_end. Records written before this layout (with
+-- created, updated, completed and cur_status, and the response inline)
+-- are read as they are.
+-- The hot paths call TIME, one HMGET (two for a reservation of an
+-- existing record, the second reading only what its state needs) and at
+-- most one HSET, plus one
+-- PEXPIREAT when a new attempt starts (retention counts from there), and
+-- one SET or GET of the response key when the response is large.
+
+
+local record = KEYS[1]
+-- Whether the scripts that end an attempt publish to its waiters
+-- (watch.rs): true on a single node.
+local NOTIFY = @NOTIFY@
+-- How many attempts a record keeps, the newest included.
+local HISTORY = @HISTORY@
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
