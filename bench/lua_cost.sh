@@ -19,23 +19,7 @@ trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true; rm -rf "$wor
 for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 cli() { redis-cli -p "$port" "$@"; }
 load() { cli -x SCRIPT LOAD <"$1"; }
-history=$(sed -n 's/^pub const ATTEMPT_HISTORY: usize = \([0-9]*\);/\1/p' crates/idem-core/src/*.rs)
-# A script as idem-redis assembles it (src/scripts.rs): the prologue with
-# the store's constants, then the body with the helpers at its `--@common`
-# line (before it when it has none) and the fence at its `--@fence` line.
-assemble() { # out body
-  local out=$1 body=$2
-  {
-    sed -e "s/@NOTIFY@/true/; s/@HISTORY@/$history/" "$lua/head.lua"
-    printf '\n'
-    if grep -qx -- '--@common' "$body"; then
-      sed -e "/^--@common\$/{r $lua/common.lua" -e 'd}' \
-        -e "/^--@fence\$/{r $lua/fence.lua" -e 'd}' "$body"
-    else
-      cat "$lua/common.lua"; printf '\n'; cat "$body"
-    fi
-  } >"$out"
-}
+. bench/lua_assemble.sh
 assemble "$work/reserve.lua" "$lua/reserve.lua"
 assemble "$work/complete.lua" "$lua/complete.lua"
 printf 'return 1\n' >"$work/empty.lua"

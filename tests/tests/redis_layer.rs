@@ -290,6 +290,17 @@ async fn round_trips_per_request_and_redis_time() {
         (1, 1),
         "replay: one round trip"
     );
+    // Inside the script a replay reads the record twice (its state, then
+    // what it answers with) and never the clock: the record is live by
+    // Redis' own expiry and the client measures the age.
+    let inside = server.command_stats();
+    assert_eq!(
+        calls_between(&before, &inside, "time"),
+        0,
+        "replay: no TIME"
+    );
+    assert_eq!(calls_between(&before, &inside, "hmget"), 2);
+    assert_eq!(calls_between(&before, &inside, "hset"), 0);
 
     let before = server.command_stats();
     let conflict = call(&app.router, "/orders", "k", r#"{"a":2}"#).await;

@@ -40,7 +40,9 @@ pub struct ReserveRequest {
 pub struct Replay {
     /// What was stored.
     pub outcome: Outcome,
-    /// How long ago it was recorded (store clock).
+    /// How long ago it was recorded: by the store's clock, or, where a
+    /// store reads no clock on a replay (Redis), this process' clock minus
+    /// the completion time the store kept; never negative.
     pub age: Duration,
 }
 

@@ -215,7 +215,11 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
             retry_after: Duration::from_millis(int(at(1)?)?),
         }),
         "completed" => {
-            // '<status>:<stored>:<age ms>', then headers and body.
+            // '<status>:<stored>:<completed at, Unix ms>', then headers
+            // and body. The age is measured against this process' clock:
+            // a replay reads no clock in Redis (see head.lua), and skew
+            // between the two clocks shows in the age alone (never
+            // negative).
             let meta = self::tag(Some(at(1)?))?;
             let mut parts = meta.splitn(3, ':');
             let mut number = |what: &str| {
@@ -224,7 +228,11 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
                     .and_then(|part| part.parse::<u64>().ok())
                     .ok_or_else(|| corrupt(format!("completed reply lacks {what}")))
             };
-            let (status, stored, age) = (number("status")?, number("stored")?, number("age")?);
+            let (status, stored, completed) = (
+                number("status")?,
+                number("stored")?,
+                number("completion time")?,
+            );
             if reply.len() < 4 {
                 return Err(corrupt("short reply to completed"));
             }
@@ -238,7 +246,7 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
             let outcome = outcome(status, stored == 1, headers, body)?;
             Ok(Current::Completed(Replay {
                 outcome,
-                age: Duration::from_millis(age),
+                age: Duration::from_millis(unix_ms().saturating_sub(completed)),
             }))
         }
         other => Err(corrupt(format!("unexpected reply {other}"))),
@@ -420,4 +428,13 @@ fn times(fields: &HashMap<String, &Value>, state: RecordState) -> Result<Times, 
 
 pub(crate) fn lease_args(invocation: &mut Invocation<'_>, lease: &Lease) {
     invocation.arg(lease.generation).uuid(&lease.token.0);
+}
+
+/// This process' clock, in Unix milliseconds (0 before 1970).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
 }

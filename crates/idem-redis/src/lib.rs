@@ -33,7 +33,10 @@
 //!   subscriber connection cannot be had, waiters poll every 25 ms.
 //! * **Server time.** Leases and retention are measured with Redis `TIME`
 //!   inside the scripts, never the web server's clock; records expire with
-//!   `PEXPIREAT`.
+//!   `PEXPIREAT`. A replay reads no clock in Redis (a record Redis hands a
+//!   script is live by its own expiry): the age it reports is the web
+//!   server's clock minus the stored completion time, so skew between the
+//!   two clocks shows in that age (a metric) and nowhere else.
 //! * **Round trips.** A new key costs two round trips (reserve, complete),
 //!   plus one renewal per third of the lease for long handlers; a replay, a
 //!   conflict or an in-progress answer costs one.
@@ -499,6 +502,46 @@ mod tests {
             headers
         );
         assert!(decode_headers(b"\x00\x00\x00\x09abc").is_err());
+    }
+
+    /// A completed reply carries the completion time; the age is this
+    /// process' clock minus it, never negative when the clocks disagree.
+    #[test]
+    fn replay_age_is_measured_from_the_completion_time() {
+        let completed = |at_ms: u64| {
+            vec![
+                Value::BulkString(b"completed".to_vec()),
+                Value::BulkString(format!("201:1:{at_ms}").into_bytes()),
+                Value::BulkString(Vec::new()),
+                Value::BulkString(b"{}".to_vec()),
+            ]
+        };
+        let age = |reply| match decode_current(reply).expect("decode") {
+            Current::Completed(replay) => replay.age,
+            other => panic!("expected a replay, got {other:?}"),
+        };
+        let now = u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_millis(),
+        )
+        .expect("ms");
+        let old = age(completed(now - 5_000));
+        assert!(
+            old >= Duration::from_secs(5) && old < Duration::from_secs(60),
+            "{old:?}"
+        );
+        assert_eq!(age(completed(now + 60_000)), Duration::ZERO);
+        assert!(
+            decode_current(vec![
+                Value::BulkString(b"completed".to_vec()),
+                Value::BulkString(b"201:1:soon".to_vec()),
+                Value::BulkString(Vec::new()),
+                Value::BulkString(Vec::new()),
+            ])
+            .is_err()
+        );
     }
 
     #[test]

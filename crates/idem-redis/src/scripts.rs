@@ -1,19 +1,21 @@
 //! The Lua scripts, each assembled from the shared prologue, its own body
 //! and the shared helpers.
 //!
-//! A script is `head.lua` (the record key, the store's constants, the
-//! clock), then its body, with `common.lua` (the helpers) and `fence.lua`
-//! (the lease check of complete and release) put where the body has a
-//! `--@common` or `--@fence` line; a body without `--@common` gets the
-//! helpers before it. The hot paths (a new key, a replay, a completion, a
-//! release) come before that line, so a call that takes one never builds
-//! the helpers' closures.
+//! A script is `head.lua` (the record key, the store's constants), then
+//! its body, with `clock.lua` (the store's clock), `common.lua` (the
+//! helpers) and `fence.lua` (the lease check of complete and release) put
+//! where the body has a `--@clock`, `--@common` or `--@fence` line; a
+//! body without `--@clock` reads the clock first, one without `--@common`
+//! gets the helpers before it. The hot paths (a new key, a replay, a
+//! completion, a release) come before the helpers, so a call that takes
+//! one never builds their closures, and a replay comes before the clock.
 
 use redis::Script;
 
 use idem_core::ATTEMPT_HISTORY;
 
 const HEAD: &str = include_str!("lua/head.lua");
+const CLOCK: &str = include_str!("lua/clock.lua");
 const COMMON: &str = include_str!("lua/common.lua");
 const FENCE: &str = include_str!("lua/fence.lua");
 
@@ -28,6 +30,11 @@ pub(crate) fn source(body: &str, notify: bool) -> String {
         body.replacen("--@common\n", COMMON, 1)
     } else {
         format!("{COMMON}\n{body}")
+    };
+    let body = if body.contains("--@clock\n") {
+        body.replacen("--@clock\n", CLOCK, 1)
+    } else {
+        format!("{CLOCK}\n{body}")
     };
     format!("{head}\n{}", body.replacen("--@fence\n", FENCE, 1))
 }

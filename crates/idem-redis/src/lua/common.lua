@@ -12,16 +12,6 @@ local function ms(value)
   return string.format('%d', value)
 end
 
--- Milliseconds since `at`, never negative: a clock that stepped back
--- (failover, NTP) must not make a record unreadable.
-local function age(at)
-  local elapsed = now - tonumber(at)
-  if elapsed < 0 then
-    return 0
-  end
-  return elapsed
-end
-
 -- Whether the record is live; deletes one that outlived its expiry.
 local function live(state, expires)
   if not state then
@@ -110,7 +100,7 @@ local function rare()
   end
 
   -- What the record says now, for duplicates and fenced attempts. A
-  -- completed record is {'completed', '<status>:<stored>:<age ms>',
+  -- completed record is {'completed', '<status>:<stored>:<completed at>',
   -- headers, body}: four elements, each of which the client parses.
   local function current(state)
     if not state or state == 'released' then
@@ -127,7 +117,7 @@ local function rare()
     local status, stored, headers, body, completed, ended, split = unpack(redis.call('HMGET',
       record, 'status', 'stored', 'headers', 'body', 'completed', 'cur_end', 'split'))
     headers, body = response(headers, body, split)
-    return {'completed', status .. ':' .. stored .. ':' .. age(completed or ended), headers, body}
+    return {'completed', status .. ':' .. stored .. ':' .. (completed or ended), headers, body}
   end
 
   -- Keeps a fenced write as late evidence on its attempt.

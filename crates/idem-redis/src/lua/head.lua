@@ -23,11 +23,15 @@
 -- cur_start and cur_end. Records written before this layout (with
 -- created, updated, completed and cur_status, and the response inline)
 -- are read as they are.
--- The hot paths call TIME, one HMGET (two for a reservation of an
--- existing record, the second reading only what its state needs) and at
--- most one HSET, plus one
--- PEXPIREAT when a new attempt starts (retention counts from there), and
--- one SET or GET of the response key when the response is large.
+-- The hot paths call TIME (not a replay), one HMGET (two for a
+-- reservation of an existing record, the second reading only what its
+-- state needs) and at most one HSET, plus one PEXPIREAT when a new
+-- attempt starts (retention counts from there), and one SET or GET of the
+-- response key when the response is large.
+-- A record is live until its expiry: the key carries it (PEXPIREAT, set
+-- with the expires field whenever that changes), so a record Redis hands
+-- a script is live by Redis' own clock; the scripts that read the clock
+-- check the field as well.
 
 
 local record = KEYS[1]
@@ -36,5 +40,3 @@ local record = KEYS[1]
 local NOTIFY = @NOTIFY@
 -- How many attempts a record keeps, the newest included.
 local HISTORY = @HISTORY@
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)

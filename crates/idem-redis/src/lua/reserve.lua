@@ -6,26 +6,10 @@ local fp = ARGV[1]
 -- the record is known to be live.
 local state, expires_at = unpack(redis.call('HMGET', record, 'state', 'expires'))
 
-if not state or tonumber(expires_at) <= now then
-  -- The hot path: a new key (or one whose record outlived its expiry).
-  -- One HSET with literal fields, no tables, no helpers. Text, not
-  -- numbers: a Lua number handed to redis.call is converted by Redis
-  -- itself, several times slower than string.format.
-  if state then
-    redis.call('DEL', record, record .. ':r')
-  end
-  local expires = string.format('%d', now + tonumber(ARGV[5]))
-  redis.call('HSET', record, ARGV[9], ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
-    'fp', fp, 'state', 'processing', 'gen', '1', 'owner', ARGV[3],
-    'lease_until', string.format('%d', now + tonumber(ARGV[4])), 'lease_ms', ARGV[4],
-    'retention_ms', ARGV[5], 'cur_id', ARGV[2], 'cur_start', string.format('%d', now),
-    'cur_outcome', 'running', 'expires', expires)
-  redis.call('PEXPIREAT', record, expires)
-  return {'acquired', 1}
-end
-
 if state == 'completed' then
-  -- The other hot path, a replay: only the fields it answers with.
+  -- A hot path, the replay: only the fields it answers with, and
+  -- no clock (the record is live, see head.lua; its client measures the
+  -- age from the completion time).
   local found_fp, status, stored, headers, body, ended, split = unpack(redis.call('HMGET', record,
     'fp', 'status', 'stored', 'headers', 'body', 'cur_end', 'split'))
   if found_fp ~= fp then
@@ -41,13 +25,27 @@ if state == 'completed' then
     local n = tonumber(split)
     headers, body = string.sub(raw, 1, n), string.sub(raw, n + 1)
   end
-  -- Its age never negative: a clock that stepped back (failover, NTP)
-  -- must not make a record unreadable.
-  local age = now - tonumber(ended)
-  if age < 0 then
-    age = 0
+  return {'completed', status .. ':' .. stored .. ':' .. ended, headers, body}
+end
+
+--@clock
+if not state or tonumber(expires_at) <= now then
+  -- The other hot path, a new key (or one whose record outlived its
+  -- expiry).
+  -- One HSET with literal fields, no tables, no helpers. Text, not
+  -- numbers: a Lua number handed to redis.call is converted by Redis
+  -- itself, several times slower than string.format.
+  if state then
+    redis.call('DEL', record, record .. ':r')
   end
-  return {'completed', status .. ':' .. stored .. ':' .. age, headers, body}
+  local expires = string.format('%d', now + tonumber(ARGV[5]))
+  redis.call('HSET', record, ARGV[9], ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
+    'fp', fp, 'state', 'processing', 'gen', '1', 'owner', ARGV[3],
+    'lease_until', string.format('%d', now + tonumber(ARGV[4])), 'lease_ms', ARGV[4],
+    'retention_ms', ARGV[5], 'cur_id', ARGV[2], 'cur_start', string.format('%d', now),
+    'cur_outcome', 'running', 'expires', expires)
+  redis.call('PEXPIREAT', record, expires)
+  return {'acquired', 1}
 end
 
 --@common

@@ -1,0 +1,21 @@
+# Sourced by the Lua benches, from the checkout's root, with $lua set to
+# crates/idem-redis/src/lua: `assemble OUT BODY` writes a script as
+# idem-redis assembles it.
+# shellcheck shell=bash
+history=$(sed -n 's/^pub const ATTEMPT_HISTORY: usize = \([0-9]*\);/\1/p' crates/idem-core/src/*.rs)
+# A script as idem-redis assembles it (src/scripts.rs): the prologue with
+# the store's constants, then the body with the clock at its `--@clock`
+# line and the helpers at its `--@common` line (each before the body when
+# it has none), and the fence at its `--@fence` line.
+assemble() { # out body
+  local out=$1 body=$2
+  {
+    sed -e "s/@NOTIFY@/true/; s/@HISTORY@/$history/" "$lua/head.lua"
+    printf '\n'
+    grep -qx -- '--@clock' "$body" || { cat "$lua/clock.lua"; printf '\n'; }
+    grep -qx -- '--@common' "$body" || { cat "$lua/common.lua"; printf '\n'; }
+    sed -e "/^--@clock\$/{r $lua/clock.lua" -e 'd}' \
+      -e "/^--@common\$/{r $lua/common.lua" -e 'd}' \
+      -e "/^--@fence\$/{r $lua/fence.lua" -e 'd}' "$body"
+  } >"$out"
+}
