@@ -6,7 +6,8 @@ history=$(sed -n 's/^pub const ATTEMPT_HISTORY: usize = \([0-9]*\);/\1/p' crates
 # A script as idem-redis assembles it (src/scripts.rs): the prologue with
 # the store's constants, then the body with the clock at its `--@clock`
 # line and the helpers at its `--@common` line (each before the body when
-# it has none), and the fence at its `--@fence` line.
+# it has none), and the fence at its `--@fence` line; a reservation for a
+# tenant kept as text.
 assemble() { # out body
   local out=$1 body=$2
   {
@@ -16,6 +17,6 @@ assemble() { # out body
     grep -qx -- '--@common' "$body" || { cat "$lua/common.lua"; printf '\n'; }
     sed -e "/^--@clock\$/{r $lua/clock.lua" -e 'd}' \
       -e "/^--@common\$/{r $lua/common.lua" -e 'd}' \
-      -e "/^--@fence\$/{r $lua/fence.lua" -e 'd}' "$body"
+      -e "/^--@fence\$/{r $lua/fence.lua" -e 'd}' "$body" | sed -e 's/@TENANT_FIELD@/tenant/'
   } >"$out"
 }

@@ -33,7 +33,7 @@ printf "redis.call('HSET', KEYS[1], 'a', ARGV[1], 'b', ARGV[2], 'c', ARGV[3])\nr
 
 fp=$(printf 'f%.0s' $(seq 64)); attempt=11111111-1111-1111-1111-111111111111
 token=22222222-2222-2222-2222-222222222222; tenant="auth:$(printf 'a%.0s' $(seq 32))"
-reserve_args=("$fp" "$attempt" "$token" 30000 86400000 "$tenant" "POST /orders" order-1 tenant)
+reserve_args=("$fp" "$attempt" "$token" 30000 86400000 "$tenant" "POST /orders" order-1)
 # usec_per_call of one script over `calls` calls; KEY may hold __rand_int__.
 cost() { # script key
   local sha; sha=$(load "$1")

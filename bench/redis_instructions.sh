@@ -73,7 +73,7 @@ tenant = "auth:" + "a" * 32
 run = str(time.time_ns())
 key = lambda i: f"idem:{{{run}-{i}}}"
 reserve = lambda i: (1, key(i), fp, attempt, token, 30000, 86400000, tenant, "POST /orders",
-                     "order-1", "tenant")
+                     "order-1")
 rows = [
     ("idem", "new key", per_call(f"{work}/reserve.lua", reserve, "acquired")),
     ("idem", "completion", per_call(f"{work}/complete.lua", lambda i: (

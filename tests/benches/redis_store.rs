@@ -58,7 +58,6 @@ async fn direct(
         .arg("bench")
         .arg("POST /orders")
         .arg(&key)
-        .arg("tenant")
         .invoke_async(conn)
         .await
         .expect("reserve");

@@ -112,7 +112,7 @@ pub use cluster::{Health, LIST_SCAN_LIMIT, failover_bound};
 #[doc(hidden)]
 pub fn script_source(name: &str) -> Option<String> {
     let body = scripts::body(name);
-    (!body.is_empty()).then(|| scripts::source(body, true))
+    (!body.is_empty()).then(|| scripts::source(body, true, "tenant"))
 }
 use connection::{Abandon, Invocation, Lane, Pool};
 use decode::*;
@@ -289,19 +289,23 @@ impl Store for RedisStore {
         let attempt = AttemptId::new();
         let token = OwnerToken::new();
         let key = self.record_key(scope);
-        let mut invocation = Invocation::new(&self.scripts.reserve, &[&key]);
+        let (tenant_field, tenant) = encode_tenant(request.scope.tenant());
+        let script = if tenant_field == "tenant_bin" {
+            &self.scripts.reserve_bin
+        } else {
+            &self.scripts.reserve
+        };
+        let mut invocation = Invocation::new(script, &[&key]);
         invocation
             .arg(&request.fingerprint.hex_bytes()[..])
             .uuid(&attempt.0)
             .uuid(&token.0)
             .arg(millis(request.lease))
             .arg(millis(request.retention));
-        let (tenant_field, tenant) = encode_tenant(request.scope.tenant());
         invocation
             .arg(tenant)
             .arg(request.scope.operation())
-            .arg(request.scope.key().as_str())
-            .arg(tenant_field);
+            .arg(request.scope.key().as_str());
         // If this call is given up (it times out, or its caller's timeout
         // drops it) after the script was sent, the guard frees the
         // reservation by its owner token once the server answers.

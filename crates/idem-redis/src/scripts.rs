@@ -21,8 +21,9 @@ const FENCE: &str = include_str!("lua/fence.lua");
 
 /// The source of a script: the prologue with the store's constants
 /// filled in (`notify`: whether the scripts ending an attempt publish to
-/// its waiters), then `body` with the helpers in place.
-pub(crate) fn source(body: &str, notify: bool) -> String {
+/// its waiters; `tenant_field`: the field the reservation writes the
+/// tenant to), then `body` with the helpers in place.
+pub(crate) fn source(body: &str, notify: bool, tenant_field: &str) -> String {
     let head = HEAD
         .replace("@NOTIFY@", if notify { "true" } else { "false" })
         .replace("@HISTORY@", &ATTEMPT_HISTORY.to_string());
@@ -37,12 +38,16 @@ pub(crate) fn source(body: &str, notify: bool) -> String {
         format!("{CLOCK}\n{body}")
     };
     format!("{head}\n{}", body.replacen("--@fence\n", FENCE, 1))
+        .replace("@TENANT_FIELD@", tenant_field)
 }
 
 /// The scripts of one store.
 #[derive(Debug)]
 pub(crate) struct Scripts {
+    /// For a tenant kept as text.
     pub(crate) reserve: Script,
+    /// For a hashed tenant kept as bytes (`tenant_bin`, see `decode.rs`).
+    pub(crate) reserve_bin: Script,
     pub(crate) renew: Script,
     pub(crate) complete: Script,
     pub(crate) release: Script,
@@ -59,9 +64,10 @@ pub(crate) struct Scripts {
 impl Scripts {
     /// The scripts of a store that publishes to waiters when `notify`.
     pub(crate) fn new(notify: bool) -> Self {
-        let script = |name: &str| Script::new(&source(body(name), notify));
+        let script = |name: &str| Script::new(&source(body(name), notify, "tenant"));
         Self {
             reserve: script("reserve"),
+            reserve_bin: Script::new(&source(body("reserve"), notify, "tenant_bin")),
             renew: script("renew"),
             complete: script("complete"),
             release: script("release"),

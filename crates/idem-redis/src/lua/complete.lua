@@ -2,10 +2,10 @@
 --       encoded headers, body
 local state, expires, gen, owner, watched =
   unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner', 'w'))
-if state == 'processing' and gen == ARGV[1] and owner == ARGV[2]
-    and tonumber(expires) > now then
-  -- The hot path: the caller holds the lease. Retention counts from the
-  -- reservation: the expiry stays as it is.
+if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
+  -- The hot path: the caller holds the lease (the record is live, see
+  -- head.lua). Retention counts from the reservation: the expiry stays
+  -- as it is.
   local headers, body = ARGV[6], ARGV[7]
   if #headers <= 64 and #body <= 64 then
     redis.call('HSET', record, 'state', 'completed', 'status', ARGV[4], 'stored', ARGV[5],

@@ -30,7 +30,8 @@
 -- response key when the response is large.
 -- A record is live until its expiry: the key carries it (PEXPIREAT, set
 -- with the expires field whenever that changes), so a record Redis hands
--- a script is live by Redis' own clock; the scripts that read the clock
+-- a script is live by Redis' own clock, and the hot paths (a new key, a
+-- replay, a completion, a release) check nothing more; the other paths
 -- check the field as well.
 
 

@@ -1,9 +1,9 @@
 -- ARGV: generation, owner token, attempt id
-local state, expires, gen, owner, watched =
-  unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner', 'w'))
-if state == 'processing' and gen == ARGV[1] and owner == ARGV[2]
-    and tonumber(expires) > now then
-  -- The hot path: the caller holds the lease.
+local state, gen, owner, watched =
+  unpack(redis.call('HMGET', record, 'state', 'gen', 'owner', 'w'))
+if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
+  -- The hot path: the caller holds the lease (the record is live, see
+  -- head.lua).
   redis.call('HSET', record, 'state', 'released', 'cur_end', string.format('%d', now),
     'cur_outcome', 'released')
   if watched and NOTIFY then
@@ -13,4 +13,4 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2]
 end
 --@common
 --@fence
-return fenced('released', '', state, expires, gen)
+return fenced('released', '', state, redis.call('HGET', record, 'expires'), gen)

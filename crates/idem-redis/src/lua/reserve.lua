@@ -1,10 +1,12 @@
 -- ARGV: fingerprint, attempt id, owner token, lease ms, retention ms,
---       tenant, operation, key, the tenant's field name ('tenant' or
---       'tenant_bin')
+--       tenant, operation, key
+-- The tenant's field, 'tenant' or 'tenant_bin' (see decode.rs), is filled
+-- in by scripts.rs: one script for each.
+local TENANT_FIELD = '@TENANT_FIELD@'
 local fp = ARGV[1]
--- A new key needs only the state (absent); the other fields are read once
--- the record is known to be live.
-local state, expires_at = unpack(redis.call('HMGET', record, 'state', 'expires'))
+-- A new key needs only the state (absent): a record Redis hands a script
+-- is live (see head.lua). The other fields are read where they are needed.
+local state = redis.call('HGET', record, 'state')
 
 if state == 'completed' then
   -- A hot path, the replay: only the fields it answers with, and
@@ -29,17 +31,13 @@ if state == 'completed' then
 end
 
 --@clock
-if not state or tonumber(expires_at) <= now then
-  -- The other hot path, a new key (or one whose record outlived its
-  -- expiry).
-  -- One HSET with literal fields, no tables, no helpers. Text, not
-  -- numbers: a Lua number handed to redis.call is converted by Redis
-  -- itself, several times slower than string.format.
-  if state then
-    redis.call('DEL', record, record .. ':r')
-  end
+if not state then
+  -- The other hot path, a new key. One HSET with literal fields, no
+  -- tables, no helpers. Text, not numbers: a Lua number handed to
+  -- redis.call is converted by Redis itself, several times slower than
+  -- string.format.
   local expires = string.format('%d', now + tonumber(ARGV[5]))
-  redis.call('HSET', record, ARGV[9], ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
+  redis.call('HSET', record, TENANT_FIELD, ARGV[6], 'op', ARGV[7], 'key', ARGV[8],
     'fp', fp, 'state', 'processing', 'gen', '1', 'owner', ARGV[3],
     'lease_until', string.format('%d', now + tonumber(ARGV[4])), 'lease_ms', ARGV[4],
     'retention_ms', ARGV[5], 'cur_id', ARGV[2], 'cur_start', string.format('%d', now),
@@ -89,8 +87,13 @@ local function archive()
   return attempt, {'hist', encoded}
 end
 
-local found_fp, found_gen, lease_until, cur_id, owner = unpack(redis.call('HMGET', record, 'fp',
-  'gen', 'lease_until', 'cur_id', 'owner'))
+local found_fp, found_gen, lease_until, cur_id, owner, expires_at = unpack(redis.call('HMGET',
+  record, 'fp', 'gen', 'lease_until', 'cur_id', 'owner', 'expires'))
+if not live(state, expires_at) then
+  -- A key that outlived its expires field (the two are set together, so
+  -- only a clock that jumped gets here): gone, and the key is new.
+  return {'acquired', start(1, {TENANT_FIELD, ARGV[6], 'op', ARGV[7], 'key', ARGV[8]})}
+end
 local gen = tonumber(found_gen)
 if state == 'released' then
   local _, hist = archive()
