@@ -6,4 +6,6 @@ cargo build --release -q -p axum-orders -p idem-gateway
 bin=target/release/axum-orders
 gateway=target/release/idem-gateway
 work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+# Waits for the jobs before removing: a server killed mid-write (redis-server's
+# log) would otherwise leave a file behind.
+trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT

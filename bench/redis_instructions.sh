@@ -24,7 +24,7 @@ peer=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/idempotent-2.0.0/valke
 valgrind --tool=callgrind --callgrind-out-file="$work/cg.%p" redis-server --port "$port" \
   --bind 127.0.0.1 --save "" --appendonly no >"$work/valgrind.log" 2>&1 &
 pid=$!  # valgrind runs the server in this very process
-trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true; sleep 1; rm -rf "$work"' EXIT
+trap 'redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true; sleep 1; [ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
 for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.2; done
 
 python3 - "$port" "$pid" "$work" "$calls" "$peer" <<'PY'
