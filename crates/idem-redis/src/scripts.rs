@@ -27,16 +27,16 @@ pub(crate) fn source(body: &str, notify: bool, tenant_field: &str) -> String {
     let head = HEAD
         .replace("@NOTIFY@", if notify { "true" } else { "false" })
         .replace("@HISTORY@", &ATTEMPT_HISTORY.to_string());
-    let body = if body.contains("--@common\n") {
-        body.replacen("--@common\n", COMMON, 1)
-    } else {
-        format!("{COMMON}\n{body}")
+    // `part` at the body's `marker` line, or before the body.
+    let place = |body: &str, marker: &str, part: &str| {
+        if body.contains(marker) {
+            body.replacen(marker, part, 1)
+        } else {
+            format!("{part}\n{body}")
+        }
     };
-    let body = if body.contains("--@clock\n") {
-        body.replacen("--@clock\n", CLOCK, 1)
-    } else {
-        format!("{CLOCK}\n{body}")
-    };
+    let body = place(body, "--@common\n", COMMON);
+    let body = place(&body, "--@clock\n", CLOCK);
     format!("{head}\n{}", body.replacen("--@fence\n", FENCE, 1))
         .replace("@TENANT_FIELD@", tenant_field)
 }
@@ -92,5 +92,53 @@ pub(crate) fn body(name: &str) -> &'static str {
         "abandon" => include_str!("lua/abandon.lua"),
         "force_release" => include_str!("lua/force_release.lua"),
         _ => "",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where each part lands: a replay before the clock, a new key, a
+    /// completion and a release before the helpers' closures, no
+    /// placeholder left.
+    #[test]
+    fn hot_paths_come_before_the_clock_and_the_helpers() {
+        let at = |source: &str, what: &str| {
+            source
+                .find(what)
+                .unwrap_or_else(|| panic!("{what:?} missing"))
+        };
+        let reserve = source(body("reserve"), true, "tenant_bin");
+        assert!(at(&reserve, "if state == 'completed'") < at(&reserve, "redis.call('TIME')"));
+        assert!(at(&reserve, "return {'acquired', 1}") < at(&reserve, "local function"));
+        assert!(reserve.contains("local TENANT_FIELD = 'tenant_bin'"));
+        for name in ["complete", "release"] {
+            let script = source(body(name), false, "tenant");
+            assert!(at(&script, "redis.call('TIME')") < at(&script, "if state == 'processing'"));
+            assert!(at(&script, "if state == 'processing'") < at(&script, "local function"));
+            assert!(at(&script, "local function fenced") < at(&script, "return fenced("));
+            assert!(script.contains("local NOTIFY = false"));
+        }
+        for name in [
+            "reserve",
+            "renew",
+            "complete",
+            "release",
+            "cancel",
+            "get",
+            "abandon",
+            "force_release",
+        ] {
+            let script = source(body(name), true, "tenant");
+            for placeholder in ["@NOTIFY@", "@HISTORY@", "@TENANT_FIELD@", "--@"] {
+                let code: String = script
+                    .lines()
+                    .filter(|line| !line.trim_start().starts_with("-- "))
+                    .collect();
+                assert!(!code.contains(placeholder), "{name}: {placeholder} left");
+            }
+            assert_eq!(script.matches("redis.call('TIME')").count(), 1, "{name}");
+        }
     }
 }

@@ -57,8 +57,9 @@ local function rare()
   end
 
   -- Wakes the record's waiting duplicates (see watch.rs) on a store that
-  -- publishes. Complete and release call it only for a record a waiter
-  -- marked (field w, see watch.lua).
+  -- publishes: cancel, abandon and force release. Complete and release
+  -- publish on their hot paths, and only for a record a waiter marked
+  -- (field w, see watch.lua).
   local function notify()
     if NOTIFY then
       redis.call('PUBLISH', record .. ':c', '1')
