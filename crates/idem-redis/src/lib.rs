@@ -105,15 +105,6 @@ mod watch;
 pub use builder::{BuildError, RedisStoreBuilder};
 use cluster::scope_from_hex;
 pub use cluster::{Health, LIST_SCAN_LIMIT, failover_bound};
-
-/// The Lua source of one of the store's scripts (`"reserve"`,
-/// `"complete"`, `"release"`, ...) as a single-node store loads it, for
-/// benchmarks that call the scripts directly; `None` for an unknown name.
-#[doc(hidden)]
-pub fn script_source(name: &str) -> Option<String> {
-    let body = scripts::body(name);
-    (!body.is_empty()).then(|| scripts::source(body, true, "tenant"))
-}
 use connection::{Abandon, Invocation, Lane, Pool};
 use decode::*;
 use scripts::Scripts;
@@ -133,6 +124,15 @@ pub struct RedisStore {
     wait_replicas: Option<(usize, Duration)>,
     /// Waiting duplicates woken by the scripts' notifications.
     watch: std::sync::Arc<watch::Watch>,
+}
+
+/// The Lua source of one of the store's scripts (`"reserve"`,
+/// `"complete"`, `"release"`, ...) as a single-node store loads it, for
+/// benchmarks that call the scripts directly; `None` for an unknown name.
+#[doc(hidden)]
+pub fn script_source(name: &str) -> Option<String> {
+    let body = scripts::body(name);
+    (!body.is_empty()).then(|| scripts::source(body, true, "tenant"))
 }
 
 impl std::fmt::Debug for RedisStore {
