@@ -76,7 +76,11 @@ impl RedisStoreBuilder {
 
     /// After `reserve` and `complete`, wait until `replicas` replicas have
     /// the write, at most `timeout` (single-node deployments only; see the
-    /// crate docs for what this buys).
+    /// crate docs for what this buys). A call is then bounded by the
+    /// store's timeout plus this one; give the layer's store timeout
+    /// (`IdempotencyLayer::store_timeout`) as much, or it gives up on a
+    /// reservation whose replicas are still acknowledging it (the gateway
+    /// does this itself).
     pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
         self.wait_replicas = Some((replicas, timeout));
         self

@@ -168,6 +168,13 @@ impl RedisStore {
             .map_err(|_| StoreError::Timeout(bound))?
     }
 
+    /// The bound on one store call: the timeout, plus the wait for
+    /// replicas when the store waits for them.
+    pub(crate) fn call_bound(&self) -> Duration {
+        self.timeout
+            .saturating_add(self.wait_replicas.map_or(Duration::ZERO, |w| w.1))
+    }
+
     /// A lane's connection, taking one from the pool if the lane is empty.
     pub(crate) async fn connection(&self) -> Result<(usize, Conn), StoreError> {
         use std::sync::atomic::Ordering;
@@ -176,9 +183,16 @@ impl RedisStore {
             return Ok((lane, conn));
         }
         let conn = match &self.pool {
-            Pool::Single(pool) => Conn::Single(deadpool_redis::Connection::take(
-                pool.get().await.map_err(unavailable)?,
-            )),
+            Pool::Single(pool) => {
+                let mut conn =
+                    deadpool_redis::Connection::take(pool.get().await.map_err(unavailable)?);
+                // redis-rs gives up on a reply after 500 ms by default; the
+                // store bounds each call itself (its timeout plus the wait
+                // for replicas, which a `WAIT` spends on the server), so the
+                // connection must not give up first.
+                conn.set_response_timeout(self.call_bound().saturating_add(Duration::from_secs(1)));
+                Conn::Single(conn)
+            }
             Pool::Cluster(pool) => Conn::Cluster(deadpool_redis::cluster::Connection::take(
                 pool.get().await.map_err(unavailable)?,
             )),
@@ -210,7 +224,7 @@ impl RedisStore {
         wait: bool,
         used: &mut Option<Conn>,
     ) -> Result<(Value, Option<usize>), StoreError> {
-        let bound = self.timeout + self.wait_replicas.map_or(Duration::ZERO, |w| w.1);
+        let bound = self.call_bound();
         let mut lane = None;
         let call = async {
             let mut retried = false;

@@ -951,7 +951,9 @@ async fn replicas_short_of_the_requested_are_reported() {
         Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .args(["--listen", "127.0.0.1:0", "--upstream", &upstream_url])
             .args(["--store", &master.url(), "--tenant-secret", SECRET])
-            .args(["--wait-for-replicas", "1", "--replica-timeout", "100ms"])
+            // Long enough for a replica's acknowledgement on a loaded
+            // machine: the first request has no replica and waits it out.
+            .args(["--wait-for-replicas", "1", "--replica-timeout", "2s"])
             .env("RUST_LOG", "warn")
             .stderr(log.file()),
     );
