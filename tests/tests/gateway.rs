@@ -414,8 +414,10 @@ fn redis_flags(url: &str) -> Vec<&str> {
     vec![
         "--store",
         url,
+        // Short, so a paused server is answered 503 well within 2 s; long
+        // enough that a loaded machine's ordinary calls never time out.
         "--store-timeout",
-        "300ms",
+        "1s",
         // Two gateways on one Redis must derive the same tenants.
         "--tenant-secret",
         "the test gateways' shared tenant secret",

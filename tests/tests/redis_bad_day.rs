@@ -266,7 +266,7 @@ async fn a_late_completion_on_a_lost_record_makes_it_again() {
     let server = TestServer::start(upstream.router()).await;
     let url = redis.url();
     let gateway =
-        idem_tests::start_gateway(&server, &["--store", &url, "--store-timeout", "300ms"]).await;
+        idem_tests::start_gateway(&server, &["--store", &url, "--store-timeout", "1s"]).await;
     let slow = || {
         Request::post(format!("http://{}/slow", gateway.addr))
             .header("idempotency-key", "lost-2")
