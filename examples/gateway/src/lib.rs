@@ -133,7 +133,7 @@ pub struct Config {
     /// After each reservation and completion on a single-node Redis, wait until this many replicas have it (0: do not wait). A reservation short of them is released and answered 503; a completion short of them is kept, logged and counted.
     #[arg(long, env = "IDEM_WAIT_FOR_REPLICAS", default_value_t = 0)]
     pub wait_for_replicas: usize,
-    /// How long to wait for the replicas (humantime).
+    /// How long to wait for the replicas (humantime); a call that waits is bounded by the store timeout plus this.
     #[arg(long, env = "IDEM_REPLICA_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
     pub replica_timeout: Duration,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
