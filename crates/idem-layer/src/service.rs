@@ -420,7 +420,11 @@ where
                     rt: rt.clone(),
                     lease: Some(lease.clone()),
                 };
-                let result = attempt(rt, inner, request, reserve, lease).await;
+                // Boxed like the detached attempt: inline, the attempt's
+                // future (which holds the inner service's) would make
+                // every future of the request path as large, and each move
+                // of it a copy of that size.
+                let result = Box::pin(attempt(rt, inner, request, reserve, lease)).await;
                 guard.disarm();
                 result
             }
