@@ -70,12 +70,19 @@ impl fmt::Debug for Scope {
 /// Appends the lower-case hex of `bytes` to `out` (the spelling of scope
 /// hashes, fingerprints and hashed tenants).
 pub fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     out.reserve(bytes.len() * 2);
-    for byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    for &byte in bytes {
+        out.extend(hex_pair(byte).map(char::from));
     }
+}
+
+/// The two lower-case hex digits of `byte`, as ASCII.
+fn hex_pair(byte: u8) -> [u8; 2] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    [
+        DIGITS[usize::from(byte >> 4)],
+        DIGITS[usize::from(byte & 0xf)],
+    ]
 }
 
 /// The methods and formatting shared by the 32-byte digests: raw bytes in
@@ -102,11 +109,9 @@ macro_rules! digest_type {
 
             /// The lower-case hex as 64 ASCII bytes, without allocating.
             pub fn hex_bytes(&self) -> [u8; 64] {
-                const DIGITS: &[u8; 16] = b"0123456789abcdef";
                 let mut out = [0u8; 64];
-                for (i, byte) in self.0.iter().enumerate() {
-                    out[2 * i] = DIGITS[usize::from(byte >> 4)];
-                    out[2 * i + 1] = DIGITS[usize::from(byte & 0xf)];
+                for (pair, &byte) in out.chunks_exact_mut(2).zip(&self.0) {
+                    pair.copy_from_slice(&hex_pair(byte));
                 }
                 out
             }

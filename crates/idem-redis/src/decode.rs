@@ -431,7 +431,7 @@ pub(crate) fn lease_args(invocation: &mut Invocation<'_>, lease: &Lease) {
 }
 
 /// This process' clock, in Unix milliseconds (0 before 1970).
-fn unix_ms() -> u64 {
+pub(crate) fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |since| {

@@ -524,13 +524,7 @@ mod tests {
             Current::Completed(replay) => replay.age,
             other => panic!("expected a replay, got {other:?}"),
         };
-        let now = u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("clock")
-                .as_millis(),
-        )
-        .expect("ms");
+        let now = unix_ms();
         let old = age(completed(now - 5_000));
         assert!(
             old >= Duration::from_secs(5) && old < Duration::from_secs(60),

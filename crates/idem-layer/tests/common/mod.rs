@@ -278,10 +278,7 @@ pub fn fresh() -> (
     Probe,
     idem_layer::Idempotency<Inner, MemoryStore>,
 ) {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let svc = service(&layer(&store), &probe);
-    (store, probe, svc)
+    fresh_with(|layer| layer)
 }
 
 /// [`fresh`], with the layer configured by `configure`.
@@ -305,10 +302,10 @@ pub fn service(
     layer.layer(inner(probe))
 }
 
-/// Waits until the handler has started `n` times.
 #[allow(unused_imports)] // not every test file waits
 pub use idem_core::conformance::{poll_until, wait_until};
 
+/// Waits until the handler has started `n` times.
 pub async fn wait_calls(probe: &Probe, n: usize) {
     loop {
         let entered = probe.entered.notified();

@@ -34,7 +34,6 @@
 -- replay, a completion, a release) check nothing more; the other paths
 -- check the field as well.
 
-
 local record = KEYS[1]
 -- Whether the scripts that end an attempt publish to its waiters
 -- (watch.rs): true on a single node.
