@@ -70,9 +70,18 @@ impl fmt::Debug for Scope {
 /// Appends the lower-case hex of `bytes` to `out` (the spelling of scope
 /// hashes, fingerprints and hashed tenants).
 pub fn push_hex(out: &mut String, bytes: &[u8]) {
-    out.reserve(bytes.len() * 2);
-    for &byte in bytes {
-        out.extend(hex_pair(byte).map(char::from));
+    // Written a chunk at a time through a stack buffer: pushing the digits
+    // one `char` at a time costs several times as much.
+    let mut buf = [0u8; 64];
+    for chunk in bytes.chunks(buf.len() / 2) {
+        let hex = &mut buf[..chunk.len() * 2];
+        for (pair, &byte) in hex.chunks_exact_mut(2).zip(chunk) {
+            pair.copy_from_slice(&hex_pair(byte));
+        }
+        // Hex digits are ASCII, so this always succeeds.
+        if let Ok(text) = std::str::from_utf8(hex) {
+            out.push_str(text);
+        }
     }
 }
 
@@ -183,6 +192,13 @@ mod tests {
             &Fingerprint::from_bytes(bytes).hex_bytes()[..],
             hex::encode(bytes).as_bytes()
         );
+        // Any length, across the 32-byte chunks push_hex writes in.
+        for len in [0, 1, 31, 32, 33, 64, 65, 100] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(91)).collect();
+            let mut out = "x".to_owned();
+            push_hex(&mut out, &bytes);
+            assert_eq!(out, format!("x{}", hex::encode(&bytes)), "{len} bytes");
+        }
         let mut out = "prefix:".to_owned();
         ScopeHash::from_bytes([0xff; 32]).write_hex(&mut out);
         assert_eq!(out, format!("prefix:{}", "ff".repeat(32)));

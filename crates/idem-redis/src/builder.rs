@@ -133,10 +133,18 @@ impl RedisStoreBuilder {
                 .map_err(|e| BuildError::Pool(e.to_string()))?;
             Pool::Cluster(pool)
         } else if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
-            let mut config = deadpool_redis::Config::from_url(self.url.clone());
-            config.pool = Some(pool_config);
-            let pool = config
-                .create_pool(Some(Runtime::Tokio1))
+            // The store bounds each call itself (its timeout, plus the
+            // wait for replicas that a `WAIT` spends on the server), so the
+            // connections have no reply timeout of their own: redis-rs'
+            // default (500 ms) would cut a longer `WAIT` short, and a
+            // second timer per call costs CPU on every request.
+            let connection = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+            let manager = deadpool_redis::Manager::new_with_config(self.url.as_str(), connection)
+                .map_err(|e| BuildError::Pool(e.to_string()))?;
+            let pool = deadpool_redis::Pool::builder(manager)
+                .config(pool_config)
+                .runtime(Runtime::Tokio1)
+                .build()
                 .map_err(|e| BuildError::Pool(e.to_string()))?;
             Pool::Single(pool)
         } else {

@@ -184,14 +184,11 @@ impl RedisStore {
         }
         let conn = match &self.pool {
             Pool::Single(pool) => {
-                let mut conn =
-                    deadpool_redis::Connection::take(pool.get().await.map_err(unavailable)?);
-                // redis-rs gives up on a reply after 500 ms by default; the
-                // store bounds each call itself (its timeout plus the wait
-                // for replicas, which a `WAIT` spends on the server), so the
-                // connection must not give up first.
-                conn.set_response_timeout(self.call_bound().saturating_add(Duration::from_secs(1)));
-                Conn::Single(conn)
+                // Made without a reply timeout: the store bounds each call
+                // itself (see the builder).
+                Conn::Single(deadpool_redis::Connection::take(
+                    pool.get().await.map_err(unavailable)?,
+                ))
             }
             Pool::Cluster(pool) => Conn::Cluster(deadpool_redis::cluster::Connection::take(
                 pool.get().await.map_err(unavailable)?,
