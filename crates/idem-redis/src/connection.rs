@@ -57,14 +57,21 @@ impl<'s> Invocation<'s> {
     }
 
     /// Runs the call on `conn`.
+    ///
+    /// The calls off the hot path (loading the script, a cluster's query)
+    /// are boxed: a future is as large as its largest state, and every
+    /// store call's future is moved whole at least once.
     pub(crate) async fn invoke(&self, conn: &mut Conn) -> redis::RedisResult<Value> {
         match self.query(conn).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                match conn {
-                    Conn::Single(c) => self.script.load_async(c).await?,
-                    Conn::Cluster(c) => self.script.load_async(c).await?,
-                };
-                self.query(conn).await
+                Box::pin(async {
+                    match conn {
+                        Conn::Single(c) => self.script.load_async(c).await?,
+                        Conn::Cluster(c) => self.script.load_async(c).await?,
+                    };
+                    self.query(conn).await
+                })
+                .await
             }
             other => other,
         }
@@ -73,7 +80,7 @@ impl<'s> Invocation<'s> {
     async fn query(&self, conn: &mut Conn) -> redis::RedisResult<Value> {
         match conn {
             Conn::Single(c) => self.cmd.query_async(c).await,
-            Conn::Cluster(c) => self.cmd.query_async(c).await,
+            Conn::Cluster(c) => Box::pin(self.cmd.query_async(c)).await,
         }
     }
 }
@@ -182,6 +189,13 @@ impl RedisStore {
         if let Some(conn) = self.lanes[lane].lock().conn.clone() {
             return Ok((lane, conn));
         }
+        // Taking a connection from the pool is off the hot path and its
+        // future is large: boxed, so it does not size every call's future.
+        Box::pin(self.new_connection(lane)).await
+    }
+
+    /// Takes a connection from the pool into `lane`.
+    async fn new_connection(&self, lane: usize) -> Result<(usize, Conn), StoreError> {
         let conn = match &self.pool {
             Pool::Single(pool) => {
                 // Made without a reply timeout: the store bounds each call
@@ -275,11 +289,13 @@ impl RedisStore {
         let value = invocation.invoke(conn).await?;
         let acked = match (wait, self.wait_replicas, conn) {
             (true, Some((replicas, timeout)), Conn::Single(c)) => Some(
-                redis::cmd("WAIT")
-                    .arg(replicas)
-                    .arg(millis(timeout))
-                    .query_async::<usize>(c)
-                    .await?,
+                Box::pin(
+                    redis::cmd("WAIT")
+                        .arg(replicas)
+                        .arg(millis(timeout))
+                        .query_async::<usize>(c),
+                )
+                .await?,
             ),
             _ => None,
         };
