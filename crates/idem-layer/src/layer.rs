@@ -98,16 +98,12 @@ impl<S: Store> IdempotencyLayer<S> {
             admin_token: None,
         };
         Self {
-            runtime: Runtime {
-                store: Arc::new(store),
-                config: Arc::new(config),
-                tasks: tokio_util::task::TaskTracker::new(),
-            },
+            runtime: Runtime::new(store, config),
         }
     }
 
     fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
-        change(Arc::make_mut(&mut self.runtime.config));
+        change(self.runtime.config_mut());
         self
     }
 

@@ -18,10 +18,14 @@ use crate::{
 };
 
 /// What every part of the layer works with: the store, the settings, and
-/// the work that outlives its request. Cloned per request (three reference
-/// counts); the public [`IdempotencyLayer`](crate::IdempotencyLayer) holds
-/// one and hands it to the services it makes.
-pub(crate) struct Runtime<S> {
+/// the work that outlives its request, behind one reference count (cloned
+/// several times per request, on every core at once: one shared count
+/// instead of three); the public [`IdempotencyLayer`](crate::IdempotencyLayer)
+/// holds one and hands it to the services it makes.
+pub(crate) struct Runtime<S>(Arc<Shared<S>>);
+
+/// The parts of a [`Runtime`].
+pub(crate) struct Shared<S> {
     pub(crate) store: Arc<S>,
     pub(crate) config: Arc<Config>,
     /// Work that outlives its request: detached handlers, completions
@@ -30,13 +34,44 @@ pub(crate) struct Runtime<S> {
     pub(crate) tasks: TaskTracker,
 }
 
+impl<S> Runtime<S> {
+    pub(crate) fn new(store: S, config: Config) -> Self {
+        Self(Arc::new(Shared {
+            store: Arc::new(store),
+            config: Arc::new(config),
+            tasks: TaskTracker::new(),
+        }))
+    }
+
+    /// The settings, to change while the layer is being built (copied on
+    /// write if services already share them).
+    pub(crate) fn config_mut(&mut self) -> &mut Config {
+        let shared = Arc::make_mut(&mut self.0);
+        Arc::make_mut(&mut shared.config)
+    }
+}
+
 impl<S> Clone for Runtime<S> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<S> Clone for Shared<S> {
     fn clone(&self) -> Self {
         Self {
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
             tasks: self.tasks.clone(),
         }
+    }
+}
+
+impl<S> std::ops::Deref for Runtime<S> {
+    type Target = Shared<S>;
+
+    fn deref(&self) -> &Shared<S> {
+        &self.0
     }
 }
 

@@ -316,15 +316,15 @@ where
     ResBody::Error: Into<BoxError>,
 {
     async fn run(self) -> Result<Response<ResponseBody<ResBody>>, I::Error> {
-        let config = Arc::clone(&self.rt.config);
-        let store = Arc::clone(&self.rt.store);
+        let rt = self.rt.clone();
+        let (config, store) = (&*rt.config, &*rt.store);
         let deadline = match config.in_flight {
             InFlight::Wait(bound) => Some(deadline_after(bound)),
             InFlight::Reject => None,
         };
         loop {
             let reservation = match store_call(
-                &config,
+                config,
                 StoreOp::Reserve,
                 store.reserve(&self.reserve),
             )
@@ -361,7 +361,7 @@ where
                         let now = tokio::time::Instant::now();
                         if now < deadline {
                             let bound = wait_bound(deadline - now, retry_after);
-                            wait_for_change(&*store, self.reserve.scope.hash(), bound).await;
+                            wait_for_change(store, self.reserve.scope.hash(), bound).await;
                             continue;
                         }
                     }
