@@ -469,6 +469,39 @@ async fn paused_redis_answers_503_within_the_timeout_and_recovers() {
     assert!(call(&app.router, "/orders", "warm-0", "{}").await.replayed);
 }
 
+/// The layer trusts a store's own bound only within its own timeout: a
+/// Redis store whose timeout is longer than the layer's still answers by
+/// the layer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layers_timeout_holds_when_the_stores_is_longer() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url())
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("store");
+    let app = app(store);
+    let warm = call(&app.router, "/orders", "warm", "{}").await;
+    assert_eq!(warm.status, StatusCode::CREATED);
+    server.pause();
+    let started = Instant::now();
+    let reply = call(&app.router, "/orders", "during", "{}").await;
+    let elapsed = started.elapsed();
+    server.resume();
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(reply.code.as_deref(), Some("idempotency_store_unavailable"));
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "answered after {elapsed:?}, by the store's 30 s bound instead of the layer's 300 ms"
+    );
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        1,
+        "nothing ran while paused"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_and_restarted_redis_is_reconnected_and_scripts_reloaded() {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();

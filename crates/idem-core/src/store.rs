@@ -308,6 +308,17 @@ pub trait Store: Send + Sync + 'static {
         )))
     }
 
+    /// The longest a call of [`reserve`](Self::reserve),
+    /// [`renew`](Self::renew), [`complete`](Self::complete) or
+    /// [`release`](Self::release) can take, when the store bounds those
+    /// calls itself (a network store's own timeout): a caller whose own
+    /// bound is at least as long needs no timer of its own, since the
+    /// store's ends the call first. `None` (the default): the store does
+    /// not bound its calls.
+    fn call_bound(&self) -> Option<Duration> {
+        None
+    }
+
     /// Resolves when the record of `scope` may have changed, or after at
     /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
     /// allowed. The default polls: it sleeps for a short interval (25 ms, or
@@ -340,6 +351,10 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn release(&self, lease: &Lease) -> impl Future<Output = Result<Release, StoreError>> + Send {
         (**self).release(lease)
+    }
+
+    fn call_bound(&self) -> Option<Duration> {
+        (**self).call_bound()
     }
 
     fn cancel(

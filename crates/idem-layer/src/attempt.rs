@@ -25,7 +25,7 @@ use crate::{
     config::Config,
     metrics::{self as m, Outcome as Counted, StoreOp},
     problem::{ProblemCode, problem},
-    runtime::{Runtime, deadline_after, store_call},
+    runtime::{Runtime, commit_call, deadline_after, store_call},
 };
 
 /// What the handler produced, read as far as the storable limit.
@@ -371,7 +371,7 @@ async fn settle_in_transaction<S: Store, B>(
     outcome: Outcome,
 ) -> Option<Response<ResponseBody<B>>> {
     let commit = deferred.commit(lease.clone(), outcome);
-    match store_call(&rt.config, StoreOp::Complete, commit).await {
+    match commit_call(&rt.config, commit).await {
         Ok(Completion::Recorded) => {
             m::count(Counted::Executed);
             None

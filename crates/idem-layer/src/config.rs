@@ -75,6 +75,8 @@ pub(crate) struct Config {
     pub(crate) replay_denylist: Vec<HeaderName>,
     pub(crate) fail_open: bool,
     pub(crate) store_timeout: Duration,
+    /// The store's own bound on its hot calls ([`idem_core::Store::call_bound`]).
+    pub(crate) store_bound: Option<Duration>,
     pub(crate) on_disconnect: OnDisconnect,
     pub(crate) unknown_wait: Duration,
     pub(crate) problem_type_base: Option<Arc<str>>,

@@ -91,6 +91,7 @@ impl<S: Store> IdempotencyLayer<S> {
             replay_denylist: default_replay_denylist(),
             fail_open: false,
             store_timeout: Duration::from_secs(1),
+            store_bound: None,
             on_disconnect: OnDisconnect::Detach,
             unknown_wait: Duration::from_secs(60),
             problem_type_base: None,
@@ -221,7 +222,10 @@ impl<S: Store> IdempotencyLayer<S> {
         self.with(|c| c.admin_token = Some(digest))
     }
 
-    /// The timeout of every store call (default 1 s).
+    /// The timeout of every store call (default 1 s). A store that bounds
+    /// its own calls within it ([`Store::call_bound`](idem_core::Store::call_bound):
+    /// `idem-redis` does, with its own timeout) is trusted to end them,
+    /// and the layer arms no second timer for them.
     pub fn store_timeout(self, timeout: Duration) -> Self {
         self.with(|c| c.store_timeout = timeout)
     }

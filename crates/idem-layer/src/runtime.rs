@@ -35,7 +35,11 @@ pub(crate) struct Shared<S> {
 }
 
 impl<S> Runtime<S> {
-    pub(crate) fn new(store: S, config: Config) -> Self {
+    pub(crate) fn new(store: S, mut config: Config) -> Self
+    where
+        S: Store,
+    {
+        config.store_bound = store.call_bound();
         Self(Arc::new(Shared {
             store: Arc::new(store),
             config: Arc::new(config),
@@ -122,16 +126,38 @@ pub(crate) fn store_call<'a, T: Send + 'a>(
     op: StoreOp,
     call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
 ) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
+    timed_call(config, op, store_bounds(config, op), call)
+}
+
+/// [`store_call`] for a completion committed through the handler's own
+/// transaction: not a call of the store, so the layer always bounds it.
+pub(crate) fn commit_call<'a, T: Send + 'a>(
+    config: &'a Config,
+    call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
+) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
+    timed_call(config, StoreOp::Complete, false, call)
+}
+
+/// A call under the layer's store timeout unless `bounded` (the callee
+/// bounds it within that timeout itself), its latency recorded as `op`'s.
+fn timed_call<'a, T: Send + 'a>(
+    config: &'a Config,
+    op: StoreOp,
+    bounded: bool,
+    call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
+) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
     let mut call: std::pin::Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>> =
         Box::pin(call);
     async move {
         let started = std::time::Instant::now();
         // A store that answers at once (the memory store) needs no timer:
         // the bound is armed only for a call still pending after its
-        // first poll.
+        // first poll, and not for a call the store bounds itself within
+        // the layer's timeout (its own timer ends the call first).
         let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
         let result = match first {
             Poll::Ready(result) => result,
+            Poll::Pending if bounded => call.await,
             Poll::Pending => match tokio::time::timeout(config.store_timeout, call).await {
                 Ok(result) => result,
                 Err(_) => Err(StoreError::Timeout(config.store_timeout)),
@@ -140,6 +166,18 @@ pub(crate) fn store_call<'a, T: Send + 'a>(
         m::store_latency(op, started.elapsed());
         result
     }
+}
+
+/// Whether the store bounds a call of `op` within the layer's store
+/// timeout itself ([`Store::call_bound`](idem_core::Store::call_bound)
+/// covers reserve, renew, complete and release).
+fn store_bounds(config: &Config, op: StoreOp) -> bool {
+    matches!(
+        op,
+        StoreOp::Reserve | StoreOp::Renew | StoreOp::Complete | StoreOp::Release
+    ) && config
+        .store_bound
+        .is_some_and(|bound| bound <= config.store_timeout)
 }
 
 /// [`Store::changed`](idem_core::Store::changed), boxed for the reason

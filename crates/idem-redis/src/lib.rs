@@ -284,6 +284,12 @@ fn decode_reservation(
 }
 
 impl Store for RedisStore {
+    /// Each call is bounded by the store's timeout (plus the wait for
+    /// replicas, when it waits for them): see [`RedisStoreBuilder::timeout`].
+    fn call_bound(&self) -> Option<Duration> {
+        Some(RedisStore::call_bound(self))
+    }
+
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
         let attempt = AttemptId::new();
