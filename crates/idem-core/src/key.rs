@@ -90,12 +90,15 @@ impl IdempotencyKey {
     pub fn to_sf_string(&self) -> String {
         let mut out = String::with_capacity(self.0.len() + 2);
         out.push('"');
-        for c in self.0.chars() {
-            if matches!(c, '"' | '\\') {
-                out.push('\\');
-            }
-            out.push(c);
+        // Copied a run at a time between the characters to escape.
+        let mut rest: &str = &self.0;
+        while let Some(at) = rest.find(['"', '\\']) {
+            out.push_str(&rest[..at]);
+            out.push('\\');
+            out.push_str(&rest[at..=at]);
+            rest = &rest[at + 1..];
         }
+        out.push_str(rest);
         out.push('"');
         out
     }

@@ -91,4 +91,13 @@ fn sf_string_form_round_trips() {
         assert_eq!(key.to_string(), key.as_str());
         assert_eq!(format!("{key:?}"), r#"IdempotencyKey("<redacted>")"#);
     }
+    // The exact spelling: quoted, with `"` and `\` escaped and nothing else.
+    for (header, sf) in [
+        (r#"abc"#, r#""abc""#),
+        (r#""q\"d\\e\"""#, r#""q\"d\\e\"""#),
+        (r#"a"b\c"#, r#""a\"b\\c""#),
+    ] {
+        let key = IdempotencyKey::parse(header.as_bytes()).expect("key");
+        assert_eq!(key.to_sf_string(), sf, "{header}");
+    }
 }
