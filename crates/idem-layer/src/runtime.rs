@@ -154,8 +154,7 @@ fn timed_call<'a, T: Send + 'a>(
         // the bound is armed only for a call still pending after its
         // first poll, and not for a call the store bounds itself within
         // the layer's timeout (its own timer ends the call first).
-        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
-        let result = match first {
+        let result = match poll_once(&mut call).await {
             Poll::Ready(result) => result,
             Poll::Pending if bounded => call.await,
             Poll::Pending => match tokio::time::timeout(config.store_timeout, call).await {
@@ -166,6 +165,13 @@ fn timed_call<'a, T: Send + 'a>(
         m::store_latency(op, started.elapsed());
         result
     }
+}
+
+/// Polls `future` once: its output if it was ready at once. What is
+/// pending is polled again by whoever awaits it next (its waker is
+/// registered), so a timer need only be armed for that case.
+pub(crate) async fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut *future).poll(cx))).await
 }
 
 /// Whether the store bounds a call of `op` within the layer's store
