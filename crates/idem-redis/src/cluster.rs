@@ -140,21 +140,30 @@ impl RedisStore {
             .arg(pattern)
             .arg("COUNT")
             .arg(1000);
-        let page = match (conn, node) {
-            (Conn::Single(c), _) => scan.query_async::<(u64, Vec<String>)>(&mut c.clone()).await,
-            (Conn::Cluster(c), Some((host, port))) => {
-                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                    host: host.clone(),
-                    port: *port,
-                });
-                match c.clone().route_command(scan, routing).await {
-                    Ok(value) => redis::from_redis_value(value).map_err(redis::RedisError::from),
-                    Err(error) => Err(error),
+        // Bounded like every call of the store (its connections have no
+        // reply timeout of their own).
+        let page = async {
+            let page = match (conn, node) {
+                (Conn::Single(c), _) => {
+                    scan.query_async::<(u64, Vec<String>)>(&mut c.clone()).await
                 }
-            }
-            (Conn::Cluster(_), None) => Ok((0, Vec::new())),
+                (Conn::Cluster(c), Some((host, port))) => {
+                    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                        host: host.clone(),
+                        port: *port,
+                    });
+                    match c.clone().route_command(scan, routing).await {
+                        Ok(value) => {
+                            redis::from_redis_value(value).map_err(redis::RedisError::from)
+                        }
+                        Err(error) => Err(error),
+                    }
+                }
+                (Conn::Cluster(_), None) => Ok((0, Vec::new())),
+            };
+            page.map_err(unavailable)
         };
-        page.map_err(unavailable)
+        self.bounded(self.timeout, page).await
     }
 
     /// A cluster's `cluster-node-timeout` (`CONFIG GET`, from any node);
