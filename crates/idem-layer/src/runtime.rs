@@ -150,28 +150,33 @@ fn timed_call<'a, T: Send + 'a>(
         Box::pin(call);
     async move {
         let started = std::time::Instant::now();
-        // A store that answers at once (the memory store) needs no timer:
-        // the bound is armed only for a call still pending after its
-        // first poll, and not for a call the store bounds itself within
-        // the layer's timeout (its own timer ends the call first).
-        let result = match poll_once(&mut call).await {
-            Poll::Ready(result) => result,
-            Poll::Pending if bounded => call.await,
-            Poll::Pending => match tokio::time::timeout(config.store_timeout, call).await {
-                Ok(result) => result,
-                Err(_) => Err(StoreError::Timeout(config.store_timeout)),
-            },
+        // No timer for a call the store bounds itself within the layer's
+        // timeout (its own timer ends the call first); `within` arms none
+        // for a call answered at once (the memory store's).
+        let bound = (!bounded).then_some(config.store_timeout);
+        let result = match within(bound, &mut call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(config.store_timeout)),
         };
         m::store_latency(op, started.elapsed());
         result
     }
 }
 
-/// Polls `future` once: its output if it was ready at once. What is
-/// pending is polled again by whoever awaits it next (its waker is
-/// registered), so a timer need only be armed for that case.
-pub(crate) async fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
-    std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut *future).poll(cx))).await
+/// Awaits `future` within `bound` (`None`: unbounded), arming the timer
+/// only if the future is still pending after a first poll: work that is
+/// already done (a memory-store call, a body that has arrived) runs no
+/// timer.
+pub(crate) async fn within<F: Future + Unpin>(
+    bound: Option<Duration>,
+    mut future: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let first = std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut future).poll(cx)));
+    match (first.await, bound) {
+        (Poll::Ready(output), _) => Ok(output),
+        (Poll::Pending, None) => Ok(future.await),
+        (Poll::Pending, Some(bound)) => tokio::time::timeout(bound, future).await,
+    }
 }
 
 /// Whether the store bounds a call of `op` within the layer's store

@@ -26,8 +26,8 @@ use crate::{
     normalize_path,
     problem::{ProblemCode, problem},
     runtime::{
-        Runtime, deadline_after, operation_name, poll_once, store_call, store_unavailable,
-        wait_bound, wait_for_change,
+        Runtime, deadline_after, operation_name, store_call, store_unavailable, wait_bound,
+        wait_for_change, within,
     },
 };
 
@@ -281,17 +281,11 @@ where
         return Err(too_large());
     }
     // A body that has already arrived (the usual small one) is collected
-    // at the first poll: the timer is armed only for one still arriving.
-    let mut collect = std::pin::pin!(Limited::new(body, limit).collect());
-    let collected = match poll_once(&mut collect).await {
-        Poll::Ready(collected) => collected,
-        Poll::Pending => match tokio::time::timeout(timeout, collect).await {
-            Ok(collected) => collected,
-            Err(_) => {
-                let detail = format!("the request body did not arrive within {timeout:?}");
-                return Err(problem(ProblemCode::BodyTimeout, &detail, None));
-            }
-        },
+    // without a timer.
+    let collect = std::pin::pin!(Limited::new(body, limit).collect());
+    let Ok(collected) = within(Some(timeout), collect).await else {
+        let detail = format!("the request body did not arrive within {timeout:?}");
+        return Err(problem(ProblemCode::BodyTimeout, &detail, None));
     };
     match collected {
         Ok(collected) => Ok(collected.to_bytes()),
