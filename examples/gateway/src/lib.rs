@@ -720,25 +720,17 @@ fn generated_secret_warning(store: &str) {
     }
 }
 
-/// The layer's bound on a store call: the store's timeout, plus the wait
-/// for replicas when the store waits for them (the store bounds its own
-/// calls by both; a layer bound of the store timeout alone would cut a
-/// reservation's `WAIT` short and answer 503 for a write that reached its
-/// replicas).
-fn store_call_bound(config: &Config) -> Duration {
-    if config.wait_for_replicas > 0 {
-        config.store_timeout.saturating_add(config.replica_timeout)
-    } else {
-        config.store_timeout
-    }
-}
-
 /// The idempotency layer the flags describe.
 fn layer<S: Store>(
     config: &Config,
     tenants: &Tenants,
     store: S,
 ) -> Result<IdempotencyLayer<S>, StartError> {
+    // A store that bounds its own calls (Redis: its timeout, plus the wait
+    // for replicas when it waits for them) gives the layer that bound: the
+    // store timeout alone would cut a reservation's `WAIT` short and answer
+    // 503 for a write that reached its replicas.
+    let store_timeout = store.call_bound().unwrap_or(config.store_timeout);
     let mut layer = IdempotencyLayer::new(store)
         .unknown_outcome_wait(config.unknown_outcome_wait)
         .methods(config.methods.clone())
@@ -748,7 +740,7 @@ fn layer<S: Store>(
         .max_body(config.max_body)
         .body_timeout(config.body_timeout)
         .max_response(config.max_body)
-        .store_timeout(store_call_bound(config))
+        .store_timeout(store_timeout)
         .allow_anonymous(config.allow_anonymous)
         .require_key(config.require_key)
         .fail_open(config.fail_open);
