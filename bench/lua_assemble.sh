@@ -6,17 +6,20 @@ history=$(sed -n 's/^pub const ATTEMPT_HISTORY: usize = \([0-9]*\);/\1/p' crates
 # A script as idem-redis assembles it (src/scripts.rs): the prologue with
 # the store's constants, then the body with the clock at its `--@clock`
 # line and the helpers at its `--@common` line (each before the body when
-# it has none), and the fence at its `--@fence` line; a reservation for a
-# tenant kept as text.
-assemble() { # out body
-  local out=$1 body=$2
+# it has none), and the lease holder's check and the fence at its `--@holder`
+# and `--@fence` lines; a reservation for a
+# tenant kept as text, by a store that packs new records when the third
+# argument is `true` (RedisStoreBuilder::pack_records).
+assemble() { # out body [packed]
+  local out=$1 body=$2 packed=${3:-false}
   {
-    sed -e "s/@NOTIFY@/true/; s/@HISTORY@/$history/" "$lua/head.lua"
+    sed -e "s/@NOTIFY@/true/; s/@HISTORY@/$history/; s/@PACKED@/$packed/" "$lua/head.lua"
     printf '\n'
     grep -qx -- '--@clock' "$body" || { cat "$lua/clock.lua"; printf '\n'; }
     grep -qx -- '--@common' "$body" || { cat "$lua/common.lua"; printf '\n'; }
     sed -e "/^--@clock\$/{r $lua/clock.lua" -e 'd}' \
       -e "/^--@common\$/{r $lua/common.lua" -e 'd}' \
+      -e "/^--@holder\$/{r $lua/holder.lua" -e 'd}' \
       -e "/^--@fence\$/{r $lua/fence.lua" -e 'd}' "$body" | sed -e 's/@TENANT_FIELD@/tenant/'
   } >"$out"
 }

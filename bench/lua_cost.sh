@@ -45,7 +45,7 @@ cost() { # script key
 # A completed record for the replay row.
 rsha=$(load "$work/reserve.lua"); csha=$(load "$work/complete.lua")
 cli EVALSHA "$rsha" 1 'idem:{replay}' "${reserve_args[@]}" >/dev/null
-cli EVALSHA "$csha" 1 'idem:{replay}' 1 "$token" "$attempt" 201 1 \
+cli EVALSHA "$csha" 1 'idem:{replay}' 1 "$token" "$attempt" 201:1 \
   'content-type: application/json' '{"id":"1"}' >/dev/null
 printf '%-34s %10s\n' script usec/call
 printf '%-34s %10s\n' 'empty script' "$(cost "$work/empty.lua" 'idem:{__rand_int__}')"

@@ -7,7 +7,8 @@
 # completion, a replay of the completed key. With the peer's Lua scripts
 # (the crates.io `idempotent` 2.0.0 crate, found in cargo's registry once
 # bench/peer has been built), the same rows for the peer: its claim,
-# completion and replay.
+# completion and replay. The "packed" rows: the same idem calls by a store that
+# packs new records (RedisStoreBuilder::pack_records).
 #   bench/redis_instructions.sh [calls]
 # Needs valgrind, redis-server, redis-cli, python3.
 set -euo pipefail
@@ -19,6 +20,8 @@ port=$(python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print
 . bench/lua_assemble.sh
 assemble "$work/reserve.lua" "$lua/reserve.lua"
 assemble "$work/complete.lua" "$lua/complete.lua"
+assemble "$work/reserve-packed.lua" "$lua/reserve.lua" true
+assemble "$work/complete-packed.lua" "$lua/complete.lua" true
 peer=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/idempotent-2.0.0/valkey 2>/dev/null | head -1 || true)
 
 valgrind --tool=callgrind --callgrind-out-file="$work/cg.%p" redis-server --port "$port" \
@@ -77,7 +80,7 @@ reserve = lambda i: (1, key(i), fp, attempt, token, 30000, 86400000, tenant, "PO
 rows = [
     ("idem", "new key", per_call(f"{work}/reserve.lua", reserve, "acquired")),
     ("idem", "completion", per_call(f"{work}/complete.lua", lambda i: (
-        1, key(i), 1, token, attempt, 201, 1, "content-type: application/json", '{"id":"1"}'),
+        1, key(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
         "recorded")),
     ("idem", "replay", per_call(f"{work}/reserve.lua", reserve, "completed")),
 ]
@@ -88,10 +91,21 @@ reserve_big = lambda i: (1, big(i), fp, attempt, token, 30000, 86400000, tenant,
 per_call(f"{work}/reserve.lua", reserve_big, "acquired")
 body = '{"id":"1","items":[' + ",".join(['{"sku":"book","qty":1}'] * 8) + "]}"
 rows.append(("idem", "completion, 200-byte body", per_call(f"{work}/complete.lua", lambda i: (
-    1, big(i), 1, token, attempt, 201, 1, "content-type: application/json", body),
+    1, big(i), 1, token, attempt, "201:1", "content-type: application/json", body),
     "recorded")))
 rows.append(("idem", "replay, 200-byte body",
              per_call(f"{work}/reserve.lua", reserve_big, "completed")))
+# The same calls by a store that packs new records (pack_records).
+packed = lambda i: f"idem:{{{run}-packed-{i}}}"
+reserve_packed = lambda i: (1, packed(i), fp, attempt, token, 30000, 86400000, tenant,
+                            "POST /orders", "order-1")
+rows += [
+    ("packed", "new key", per_call(f"{work}/reserve-packed.lua", reserve_packed, "acquired")),
+    ("packed", "completion", per_call(f"{work}/complete-packed.lua", lambda i: (
+        1, packed(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
+        "recorded")),
+    ("packed", "replay", per_call(f"{work}/reserve-packed.lua", reserve_packed, "completed")),
+]
 if peer:
     data = "x" * 120
     pkey = lambda i: f"p:{{{run}-{i}}}"
@@ -105,7 +119,7 @@ if peer:
 print(f"{'layer':<6} {'call':<26} {'instructions/call':>18}")
 for layer, call, count in rows:
     print(f"{layer:<6} {call:<26} {count:>18.0f}")
-for layer in ("idem", "peer"):
+for layer in ("idem", "packed", "peer"):
     got = {call: count for l, call, count in rows if l == layer}
     if got:
         print(f"{layer}: new key + completion {got['new key'] + got['completion']:.0f}, "

@@ -12,6 +12,8 @@
 # redis-server on a free loopback port and stops it at the end. Builds in
 # $IDEM/target/peer-bench (the peer declares rust-version 1.98 and builds on
 # 1.95 with --ignore-rust-version). Results: $IDEM/target/peer-bench/results.
+# IDEM_PACK=1: idem's Redis store packs new records (pack_records); IDEM_LANES=N:
+# its connections.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 IDEM=$(cd "$here/../.." && pwd)

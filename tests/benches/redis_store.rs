@@ -67,8 +67,7 @@ async fn direct(
         .arg(1)
         .arg(&token)
         .arg(&attempt)
-        .arg(201)
-        .arg("1")
+        .arg("201:1")
         .arg(b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json".as_slice())
         .arg(b"{\"id\":42,\"status\":\"created\"}".as_slice())
         .invoke_async(conn)
@@ -120,7 +119,7 @@ fn redis_store(c: &mut Criterion) {
         .block_on(client.get_multiplexed_async_connection())
         .expect("connection");
     let script = |name: &str| {
-        redis::Script::new(&idem_redis::script_source(name).expect("a script of the store"))
+        redis::Script::new(&idem_redis::script_source(name, false).expect("a script of the store"))
     };
     let (reserve, complete) = (script("reserve"), script("complete"));
     runtime.block_on(async {

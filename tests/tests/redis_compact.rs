@@ -1,7 +1,9 @@
 //! What a record costs on Redis: gateway-shaped records (a hashed tenant
 //! of 69 characters, a response larger than 64 bytes) stay in Redis'
 //! compact hash encoding within a kilobyte, and records written in the
-//! layout before it are still replayed and listed.
+//! layout before it are still replayed and listed. Packed records
+//! (`--redis-pack-records`) are smaller still, and gateways that pack and
+//! gateways that do not replay each other's records exactly.
 
 use std::sync::{
     Arc,
@@ -205,4 +207,97 @@ async fn records_of_the_older_layout_still_replay() {
     );
 
     replays_exactly(gateway.addr, "order-old", &first, &runs).await;
+}
+
+/// The fields of `record`, sorted.
+fn field_names(redis: &RedisServer, record: &str) -> Vec<String> {
+    let mut names: Vec<String> = redis
+        .cli(&["HKEYS", record])
+        .lines()
+        .map(|f| f.trim().to_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// A gateway that packs records and one that does not, on one Redis: the
+/// packed record keeps ten fields in the compact encoding and takes fewer
+/// bytes than the expanded one of the same order; each gateway replays the
+/// other's record byte for byte, and the upstream ran once per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packed_records_are_smaller_and_either_gateway_replays_them() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = TestServer::start(upstream(Arc::clone(&runs))).await;
+    // One tenant secret: both gateways see the caller as one tenant.
+    let shared = ["--tenant-secret", "a-secret-both-gateways-share"];
+    let url = redis.url();
+    let packing = start_gateway(
+        &server,
+        &[&["--store", &url, "--redis-pack-records"][..], &shared].concat(),
+    )
+    .await;
+    let expanding = start_gateway(&server, &[&["--store", &url][..], &shared].concat()).await;
+
+    let packed = send(&client(), order(packing.addr, "order-packed")).await;
+    assert_eq!(packed.status, StatusCode::CREATED);
+    let packed_record = record_keys(&redis).pop().expect("one record");
+    let expanded = send(&client(), order(expanding.addr, "order-expanded")).await;
+    assert_eq!(expanded.status, StatusCode::CREATED);
+    let expanded_record = record_keys(&redis)
+        .into_iter()
+        .find(|k| *k != packed_record && !k.ends_with(":r"))
+        .expect("a second record");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    assert_eq!(
+        field_names(&redis, &packed_record),
+        [
+            "cur_id",
+            "d",
+            "fp",
+            "key",
+            "n",
+            "op",
+            "owner",
+            "split",
+            "state",
+            "tenant_bin"
+        ],
+        "{}",
+        redis.cli(&["HGETALL", &packed_record])
+    );
+    assert_eq!(
+        redis.cli(&["OBJECT", "ENCODING", &packed_record]).trim(),
+        "listpack"
+    );
+    assert!(
+        !field_names(&redis, &expanded_record).contains(&"n".to_owned()),
+        "a gateway that does not pack writes the expanded layout"
+    );
+    let packed_bytes = memory_usage(&redis, &packed_record);
+    let expanded_bytes = memory_usage(&redis, &expanded_record);
+    assert!(
+        packed_bytes > 0 && packed_bytes < expanded_bytes,
+        "packed {packed_bytes} bytes, expanded {expanded_bytes}"
+    );
+
+    // Each gateway replays both records exactly; nothing runs again.
+    for gateway in [packing.addr, expanding.addr] {
+        for (key, first) in [("order-packed", &packed), ("order-expanded", &expanded)] {
+            let replay = send(&client(), order(gateway, key)).await;
+            assert_eq!(replay.status, StatusCode::CREATED, "{key} via {gateway}");
+            assert!(replay.replayed(), "{key} via {gateway}: {replay:?}");
+            assert_eq!(replay.body, first.body, "{key} via {gateway}");
+            assert_eq!(
+                replay.headers.get(header::LOCATION),
+                first.headers.get(header::LOCATION)
+            );
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    // A replay reads without rewriting: the packed record stays packed.
+    assert!(field_names(&redis, &packed_record).contains(&"n".to_owned()));
 }

@@ -23,6 +23,124 @@ mod single_node {
     idem_core::conformance_tests!(single);
 }
 
+/// A harness on a fresh single server whose store packs new records.
+async fn single_packed() -> Option<RealClock<RedisStore>> {
+    let server = RedisServer::spawn()?;
+    let store = RedisStore::builder(&server.url())
+        .pack_records(true)
+        .build()
+        .expect("store");
+    Some(RealClock::new(store, server))
+}
+
+mod single_node_packed {
+    use super::*;
+
+    idem_core::conformance_tests!(single_packed);
+}
+
+/// Two stores on one Redis, one packing new records and one not, taking
+/// the calls in turn: a record one layout's store wrote is read, completed,
+/// renewed, released, cancelled and listed by the other's (a rolling
+/// deploy that turns packing on, or off).
+struct Alternating {
+    stores: [RedisStore; 2],
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Alternating {
+    fn pick(&self) -> &RedisStore {
+        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &self.stores[turn % 2]
+    }
+}
+
+impl Store for Alternating {
+    async fn reserve(
+        &self,
+        request: &idem_core::ReserveRequest,
+    ) -> Result<idem_core::Reservation, idem_core::StoreError> {
+        self.pick().reserve(request).await
+    }
+
+    async fn renew(
+        &self,
+        lease: &idem_core::Lease,
+    ) -> Result<idem_core::Renewal, idem_core::StoreError> {
+        self.pick().renew(lease).await
+    }
+
+    async fn complete(
+        &self,
+        lease: &idem_core::Lease,
+        outcome: &idem_core::Outcome,
+    ) -> Result<idem_core::Completion, idem_core::StoreError> {
+        self.pick().complete(lease, outcome).await
+    }
+
+    async fn release(
+        &self,
+        lease: &idem_core::Lease,
+    ) -> Result<idem_core::Release, idem_core::StoreError> {
+        self.pick().release(lease).await
+    }
+
+    async fn cancel(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<idem_core::Cancellation, idem_core::StoreError> {
+        self.pick().cancel(scope).await
+    }
+
+    async fn get(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<Option<idem_core::Record>, idem_core::StoreError> {
+        self.pick().get(scope).await
+    }
+
+    async fn list(
+        &self,
+        query: &idem_core::RecordQuery,
+    ) -> Result<Vec<idem_core::Record>, idem_core::StoreError> {
+        self.pick().list(query).await
+    }
+
+    async fn force_release(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<idem_core::ForceRelease, idem_core::StoreError> {
+        self.pick().force_release(scope).await
+    }
+}
+
+/// Alternating stores on a fresh single server, the packing one first
+/// when `packed_first`.
+async fn alternating(packed_first: bool) -> Option<RealClock<Alternating>> {
+    let server = RedisServer::spawn()?;
+    let store = |packed: bool| {
+        RedisStore::builder(&server.url())
+            .pack_records(packed)
+            .build()
+            .expect("store")
+    };
+    let stores = [store(packed_first), store(!packed_first)];
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    Some(RealClock::new(Alternating { stores, next }, server))
+}
+
+mod packed_then_expanded {
+    use super::*;
+
+    idem_core::conformance_tests!(|| alternating(true));
+}
+
+mod expanded_then_packed {
+    use super::*;
+
+    idem_core::conformance_tests!(|| alternating(false));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_passes_the_whole_suite_and_spreads_records() {
     let Some(cluster) = RedisCluster::spawn() else {

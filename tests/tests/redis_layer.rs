@@ -176,10 +176,23 @@ async fn outcomes_nobody_waits_on_publish_nothing() {
 /// test watches.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_duplicate_spends_no_commands_while_it_waits() {
+    a_waiting_duplicate_spends_no_commands_while_it_waits_on(false).await;
+}
+
+/// The same with a store that packs new records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_spends_no_commands_while_it_waits_packed() {
+    a_waiting_duplicate_spends_no_commands_while_it_waits_on(true).await;
+}
+
+async fn a_waiting_duplicate_spends_no_commands_while_it_waits_on(packed: bool) {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
-    let store = RedisStore::from_url(&server.url()).expect("store");
+    let store = RedisStore::builder(&server.url())
+        .pack_records(packed)
+        .build()
+        .expect("store");
     let app = app_with(store, InFlight::Wait(Duration::from_secs(60)));
     // Loads the scripts, so that no NOSCRIPT retry is counted below.
     assert_eq!(
@@ -360,8 +373,13 @@ async fn duplicates_across_tasks_and_two_store_instances_execute_once() {
         return;
     };
     let a = app(RedisStore::from_url(&server.url()).expect("store"));
-    // A second store instance with its own pool: a second process, in effect.
-    let b_store = RedisStore::from_url(&server.url()).expect("store");
+    // A second store instance with its own pool: a second process, in
+    // effect, and one that packs the records it creates (a rolling deploy
+    // turning packing on).
+    let b_store = RedisStore::builder(&server.url())
+        .pack_records(true)
+        .build()
+        .expect("store");
     let b = {
         let layer = IdempotencyLayer::new(b_store).tenant(TenantFromHeader::new(
             http::HeaderName::from_static("x-tenant-id"),
@@ -415,11 +433,22 @@ async fn duplicates_across_tasks_and_two_store_instances_execute_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_redis_answers_503_within_the_timeout_and_recovers() {
+    paused_redis_answers_503_within_the_timeout_and_recovers_on(false).await;
+}
+
+/// The same with a store that packs new records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_redis_answers_503_within_the_timeout_and_recovers_packed() {
+    paused_redis_answers_503_within_the_timeout_and_recovers_on(true).await;
+}
+
+async fn paused_redis_answers_503_within_the_timeout_and_recovers_on(packed: bool) {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
     let store = RedisStore::builder(&server.url())
         .timeout(Duration::from_millis(300))
+        .pack_records(packed)
         .build()
         .expect("store");
     let app = app(store);
@@ -676,10 +705,19 @@ async fn wait_for_replicas_refuses_a_reservation_no_replica_has() {
 /// broken connection) is recognised as the same write, not fenced.
 #[tokio::test]
 async fn repeated_writes_of_one_attempt_are_recognised() {
+    for packed in [false, true] {
+        repeated_writes_on(packed).await;
+    }
+}
+
+async fn repeated_writes_on(packed: bool) {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
-    let store = RedisStore::from_url(&server.url()).expect("store");
+    let store = RedisStore::builder(&server.url())
+        .pack_records(packed)
+        .build()
+        .expect("store");
     let request = ReserveRequest {
         scope: fresh_scope("repeat"),
         fingerprint: fingerprint(1),

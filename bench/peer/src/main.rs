@@ -87,10 +87,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .get(3)
                 .cloned()
                 .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
-            // IDEM_LANES: the store's number of connections (default 4).
+            // IDEM_LANES: the store's number of connections (default 1);
+            // IDEM_PACK=1: the store packs new records (pack_records).
             let mut builder = idem_redis::RedisStore::builder(&url);
             if let Some(lanes) = std::env::var("IDEM_LANES").ok().and_then(|n| n.parse().ok()) {
                 builder = builder.lanes(lanes);
+            }
+            if std::env::var("IDEM_PACK").is_ok_and(|v| v == "1") {
+                builder = builder.pack_records(true);
             }
             let store = builder.build()?;
             store.ping().await?;

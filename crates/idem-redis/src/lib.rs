@@ -127,12 +127,18 @@ pub struct RedisStore {
 }
 
 /// The Lua source of one of the store's scripts (`"reserve"`,
-/// `"complete"`, `"release"`, ...) as a single-node store loads it, for
-/// benchmarks that call the scripts directly; `None` for an unknown name.
+/// `"complete"`, `"release"`, ...) as a single-node store loads it
+/// (writing packed records when `packed`, see
+/// [`RedisStoreBuilder::pack_records`]), for benchmarks that call the
+/// scripts directly; `None` for an unknown name.
 #[doc(hidden)]
-pub fn script_source(name: &str) -> Option<String> {
+pub fn script_source(name: &str, packed: bool) -> Option<String> {
     let body = scripts::body(name);
-    (!body.is_empty()).then(|| scripts::source(body, true, "tenant"))
+    let constants = scripts::Constants {
+        notify: true,
+        packed,
+    };
+    (!body.is_empty()).then(|| scripts::source(body, constants, "tenant"))
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -177,6 +183,7 @@ impl RedisStore {
             lanes: 1,
             timeout: Duration::from_secs(1),
             wait_replicas: None,
+            packed: false,
         }
     }
 
@@ -366,16 +373,17 @@ impl Store for RedisStore {
         let key = self.record_key(&lease.scope);
         let mut invocation = Invocation::new(&self.scripts.complete, &[&key]);
         lease_args(&mut invocation, lease);
-        invocation.uuid(&lease.attempt.0).arg(outcome.status());
+        invocation.uuid(&lease.attempt.0);
+        // '<status>:<stored>': one argument, as a packed record keeps them.
         match outcome {
             Outcome::Stored(response) => {
                 invocation
-                    .arg("1")
+                    .arg(format!("{}:1", response.status))
                     .arg(encode_headers(&response.headers))
                     .arg(response.body.as_ref());
             }
-            Outcome::NotStored { .. } => {
-                invocation.arg("0").arg("").arg("");
+            Outcome::NotStored { status } => {
+                invocation.arg(format!("{status}:0")).arg("").arg("");
             }
         }
         let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;

@@ -3,8 +3,10 @@
 //!
 //! A script is `head.lua` (the record key, the store's constants), then
 //! its body, with `clock.lua` (the store's clock), `common.lua` (the
-//! helpers) and `fence.lua` (the lease check of complete and release) put
-//! where the body has a `--@clock`, `--@common` or `--@fence` line; a
+//! helpers), `holder.lua` (what complete and release read of the lease's
+//! holder) and `fence.lua` (their answer to a caller that no longer holds
+//! it) put where the body has a `--@clock`, `--@common`, `--@holder` or
+//! `--@fence` line; a
 //! body without `--@clock` reads the clock first, one without `--@common`
 //! gets the helpers before it. The hot paths (a new key, a replay, a
 //! completion, a release) come before the helpers, so a call that takes
@@ -18,14 +20,25 @@ const HEAD: &str = include_str!("lua/head.lua");
 const CLOCK: &str = include_str!("lua/clock.lua");
 const COMMON: &str = include_str!("lua/common.lua");
 const FENCE: &str = include_str!("lua/fence.lua");
+const HOLDER: &str = include_str!("lua/holder.lua");
+
+/// The settings a store's scripts are assembled with.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Constants {
+    /// Whether the scripts ending an attempt publish to its waiters.
+    pub(crate) notify: bool,
+    /// Whether a new key's record is packed (see `head.lua`).
+    pub(crate) packed: bool,
+}
 
 /// The source of a script: the prologue with the store's constants
-/// filled in (`notify`: whether the scripts ending an attempt publish to
-/// its waiters; `tenant_field`: the field the reservation writes the
-/// tenant to), then `body` with the helpers in place.
-pub(crate) fn source(body: &str, notify: bool, tenant_field: &str) -> String {
+/// filled in, then `body` with the helpers in place (`tenant_field`: the
+/// field the reservation writes the tenant to).
+pub(crate) fn source(body: &str, constants: Constants, tenant_field: &str) -> String {
+    let flag = |on: bool| if on { "true" } else { "false" };
     let head = HEAD
-        .replace("@NOTIFY@", if notify { "true" } else { "false" })
+        .replace("@NOTIFY@", flag(constants.notify))
+        .replace("@PACKED@", flag(constants.packed))
         .replace("@HISTORY@", &ATTEMPT_HISTORY.to_string());
     // `part` at the body's `marker` line, or before the body.
     let place = |body: &str, marker: &str, part: &str| {
@@ -37,8 +50,10 @@ pub(crate) fn source(body: &str, notify: bool, tenant_field: &str) -> String {
     };
     let body = place(body, "--@common\n", COMMON);
     let body = place(&body, "--@clock\n", CLOCK);
-    format!("{head}\n{}", body.replacen("--@fence\n", FENCE, 1))
-        .replace("@TENANT_FIELD@", tenant_field)
+    let body = body
+        .replacen("--@holder\n", HOLDER, 1)
+        .replacen("--@fence\n", FENCE, 1);
+    format!("{head}\n{body}").replace("@TENANT_FIELD@", tenant_field)
 }
 
 /// The scripts of one store.
@@ -62,12 +77,12 @@ pub(crate) struct Scripts {
 }
 
 impl Scripts {
-    /// The scripts of a store that publishes to waiters when `notify`.
-    pub(crate) fn new(notify: bool) -> Self {
-        let script = |name: &str| Script::new(&source(body(name), notify, "tenant"));
+    /// The scripts of a store with these settings.
+    pub(crate) fn new(constants: Constants) -> Self {
+        let script = |name: &str| Script::new(&source(body(name), constants, "tenant"));
         Self {
             reserve: script("reserve"),
-            reserve_bin: Script::new(&source(body("reserve"), notify, "tenant_bin")),
+            reserve_bin: Script::new(&source(body("reserve"), constants, "tenant_bin")),
             renew: script("renew"),
             complete: script("complete"),
             release: script("release"),
@@ -109,12 +124,21 @@ mod tests {
                 .find(what)
                 .unwrap_or_else(|| panic!("{what:?} missing"))
         };
-        let reserve = source(body("reserve"), true, "tenant_bin");
+        let on = Constants {
+            notify: true,
+            packed: true,
+        };
+        let off = Constants {
+            notify: false,
+            packed: false,
+        };
+        let reserve = source(body("reserve"), on, "tenant_bin");
         assert!(at(&reserve, "if state == 'completed'") < at(&reserve, "redis.call('TIME')"));
         assert!(at(&reserve, "return {'acquired', 1}") < at(&reserve, "local function"));
         assert!(reserve.contains("local TENANT_FIELD = 'tenant_bin'"));
+        assert!(reserve.contains("local PACKED = true"));
         for name in ["complete", "release"] {
-            let script = source(body(name), false, "tenant");
+            let script = source(body(name), off, "tenant");
             assert!(at(&script, "redis.call('TIME')") < at(&script, "if state == 'processing'"));
             assert!(at(&script, "if state == 'processing'") < at(&script, "local function"));
             assert!(at(&script, "local function fenced") < at(&script, "return fenced("));
@@ -130,8 +154,8 @@ mod tests {
             "abandon",
             "force_release",
         ] {
-            let script = source(body(name), true, "tenant");
-            for placeholder in ["@NOTIFY@", "@HISTORY@", "@TENANT_FIELD@", "--@"] {
+            let script = source(body(name), on, "tenant");
+            for placeholder in ["@NOTIFY@", "@HISTORY@", "@PACKED@", "@TENANT_FIELD@", "--@"] {
                 let code: String = script
                     .lines()
                     .filter(|line| !line.trim_start().starts_with("-- "))

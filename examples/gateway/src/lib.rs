@@ -136,6 +136,9 @@ pub struct Config {
     /// How long to wait for the replicas (humantime); a call that waits is bounded by the store timeout plus this.
     #[arg(long, env = "IDEM_REPLICA_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
     pub replica_timeout: Duration,
+    /// Write new keys' records on Redis packed: fewer fields, about a fifth less Redis CPU per new key. Turn on once every gateway sharing the Redis runs this version (earlier versions cannot read packed records); turning it off is safe at any time.
+    #[arg(long, env = "IDEM_REDIS_PACK_RECORDS", action = ArgAction::SetTrue)]
+    pub redis_pack_records: bool,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
     #[arg(long, env = "IDEM_FORWARDED", default_value = "x-forwarded", value_parser = parse_forwarded)]
     pub forwarded: proxy::Forwarded,
@@ -386,6 +389,11 @@ pub async fn run(
             "--wait-for-replicas needs a Redis store".to_owned(),
         ));
     }
+    if config.redis_pack_records && (config.store == "memory" || is_postgres(&config.store)) {
+        return Err(StartError::Setting(
+            "--redis-pack-records needs a Redis store".to_owned(),
+        ));
+    }
     let (router, drain) = store_router(&config, &tenants, upstream.clone()).await?;
     let started = Started {
         addr: listener.local_addr()?,
@@ -486,7 +494,9 @@ async fn store_router(
         })?;
         return router(config, tenants, store, None, upstream);
     }
-    let mut builder = RedisStore::builder(&config.store).timeout(config.store_timeout);
+    let mut builder = RedisStore::builder(&config.store)
+        .timeout(config.store_timeout)
+        .pack_records(config.redis_pack_records);
     if config.wait_for_replicas > 0 {
         builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
     }

@@ -366,6 +366,19 @@ fn invalid_flags_are_one_line_errors_not_panics() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+    // Redis settings without Redis (the default store is memory).
+    for flag in ["--redis-pack-records", "--wait-for-replicas=1"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args([flag, "--listen", "127.0.0.1:0"])
+            .output()
+            .expect("run");
+        assert_eq!(output.status.code(), Some(2), "{flag}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("needs a Redis store") && !stderr.contains("panicked"),
+            "{stderr}"
+        );
+    }
 }
 
 /// An upstream whose next connection is accepted and then held unread: the

@@ -2,6 +2,7 @@
 -- before its reply came (the call timed out, for example behind a paused
 -- server): nobody runs that attempt, so the key must not stay taken for a
 -- whole lease. Anything else about the record is left alone.
+expand()
 local state, expires, cur_id, owner =
   unpack(redis.call('HMGET', record, 'state', 'expires', 'cur_id', 'owner'))
 if not live(state, expires) then

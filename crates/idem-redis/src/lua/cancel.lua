@@ -1,5 +1,6 @@
 -- ARGV: the cancel request's id (the same when a call is retried).
 -- Answers which side won and the record after it, as HGETALL pairs.
+expand()
 local state, expires, retention_ms, outcome, cancel_id = unpack(redis.call('HMGET', record,
   'state', 'expires', 'retention_ms', 'cur_outcome', 'cancel_id'))
 -- A released record is vacant: nothing runs, nothing to cancel.

@@ -12,6 +12,45 @@ local function ms(value)
   return string.format('%d', value)
 end
 
+-- The fields of a packed record (see head.lua) as HSET pairs of the
+-- expanded layout, from its n, d and state.
+local function unpacked(n, d, state)
+  local started, lease_ms, retention_ms = string.match(n, '^(%d+):(%d+):(%d+)$')
+  local outcome = 'running'
+  if state == 'completed' or state == 'released' then
+    outcome = state
+  end
+  local start = tonumber(started)
+  local fields = {'gen', '1', 'expires', ms(start + tonumber(retention_ms)),
+    'lease_until', ms(start + tonumber(lease_ms)), 'cur_start', started,
+    'lease_ms', lease_ms, 'retention_ms', retention_ms, 'cur_outcome', outcome}
+  if d then
+    local status, stored, ended = string.match(d, '^(%d*):(%d*):(%d+)$')
+    if status ~= '' then
+      table.insert(fields, 'status')
+      table.insert(fields, status)
+      table.insert(fields, 'stored')
+      table.insert(fields, stored)
+    end
+    table.insert(fields, 'cur_end')
+    table.insert(fields, ended)
+  end
+  return fields
+end
+
+-- Rewrites a packed record (its n given, or read when nil) in the
+-- expanded layout, which every path but the hot ones works on; a record
+-- already expanded is left as it is.
+local function expand(n)
+  n = n or redis.call('HGET', record, 'n')
+  if not n then
+    return
+  end
+  local d, state = unpack(redis.call('HMGET', record, 'd', 'state'))
+  redis.call('HSET', record, unpack(unpacked(n, d, state)))
+  redis.call('HDEL', record, 'n', 'd')
+end
+
 -- Whether the record is live; deletes one that outlived its expiry.
 local function live(state, expires)
   if not state then
@@ -41,16 +80,33 @@ end
 local function rare()
   -- The record as HGETALL pairs, the response included as headers and body
   -- wherever it is kept.
+  -- A packed record's fields are given expanded as well (get reads
+  -- without writing).
   local function all_fields()
     local fields = redis.call('HGETALL', record)
+    local split, n, d, state
     for i = 1, #fields, 2 do
-      if fields[i] == 'split' then
-        local headers, body = response(nil, nil, fields[i + 1])
-        table.insert(fields, 'headers')
-        table.insert(fields, headers)
-        table.insert(fields, 'body')
-        table.insert(fields, body)
-        break
+      local name = fields[i]
+      if name == 'split' then
+        split = fields[i + 1]
+      elseif name == 'n' then
+        n = fields[i + 1]
+      elseif name == 'd' then
+        d = fields[i + 1]
+      elseif name == 'state' then
+        state = fields[i + 1]
+      end
+    end
+    if split then
+      local headers, body = response(nil, nil, split)
+      table.insert(fields, 'headers')
+      table.insert(fields, headers)
+      table.insert(fields, 'body')
+      table.insert(fields, body)
+    end
+    if n then
+      for _, value in ipairs(unpacked(n, d, state)) do
+        table.insert(fields, value)
       end
     end
     return fields

@@ -1,21 +1,41 @@
--- ARGV: generation, owner token, attempt id, status, stored ('1' or '0'),
---       encoded headers, body
-local state, gen, owner, watched = unpack(redis.call('HMGET', record, 'state', 'gen', 'owner', 'w'))
+-- ARGV: generation, owner token, attempt id, '<status>:<stored>' (stored
+--       '1' or '0'), encoded headers, body
+--@holder
 if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   -- The hot path: the caller holds the lease (the record is live, see
   -- head.lua). Retention counts from the reservation: the expiry stays
   -- as it is.
-  local headers, body = ARGV[6], ARGV[7]
-  if #headers <= 64 and #body <= 64 then
-    redis.call('HSET', record, 'state', 'completed', 'status', ARGV[4], 'stored', ARGV[5],
-      'headers', headers, 'body', body, 'cur_end', string.format('%d', now),
-      'cur_outcome', 'completed')
-  else
+  local headers, body = ARGV[5], ARGV[6]
+  local ended = string.format('%d', now)
+  local small = #headers <= 64 and #body <= 64
+  if not small then
     -- Too long for the compact encoding: the response gets a key of its own.
-    redis.call('SET', record .. ':r', headers .. body, 'PXAT', redis.call('HGET', record, 'expires'))
-    redis.call('HSET', record, 'state', 'completed', 'status', ARGV[4], 'stored', ARGV[5],
-      'split', string.format('%d', #headers), 'cur_end', string.format('%d', now),
-      'cur_outcome', 'completed')
+    local expires
+    if n then
+      local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
+      expires = string.format('%d', tonumber(started) + tonumber(retention_ms))
+    else
+      expires = redis.call('HGET', record, 'expires')
+    end
+    redis.call('SET', record .. ':r', headers .. body, 'PXAT', expires)
+  end
+  if n then
+    local done = ARGV[4] .. ':' .. ended
+    if small then
+      redis.call('HSET', record, 'state', 'completed', 'd', done, 'headers', headers, 'body', body)
+    else
+      redis.call('HSET', record, 'state', 'completed', 'd', done,
+        'split', string.format('%d', #headers))
+    end
+  else
+    local status, stored = string.match(ARGV[4], '^(%d+):(%d)$')
+    if small then
+      redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', stored,
+        'headers', headers, 'body', body, 'cur_end', ended, 'cur_outcome', 'completed')
+    else
+      redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', stored,
+        'split', string.format('%d', #headers), 'cur_end', ended, 'cur_outcome', 'completed')
+    end
   end
   if watched and NOTIFY then
     redis.call('PUBLISH', record .. ':c', '1')
@@ -24,4 +44,9 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
 end
 --@common
 --@fence
-return fenced('completed', ARGV[4], state, redis.call('HGET', record, 'expires'), gen)
+if n then
+  expand(n)
+end
+local expires
+gen, expires = unpack(redis.call('HMGET', record, 'gen', 'expires'))
+return fenced('completed', string.match(ARGV[4], '^%d+'), state, expires, gen)

@@ -2,6 +2,7 @@
 -- freeing a stuck key); the attempt ends as released by an operator.
 -- Answers the kind ('released', 'not_processing' or 'not_found') followed
 -- by the record as HGETALL pairs.
+expand()
 local state, expires = unpack(redis.call('HMGET', record, 'state', 'expires'))
 if not live(state, expires) then
   return {'not_found'}

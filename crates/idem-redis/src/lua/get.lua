@@ -1,5 +1,10 @@
 -- No ARGV. The live record as HGETALL pairs, or an empty list.
-local state, expires = unpack(redis.call('HMGET', record, 'state', 'expires'))
+-- A packed record is read as it is (see all_fields), not expanded.
+local state, expires, n = unpack(redis.call('HMGET', record, 'state', 'expires', 'n'))
+if n then
+  local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
+  expires = tonumber(started) + tonumber(retention_ms)
+end
 if not live(state, expires) then
   return {}
 end

@@ -17,6 +17,16 @@
 --         owner (the lease holder's token) means something only while the
 --         state is processing: every check of it checks the state first,
 --         so ending an attempt leaves it in place instead of writing it.
+-- A store that packs records (RedisStoreBuilder::pack_records) writes a
+-- new key's record in fewer fields: state owner fp cur_id tenant op key
+-- and n ('cur_start:lease_ms:retention_ms'); its completion or release
+-- adds d ('status:stored:cur_end', status and stored empty for a release)
+-- and the response as above. The rest follows: gen is 1, expires and
+-- lease_until are cur_start plus retention_ms and lease_ms, cur_outcome
+-- is running, completed or released by the state. Only the hot paths (a new
+-- key, a replay, a completion, a release) read and write a packed record:
+-- every other path first expands it into the fields above (expand() in
+-- common.lua), and every store reads both layouts, whichever it writes.
 -- Every value of a typical record fits Redis' compact hash encoding (64
 -- bytes), and no field repeats another: the completion time is cur_end,
 -- the completed status is status, the last change is the later of
@@ -40,3 +50,6 @@ local record = KEYS[1]
 local NOTIFY = @NOTIFY@
 -- How many attempts a record keeps, the newest included.
 local HISTORY = @HISTORY@
+-- Whether a new key's record is packed (see above); which layout the hot
+-- paths look for first.
+local PACKED = @PACKED@

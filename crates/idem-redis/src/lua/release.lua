@@ -1,11 +1,14 @@
 -- ARGV: generation, owner token, attempt id
-local state, gen, owner, watched =
-  unpack(redis.call('HMGET', record, 'state', 'gen', 'owner', 'w'))
+--@holder
 if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   -- The hot path: the caller holds the lease (the record is live, see
   -- head.lua).
-  redis.call('HSET', record, 'state', 'released', 'cur_end', string.format('%d', now),
-    'cur_outcome', 'released')
+  local ended = string.format('%d', now)
+  if n then
+    redis.call('HSET', record, 'state', 'released', 'd', '::' .. ended)
+  else
+    redis.call('HSET', record, 'state', 'released', 'cur_end', ended, 'cur_outcome', 'released')
+  end
   if watched and NOTIFY then
     redis.call('PUBLISH', record .. ':c', '1')
   end
@@ -13,4 +16,9 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
 end
 --@common
 --@fence
-return fenced('released', '', state, redis.call('HGET', record, 'expires'), gen)
+if n then
+  expand(n)
+end
+local expires
+gen, expires = unpack(redis.call('HMGET', record, 'gen', 'expires'))
+return fenced('released', '', state, expires, gen)

@@ -1,4 +1,5 @@
 -- ARGV: generation, owner token, lease ms
+expand()
 local state, expires, gen, owner = unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
 if not live(state, expires) then
   return {'vacant'}

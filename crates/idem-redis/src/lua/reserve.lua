@@ -11,15 +11,30 @@ local state = redis.call('HGET', record, 'state')
 if state == 'completed' then
   -- A hot path, the replay: only the fields it answers with, and
   -- no clock (the record is live, see head.lua; its client measures the
-  -- age from the completion time).
-  local found_fp, status, stored, headers, body, ended, split = unpack(redis.call('HMGET', record,
-    'fp', 'status', 'stored', 'headers', 'body', 'cur_end', 'split'))
+  -- age from the completion time). done is '<status>:<stored>:<ended>',
+  -- a packed record's d.
+  local found_fp, done, headers, body, split
+  if PACKED then
+    found_fp, done, headers, body, split = unpack(redis.call('HMGET', record,
+      'fp', 'd', 'headers', 'body', 'split'))
+  end
+  if not done then
+    local status, stored, ended
+    found_fp, status, stored, headers, body, ended, split = unpack(redis.call('HMGET', record,
+      'fp', 'status', 'stored', 'headers', 'body', 'cur_end', 'split'))
+    if status then
+      if not ended or ended == '' then
+        -- Records of the layout before the compact one kept it apart.
+        ended = redis.call('HGET', record, 'completed')
+      end
+      done = status .. ':' .. stored .. ':' .. ended
+    else
+      -- A packed record, on a store that does not pack.
+      done = redis.call('HGET', record, 'd')
+    end
+  end
   if found_fp ~= fp then
     return {'conflict'}
-  end
-  if not ended or ended == '' then
-    -- Records of the layout before the compact one kept it apart.
-    ended = redis.call('HGET', record, 'completed')
   end
   if split then
     -- The response is kept in a key of its own (see complete.lua).
@@ -27,7 +42,7 @@ if state == 'completed' then
     local n = tonumber(split)
     headers, body = string.sub(raw, 1, n), string.sub(raw, n + 1)
   end
-  return {'completed', status .. ':' .. stored .. ':' .. ended, headers, body}
+  return {'completed', done, headers, body}
 end
 
 --@clock
@@ -39,11 +54,18 @@ if not state then
   -- The fields the hot paths read come first: Redis finds a field of a
   -- compact hash by scanning it from the start.
   local expires = string.format('%d', now + tonumber(ARGV[5]))
-  redis.call('HSET', record, 'state', 'processing', 'gen', '1', 'owner', ARGV[3], 'fp', fp,
-    'expires', expires, 'lease_until', string.format('%d', now + tonumber(ARGV[4])),
-    'cur_id', ARGV[2], 'cur_start', string.format('%d', now), 'cur_outcome', 'running',
-    'lease_ms', ARGV[4], 'retention_ms', ARGV[5], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
-    'key', ARGV[8])
+  if PACKED then
+    redis.call('HSET', record, 'state', 'processing',
+      'n', string.format('%d:%s:%s', now, ARGV[4], ARGV[5]),
+      'owner', ARGV[3], 'fp', fp, 'cur_id', ARGV[2], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
+      'key', ARGV[8])
+  else
+    redis.call('HSET', record, 'state', 'processing', 'gen', '1', 'owner', ARGV[3], 'fp', fp,
+      'expires', expires, 'lease_until', string.format('%d', now + tonumber(ARGV[4])),
+      'cur_id', ARGV[2], 'cur_start', string.format('%d', now), 'cur_outcome', 'running',
+      'lease_ms', ARGV[4], 'retention_ms', ARGV[5], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
+      'key', ARGV[8])
+  end
   redis.call('PEXPIREAT', record, expires)
   return {'acquired', 1}
 end
@@ -89,6 +111,7 @@ local function archive()
   return attempt, {'hist', encoded}
 end
 
+expand()
 local found_fp, found_gen, lease_until, cur_id, owner, expires_at = unpack(redis.call('HMGET',
   record, 'fp', 'gen', 'lease_until', 'cur_id', 'owner', 'expires'))
 if not live(state, expires_at) then
