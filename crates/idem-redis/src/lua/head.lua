@@ -24,9 +24,10 @@
 -- and the response as above. The rest follows: gen is 1, expires and
 -- lease_until are cur_start plus retention_ms and lease_ms, cur_outcome
 -- is running, completed or released by the state. Only the hot paths (a new
--- key, a replay, a completion, a release) read and write a packed record:
--- every other path first expands it into the fields above (expand() in
--- common.lua), and every store reads both layouts, whichever it writes.
+-- key, a replay, a completion, a release) write a packed record as it is:
+-- every other path that changes it first expands it into the fields above
+-- (expand() in common.lua; get reads it expanded without writing), and
+-- every store reads both layouts, whichever it writes.
 -- Every value of a typical record fits Redis' compact hash encoding (64
 -- bytes), and no field repeats another: the completion time is cur_end,
 -- the completed status is status, the last change is the later of
