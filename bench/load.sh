@@ -15,7 +15,9 @@
 # layered to bare throughput. The layered server keeps running across
 # rounds, so its memory store fills up as the rounds go: a flat p99 over
 # the rounds shows that filling the store does not slow requests down.
-# Needs `wrk` (Debian: apt-get install wrk). Traffic stays on 127.0.0.1.
+# LAYERED_FLAGS: more flags for the layered gateway (for example
+# `--redis-pack-records`). Needs `wrk` (Debian: apt-get install wrk).
+# Traffic stays on 127.0.0.1.
 set -euo pipefail
 rounds=${1:-6}
 seconds=${2:-10}
@@ -42,7 +44,7 @@ if [ "$target" = gateway ]; then
   # One caller sends every request: no tenant quota, room for every record.
   RUST_LOG=warn "$gateway" --listen 127.0.0.1:38080 --upstream http://127.0.0.1:38082 \
     --store "$store_url" --memory-tenant-quota 0 --memory-capacity 10000000 \
-    --memory-max-bytes 16GiB >"$work/layered.log" 2>&1 &
+    --memory-max-bytes 16GiB ${LAYERED_FLAGS:-} >"$work/layered.log" 2>&1 &
   RUST_LOG=warn "$gateway" --listen 127.0.0.1:38081 --upstream http://127.0.0.1:38082 \
     --methods PUT >"$work/bare.log" 2>&1 &
 else
