@@ -277,6 +277,19 @@ async fn packed_records_are_smaller_and_either_gateway_replays_them() {
         !field_names(&redis, &expanded_record).contains(&"n".to_owned()),
         "a gateway that does not pack writes the expanded layout"
     );
+    // The record expires with the retention (24 h by default) counted from
+    // its reservation, and its response key with it.
+    let ttl = |key: &str| -> i64 { redis.cli(&["PTTL", key]).trim().parse().expect("ttl") };
+    let (record_ttl, response_ttl) = (ttl(&packed_record), ttl(&format!("{packed_record}:r")));
+    let day: i64 = 24 * 3600 * 1000;
+    assert!(
+        record_ttl > day - 60_000 && record_ttl <= day,
+        "record TTL {record_ttl} ms"
+    );
+    assert!(
+        (record_ttl - response_ttl).abs() < 2_000,
+        "response TTL {response_ttl} ms"
+    );
     let packed_bytes = memory_usage(&redis, &packed_record);
     let expanded_bytes = memory_usage(&redis, &expanded_record);
     assert!(

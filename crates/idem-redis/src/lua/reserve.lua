@@ -53,19 +53,22 @@ if not state then
   -- string.format.
   -- The fields the hot paths read come first: Redis finds a field of a
   -- compact hash by scanning it from the start.
-  local expires = string.format('%d', now + tonumber(ARGV[5]))
   if PACKED then
     redis.call('HSET', record, 'state', 'processing',
       'n', string.format('%d:%s:%s', now, ARGV[4], ARGV[5]),
       'owner', ARGV[3], 'fp', fp, 'cur_id', ARGV[2], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
       'key', ARGV[8])
-  else
-    redis.call('HSET', record, 'state', 'processing', 'gen', '1', 'owner', ARGV[3], 'fp', fp,
-      'expires', expires, 'lease_until', string.format('%d', now + tonumber(ARGV[4])),
-      'cur_id', ARGV[2], 'cur_start', string.format('%d', now), 'cur_outcome', 'running',
-      'lease_ms', ARGV[4], 'retention_ms', ARGV[5], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
-      'key', ARGV[8])
+    -- The retention from Redis' time of this script, which TIME read
+    -- (within the millisecond): the key expires with the expiry n implies.
+    redis.call('PEXPIRE', record, ARGV[5])
+    return {'acquired', 1}
   end
+  local expires = string.format('%d', now + tonumber(ARGV[5]))
+  redis.call('HSET', record, 'state', 'processing', 'gen', '1', 'owner', ARGV[3], 'fp', fp,
+    'expires', expires, 'lease_until', string.format('%d', now + tonumber(ARGV[4])),
+    'cur_id', ARGV[2], 'cur_start', string.format('%d', now), 'cur_outcome', 'running',
+    'lease_ms', ARGV[4], 'retention_ms', ARGV[5], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
+    'key', ARGV[8])
   redis.call('PEXPIREAT', record, expires)
   return {'acquired', 1}
 end
