@@ -20,6 +20,11 @@
 //!   field, the response inline) are read and replayed as they are. A key
 //!   or a tenant longer than 64 bytes still works; its record is kept in
 //!   Redis' larger hash encoding.
+//! * **Packed records** ([`RedisStoreBuilder::pack_records`], off by
+//!   default): a new key and its completion write 12 fields instead of 21,
+//!   about 15 % fewer Redis instructions and 15 to 30 % fewer bytes per
+//!   record. Every store of this version reads both layouts; turn packing
+//!   on once no instance of an earlier version shares the Redis.
 //! * **Waiting without polling.** With
 //!   the layer's `InFlight::Wait` a duplicate waits for
 //!   the running request's outcome. On a single node, the scripts that
@@ -33,7 +38,8 @@
 //!   subscriber connection cannot be had, waiters poll every 25 ms.
 //! * **Server time.** Leases and retention are measured with Redis `TIME`
 //!   inside the scripts, never the web server's clock; records expire with
-//!   `PEXPIREAT`. A replay reads no clock in Redis (a record Redis hands a
+//!   the key (`PEXPIREAT`, or `PEXPIRE` by the retention for a packed new
+//!   key). A replay reads no clock in Redis (a record Redis hands a
 //!   script is live by its own expiry): the age it reports is the web
 //!   server's clock minus the stored completion time, so skew between the
 //!   two clocks shows in that age (a metric) and nowhere else.

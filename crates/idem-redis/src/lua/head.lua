@@ -36,9 +36,11 @@
 -- are read as they are.
 -- The hot paths call TIME (not a replay), one HMGET (two for a
 -- reservation of an existing record, the second reading only what its
--- state needs) and at most one HSET, plus one PEXPIREAT when a new
--- attempt starts (retention counts from there), and one SET or GET of the
--- response key when the response is large.
+-- state needs; a store reading a record of the other layout reads once
+-- more) and at most one HSET, plus one PEXPIREAT when a new attempt
+-- starts (retention counts from there; PEXPIRE by the retention for a
+-- packed new key), and one SET or GET of the response key when the
+-- response is large.
 -- A record is live until its expiry: the key carries it (PEXPIREAT, set
 -- with the expires field whenever that changes), so a record Redis hands
 -- a script is live by Redis' own clock, and the hot paths (a new key, a
