@@ -56,6 +56,9 @@ async fn x_forwarded_headers_by_default() {
     assert_eq!(got["x-forwarded-proto"], "http");
     assert_eq!(got["x-forwarded-host"], "shop.example:8080");
     assert_eq!(got["forwarded"], "");
+    // Without one from the client, the gateway's alone.
+    let fresh = seen(gateway.addr, ("x-unrelated", "1")).await;
+    assert_eq!(fresh["x-forwarded-for"], "127.0.0.1");
 }
 
 #[tokio::test]
@@ -68,6 +71,11 @@ async fn rfc_7239_forwarded_when_chosen() {
         "for=198.51.100.17, for=127.0.0.1;proto=http;host=\"shop.example:8080\""
     );
     assert_eq!(got["x-forwarded-for"], "");
+    let fresh = seen(gateway.addr, ("x-unrelated", "1")).await;
+    assert_eq!(
+        fresh["forwarded"],
+        "for=127.0.0.1;proto=http;host=\"shop.example:8080\""
+    );
     let none = start_gateway(&upstream, &["--forwarded", "none"]).await;
     let got = seen(none.addr, ("x-unrelated", "1")).await;
     assert_eq!(got["x-forwarded-for"], "");

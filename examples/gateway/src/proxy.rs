@@ -46,8 +46,15 @@ fn upstream_response(response: Response<hyper::body::Incoming>) -> Response<Body
 
 /// A tower service that forwards every request to the upstream. Bodies
 /// stream through; the idempotency layer in front buffers keyed requests.
+///
+/// Cloned for every request (a tower service is): one reference count.
 #[derive(Clone, Debug)]
-pub struct Proxy {
+pub struct Proxy(std::sync::Arc<Shared>);
+
+/// What every clone of a [`Proxy`] shares: the pooled client (itself
+/// several reference counts) and the settings.
+#[derive(Clone, Debug)]
+struct Shared {
     client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>,
     upstream: Uri,
     timeout: Duration,
@@ -77,6 +84,10 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 
 /// Every value of `name`, joined with `, `, then `value`.
 fn appended(headers: &http::HeaderMap, name: &HeaderName, value: &str) -> Option<HeaderValue> {
+    if !headers.contains_key(name) {
+        // The usual case: nothing to join.
+        return HeaderValue::from_str(value).ok();
+    }
     let mut all: Vec<&str> = headers
         .get_all(name)
         .iter()
@@ -186,18 +197,18 @@ impl Proxy {
         let client = Client::builder(TokioExecutor::new())
             .http1_allow_obsolete_multiline_headers_in_responses(true)
             .build(connector);
-        Self {
+        Self(std::sync::Arc::new(Shared {
             client,
             upstream,
             timeout,
             forwarded: Forwarded::XForwarded,
-        }
+        }))
     }
 
     /// Which headers tell the upstream who the client is (default
     /// [`Forwarded::XForwarded`]).
     pub fn forwarded(mut self, style: Forwarded) -> Self {
-        self.forwarded = style;
+        std::sync::Arc::make_mut(&mut self.0).forwarded = style;
         self
     }
 
@@ -205,8 +216,8 @@ impl Proxy {
     fn upstream_uri(&self, request: &Request<Body>) -> Result<Uri, http::Error> {
         let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
         Uri::builder()
-            .scheme(self.upstream.scheme_str().unwrap_or("http"))
-            .authority(self.upstream.authority().map_or("", |a| a.as_str()))
+            .scheme(self.0.upstream.scheme_str().unwrap_or("http"))
+            .authority(self.0.upstream.authority().map_or("", |a| a.as_str()))
             .path_and_query(path)
             .build()
     }
@@ -229,7 +240,7 @@ impl Proxy {
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
-        add_forwarded(headers, self.forwarded, peer, host.as_deref());
+        add_forwarded(headers, self.0.forwarded, peer, host.as_deref());
         // The gateway owns the attempt header: a client's is never passed on.
         headers.remove(IDEMPOTENCY_ATTEMPT);
         if let Some((generation, key)) = protected {
@@ -261,8 +272,8 @@ impl Proxy {
         // The client's protocol is not the upstream connection's: the
         // pooled client speaks HTTP/1.1 to the upstream.
         *request.version_mut() = http::Version::HTTP_11;
-        let mut pending = Box::pin(self.client.request(request));
-        match tokio::time::timeout(self.timeout, &mut pending).await {
+        let mut pending = Box::pin(self.0.client.request(request));
+        match tokio::time::timeout(self.0.timeout, &mut pending).await {
             Ok(Ok(response)) => upstream_response(response),
             Ok(Err(error)) if error.is_connect() => {
                 // Provably never reached the upstream: the key may be
@@ -294,7 +305,7 @@ impl Proxy {
             Err(_) => {
                 // The upstream may still be running the action: the client
                 // gets 504 now, and the layer keeps waiting for the answer.
-                let detail = format!("the upstream did not answer within {:?}", self.timeout);
+                let detail = format!("the upstream did not answer within {:?}", self.0.timeout);
                 let mut response = crate::problem(
                     StatusCode::GATEWAY_TIMEOUT,
                     "upstream_timeout",
