@@ -168,3 +168,22 @@ async fn cluster_passes_the_whole_suite_and_spreads_records() {
     let harness = Arc::new(RealClock::new(store, cluster));
     idem_core::conformance::run_all(harness).await;
 }
+
+/// The whole suite on a cluster through a packing and an expanding store
+/// taking turns (packed records on a cluster, where nothing publishes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_passes_the_whole_suite_with_either_layout() {
+    let Some(cluster) = RedisCluster::spawn() else {
+        return;
+    };
+    let store = |packed: bool| {
+        RedisStore::builder(&cluster.url())
+            .pack_records(packed)
+            .build()
+            .expect("store")
+    };
+    let stores = [store(true), store(false)];
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let harness = Arc::new(RealClock::new(Alternating { stores, next }, cluster));
+    idem_core::conformance::run_all(harness).await;
+}
