@@ -44,9 +44,4 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
 end
 --@common
 --@fence
-if n then
-  expand(n)
-end
-local expires
-gen, expires = unpack(redis.call('HMGET', record, 'gen', 'expires'))
-return fenced('completed', string.match(ARGV[4], '^%d+'), state, expires, gen)
+return fenced('completed', string.match(ARGV[4], '^%d+'), state, n)

@@ -1,15 +1,21 @@
 -- The fence of complete and release (after the helpers, for their cold
 -- paths). Their hot path, inline before the helpers, handles a caller
 -- (ARGV: generation, owner token, attempt id) that holds a live lease;
--- `fenced(outcome, status, state, expires, gen)`, given what that path
--- read, answers everything else: vacant, the retry of this very outcome
--- whose reply was lost, or the record's state now, the attempt's outcome
--- kept as late evidence ('completed:201:<ms>', 'released::<ms>').
-local function fenced(outcome, status, state, expires, gen)
+-- `fenced(outcome, status, state, n)`, given the state and the packed
+-- fields (n, nil for an expanded record) that holder.lua read, expands a
+-- packed record and answers everything else: vacant, the retry of this
+-- very outcome whose reply was lost, or the record's state now, the
+-- attempt's outcome kept as late evidence ('completed:201:<ms>',
+-- 'released::<ms>').
+local function fenced(outcome, status, state, n)
+  if n then
+    expand(n)
+  end
+  local gen, expires, cur_id, cur_outcome = unpack(redis.call('HMGET', record, 'gen', 'expires',
+    'cur_id', 'cur_outcome'))
   if not live(state, expires) then
     return {'vacant'}
   end
-  local cur_id, cur_outcome = unpack(redis.call('HMGET', record, 'cur_id', 'cur_outcome'))
   if state == outcome and gen == ARGV[1] and cur_id == ARGV[3] and cur_outcome == outcome then
     -- A retry of this very outcome whose reply was lost.
     if outcome == 'completed' then

@@ -16,9 +16,4 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
 end
 --@common
 --@fence
-if n then
-  expand(n)
-end
-local expires
-gen, expires = unpack(redis.call('HMGET', record, 'gen', 'expires'))
-return fenced('released', '', state, expires, gen)
+return fenced('released', '', state, n)
