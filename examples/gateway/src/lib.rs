@@ -384,15 +384,15 @@ pub async fn run(
         }
     };
     let tenants = Tenants::resolve(&config)?;
-    if config.wait_for_replicas > 0 && (config.store == "memory" || is_postgres(&config.store)) {
-        return Err(StartError::Setting(
-            "--wait-for-replicas needs a Redis store".to_owned(),
-        ));
-    }
-    if config.redis_pack_records && (config.store == "memory" || is_postgres(&config.store)) {
-        return Err(StartError::Setting(
-            "--redis-pack-records needs a Redis store".to_owned(),
-        ));
+    // Settings of the Redis store alone.
+    let on_redis = config.store != "memory" && !is_postgres(&config.store);
+    for (set, flag) in [
+        (config.wait_for_replicas > 0, "--wait-for-replicas"),
+        (config.redis_pack_records, "--redis-pack-records"),
+    ] {
+        if set && !on_redis {
+            return Err(StartError::Setting(format!("{flag} needs a Redis store")));
+        }
     }
     let (router, drain) = store_router(&config, &tenants, upstream.clone()).await?;
     let started = Started {

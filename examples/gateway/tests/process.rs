@@ -375,7 +375,10 @@ fn invalid_flags_are_one_line_errors_not_panics() {
         assert_eq!(output.status.code(), Some(2), "{flag}");
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(
-            stderr.contains("needs a Redis store") && !stderr.contains("panicked"),
+            stderr.contains(&format!(
+                "{} needs a Redis store",
+                flag.split('=').next().unwrap_or(flag)
+            )) && !stderr.contains("panicked"),
             "{stderr}"
         );
     }
