@@ -461,12 +461,7 @@ async fn paused_redis_answers_503_within_the_timeout_and_recovers_on(packed: boo
     }
     let runs_before = app.runs.load(Ordering::SeqCst);
 
-    server.pause();
-    let started = Instant::now();
-    let reply = call(&app.router, "/orders", "during", "{}").await;
-    let elapsed = started.elapsed();
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(reply.code.as_deref(), Some("idempotency_store_unavailable"));
+    let elapsed = call_while_paused(&server, &app).await;
     assert!(
         elapsed < Duration::from_millis(1500),
         "answered after {elapsed:?}"
@@ -498,6 +493,19 @@ async fn paused_redis_answers_503_within_the_timeout_and_recovers_on(packed: boo
     assert!(call(&app.router, "/orders", "warm-0", "{}").await.replayed);
 }
 
+/// Pauses `server` and sends the keyed request `during`, which must be
+/// answered `503 idempotency_store_unavailable`; how long that took. The
+/// caller resumes the server.
+async fn call_while_paused(server: &RedisServer, app: &App) -> Duration {
+    server.pause();
+    let started = Instant::now();
+    let reply = call(&app.router, "/orders", "during", "{}").await;
+    let elapsed = started.elapsed();
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(reply.code.as_deref(), Some("idempotency_store_unavailable"));
+    elapsed
+}
+
 /// The layer trusts a store's own bound only within its own timeout: a
 /// Redis store whose timeout is longer than the layer's still answers by
 /// the layer's.
@@ -513,13 +521,8 @@ async fn the_layers_timeout_holds_when_the_stores_is_longer() {
     let app = app(store);
     let warm = call(&app.router, "/orders", "warm", "{}").await;
     assert_eq!(warm.status, StatusCode::CREATED);
-    server.pause();
-    let started = Instant::now();
-    let reply = call(&app.router, "/orders", "during", "{}").await;
-    let elapsed = started.elapsed();
+    let elapsed = call_while_paused(&server, &app).await;
     server.resume();
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(reply.code.as_deref(), Some("idempotency_store_unavailable"));
     assert!(
         elapsed < Duration::from_secs(10),
         "answered after {elapsed:?}, by the store's 30 s bound instead of the layer's 300 ms"
