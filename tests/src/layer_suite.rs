@@ -16,7 +16,7 @@ use axum::{Router, extract::Path, routing::post};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
-use idem_core::{Reservation, ReserveRequest, Scope, Store};
+use idem_core::{Reservation, ReserveRequest, Scope, ScopeHash, ScopeSecret, Store};
 use idem_layer::{IdempotencyContext, IdempotencyLayer, TenantFromHeader};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
@@ -475,6 +475,62 @@ pub async fn lapsed_lease_is_taken_over<S: Store>(store: S) {
     assert_eq!(app.runs(), 1);
 }
 
+/// A layer with a scope secret stores its records under the keyed hash of
+/// the scope (IDEM-01) and under no unkeyed one; it replays them, and so
+/// does another layer with the same secret, through HTTP and the records
+/// API. A layer without the secret, or with another, on the same store
+/// does not find them: its request runs again, which is why every
+/// instance sharing a store must hash alike.
+pub async fn keyed_scopes_are_their_own_records<S: Store>(store: S) {
+    let store = Arc::new(store);
+    let secret = || ScopeSecret::new(&[0x5c; 32]).expect("secret");
+    let keyed = |store: &Arc<S>| App::layer(Arc::clone(store)).scope_secret(secret());
+    let app = App::with_layer(keyed(&store));
+    let first = app.post("/orders", "keyed", "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = app.post("/orders", "keyed", "{}").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.runs(), 1);
+
+    let keyed_hash = ScopeHash::keyed(&secret(), &app.tenant, "POST /orders", "keyed");
+    let record = store.get(&keyed_hash).await.expect("get");
+    assert_eq!(record.map(|r| r.scope), Some(keyed_hash));
+    let unkeyed_hash = ScopeHash::of(&app.tenant, "POST /orders", "keyed");
+    assert!(store.get(&unkeyed_hash).await.expect("get").is_none());
+    let shown = app
+        .records("GET", "?method=POST&path=/orders&key=keyed")
+        .await;
+    assert_eq!(shown.status, StatusCode::OK);
+
+    // Another instance with the same secret replays.
+    let same = App {
+        tenant: app.tenant.clone(),
+        ..App::with_layer(keyed(&store))
+    };
+    let replayed = same.post("/orders", "keyed", "{}").await;
+    assert!(replayed.replayed());
+    assert_eq!(replayed.body, first.body);
+    assert_eq!(same.runs(), 0);
+
+    // An unkeyed instance, and one with another secret, see other scopes.
+    let other = ScopeSecret::new(&[0x36; 32]).expect("secret");
+    for layer in [
+        App::layer(Arc::clone(&store)),
+        App::layer(Arc::clone(&store)).scope_secret(other),
+    ] {
+        let stranger = App {
+            tenant: app.tenant.clone(),
+            ..App::with_layer(layer)
+        };
+        let ran = stranger.post("/orders", "keyed", "{}").await;
+        assert_eq!(ran.status, StatusCode::CREATED);
+        assert!(!ran.replayed());
+        assert_eq!(stranger.runs(), 1);
+    }
+    assert!(store.get(&unkeyed_hash).await.expect("get").is_some());
+}
+
 /// Expands to one test per layer check, on the store the closure makes,
 /// with whatever must live as long as the test (its server); `None` skips
 /// (a server not installed, outside CI).
@@ -491,7 +547,8 @@ macro_rules! layer_tests {
             failures_release_the_key,
             oversized_responses_are_not_replayed,
             cancel_fences_the_running_attempt,
-            records_api_shows_and_lists
+            records_api_shows_and_lists,
+            keyed_scopes_are_their_own_records
         );
     };
     (@each $make:expr; $($name:ident),* $(,)?) => {

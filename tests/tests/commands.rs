@@ -199,3 +199,35 @@ async fn on_postgres() {
     store.migrate().await.expect("migrate");
     suite(store).await;
 }
+
+/// A layer with a scope secret runs a command under the keyed hash of its
+/// scope (the command's own is unkeyed), and replays it from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_layer_runs_commands_under_the_keyed_scope() {
+    let secret = || idem_core::ScopeSecret::new(&[0x42; 32]).expect("secret");
+    let layer = IdempotencyLayer::new(idem_memory::MemoryStore::new()).scope_secret(secret());
+    let command = charge("keyed", 500);
+    let runs = AtomicUsize::new(0);
+    for expected_ran in [true, false] {
+        let done: Outcome = layer
+            .run(&command, |_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok(Receipt { id: 1, cents: 500 })
+            })
+            .await;
+        let done = done.expect("done");
+        assert_eq!(matches!(done, Done::Ran(_)), expected_ran, "{done:?}");
+        assert_eq!(done.into_inner(), Receipt { id: 1, cents: 500 });
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let scope = command.scope();
+    let keyed = idem_core::ScopeHash::keyed(
+        &secret(),
+        scope.tenant(),
+        scope.operation(),
+        scope.key().as_str(),
+    );
+    let store = layer.store();
+    assert!(store.get(&keyed).await.expect("get").is_some());
+    assert!(store.get(scope.hash()).await.expect("get").is_none());
+}

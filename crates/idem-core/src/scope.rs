@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
 use crate::IdempotencyKey;
@@ -19,15 +20,32 @@ pub struct Scope {
 }
 
 impl Scope {
-    /// Builds a scope and computes its hash.
+    /// Builds a scope and computes its unkeyed hash ([`ScopeHash::of`]).
     pub fn new(
+        tenant: impl Into<String>,
+        operation: impl Into<String>,
+        key: IdempotencyKey,
+    ) -> Self {
+        Self::hashed(None, tenant, operation, key)
+    }
+
+    /// Builds a scope and computes its hash: keyed under `secret`
+    /// ([`ScopeHash::keyed`]) when there is one, else unkeyed
+    /// ([`ScopeHash::of`]). The two hashes of one scope differ, so a store
+    /// holds one scope's records under each: every instance sharing a
+    /// store must hash alike.
+    pub fn hashed(
+        secret: Option<&ScopeSecret>,
         tenant: impl Into<String>,
         operation: impl Into<String>,
         key: IdempotencyKey,
     ) -> Self {
         let tenant = tenant.into();
         let operation = operation.into();
-        let hash = ScopeHash::of(&tenant, &operation, key.as_str());
+        let hash = match secret {
+            Some(secret) => ScopeHash::keyed(secret, &tenant, &operation, key.as_str()),
+            None => ScopeHash::of(&tenant, &operation, key.as_str()),
+        };
         Self {
             tenant,
             operation,
@@ -54,6 +72,42 @@ impl Scope {
     /// The fixed-length hash that stores use as the record's identity.
     pub fn hash(&self) -> &ScopeHash {
         &self.hash
+    }
+
+    /// This scope's parts hashed as `secret` says (see [`Scope::hashed`]).
+    pub fn rehashed(&self, secret: Option<&ScopeSecret>) -> Self {
+        Self::hashed(
+            secret,
+            self.tenant.clone(),
+            self.operation.clone(),
+            self.key.clone(),
+        )
+    }
+}
+
+/// The secret key of keyed scope hashes ([`ScopeHash::keyed`]): the same on
+/// every instance sharing a store. Its `Debug` form never shows it.
+#[derive(Clone)]
+pub struct ScopeSecret(Hmac<Sha256>);
+
+impl ScopeSecret {
+    /// The fewest bytes a secret may have: shorter ones are refused.
+    pub const MIN_BYTES: usize = 16;
+
+    /// Keys scope hashes with `secret` (at least [`MIN_BYTES`](Self::MIN_BYTES)
+    /// random bytes; 32 are plenty), or `None` when it is shorter.
+    pub fn new(secret: &[u8]) -> Option<Self> {
+        if secret.len() < Self::MIN_BYTES {
+            return None;
+        }
+        // HMAC takes keys of every length.
+        <Hmac<Sha256> as Mac>::new_from_slice(secret).ok().map(Self)
+    }
+}
+
+impl fmt::Debug for ScopeSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ScopeSecret(<secret>)")
     }
 }
 
@@ -152,14 +206,17 @@ macro_rules! digest_type {
     };
 }
 
-/// SHA-256 of a scope's three parts, each length-prefixed, so that no key can
-/// collide with or reach into another tenant's records or the store's key
-/// syntax.
+/// A fixed-length hash of a scope's three parts, each length-prefixed, so
+/// that no key can collide with or reach into another tenant's records or
+/// the store's key syntax: HMAC-SHA256 under a [`ScopeSecret`]
+/// ([`keyed`](Self::keyed)), or SHA-256 ([`of`](Self::of)).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ScopeHash([u8; 32]);
 
 impl ScopeHash {
-    /// Hashes the three parts of a scope.
+    /// Hashes the three parts of a scope with SHA-256, unkeyed: anyone who
+    /// knows the parts can compute it (the form of every version before
+    /// keyed hashes, and still the default).
     pub fn of(tenant: &str, operation: &str, key: &str) -> Self {
         let mut hasher = Sha256::new();
         hasher.update(b"idem-scope-v1");
@@ -168,6 +225,20 @@ impl ScopeHash {
             hasher.update(part.as_bytes());
         }
         Self(hasher.finalize().into())
+    }
+
+    /// Hashes the three parts of a scope with HMAC-SHA256 under `secret`:
+    /// without the secret nobody can compute a scope's hash, so nobody can
+    /// aim keys at one shard, table bucket or cluster slot, nor test a
+    /// guess of a tenant against what is stored.
+    pub fn keyed(secret: &ScopeSecret, tenant: &str, operation: &str, key: &str) -> Self {
+        let mut mac = secret.0.clone();
+        mac.update(b"idem-scope-keyed-v1");
+        for part in [tenant, operation, key] {
+            mac.update(&(part.len() as u64).to_be_bytes());
+            mac.update(part.as_bytes());
+        }
+        Self(mac.finalize().into_bytes().into())
     }
 }
 
@@ -205,6 +276,58 @@ mod tests {
         assert_eq!(
             Fingerprint::from_hex(&Fingerprint::from_bytes(bytes).to_hex()),
             Some(Fingerprint::from_bytes(bytes))
+        );
+    }
+
+    fn key(text: &str) -> IdempotencyKey {
+        IdempotencyKey::parse(text.as_bytes()).expect("key")
+    }
+
+    /// Both forms are stored as record identities: a change to either
+    /// makes every record written before it unreachable, so each is pinned
+    /// to a value computed elsewhere (Python's `hashlib` and `hmac` over
+    /// the label and the three parts, each after its length as a big-endian
+    /// u64).
+    #[test]
+    fn scope_hashes_are_pinned() {
+        let unkeyed = Scope::new("acme", "POST /orders", key("order-1"));
+        assert_eq!(
+            unkeyed.hash().to_hex(),
+            "f25f62b7ae0cd1627293e55048b4c4ccf7c64dd44f4c0f7dadbe55655d019da6"
+        );
+        let secret = ScopeSecret::new(b"0123456789abcdef0123456789abcdef").expect("secret");
+        let keyed = Scope::hashed(Some(&secret), "acme", "POST /orders", key("order-1"));
+        assert_eq!(
+            keyed.hash().to_hex(),
+            "238b1e7fc6d126915aa9177dac9e6b7ff7ab951a59c54a6dc4f653cfc71d51d1"
+        );
+        assert_eq!(
+            ScopeHash::keyed(&secret, "acme", "POST /orders", "order-2").to_hex(),
+            "a4ea1c1c9117672f59963a0bc9b7e6946c514b5b2bacdf41941e183f528e7205"
+        );
+        assert_eq!(unkeyed.rehashed(Some(&secret)).hash(), keyed.hash());
+        assert_eq!(keyed.rehashed(None).hash(), unkeyed.hash());
+        assert_eq!(keyed.tenant(), "acme");
+        assert_eq!(keyed.key().as_str(), "order-1");
+    }
+
+    #[test]
+    fn secrets_are_long_distinct_and_never_shown() {
+        assert!(ScopeSecret::new(&[7; ScopeSecret::MIN_BYTES - 1]).is_none());
+        assert!(ScopeSecret::new(b"").is_none());
+        let one = ScopeSecret::new(&[7; ScopeSecret::MIN_BYTES]).expect("secret");
+        let other = ScopeSecret::new(&[8; ScopeSecret::MIN_BYTES]).expect("secret");
+        let parts = ("acme", "POST /orders", "order-1");
+        assert_ne!(
+            ScopeHash::keyed(&one, parts.0, parts.1, parts.2),
+            ScopeHash::keyed(&other, parts.0, parts.1, parts.2)
+        );
+        assert_eq!(format!("{one:?}"), "ScopeSecret(<secret>)");
+        // Length prefixes keep the parts apart: moving a byte from one
+        // part to the next is another scope.
+        assert_ne!(
+            ScopeHash::keyed(&one, "ab", "c", "k"),
+            ScopeHash::keyed(&one, "a", "bc", "k")
         );
     }
 }

@@ -100,7 +100,9 @@ impl Command {
         Self { scope, fingerprint }
     }
 
-    /// Its scope.
+    /// Its scope, with the unkeyed hash: a layer with a
+    /// [`scope_secret`](IdempotencyLayer::scope_secret) runs it under the
+    /// keyed hash of the same parts.
     pub fn scope(&self) -> &Scope {
         &self.scope
     }
@@ -215,7 +217,10 @@ impl<S: Store> IdempotencyLayer<S> {
         let config = &*self.runtime.config;
         config.validate().map_err(CommandError::Misconfigured)?;
         let request = ReserveRequest {
-            scope: command.scope.clone(),
+            scope: match &config.scope_secret {
+                Some(secret) => command.scope.rehashed(Some(secret)),
+                None => command.scope.clone(),
+            },
             fingerprint: command.fingerprint,
             lease: config.lease,
             retention: config.retention,

@@ -83,6 +83,8 @@ pub(crate) struct Config {
     pub(crate) problem_hook: Option<Arc<ProblemHook>>,
     /// SHA-256 of the records API's admin credential, if one is set.
     pub(crate) admin_token: Option<[u8; 32]>,
+    /// The key of scope hashes; none: unkeyed.
+    pub(crate) scope_secret: Option<idem_core::ScopeSecret>,
 }
 
 impl Config {

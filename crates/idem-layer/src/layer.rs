@@ -97,6 +97,7 @@ impl<S: Store> IdempotencyLayer<S> {
             problem_type_base: None,
             problem_hook: None,
             admin_token: None,
+            scope_secret: None,
         };
         Self {
             runtime: Runtime::new(store, config),
@@ -220,6 +221,32 @@ impl<S: Store> IdempotencyLayer<S> {
         use sha2::Digest;
         let digest: [u8; 32] = sha2::Sha256::digest(token.as_ref()).into();
         self.with(|c| c.admin_token = Some(digest))
+    }
+
+    /// Keys every scope hash (the record's identity in the store) with
+    /// `secret`, HMAC-SHA256 as IDEM-01 asks: without the secret, nobody can
+    /// compute where a scope's record lives, aim keys at one shard or
+    /// table bucket, or test a guessed tenant against the store. Give every
+    /// instance sharing a store the same secret (like a database password).
+    ///
+    /// Default: unkeyed (SHA-256), the form of every earlier version. The
+    /// two forms give every scope a different identity, so switching an
+    /// existing deployment makes the records written before the switch
+    /// unreachable: a retry of a request made before it runs again. Switch
+    /// on a new store (for Redis, a new key prefix), or when no retry of an
+    /// earlier request can come any more; never with instances of both
+    /// kinds on one store. A memory store lives in its process only, so it
+    /// can take a new secret at every start.
+    ///
+    /// ```
+    /// use idem_layer::{IdempotencyLayer, ScopeSecret};
+    /// use idem_memory::MemoryStore;
+    ///
+    /// let secret = ScopeSecret::new(b"32 random bytes from your vault..").expect("16 bytes or more");
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_secret(secret);
+    /// ```
+    pub fn scope_secret(self, secret: idem_core::ScopeSecret) -> Self {
+        self.with(|c| c.scope_secret = Some(secret))
     }
 
     /// The timeout of every store call (default 1 s). A store that bounds

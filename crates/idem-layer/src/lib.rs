@@ -134,6 +134,7 @@ pub use headers::{HOP_BY_HOP, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 /// needs no direct idem-core dependency.
 pub use idem_core::{
     Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeHash,
+    ScopeSecret,
 };
 pub use layer::IdempotencyLayer;
 pub use path::normalize_path;

@@ -238,7 +238,8 @@ impl<S: Store> RecordsService<S> {
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| (ProblemCode::KeyInvalid, e.to_string()))?;
         let operation = operation_name(&method.to_ascii_uppercase(), &crate::normalize_path(path));
-        Ok(*Scope::new(tenant, operation, key).hash())
+        let secret = self.rt.config.scope_secret.as_ref();
+        Ok(*Scope::hashed(secret, tenant, operation, key).hash())
     }
 
     fn list_query(tenant: Option<String>, query: &Query) -> Result<RecordQuery, Refusal> {

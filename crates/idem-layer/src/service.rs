@@ -237,7 +237,7 @@ where
             crate::fingerprint::fingerprint(&operation, &parts, &config.fingerprint_headers, &body)
         }
     };
-    let scope = Scope::new(tenant, operation, key);
+    let scope = Scope::hashed(config.scope_secret.as_ref(), tenant, operation, key);
     let span =
         tracing::debug_span!("idempotency", scope = %scope.hash(), operation = scope.operation());
     let reserve = ReserveRequest {

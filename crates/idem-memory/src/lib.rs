@@ -242,22 +242,32 @@ type Map<V> = HashMap<ScopeHash, V, BuildHasherDefault<ScopeHasher>>;
 /// A shard's records, found by the scope each record holds: an entry is
 /// one pointer, not the scope hash again beside it (32 bytes less per
 /// record, before the table's spare room).
+/// One shard's records, found by a keyed hash of their scope hash.
 #[derive(Default)]
-struct Records(hashbrown::HashTable<Box<Option<Record>>>);
+struct Records {
+    table: hashbrown::HashTable<Box<Option<Record>>>,
+    /// Keyed at random per table: a caller who can compute scope hashes
+    /// (they are unkeyed unless the layer has a scope secret) still cannot
+    /// pick keys whose records share one bucket and lengthen every lookup
+    /// in it, nor learn where a record sits.
+    hasher: std::hash::RandomState,
+}
 
 impl std::fmt::Debug for Records {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Records")
-            .field("len", &self.0.len())
+            .field("len", &self.table.len())
             .finish()
     }
 }
 
-/// The table's hash of a scope: its first eight bytes (it is uniform).
-fn scope_hash(scope: &ScopeHash) -> u64 {
+/// The table's hash of a scope: its first eight bytes under the table's
+/// key.
+fn scope_hash(hasher: &std::hash::RandomState, scope: &ScopeHash) -> u64 {
+    use std::hash::BuildHasher;
     let mut word = [0u8; 8];
     word.copy_from_slice(&scope.as_bytes()[..8]);
-    u64::from_le_bytes(word)
+    hasher.hash_one(u64::from_le_bytes(word))
 }
 
 /// The scope a slot holds; an emptied slot (only ever the one being
@@ -268,28 +278,33 @@ fn slot_scope(slot: &Option<Record>) -> Option<&ScopeHash> {
 
 impl Records {
     fn get(&self, scope: &ScopeHash) -> Option<&Option<Record>> {
-        self.0
-            .find(scope_hash(scope), |slot| slot_scope(slot) == Some(scope))
+        self.table
+            .find(scope_hash(&self.hasher, scope), |slot| {
+                slot_scope(slot) == Some(scope)
+            })
             .map(|slot| &**slot)
     }
 
     fn get_mut(&mut self, scope: &ScopeHash) -> Option<&mut Option<Record>> {
-        self.0
-            .find_mut(scope_hash(scope), |slot| slot_scope(slot) == Some(scope))
+        self.table
+            .find_mut(scope_hash(&self.hasher, scope), |slot| {
+                slot_scope(slot) == Some(scope)
+            })
             .map(|slot| &mut **slot)
     }
 
     fn insert(&mut self, record: Record) {
-        let hash = scope_hash(&record.scope);
-        self.0.insert_unique(hash, Box::new(Some(record)), |slot| {
-            slot_scope(slot).map_or(0, scope_hash)
+        let Self { table, hasher } = self;
+        let hash = scope_hash(hasher, &record.scope);
+        table.insert_unique(hash, Box::new(Some(record)), |slot| {
+            slot_scope(slot).map_or(0, |scope| scope_hash(hasher, scope))
         });
     }
 
     /// Removes the record of `scope`, or the emptied slot that held it.
     fn remove(&mut self, scope: &ScopeHash) -> Option<Box<Option<Record>>> {
-        self.0
-            .find_entry(scope_hash(scope), |slot| {
+        self.table
+            .find_entry(scope_hash(&self.hasher, scope), |slot| {
                 slot_scope(slot).is_none_or(|held| held == scope)
             })
             .ok()
@@ -297,11 +312,11 @@ impl Records {
     }
 
     fn len(&self) -> usize {
-        self.0.len()
+        self.table.len()
     }
 
     fn values(&self) -> impl Iterator<Item = &Option<Record>> {
-        self.0.iter().map(|slot| &**slot)
+        self.table.iter().map(|slot| &**slot)
     }
 }
 
@@ -803,5 +818,37 @@ impl Store for MemoryStore {
         {
             state.waiters.remove(scope);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table's hash of a scope is keyed per table: two tables place one
+    /// scope apart, and neither at the bucket its raw bytes would name,
+    /// so scopes chosen for their hash bytes do not pile into one bucket.
+    #[test]
+    fn table_hashes_are_keyed() {
+        let (one, other) = (Records::default(), Records::default());
+        let scope = ScopeHash::from_bytes([0xa5; 32]);
+        let raw = u64::from_le_bytes([0xa5; 8]);
+        let hashes = [
+            scope_hash(&one.hasher, &scope),
+            scope_hash(&other.hasher, &scope),
+        ];
+        assert_ne!(hashes[0], hashes[1]);
+        assert!(!hashes.contains(&raw));
+        // Scopes alike in the bytes a shard and a bucket were taken from
+        // still spread: 256 scopes sharing their first 8 bytes' low 16
+        // bits land on many of 64 buckets.
+        let buckets: std::collections::HashSet<u64> = (0..=255u8)
+            .map(|i| {
+                let mut bytes = [0u8; 32];
+                bytes[2] = i;
+                scope_hash(&one.hasher, &ScopeHash::from_bytes(bytes)) & 63
+            })
+            .collect();
+        assert!(buckets.len() > 32, "{} buckets", buckets.len());
     }
 }
