@@ -398,6 +398,65 @@ async fn no_record_field_is_an_unkeyed_hash_of_a_credential() {
     }
 }
 
+/// With `--keyed-scopes`, a gateway on Redis stores each record under the
+/// keyed hash of its scope (HMAC-SHA256 under a key derived from the
+/// tenant secret) and under no unkeyed one; another gateway with the same
+/// secret replays it, one without the flag does not find it and runs the
+/// request again (why every gateway on a store must agree).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_scopes_hide_where_records_live() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let secret = "a deployment secret of the test";
+    let common = ["--store", url.as_str(), "--tenant-header", "x-tenant"];
+    let keyed_flags = [&common[..], &["--tenant-secret", secret, "--keyed-scopes"]].concat();
+    let keyed = start_gateway(&origin, &keyed_flags).await;
+    let order = |addr: std::net::SocketAddr| {
+        Request::post(format!("http://{addr}/orders"))
+            .header("idempotency-key", "keyed-1")
+            .header("x-tenant", "acme")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"sku\":\"book\"}")))
+            .expect("request")
+    };
+    let first = send(&client(), order(keyed.addr)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(upstream.runs(), 1);
+
+    let scope_secret = idem_gateway::scope_secret(secret.as_bytes());
+    let record_key = |hash: idem_core::ScopeHash| format!("idem:{{{hash}}}");
+    let keyed_hash = idem_core::ScopeHash::keyed(&scope_secret, "acme", "POST /orders", "keyed-1");
+    let unkeyed_hash = idem_core::ScopeHash::of("acme", "POST /orders", "keyed-1");
+    let exists = |key: String| redis.cli(&["EXISTS", &key]).trim() == "1";
+    assert!(
+        exists(record_key(keyed_hash)),
+        "{:?}",
+        redis_contents(&redis)
+    );
+    assert!(!exists(record_key(unkeyed_hash)));
+
+    let again = start_gateway(&origin, &keyed_flags).await;
+    let replay = send(&client(), order(again.addr)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.runs(), 1);
+
+    let unkeyed = start_gateway(
+        &origin,
+        &[&common[..], &["--tenant-secret", secret]].concat(),
+    )
+    .await;
+    let ran = send(&client(), order(unkeyed.addr)).await;
+    assert_eq!(ran.status, StatusCode::CREATED);
+    assert!(!ran.replayed());
+    assert_eq!(upstream.runs(), 2);
+    assert!(exists(record_key(unkeyed_hash)));
+}
+
 /// One tenant floods the memory store: it is held to its quota (429 with
 /// a Retry-After of about the retention), while another tenant's new keys
 /// keep working.

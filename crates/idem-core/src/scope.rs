@@ -103,6 +103,15 @@ impl ScopeSecret {
         // HMAC takes keys of every length.
         <Hmac<Sha256> as Mac>::new_from_slice(secret).ok().map(Self)
     }
+
+    /// Keys scope hashes with 32 secret bytes (a key drawn at random or
+    /// derived from another secret), which are always long enough.
+    pub fn from_bytes(secret: &[u8; 32]) -> Self {
+        // HMAC pads a key shorter than its block with zeros.
+        let mut block = [0u8; 64];
+        block[..32].copy_from_slice(secret);
+        Self(<Hmac<Sha256> as Mac>::new(&block.into()))
+    }
 }
 
 impl fmt::Debug for ScopeSecret {
@@ -323,6 +332,16 @@ mod tests {
             ScopeHash::keyed(&other, parts.0, parts.1, parts.2)
         );
         assert_eq!(format!("{one:?}"), "ScopeSecret(<secret>)");
+        let bytes = [9u8; 32];
+        assert_eq!(
+            ScopeHash::keyed(&ScopeSecret::from_bytes(&bytes), parts.0, parts.1, parts.2),
+            ScopeHash::keyed(
+                &ScopeSecret::new(&bytes).expect("secret"),
+                parts.0,
+                parts.1,
+                parts.2
+            )
+        );
         // Length prefixes keep the parts apart: moving a byte from one
         // part to the next is another scope.
         assert_ne!(

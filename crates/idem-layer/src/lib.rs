@@ -58,6 +58,10 @@
 //! * A panicking handler, or a response body that fails mid-stream, releases
 //!   the key and answers `500 handler_failed`.
 //! * A request body that cannot be read answers `400 request_body_invalid`.
+//! * Scope hashes are keyed (HMAC-SHA256, IDEM-01) once the layer has a
+//!   [`scope_secret`](IdempotencyLayer::scope_secret); without one they are
+//!   the unkeyed SHA-256 of earlier versions, so that an upgrade finds the
+//!   records written before it.
 //! * A released key (after a temporary failure) is free again for any
 //!   payload: the next request starts a new attempt.
 //! * If the outcome cannot be recorded because the store failed after the

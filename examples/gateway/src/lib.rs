@@ -139,6 +139,9 @@ pub struct Config {
     /// Write new keys' records on Redis packed: fewer fields, about 15 % fewer Redis instructions per new key and its completion. Turn on once every gateway sharing the Redis runs this version (earlier versions cannot read packed records); turning it off is safe at any time.
     #[arg(long, env = "IDEM_REDIS_PACK_RECORDS", action = ArgAction::SetTrue)]
     pub redis_pack_records: bool,
+    /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on for a new store (or key prefix), or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
+    #[arg(long, env = "IDEM_KEYED_SCOPES", action = ArgAction::SetTrue)]
+    pub keyed_scopes: bool,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
     #[arg(long, env = "IDEM_FORWARDED", default_value = "x-forwarded", value_parser = parse_forwarded)]
     pub forwarded: proxy::Forwarded,
@@ -393,6 +396,13 @@ pub async fn run(
         if set && !on_redis {
             return Err(StartError::Setting(format!("{flag} needs a Redis store")));
         }
+    }
+    if config.keyed_scopes && config.store != "memory" && tenants.generated {
+        return Err(StartError::Setting(
+            "--keyed-scopes needs --tenant-secret or --tenant-secret-file: a secret generated \
+             at start changes at every start, and every record would be lost with it"
+                .to_owned(),
+        ));
     }
     let (router, drain) = store_router(&config, &tenants, upstream.clone()).await?;
     let started = Started {
@@ -713,6 +723,22 @@ impl Tenants {
     }
 }
 
+/// The key of a gateway's scope hashes (`--keyed-scopes`): HMAC-SHA256 of a
+/// fixed label under the tenant secret, so that one secret serves both
+/// and neither hash can be computed from the other.
+pub fn scope_secret(tenant_secret: &[u8]) -> idem_layer::ScopeSecret {
+    use hmac::{Hmac, Mac};
+    // HMAC takes keys of every length: the fallback is not reached.
+    let derived: [u8; 32] = match <Hmac<sha2::Sha256> as Mac>::new_from_slice(tenant_secret) {
+        Ok(mut mac) => {
+            mac.update(b"idem-gateway scope secret v1");
+            mac.finalize().into_bytes().into()
+        }
+        Err(_) => <sha2::Sha256 as sha2::Digest>::digest(tenant_secret).into(),
+    };
+    idem_layer::ScopeSecret::from_bytes(&derived)
+}
+
 /// Says what a generated tenant secret means for this store.
 fn generated_secret_warning(store: &str) {
     if store == "memory" {
@@ -761,6 +787,11 @@ fn layer<S: Store>(
     };
     if let Some(token) = &config.records_admin_token {
         layer = layer.records_admin_token(token.as_bytes());
+    }
+    // The memory store's records live in this process only: keying their
+    // scopes changes no stored identity.
+    if config.keyed_scopes || config.store == "memory" {
+        layer = layer.scope_secret(scope_secret(&tenants.secret));
     }
     layer.validate()?;
     Ok(layer)

@@ -382,6 +382,19 @@ fn invalid_flags_are_one_line_errors_not_panics() {
             "{stderr}"
         );
     }
+    // Keyed scopes on a store that outlives the process, with a tenant
+    // secret that would be generated anew at every start.
+    let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+        .args(["--keyed-scopes", "--store", "redis://127.0.0.1:1"])
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .expect("run");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--keyed-scopes needs --tenant-secret") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
 }
 
 /// An upstream whose next connection is accepted and then held unread: the
