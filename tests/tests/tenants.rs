@@ -365,7 +365,8 @@ async fn no_record_field_is_an_unkeyed_hash_of_a_credential() {
             "--tenant-secret",
             "a deployment secret of the test",
         ],
-        vec!["--store", url.as_str()],
+        // A generated secret: another identity, which must take the store.
+        vec!["--store", url.as_str(), "--replace-store-identity"],
     ] {
         let gateway = start_gateway(&origin, &flags).await;
         let key = format!("basic-{}", flags.len());
@@ -401,8 +402,9 @@ async fn no_record_field_is_an_unkeyed_hash_of_a_credential() {
 /// With `--keyed-scopes`, a gateway on Redis stores each record under the
 /// keyed hash of its scope (HMAC-SHA256 under a key derived from the
 /// tenant secret) and under no unkeyed one; another gateway with the same
-/// secret replays it, one without the flag does not find it and runs the
-/// request again (why every gateway on a store must agree).
+/// secret replays it. One without the flag is refused; made to take the
+/// store over, it does not find the record and runs the request again
+/// (why every gateway on a store must agree).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_scopes_hide_where_records_live() {
     let Some(redis) = RedisServer::spawn() else {
@@ -445,16 +447,138 @@ async fn keyed_scopes_hide_where_records_live() {
     assert_eq!(replay.body, first.body);
     assert_eq!(upstream.runs(), 1);
 
-    let unkeyed = start_gateway(
-        &origin,
-        &[&common[..], &["--tenant-secret", secret]].concat(),
-    )
-    .await;
+    let unkeyed_flags = [&common[..], &["--tenant-secret", secret]].concat();
+    let refused = try_start(&origin, &unkeyed_flags).await;
+    assert!(refused.is_err(), "an unkeyed gateway joined a keyed store");
+    let replacing = [&unkeyed_flags[..], &["--replace-store-identity"]].concat();
+    let unkeyed = start_gateway(&origin, &replacing).await;
     let ran = send(&client(), order(unkeyed.addr)).await;
     assert_eq!(ran.status, StatusCode::CREATED);
     assert!(!ran.replayed());
     assert_eq!(upstream.runs(), 2);
     assert!(exists(record_key(unkeyed_hash)));
+}
+
+/// The gateway on Redis: the start or error of a gateway with these flags.
+async fn try_start(
+    origin: &TestServer,
+    flags: &[&str],
+) -> Result<idem_gateway::Started, idem_gateway::StartError> {
+    let config = idem_tests::gateway_config(origin.addr, flags);
+    let (started, stop, _task) = idem_gateway::start(config).await?;
+    std::mem::forget(stop);
+    Ok(started)
+}
+
+/// Gateways that derive tenants or scopes differently cannot share a
+/// Redis: the first claims it (a marker living as long as the retention),
+/// and one with another tenant secret, another tenant source or other
+/// scope hashing refuses to start, since a retry moving between them would
+/// run again. A secret that derives nothing (tenants from a header,
+/// unkeyed scopes) may differ. `--replace-store-identity` takes the store
+/// over; the old settings are then refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_that_derive_tenants_differently_cannot_share_a_store() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let store = ["--store", url.as_str()];
+    let with = |extra: &[&'static str]| -> Vec<&str> { [&store[..], extra].concat() };
+    let first_flags = with(&["--tenant-secret", "the fleet's secret, 0001"]);
+    let first = try_start(&origin, &first_flags)
+        .await
+        .expect("the first claims the store");
+    let ttl: i64 = redis
+        .cli(&["PTTL", "idem:identity"])
+        .trim()
+        .parse()
+        .expect("ttl");
+    let day: i64 = 24 * 3600 * 1000;
+    assert!(ttl > day - 60_000 && ttl <= day, "identity TTL {ttl} ms");
+    let created = post(first.addr, "fleet-1", "Bearer token-f").await;
+    assert_eq!(created.status, StatusCode::CREATED);
+
+    // The same settings join; their records are shared.
+    let same = try_start(&origin, &first_flags)
+        .await
+        .expect("same settings start");
+    assert!(
+        post(same.addr, "fleet-1", "Bearer token-f")
+            .await
+            .replayed()
+    );
+    for (refused, why) in [
+        (
+            with(&["--tenant-secret", "another secret, 00000002"]),
+            "another secret",
+        ),
+        (with(&[]), "a generated secret"),
+        (
+            with(&[
+                "--tenant-secret",
+                "the fleet's secret, 0001",
+                "--keyed-scopes",
+            ]),
+            "keyed scopes",
+        ),
+        (
+            with(&[
+                "--tenant-secret",
+                "the fleet's secret, 0001",
+                "--tenant-header",
+                "x-t",
+            ]),
+            "another tenant source",
+        ),
+    ] {
+        let error = try_start(&origin, &refused).await.expect_err(why);
+        assert!(
+            error.to_string().contains("--replace-store-identity"),
+            "{why}: {error}"
+        );
+    }
+    assert_eq!(upstream.runs(), 1);
+
+    // Header tenants with unkeyed scopes use no secret: it may differ.
+    let other = RedisServer::spawn().expect("a second redis");
+    let other_url = other.url();
+    for secret in [
+        "one secret of the header fleet",
+        "another secret of the fleet",
+    ] {
+        let flags = [
+            "--store",
+            &other_url,
+            "--tenant-header",
+            "x-t",
+            "--tenant-secret",
+            secret,
+        ];
+        try_start(&origin, &flags)
+            .await
+            .expect("the secret derives nothing");
+    }
+
+    // Taking the store over; then the old settings are refused.
+    let replacing = with(&[
+        "--tenant-secret",
+        "another secret, 00000002",
+        "--replace-store-identity",
+    ]);
+    let taken = try_start(&origin, &replacing).await.expect("replaced");
+    let ran = post(taken.addr, "fleet-1", "Bearer token-f").await;
+    assert!(!ran.replayed(), "another secret is another tenant");
+    assert_eq!(upstream.runs(), 2);
+    let error = try_start(&origin, &first_flags)
+        .await
+        .expect_err("the old settings");
+    assert!(
+        error.to_string().contains("--replace-store-identity"),
+        "{error}"
+    );
 }
 
 /// One tenant floods the memory store: it is held to its quota (429 with

@@ -233,7 +233,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// two forms give every scope a different identity, so switching an
     /// existing deployment makes the records written before the switch
     /// unreachable: a retry of a request made before it runs again. Switch
-    /// on a new store (for Redis, a new key prefix), or when no retry of an
+    /// in a new deployment, or when no retry of an
     /// earlier request can come any more; never with instances of both
     /// kinds on one store. A memory store lives in its process only, so it
     /// can take a new secret at every start.

@@ -203,6 +203,52 @@ impl RedisStore {
         key
     }
 
+    /// The Redis key of the store's identity marker (see
+    /// [`claim_identity`](Self::claim_identity)); no record key looks like
+    /// it.
+    pub fn identity_key(&self) -> String {
+        format!("{}identity", self.prefix)
+    }
+
+    /// Claims the store for `marker`: a short text naming how the
+    /// instances sharing the store derive tenants and scopes (a keyed hash
+    /// of their secrets and settings). Instances that derive them
+    /// differently find no record of each other, so a retry that moves
+    /// between them runs again; each claims the store at start, and one
+    /// told [`IdentityClaim::Other`] should not serve.
+    ///
+    /// An unclaimed store, or one claimed with the same marker, is
+    /// claimed for `ttl` (the retention: as long as the newest record may
+    /// live), extended and never shortened. With `replace`, the marker
+    /// takes the store whatever it held.
+    pub async fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> Result<IdentityClaim, StoreError> {
+        let key = self.identity_key();
+        let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut set = redis::cmd("SET");
+        set.arg(&key).arg(marker).arg("PX").arg(millis);
+        if replace {
+            self.command::<Value>(set).await?;
+            return Ok(IdentityClaim::Held);
+        }
+        set.arg("NX").arg("GET");
+        let held: Option<String> = self.command(set).await?;
+        match held {
+            None => Ok(IdentityClaim::Held),
+            Some(held) if held == marker => {
+                let mut extend = redis::cmd("PEXPIRE");
+                extend.arg(&key).arg(millis).arg("GT");
+                self.command::<Value>(extend).await?;
+                Ok(IdentityClaim::Held)
+            }
+            Some(other) => Ok(IdentityClaim::Other(other)),
+        }
+    }
+
     /// Checks that the server answers (`PING`), within the timeout.
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.command(redis::cmd("PING")).await
@@ -219,6 +265,16 @@ impl RedisStore {
         collect_text(&info, &mut text);
         Ok(ServerSafety::from_info(&text))
     }
+}
+
+/// What [`RedisStore::claim_identity`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IdentityClaim {
+    /// The store is claimed for the marker given.
+    Held,
+    /// The store is claimed for another marker (this one).
+    Other(String),
 }
 
 /// What a Redis server says about keeping idem's records.

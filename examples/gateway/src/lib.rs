@@ -139,9 +139,12 @@ pub struct Config {
     /// Write new keys' records on Redis packed: fewer fields, about 15 % fewer Redis instructions per new key and its completion. Turn on once every gateway sharing the Redis runs this version (earlier versions cannot read packed records); turning it off is safe at any time.
     #[arg(long, env = "IDEM_REDIS_PACK_RECORDS", action = ArgAction::SetTrue)]
     pub redis_pack_records: bool,
-    /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on for a new store (or key prefix), or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
+    /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
     #[arg(long, env = "IDEM_KEYED_SCOPES", action = ArgAction::SetTrue)]
     pub keyed_scopes: bool,
+    /// Start even though the Redis holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source or --keyed-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start.
+    #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
+    pub replace_store_identity: bool,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
     #[arg(long, env = "IDEM_FORWARDED", default_value = "x-forwarded", value_parser = parse_forwarded)]
     pub forwarded: proxy::Forwarded,
@@ -512,9 +515,87 @@ async fn store_router(
     }
     let store = std::sync::Arc::new(builder.build()?);
     check_redis(&store, config.allow_redis_eviction).await?;
+    claim_store(&store, config, tenants).await?;
     check_failover(&store, config.lease).await;
     let health = redis_health(&store);
     router(config, tenants, store, Some(health), upstream)
+}
+
+/// The identity of this gateway's records: a keyed hash of what derives
+/// their tenants and scopes (the tenant source; the tenant secret where
+/// it is used). Gateways whose identities differ find no record of each
+/// other.
+fn store_identity(config: &Config, tenants: &Tenants) -> String {
+    let (source, hashed) = match (&config.tenant_header, &tenants.jwt) {
+        (Some(name), _) => (format!("header {name}"), false),
+        (None, Some(_)) => (format!("jwt {}", config.tenant_jwt_claim), true),
+        (None, None) => ("authorization".to_owned(), true),
+    };
+    let scopes = if config.keyed_scopes {
+        "keyed"
+    } else {
+        "unkeyed"
+    };
+    // A secret that derives nothing is left out: gateways may differ in it.
+    let secret: &[u8] = if hashed || config.keyed_scopes {
+        &tenants.secret
+    } else {
+        b""
+    };
+    let text = format!("idem-gateway identity v1\ntenants {source}\nscopes {scopes}");
+    let digest = hmac_sha256(secret, text.as_bytes());
+    let mut marker = "v1:".to_owned();
+    idem_core::push_hex(&mut marker, &digest[..16]);
+    marker
+}
+
+/// Claims the Redis for this gateway's identity at start, or refuses to
+/// start when gateways that derive tenants or scopes differently hold it
+/// (a retry moving between them would run again); then keeps the claim
+/// alive as long as the retention. A Redis that cannot be asked at start
+/// is logged and accepted, and claimed on the next refresh.
+async fn claim_store(
+    store: &std::sync::Arc<RedisStore>,
+    config: &Config,
+    tenants: &Tenants,
+) -> Result<(), StartError> {
+    let marker = store_identity(config, tenants);
+    let ttl = config.retention;
+    match store
+        .claim_identity(&marker, ttl, config.replace_store_identity)
+        .await
+    {
+        Ok(idem_redis::IdentityClaim::Other(_)) => {
+            return Err(StartError::UnsafeStore(format!(
+                "this Redis holds records of gateways that derive tenants or scopes differently \
+                 (another tenant secret, tenant source or --keyed-scopes; {} says so): a retry \
+                 that moves between them and this gateway does not find its record and runs \
+                 again. Start it with their settings, or pass --replace-store-identity to make \
+                 this gateway's the store's",
+                store.identity_key()
+            )));
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "could not claim the store's identity at start"),
+    }
+    let store = std::sync::Arc::clone(store);
+    let every = (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            match store.claim_identity(&marker, ttl, false).await {
+                Ok(idem_redis::IdentityClaim::Other(_)) => tracing::error!(
+                    key = store.identity_key(),
+                    "another gateway made this Redis its own with other tenant or scope \
+                     settings (--replace-store-identity): requests that move between it and \
+                     this gateway run again. Restart this gateway with its settings"
+                ),
+                Ok(_) => {}
+                Err(error) => tracing::debug!(%error, "could not refresh the store's identity"),
+            }
+        }
+    });
+    Ok(())
 }
 
 /// Warns when the lease could lapse during a cluster failover (where the
@@ -727,16 +808,23 @@ impl Tenants {
 /// fixed label under the tenant secret, so that one secret serves both
 /// and neither hash can be computed from the other.
 pub fn scope_secret(tenant_secret: &[u8]) -> idem_layer::ScopeSecret {
+    idem_layer::ScopeSecret::from_bytes(&hmac_sha256(
+        tenant_secret,
+        b"idem-gateway scope secret v1",
+    ))
+}
+
+/// HMAC-SHA256 of `message` under `key`.
+fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
     use hmac::{Hmac, Mac};
-    // HMAC takes keys of every length: the fallback is not reached.
-    let derived: [u8; 32] = match <Hmac<sha2::Sha256> as Mac>::new_from_slice(tenant_secret) {
+    match <Hmac<sha2::Sha256> as Mac>::new_from_slice(key) {
         Ok(mut mac) => {
-            mac.update(b"idem-gateway scope secret v1");
+            mac.update(message);
             mac.finalize().into_bytes().into()
         }
-        Err(_) => <sha2::Sha256 as sha2::Digest>::digest(tenant_secret).into(),
-    };
-    idem_layer::ScopeSecret::from_bytes(&derived)
+        // HMAC takes keys of every length: not reached.
+        Err(_) => <sha2::Sha256 as sha2::Digest>::digest(message).into(),
+    }
 }
 
 /// Says what a generated tenant secret means for this store.
@@ -749,9 +837,9 @@ fn generated_secret_warning(store: &str) {
     } else {
         tracing::warn!(
             "no --tenant-secret-file: tenant hashes are keyed with a secret generated at start. \
-             Another gateway on this store, or this one after a restart, derives other tenants, \
-             so a retry that reaches it does not find its record and runs again. Give every \
-             gateway the same --tenant-secret-file"
+             Another gateway on this store, or this one after a restart, would derive other \
+             tenants, and a retry that reaches it would run again: on Redis it refuses to start \
+             while this gateway's records live. Give every gateway the same --tenant-secret-file"
         );
     }
 }

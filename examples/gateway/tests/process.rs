@@ -727,7 +727,7 @@ fn every_flag_has_its_environment_variable() {
         .collect();
     assert!(flags.len() >= 20, "{help}");
     for flag in flags {
-        let flag = flag.trim_end_matches([',', '.']);
+        let flag = flag.trim_end_matches([',', '.', ';', ')']);
         let variable = format!(
             "[env: IDEM_{}",
             flag.trim_start_matches("--")
@@ -1076,6 +1076,18 @@ async fn a_generated_tenant_secret_is_announced() {
     };
     let url = redis.url();
     for (secret, announced) in [(None, true), (Some(SECRET), false)] {
+        if secret.is_some() {
+            // The generated secret's gateway claimed the store: another
+            // secret is refused, naming the way to take it over.
+            let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+                .args(["--listen", "127.0.0.1:0", "--store", &url])
+                .args(["--tenant-secret", SECRET])
+                .output()
+                .expect("run");
+            assert_eq!(output.status.code(), Some(2));
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(stderr.contains("--replace-store-identity"), "{stderr}");
+        }
         let log = Log::new(&format!("secret-{announced}"));
         let mut command = Command::new(env!("CARGO_BIN_EXE_idem-gateway"));
         command
@@ -1083,7 +1095,9 @@ async fn a_generated_tenant_secret_is_announced() {
             .env("RUST_LOG", "warn")
             .stderr(log.file());
         if let Some(secret) = secret {
-            command.args(["--tenant-secret", secret]);
+            // Another identity than the generated secret's, which claimed
+            // the store: this one takes it over.
+            command.args(["--tenant-secret", secret, "--replace-store-identity"]);
         }
         let mut gateway = Process::spawn(&mut command);
         gateway.kill();
