@@ -165,8 +165,79 @@ async fn cluster_passes_the_whole_suite_and_spreads_records() {
         let keys: u64 = node.cli(&["DBSIZE"]).trim().parse().expect("dbsize");
         assert!(keys > 0, "node {} holds no record", node.port);
     }
+    claims_identity(&store).await;
     let harness = Arc::new(RealClock::new(store, cluster));
     idem_core::conformance::run_all(harness).await;
+}
+
+/// How a store is claimed: the first marker holds it, another is told
+/// which one holds it, the same one extends the claim but never shortens
+/// it, and a replacing claim takes it.
+async fn claims_identity(store: &RedisStore) {
+    use idem_redis::IdentityClaim::{Held, Other};
+    let (hour, minute) = (Duration::from_secs(3600), Duration::from_secs(60));
+    assert_eq!(
+        store
+            .claim_identity("v1:a", hour, false)
+            .await
+            .expect("claim"),
+        Held
+    );
+    assert_eq!(
+        store
+            .claim_identity("v1:b", hour, false)
+            .await
+            .expect("claim"),
+        Other("v1:a".to_owned())
+    );
+    assert_eq!(
+        store
+            .claim_identity("v1:a", minute, false)
+            .await
+            .expect("claim"),
+        Held
+    );
+    assert_eq!(
+        store
+            .claim_identity("v1:b", minute, true)
+            .await
+            .expect("claim"),
+        Held
+    );
+    assert_eq!(
+        store
+            .claim_identity("v1:a", hour, false)
+            .await
+            .expect("claim"),
+        Other("v1:b".to_owned())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_node_store_is_claimed_once() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::from_url(&server.url()).expect("store");
+    claims_identity(&store).await;
+    // The same marker with a shorter time left did not shorten the claim;
+    // the replacing one set its own.
+    let ttl: u64 = server
+        .cli(&["PTTL", "idem:identity"])
+        .trim()
+        .parse()
+        .expect("ttl");
+    assert!(ttl > 30_000 && ttl <= 60_000, "{ttl} ms");
+    store
+        .claim_identity("v1:b", Duration::from_secs(1), false)
+        .await
+        .expect("claim");
+    let ttl: u64 = server
+        .cli(&["PTTL", "idem:identity"])
+        .trim()
+        .parse()
+        .expect("ttl");
+    assert!(ttl > 1_000, "a claim was shortened to {ttl} ms");
 }
 
 /// The whole suite on a cluster through a packing and an expanding store
