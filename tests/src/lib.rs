@@ -274,3 +274,35 @@ pub mod bench {
         })
     }
 }
+
+/// Checks how a store is claimed for an identity (`claim_identity` of
+/// idem-redis and idem-postgres) through `claim(marker, ttl, replace)`: the
+/// first marker holds it, another is told which one holds it, the same one
+/// holds it again, and a replacing claim takes it, whose holder `"v1:b"`
+/// the first is then told of. The store is left claimed by `"v1:b"` for
+/// about a minute.
+pub async fn claims_identity<C, F>(claim: C)
+where
+    C: Fn(&'static str, std::time::Duration, bool) -> F,
+    F: std::future::Future<Output = Result<idem_core::IdentityClaim, idem_core::StoreError>>,
+{
+    use idem_core::IdentityClaim::{Held, Other};
+    let (hour, minute) = (
+        std::time::Duration::from_secs(3600),
+        std::time::Duration::from_secs(60),
+    );
+    let steps = [
+        ("v1:a", hour, false, Held),
+        ("v1:b", hour, false, Other("v1:a".to_owned())),
+        ("v1:a", minute, false, Held),
+        ("v1:b", minute, true, Held),
+        ("v1:a", hour, false, Other("v1:b".to_owned())),
+    ];
+    for (marker, ttl, replace, expected) in steps {
+        let found = claim(marker, ttl, replace).await.expect("claim");
+        assert_eq!(
+            found, expected,
+            "{marker} for {ttl:?}, replacing: {replace}"
+        );
+    }
+}

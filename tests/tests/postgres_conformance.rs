@@ -31,6 +31,47 @@ fn request(key: &str, lease: Duration, retention: Duration) -> ReserveRequest {
     }
 }
 
+/// The table claimed (see `idem_tests::claims_identity`): the replacing
+/// claim set its own time, the same marker with a shorter time does not
+/// shorten it, and a lapsed claim is anyone's.
+#[tokio::test]
+async fn the_table_is_claimed_once() {
+    let Some(store) = store().await else { return };
+    idem_tests::claims_identity(|m, ttl, r| store.claim_identity(m, ttl, r)).await;
+    let left = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT expires_at_ms - (extract(epoch FROM clock_timestamp()) * 1000)::bigint \
+             FROM idem_records_identity",
+        )
+        .fetch_one(store.pool())
+        .await
+        .expect("expiry")
+    };
+    assert!(
+        left().await <= 60_000,
+        "the replacing claim kept the old time"
+    );
+    store
+        .claim_identity("v1:b", Duration::from_millis(1), false)
+        .await
+        .expect("claim");
+    assert!(left().await > 1_000, "the claim was shortened");
+    // A claim that lapsed (its gateways gone longer than the retention).
+    store
+        .claim_identity("v1:c", Duration::from_millis(1), true)
+        .await
+        .expect("claim");
+    idem_tests::wait_until(Duration::from_secs(20), "the claim to lapse", async || {
+        left().await < 0
+    })
+    .await;
+    let claimed = store.claim_identity("v1:a", Duration::from_secs(60), false);
+    assert_eq!(
+        claimed.await.expect("claim"),
+        idem_postgres::IdentityClaim::Held
+    );
+}
+
 /// The sweep deletes expired records and only those; a record whose
 /// attempt holds a live lease stays even when its expiry has passed.
 #[tokio::test]

@@ -337,4 +337,23 @@ async fn the_gateway_runs_on_postgres() {
             .await
             .expect("count");
     assert_eq!(completed, 1);
+    // The first gateway (a generated tenant secret) claimed the database:
+    // one with another secret would see other tenants, and is refused.
+    let config = idem_tests::gateway_config(
+        origin.addr,
+        &[
+            "--store",
+            &url,
+            "--tenant-secret",
+            "another secret, 00000002",
+        ],
+    );
+    let refused = idem_gateway::start(config).await.map(|_| ());
+    let error = refused.expect_err("another identity joined the store");
+    assert!(
+        error
+            .to_string()
+            .contains("the table idem_records_identity"),
+        "{error}"
+    );
 }

@@ -165,61 +165,19 @@ async fn cluster_passes_the_whole_suite_and_spreads_records() {
         let keys: u64 = node.cli(&["DBSIZE"]).trim().parse().expect("dbsize");
         assert!(keys > 0, "node {} holds no record", node.port);
     }
-    claims_identity(&store).await;
+    idem_tests::claims_identity(|m, ttl, r| store.claim_identity(m, ttl, r)).await;
     let harness = Arc::new(RealClock::new(store, cluster));
     idem_core::conformance::run_all(harness).await;
 }
 
-/// How a store is claimed: the first marker holds it, another is told
-/// which one holds it, the same one extends the claim but never shortens
-/// it, and a replacing claim takes it.
-async fn claims_identity(store: &RedisStore) {
-    use idem_redis::IdentityClaim::{Held, Other};
-    let (hour, minute) = (Duration::from_secs(3600), Duration::from_secs(60));
-    assert_eq!(
-        store
-            .claim_identity("v1:a", hour, false)
-            .await
-            .expect("claim"),
-        Held
-    );
-    assert_eq!(
-        store
-            .claim_identity("v1:b", hour, false)
-            .await
-            .expect("claim"),
-        Other("v1:a".to_owned())
-    );
-    assert_eq!(
-        store
-            .claim_identity("v1:a", minute, false)
-            .await
-            .expect("claim"),
-        Held
-    );
-    assert_eq!(
-        store
-            .claim_identity("v1:b", minute, true)
-            .await
-            .expect("claim"),
-        Held
-    );
-    assert_eq!(
-        store
-            .claim_identity("v1:a", hour, false)
-            .await
-            .expect("claim"),
-        Other("v1:b".to_owned())
-    );
-}
-
+/// A single node claimed: see `idem_tests::claims_identity`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_node_store_is_claimed_once() {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
     let store = RedisStore::from_url(&server.url()).expect("store");
-    claims_identity(&store).await;
+    idem_tests::claims_identity(|m, ttl, r| store.claim_identity(m, ttl, r)).await;
     // The same marker with a shorter time left did not shorten the claim;
     // the replacing one set its own.
     let ttl: u64 = server

@@ -389,3 +389,18 @@ impl<S: Store> Store for std::sync::Arc<S> {
         (**self).force_release(scope)
     }
 }
+
+/// What claiming a store for an identity found (`claim_identity` of the
+/// stores that outlive a process): instances that derive tenants or scopes
+/// differently find no record of each other, so a retry moving between
+/// them runs again; each claims the store with a marker of how it derives
+/// them (a keyed hash of its secrets and settings), and one told
+/// [`IdentityClaim::Other`] should not serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IdentityClaim {
+    /// The store is claimed for the marker given.
+    Held,
+    /// The store is claimed for another marker (this one).
+    Other(String),
+}

@@ -5,7 +5,7 @@
 -- Times are milliseconds since the Unix epoch on the database's clock
 -- (clock_timestamp()), never the application's.
 CREATE TABLE IF NOT EXISTS idem_records (
-    scope               bytea PRIMARY KEY,  -- SHA-256 of tenant, operation and key
+    scope               bytea PRIMARY KEY,  -- SHA-256 or HMAC-SHA256 of tenant, operation and key
     tenant              text NOT NULL,
     operation           text NOT NULL,
     key                 text NOT NULL,
@@ -30,3 +30,11 @@ CREATE TABLE IF NOT EXISTS idem_records (
 
 -- The sweep deletes expired records in expiry order.
 CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at_ms);
+
+-- Which identity the instances sharing the table have (how they derive
+-- tenants and scopes): one row, claimed through `PgStore::claim_identity`.
+CREATE TABLE IF NOT EXISTS idem_records_identity (
+    id            boolean PRIMARY KEY DEFAULT true CHECK (id),
+    marker        text NOT NULL,
+    expires_at_ms bigint NOT NULL
+);

@@ -55,10 +55,12 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 
+pub use idem_core::IdentityClaim;
 pub use tx::{CommitError, IdemTransaction};
 
-/// The SQL that creates the records table and its index, for the default
-/// table name `idem_records` (what [`PgStore::migrate`] runs).
+/// The SQL that creates the records table, its index and its identity
+/// table (`idem_records_identity`), for the default table name
+/// `idem_records` (what [`PgStore::migrate`] runs).
 pub const SCHEMA: &str = include_str!("../sql/idem_records.sql");
 
 /// The database's clock, in milliseconds since the epoch.
@@ -406,6 +408,58 @@ impl PgStore {
             .await
             .map_err(failed)?;
         Ok(())
+    }
+
+    /// Claims the table for `marker`, a short text naming how the
+    /// instances sharing it derive tenants and scopes (see
+    /// [`IdentityClaim`]).
+    ///
+    /// An unclaimed table, one whose claim lapsed, or one claimed with the
+    /// same marker is claimed for `ttl` (the retention: as long as the
+    /// newest record may live), extended and never shortened. With
+    /// `replace`, the marker takes the table whatever it held. The claim
+    /// lives in the identity table [`migrate`](Self::migrate) creates
+    /// (`<table>_identity`).
+    pub async fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> Result<IdentityClaim, StoreError> {
+        let table = format!("{}_identity", self.table());
+        let claim = format!(
+            "INSERT INTO {table} AS held (id, marker, expires_at_ms) \
+             VALUES (true, $1, {NOW_MS} + $2) \
+             ON CONFLICT (id) DO UPDATE SET marker = EXCLUDED.marker, \
+               expires_at_ms = CASE WHEN held.marker = EXCLUDED.marker \
+                 THEN GREATEST(held.expires_at_ms, EXCLUDED.expires_at_ms) \
+                 ELSE EXCLUDED.expires_at_ms END \
+             WHERE $3 OR held.marker = EXCLUDED.marker OR held.expires_at_ms <= {NOW_MS} \
+             RETURNING marker"
+        );
+        let millis = i64::try_from(ttl.as_millis())
+            .unwrap_or(i64::MAX / 2)
+            .max(1);
+        let claimed: Option<String> = sqlx::query_scalar(&claim)
+            .bind(marker)
+            .bind(millis)
+            .bind(replace)
+            .fetch_optional(self.pool())
+            .await
+            .map_err(failed)?;
+        if claimed.is_some() {
+            return Ok(IdentityClaim::Held);
+        }
+        let held: Option<String> = sqlx::query_scalar(&format!("SELECT marker FROM {table}"))
+            .fetch_optional(self.pool())
+            .await
+            .map_err(failed)?;
+        Ok(match held {
+            Some(other) if other != marker => IdentityClaim::Other(other),
+            // A twin claimed it with the same marker meanwhile (nothing
+            // deletes the row, so it is there).
+            _ => IdentityClaim::Held,
+        })
     }
 
     /// Deletes every expired record (in batches) and answers how many. A

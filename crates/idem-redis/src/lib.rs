@@ -210,12 +210,9 @@ impl RedisStore {
         format!("{}identity", self.prefix)
     }
 
-    /// Claims the store for `marker`: a short text naming how the
-    /// instances sharing the store derive tenants and scopes (a keyed hash
-    /// of their secrets and settings). Instances that derive them
-    /// differently find no record of each other, so a retry that moves
-    /// between them runs again; each claims the store at start, and one
-    /// told [`IdentityClaim::Other`] should not serve.
+    /// Claims the store for `marker`, a short text naming how the
+    /// instances sharing it derive tenants and scopes (see
+    /// [`IdentityClaim`]), in the key [`identity_key`](Self::identity_key).
     ///
     /// An unclaimed store, or one claimed with the same marker, is
     /// claimed for `ttl` (the retention: as long as the newest record may
@@ -267,15 +264,7 @@ impl RedisStore {
     }
 }
 
-/// What [`RedisStore::claim_identity`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum IdentityClaim {
-    /// The store is claimed for the marker given.
-    Held,
-    /// The store is claimed for another marker (this one).
-    Other(String),
-}
+pub use idem_core::IdentityClaim;
 
 /// What a Redis server says about keeping idem's records.
 ///

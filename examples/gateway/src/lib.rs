@@ -142,7 +142,7 @@ pub struct Config {
     /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
     #[arg(long, env = "IDEM_KEYED_SCOPES", action = ArgAction::SetTrue)]
     pub keyed_scopes: bool,
-    /// Start even though the Redis holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source or --keyed-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start.
+    /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source or --keyed-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start.
     #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
     pub replace_store_identity: bool,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
@@ -505,6 +505,8 @@ async fn store_router(
         store.migrate().await.map_err(|error| {
             StartError::Postgres(format!("could not create the records table: {error}"))
         })?;
+        let store = std::sync::Arc::new(store);
+        claim_store(&store, config, tenants).await?;
         return router(config, tenants, store, None, upstream);
     }
     let mut builder = RedisStore::builder(&config.store)
@@ -549,30 +551,74 @@ fn store_identity(config: &Config, tenants: &Tenants) -> String {
     marker
 }
 
-/// Claims the Redis for this gateway's identity at start, or refuses to
+/// A store that outlives the process, claimed for one identity.
+trait Claimed: Send + Sync + 'static {
+    /// Claims it (see `RedisStore::claim_identity`).
+    fn claim(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<idem_core::IdentityClaim, idem_core::StoreError>> + Send;
+
+    /// Where the claim lives, for an operator.
+    fn claim_place(&self) -> String;
+}
+
+impl Claimed for RedisStore {
+    fn claim(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<idem_core::IdentityClaim, idem_core::StoreError>> + Send {
+        self.claim_identity(marker, ttl, replace)
+    }
+
+    fn claim_place(&self) -> String {
+        format!("the Redis key {}", self.identity_key())
+    }
+}
+
+impl Claimed for idem_postgres::PgStore {
+    fn claim(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<idem_core::IdentityClaim, idem_core::StoreError>> + Send {
+        self.claim_identity(marker, ttl, replace)
+    }
+
+    fn claim_place(&self) -> String {
+        format!("the table {}_identity", self.table())
+    }
+}
+
+/// Claims the store for this gateway's identity at start, or refuses to
 /// start when gateways that derive tenants or scopes differently hold it
 /// (a retry moving between them would run again); then keeps the claim
-/// alive as long as the retention. A Redis that cannot be asked at start
+/// alive as long as the retention. A store that cannot be asked at start
 /// is logged and accepted, and claimed on the next refresh.
-async fn claim_store(
-    store: &std::sync::Arc<RedisStore>,
+async fn claim_store<C: Claimed>(
+    store: &std::sync::Arc<C>,
     config: &Config,
     tenants: &Tenants,
 ) -> Result<(), StartError> {
     let marker = store_identity(config, tenants);
     let ttl = config.retention;
     match store
-        .claim_identity(&marker, ttl, config.replace_store_identity)
+        .claim(&marker, ttl, config.replace_store_identity)
         .await
     {
-        Ok(idem_redis::IdentityClaim::Other(_)) => {
+        Ok(idem_core::IdentityClaim::Other(_)) => {
             return Err(StartError::UnsafeStore(format!(
-                "this Redis holds records of gateways that derive tenants or scopes differently \
+                "this store holds records of gateways that derive tenants or scopes differently \
                  (another tenant secret, tenant source or --keyed-scopes; {} says so): a retry \
                  that moves between them and this gateway does not find its record and runs \
                  again. Start it with their settings, or pass --replace-store-identity to make \
                  this gateway's the store's",
-                store.identity_key()
+                store.claim_place()
             )));
         }
         Ok(_) => {}
@@ -583,10 +629,10 @@ async fn claim_store(
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
-            match store.claim_identity(&marker, ttl, false).await {
-                Ok(idem_redis::IdentityClaim::Other(_)) => tracing::error!(
-                    key = store.identity_key(),
-                    "another gateway made this Redis its own with other tenant or scope \
+            match store.claim(&marker, ttl, false).await {
+                Ok(idem_core::IdentityClaim::Other(_)) => tracing::error!(
+                    place = store.claim_place(),
+                    "another gateway made this store its own with other tenant or scope \
                      settings (--replace-store-identity): requests that move between it and \
                      this gateway run again. Restart this gateway with its settings"
                 ),
