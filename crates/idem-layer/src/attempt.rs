@@ -280,83 +280,87 @@ enum Produced<B> {
 
 /// One execution of the handler under `lease`, and the recording of its
 /// outcome.
-pub(crate) async fn attempt<I, S, ReqBody, ResBody>(
+// An async block, not an `async fn`, as the service's `handle` says.
+#[allow(clippy::manual_async_fn)]
+pub(crate) fn attempt<I, S, ReqBody, ResBody>(
     rt: Runtime<S>,
     mut inner: I,
     mut request: Request<ReqBody>,
     reserved: ReserveRequest,
     lease: Lease,
-) -> Result<Response<ResponseBody<ResBody>>, I::Error>
+) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>>
 where
     I: Service<Request<ReqBody>, Response = Response<ResBody>>,
     S: Store,
     ResBody: Body<Data = Bytes> + Unpin,
     ResBody::Error: Into<BoxError>,
 {
-    let config = &*rt.config;
-    let store = &*rt.store;
-    let max_response = config.max_response;
-    // Where a handler leaves a transaction to commit with the outcome.
-    let slot = CompletionSlot::new();
-    request.extensions_mut().insert(slot.clone());
-    let work = AssertUnwindSafe(async move {
-        let mut response = inner.call(request).await?;
-        if let Some(unknown) = response.extensions_mut().remove::<UnknownOutcome>() {
-            return Ok(Produced::Unknown(response, unknown));
+    async move {
+        let config = &*rt.config;
+        let store = &*rt.store;
+        let max_response = config.max_response;
+        // Where a handler leaves a transaction to commit with the outcome.
+        let slot = CompletionSlot::new();
+        request.extensions_mut().insert(slot.clone());
+        let work = AssertUnwindSafe(async move {
+            let mut response = inner.call(request).await?;
+            if let Some(unknown) = response.extensions_mut().remove::<UnknownOutcome>() {
+                return Ok(Produced::Unknown(response, unknown));
+            }
+            Ok(Produced::Answer(buffer(response, max_response).await))
+        })
+        .catch_unwind();
+        // A failed attempt releases the key; if it was superseded meanwhile,
+        // its client gets what the record says now instead of its own failure.
+        let (rt_ref, lease_ref) = (&rt, &lease);
+        let failed = |detail: String| async move {
+            match rt_ref.release(lease_ref).await.and_then(answer_current) {
+                Some(answer) => answer,
+                None => problem(ProblemCode::HandlerFailed, &detail, None),
+            }
+        };
+        let buffered = match renewing(config, store, &lease, work).await {
+            Ok(Ok(Produced::Answer(buffered))) => buffered,
+            Ok(Ok(Produced::Unknown(response, unknown))) => {
+                m::count(Counted::Unknown);
+                tracing::warn!(
+                    status = response.status().as_u16(),
+                    "outcome unknown: the key stays reserved while a late answer may come"
+                );
+                let late = unknown.take_late();
+                rt.tasks
+                    .spawn(await_late(rt.clone(), reserved, lease, late).in_current_span());
+                return Ok(response.map(ResponseBody::inner));
+            }
+            Ok(Err(error)) => {
+                return match rt.release(&lease).await.and_then(answer_current) {
+                    Some(answer) => Ok(answer),
+                    None => Err(error),
+                };
+            }
+            Err(_panic) => return Ok(failed("the handler panicked".to_owned()).await),
+        };
+        let (parts, body, mut outcome) = match outcome_of(buffered) {
+            Ok(produced) => produced,
+            Err(error) => {
+                return Ok(failed(format!("the handler's response body failed: {error}")).await);
+            }
+        };
+        if let Outcome::Stored(stored) = &mut outcome {
+            stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
         }
-        Ok(Produced::Answer(buffer(response, max_response).await))
-    })
-    .catch_unwind();
-    // A failed attempt releases the key; if it was superseded meanwhile,
-    // its client gets what the record says now instead of its own failure.
-    let (rt_ref, lease_ref) = (&rt, &lease);
-    let failed = |detail: String| async move {
-        match rt_ref.release(lease_ref).await.and_then(answer_current) {
-            Some(answer) => answer,
-            None => problem(ProblemCode::HandlerFailed, &detail, None),
-        }
-    };
-    let buffered = match renewing(config, store, &lease, work).await {
-        Ok(Ok(Produced::Answer(buffered))) => buffered,
-        Ok(Ok(Produced::Unknown(response, unknown))) => {
-            m::count(Counted::Unknown);
-            tracing::warn!(
-                status = response.status().as_u16(),
-                "outcome unknown: the key stays reserved while a late answer may come"
-            );
-            let late = unknown.take_late();
-            rt.tasks
-                .spawn(await_late(rt.clone(), reserved, lease, late).in_current_span());
-            return Ok(response.map(ResponseBody::inner));
-        }
-        Ok(Err(error)) => {
-            return match rt.release(&lease).await.and_then(answer_current) {
-                Some(answer) => Ok(answer),
-                None => Err(error),
-            };
-        }
-        Err(_panic) => return Ok(failed("the handler panicked".to_owned()).await),
-    };
-    let (parts, body, mut outcome) = match outcome_of(buffered) {
-        Ok(produced) => produced,
-        Err(error) => {
-            return Ok(failed(format!("the handler's response body failed: {error}")).await);
-        }
-    };
-    if let Outcome::Stored(stored) = &mut outcome {
-        stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
+        let answer = match slot.take() {
+            Some(deferred) if (config.should_store)(parts.status) => {
+                settle_in_transaction(&rt, &lease, deferred, outcome).await
+            }
+            // Not recorded: a deferred transaction is dropped, which rolls
+            // back what the handler wrote, and the key is released.
+            _ => settle(&rt, &reserved, &lease, parts.status, outcome)
+                .await
+                .and_then(answer_current),
+        };
+        Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
     }
-    let answer = match slot.take() {
-        Some(deferred) if (config.should_store)(parts.status) => {
-            settle_in_transaction(&rt, &lease, deferred, outcome).await
-        }
-        // Not recorded: a deferred transaction is dropped, which rolls
-        // back what the handler wrote, and the key is released.
-        _ => settle(&rt, &reserved, &lease, parts.status, outcome)
-            .await
-            .and_then(answer_current),
-    };
-    Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
 }
 
 /// Records the outcome through the transaction the handler left: one

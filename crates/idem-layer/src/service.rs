@@ -1,6 +1,7 @@
 //! The [`Idempotency`] service: the request path of the layer.
 
 use std::{
+    future::Future,
     sync::Arc,
     task::{Context, Poll},
     time::Duration,
@@ -182,11 +183,15 @@ where
     Ok(inner.call(request).await?.map(ResponseBody::inner))
 }
 
-async fn handle<I, S, ReqBody, ResBody>(
+// An async block, not an `async fn`: an `async fn` keeps its arguments
+// twice in its state (as captured and as moved into the body), and this
+// future is large and moved into the layer's box on every request.
+#[allow(clippy::manual_async_fn)]
+fn handle<I, S, ReqBody, ResBody>(
     rt: Runtime<S>,
     inner: I,
     request: Request<ReqBody>,
-) -> Result<Response<ResponseBody<ResBody>>, I::Error>
+) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>>
 where
     I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     I::Future: Send + 'static,
@@ -198,63 +203,67 @@ where
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let config = &rt.config;
-    let key = match read_key(request.headers()) {
-        Ok(Some(key)) => key,
-        Ok(None) if config.require_key => {
-            m::count(Counted::Rejected);
-            let detail = format!(
-                "{} requests must carry an Idempotency-Key header",
-                request.method()
-            );
-            return Ok(problem(ProblemCode::KeyMissing, &detail, None));
-        }
-        Ok(None) => return passthrough(inner, request).await,
-        Err(error) => {
-            m::count(Counted::Rejected);
-            return Ok(problem(ProblemCode::KeyInvalid, &error.to_string(), None));
-        }
-    };
+    async move {
+        let config = &rt.config;
+        let key = match read_key(request.headers()) {
+            Ok(Some(key)) => key,
+            Ok(None) if config.require_key => {
+                m::count(Counted::Rejected);
+                let detail = format!(
+                    "{} requests must carry an Idempotency-Key header",
+                    request.method()
+                );
+                return Ok(problem(ProblemCode::KeyMissing, &detail, None));
+            }
+            Ok(None) => return passthrough(inner, request).await,
+            Err(error) => {
+                m::count(Counted::Rejected);
+                return Ok(problem(ProblemCode::KeyInvalid, &error.to_string(), None));
+            }
+        };
 
-    let (mut parts, body) = request.into_parts();
-    normalize_uri(&mut parts);
-    let Some(tenant) = config.tenant_of(&parts) else {
-        m::count(Counted::Rejected);
-        let detail = "a request with an Idempotency-Key must come from an identified caller";
-        return Ok(problem(ProblemCode::TenantMissing, detail, None));
-    };
-    let body = match read_body(&parts, body, config.max_body, config.body_timeout).await {
-        Ok(body) => body,
-        Err(refusal) => {
+        let (mut parts, body) = request.into_parts();
+        normalize_uri(&mut parts);
+        let Some(tenant) = config.tenant_of(&parts) else {
             m::count(Counted::Rejected);
-            return Ok(refusal);
-        }
-    };
-    let operation = operation(&parts);
-    let fingerprint = match &config.fingerprint_fn {
-        Some(f) => f(&operation, &parts, &body),
-        None => {
-            crate::fingerprint::fingerprint(&operation, &parts, &config.fingerprint_headers, &body)
-        }
-    };
-    let scope = Scope::hashed(config.scope_secret.as_ref(), tenant, operation, key);
-    let span =
-        tracing::debug_span!("idempotency", scope = %scope.hash(), operation = scope.operation());
-    let reserve = ReserveRequest {
-        scope,
-        fingerprint,
-        lease: config.lease,
-        retention: config.retention,
-    };
-    let keyed = Keyed {
-        rt: rt.clone(),
-        inner,
-        parts,
-        body,
-        reserve,
-        request_body: std::marker::PhantomData,
-    };
-    keyed.run().instrument(span).await
+            let detail = "a request with an Idempotency-Key must come from an identified caller";
+            return Ok(problem(ProblemCode::TenantMissing, detail, None));
+        };
+        let body = match read_body(&parts, body, config.max_body, config.body_timeout).await {
+            Ok(body) => body,
+            Err(refusal) => {
+                m::count(Counted::Rejected);
+                return Ok(refusal);
+            }
+        };
+        let operation = operation(&parts);
+        let fingerprint = match &config.fingerprint_fn {
+            Some(f) => f(&operation, &parts, &body),
+            None => crate::fingerprint::fingerprint(
+                &operation,
+                &parts,
+                &config.fingerprint_headers,
+                &body,
+            ),
+        };
+        let scope = Scope::hashed(config.scope_secret.as_ref(), tenant, operation, key);
+        let span = tracing::debug_span!("idempotency", scope = %scope.hash(), operation = scope.operation());
+        let reserve = ReserveRequest {
+            scope,
+            fingerprint,
+            lease: config.lease,
+            retention: config.retention,
+        };
+        let keyed = Keyed {
+            rt: rt.clone(),
+            inner,
+            parts,
+            body,
+            reserve,
+            request_body: std::marker::PhantomData,
+        };
+        keyed.run().instrument(span).await
+    }
 }
 
 /// Reads a keyed request's body within the limit, or the refusal.
@@ -317,118 +326,127 @@ where
     ResBody: Body<Data = Bytes> + Unpin + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    async fn run(self) -> Result<Response<ResponseBody<ResBody>>, I::Error> {
-        let rt = self.rt.clone();
-        let (config, store) = (&*rt.config, &*rt.store);
-        let deadline = match config.in_flight {
-            InFlight::Wait(bound) => Some(deadline_after(bound)),
-            InFlight::Reject => None,
-        };
-        loop {
-            let reservation = match store_call(
-                config,
-                StoreOp::Reserve,
-                store.reserve(&self.reserve),
-            )
-            .await
-            {
-                Ok(reservation) => reservation,
-                // Fail-open covers a store that cannot be reached, never one
-                // that answered: a full store or a record it cannot decode
-                // may hold the key's outcome, and running again could
-                // execute it twice.
-                Err(error @ (StoreError::Unavailable(_) | StoreError::Timeout(_)))
-                    if config.fail_open =>
-                {
-                    tracing::warn!(%error, "idempotency store failed; running the handler unprotected");
-                    m::count(Counted::FailOpen);
-                    let request = Request::from_parts(self.parts, ReqBody::from(self.body));
-                    return passthrough(self.inner, request).await;
-                }
-                Err(error) => return Ok(store_unavailable(&error)),
+    // An async block, not an `async fn`, as `handle` says.
+    #[allow(clippy::manual_async_fn)]
+    fn run(self) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>> {
+        async move {
+            let rt = self.rt.clone();
+            let (config, store) = (&*rt.config, &*rt.store);
+            let deadline = match config.in_flight {
+                InFlight::Wait(bound) => Some(deadline_after(bound)),
+                InFlight::Reject => None,
             };
-            match reservation {
-                Reservation::Acquired(lease) => return self.execute(lease, None).await,
-                Reservation::TakenOver { lease, superseded } => {
-                    m::count(Counted::Takeover);
-                    tracing::info!(
-                        generation = lease.generation,
-                        superseded = %superseded.id,
-                        "lease lapsed; taking over"
-                    );
-                    return self.execute(lease, Some(superseded)).await;
-                }
-                Reservation::InProgress { retry_after } => {
-                    if let Some(deadline) = deadline {
-                        let now = tokio::time::Instant::now();
-                        if now < deadline {
-                            let bound = wait_bound(deadline - now, retry_after);
-                            wait_for_change(store, self.reserve.scope.hash(), bound).await;
-                            continue;
-                        }
+            loop {
+                let reservation = match store_call(
+                    config,
+                    StoreOp::Reserve,
+                    store.reserve(&self.reserve),
+                )
+                .await
+                {
+                    Ok(reservation) => reservation,
+                    // Fail-open covers a store that cannot be reached, never one
+                    // that answered: a full store or a record it cannot decode
+                    // may hold the key's outcome, and running again could
+                    // execute it twice.
+                    Err(error @ (StoreError::Unavailable(_) | StoreError::Timeout(_)))
+                        if config.fail_open =>
+                    {
+                        tracing::warn!(%error, "idempotency store failed; running the handler unprotected");
+                        m::count(Counted::FailOpen);
+                        let request = Request::from_parts(self.parts, ReqBody::from(self.body));
+                        return passthrough(self.inner, request).await;
                     }
-                    return Ok(in_progress(retry_after));
-                }
-                Reservation::Completed(replay) => return Ok(replay_response(replay)),
-                Reservation::Cancelled => return Ok(cancelled()),
-                Reservation::Conflict => {
-                    m::count(Counted::Conflict);
-                    let detail = "this Idempotency-Key was used with a different request payload";
-                    return Ok(problem(ProblemCode::Conflict, detail, None));
+                    Err(error) => return Ok(store_unavailable(&error)),
+                };
+                match reservation {
+                    Reservation::Acquired(lease) => return self.execute(lease, None).await,
+                    Reservation::TakenOver { lease, superseded } => {
+                        m::count(Counted::Takeover);
+                        tracing::info!(
+                            generation = lease.generation,
+                            superseded = %superseded.id,
+                            "lease lapsed; taking over"
+                        );
+                        return self.execute(lease, Some(superseded)).await;
+                    }
+                    Reservation::InProgress { retry_after } => {
+                        if let Some(deadline) = deadline {
+                            let now = tokio::time::Instant::now();
+                            if now < deadline {
+                                let bound = wait_bound(deadline - now, retry_after);
+                                wait_for_change(store, self.reserve.scope.hash(), bound).await;
+                                continue;
+                            }
+                        }
+                        return Ok(in_progress(retry_after));
+                    }
+                    Reservation::Completed(replay) => return Ok(replay_response(replay)),
+                    Reservation::Cancelled => return Ok(cancelled()),
+                    Reservation::Conflict => {
+                        m::count(Counted::Conflict);
+                        let detail =
+                            "this Idempotency-Key was used with a different request payload";
+                        return Ok(problem(ProblemCode::Conflict, detail, None));
+                    }
                 }
             }
         }
     }
 
-    async fn execute(
+    // An async block, not an `async fn`, as `handle` says.
+    #[allow(clippy::manual_async_fn)]
+    fn execute(
         self,
         lease: Lease,
         superseded: Option<Attempt>,
-    ) -> Result<Response<ResponseBody<ResBody>>, I::Error> {
-        let Keyed {
-            rt,
-            inner,
-            mut parts,
-            body,
-            reserve,
-            ..
-        } = self;
-        let scope = &reserve.scope;
-        parts.extensions.insert(IdempotencyContext {
-            key: scope.key().clone(),
-            tenant: scope.tenant().to_owned(),
-            operation: scope.operation().to_owned(),
-            scope: *scope.hash(),
-            fingerprint: reserve.fingerprint,
-            attempt: lease.attempt,
-            generation: lease.generation,
-            superseded,
-        });
-        let request = Request::from_parts(parts, ReqBody::from(body));
-        match rt.config.on_disconnect {
-            OnDisconnect::Detach => {
-                // The attempt runs inline while the client waits; if the
-                // client goes away, the unfinished attempt moves to a task
-                // of its own and its outcome is still recorded.
-                let tasks = rt.tasks.clone();
-                RunToCompletion::new(
-                    attempt(rt, inner, request, reserve, lease).in_current_span(),
-                    tasks,
-                )
-                .await
-            }
-            OnDisconnect::Release => {
-                let guard = ReleaseOnDrop {
-                    rt: rt.clone(),
-                    lease: Some(lease.clone()),
-                };
-                // Boxed like the detached attempt: inline, the attempt's
-                // future (which holds the inner service's) would make
-                // every future of the request path as large, and each move
-                // of it a copy of that size.
-                let result = Box::pin(attempt(rt, inner, request, reserve, lease)).await;
-                guard.disarm();
-                result
+    ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>> {
+        async move {
+            let Keyed {
+                rt,
+                inner,
+                mut parts,
+                body,
+                reserve,
+                ..
+            } = self;
+            let scope = &reserve.scope;
+            parts.extensions.insert(IdempotencyContext {
+                key: scope.key().clone(),
+                tenant: scope.tenant().to_owned(),
+                operation: scope.operation().to_owned(),
+                scope: *scope.hash(),
+                fingerprint: reserve.fingerprint,
+                attempt: lease.attempt,
+                generation: lease.generation,
+                superseded,
+            });
+            let request = Request::from_parts(parts, ReqBody::from(body));
+            match rt.config.on_disconnect {
+                OnDisconnect::Detach => {
+                    // The attempt runs inline while the client waits; if the
+                    // client goes away, the unfinished attempt moves to a task
+                    // of its own and its outcome is still recorded.
+                    let tasks = rt.tasks.clone();
+                    RunToCompletion::new(
+                        attempt(rt, inner, request, reserve, lease).in_current_span(),
+                        tasks,
+                    )
+                    .await
+                }
+                OnDisconnect::Release => {
+                    let guard = ReleaseOnDrop {
+                        rt: rt.clone(),
+                        lease: Some(lease.clone()),
+                    };
+                    // Boxed like the detached attempt: inline, the attempt's
+                    // future (which holds the inner service's) would make
+                    // every future of the request path as large, and each move
+                    // of it a copy of that size.
+                    let result = Box::pin(attempt(rt, inner, request, reserve, lease)).await;
+                    guard.disarm();
+                    result
+                }
             }
         }
     }
