@@ -17,7 +17,9 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use idem_core::{Reservation, ReserveRequest, Scope, ScopeHash, ScopeSecret, Store};
-use idem_layer::{IdempotencyContext, IdempotencyLayer, TenantFromHeader};
+use idem_layer::{
+    IdempotencyContext, IdempotencyLayer, TenantFromHeader, fingerprint::FingerprintFormat,
+};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
@@ -531,6 +533,92 @@ pub async fn keyed_scopes_are_their_own_records<S: Store>(store: S) {
     assert!(store.get(&unkeyed_hash).await.expect("get").is_some());
 }
 
+/// The fingerprint `App::post` gives `POST /orders` with `body`, in `format`.
+fn orders_fingerprint(format: FingerprintFormat, body: &str) -> idem_core::Fingerprint {
+    let (parts, ()) = Request::post("/orders")
+        .header("content-type", "application/json")
+        .body(())
+        .expect("request")
+        .into_parts();
+    format.fingerprint(
+        "POST /orders",
+        &parts,
+        &[http::header::CONTENT_TYPE],
+        body.as_bytes(),
+    )
+}
+
+/// Layers read records in either fingerprint format whatever they write:
+/// a SHA-256 record replays to a BLAKE3 layer and a BLAKE3 record to a
+/// SHA-256 one (the handler runs once), a record in flight in one format
+/// answers 409 to a retry in the other, and another payload is still a
+/// conflict in both directions. Each layer writes its own format.
+pub async fn fingerprint_formats_read_each_other<S: Store>(store: S) {
+    let store = Arc::new(store);
+    let sha = App::with_layer(App::layer(Arc::clone(&store)));
+    let blake = App {
+        tenant: sha.tenant.clone(),
+        ..App::with_layer(
+            App::layer(Arc::clone(&store)).fingerprint_format(FingerprintFormat::Blake3),
+        )
+    };
+    let record = async |key: &str| {
+        let hash = ScopeHash::of(&sha.tenant, "POST /orders", key);
+        store.get(&hash).await.expect("get").expect("record")
+    };
+    for (writer, reader, format, key) in [
+        (&sha, &blake, FingerprintFormat::Sha256, "fmt-sha"),
+        (&blake, &sha, FingerprintFormat::Blake3, "fmt-blake"),
+    ] {
+        let first = writer.post("/orders", key, r#"{"a":1,"b":[2]}"#).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{key}");
+        assert_eq!(
+            record(key).await.fingerprint,
+            orders_fingerprint(format, r#"{"a":1,"b":[2]}"#),
+            "{key}: written in the writer's format"
+        );
+        // The same payload spelled otherwise: a retry, replayed.
+        let retry = reader
+            .post("/orders", key, r#"{ "b": [2], "a": 1.0 }"#)
+            .await;
+        assert!(retry.replayed(), "{key}: {retry:?}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.headers.get("x-run"), first.headers.get("x-run"));
+        let changed = reader.post("/orders", key, r#"{"a":2,"b":[2]}"#).await;
+        assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY, "{key}");
+        assert_eq!(changed.code().as_deref(), Some("idempotency_conflict"));
+    }
+    assert_eq!(sha.runs(), 1);
+    assert_eq!(blake.runs(), 1);
+
+    // A SHA-256 reservation in flight: a BLAKE3 retry waits its turn (409),
+    // it does not conflict.
+    let reserve = ReserveRequest {
+        scope: Scope::new(
+            sha.tenant.clone(),
+            "POST /orders",
+            "fmt-busy".parse().expect("key"),
+        ),
+        fingerprint: orders_fingerprint(FingerprintFormat::Sha256, "{}"),
+        lease: Duration::from_secs(600),
+        retention: Duration::from_secs(3600),
+    };
+    let lease = match store.reserve(&reserve).await.expect("reserve") {
+        Reservation::Acquired(lease) => lease,
+        other => panic!("not acquired: {other:?}"),
+    };
+    let busy = blake.post("/orders", "fmt-busy", "{}").await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    let other = blake.post("/orders", "fmt-busy", r#"{"a":1}"#).await;
+    assert_eq!(other.code().as_deref(), Some("idempotency_conflict"));
+    assert_eq!(blake.runs(), 1);
+    assert_eq!(
+        store.release(&lease).await.expect("release"),
+        idem_core::Release::Released
+    );
+}
+
 /// Expands to one test per layer check, on the store the closure makes,
 /// with whatever must live as long as the test (its server); `None` skips
 /// (a server not installed, outside CI).
@@ -548,7 +636,8 @@ macro_rules! layer_tests {
             oversized_responses_are_not_replayed,
             cancel_fences_the_running_attempt,
             records_api_shows_and_lists,
-            keyed_scopes_are_their_own_records
+            keyed_scopes_are_their_own_records,
+            fingerprint_formats_read_each_other
         );
     };
     (@each $make:expr; $($name:ident),* $(,)?) => {

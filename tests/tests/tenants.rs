@@ -459,6 +459,71 @@ async fn keyed_scopes_hide_where_records_live() {
     assert!(exists(record_key(unkeyed_hash)));
 }
 
+/// `--blake3-fingerprints` writes BLAKE3 fingerprints and both kinds of
+/// gateway read both: gateways with and without it share a Redis (no
+/// identity to refuse), a retry moving between them replays whichever
+/// wrote the record, and another payload is a conflict either way. The
+/// upstream runs once per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blake3_fingerprints_and_sha256_ones_share_a_store() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let common = ["--store", url.as_str(), "--tenant-header", "x-tenant"];
+    let sha = start_gateway(&origin, &common).await;
+    let blake_flags = [&common[..], &["--blake3-fingerprints"]].concat();
+    let blake = start_gateway(&origin, &blake_flags).await;
+    let order = |addr: std::net::SocketAddr, key: &str, body: &'static [u8]| {
+        Request::post(format!("http://{addr}/orders"))
+            .header("idempotency-key", key)
+            .header("x-tenant", "acme")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(body)))
+            .expect("request")
+    };
+    let stored = |key: &str| {
+        let hash = idem_core::ScopeHash::of("acme", "POST /orders", key);
+        redis.cli(&["HGET", &format!("idem:{{{hash}}}"), "fp"])
+    };
+    let body = b"{\"sku\":\"book\",\"n\":1}";
+    let (parts, ()) = Request::post("/orders")
+        .header("content-type", "application/json")
+        .body(())
+        .expect("request")
+        .into_parts();
+    let expected = |format: idem_layer::fingerprint::FingerprintFormat| {
+        format
+            .fingerprint("POST /orders", &parts, &[http::header::CONTENT_TYPE], body)
+            .to_hex()
+    };
+    use idem_layer::fingerprint::FingerprintFormat::{Blake3, Sha256};
+    for (runs, (writer, reader, format, key)) in [
+        (sha.addr, blake.addr, Sha256, "fmt-1"),
+        (blake.addr, sha.addr, Blake3, "fmt-2"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let first = send(&client(), order(writer, key, body)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{key}");
+        assert_eq!(upstream.runs(), runs + 1);
+        assert_eq!(stored(key).trim(), expected(format), "{key}");
+        let retry = send(
+            &client(),
+            order(reader, key, b"{\"n\":1, \"sku\":\"book\"}"),
+        )
+        .await;
+        assert!(retry.replayed(), "{key}: {retry:?}");
+        assert_eq!(retry.body, first.body);
+        let changed = send(&client(), order(reader, key, b"{\"sku\":\"pen\",\"n\":1}")).await;
+        assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY, "{key}");
+        assert_eq!(upstream.runs(), runs + 1);
+    }
+}
+
 /// The gateway on Redis: the start or error of a gateway with these flags.
 async fn try_start(
     origin: &TestServer,

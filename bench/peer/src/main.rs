@@ -80,6 +80,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "idem-memory" => router.layer(
             idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                 .tenant(idem_layer::TenantFromAuthorization)
+                    .fingerprint_format(idem_fingerprint())
                 .require_key(true),
         ),
         "idem-redis" => {
@@ -101,6 +102,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             router.layer(
                 idem_layer::IdempotencyLayer::new(store)
                     .tenant(idem_layer::TenantFromAuthorization)
+                    .fingerprint_format(idem_fingerprint())
                     .require_key(true),
             )
         }
@@ -118,4 +120,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .await?;
     Ok(())
+}
+
+/// IDEM_FINGERPRINT=blake3: idem's layers write BLAKE3 fingerprints
+/// (`fingerprint_format`); otherwise the default, SHA-256.
+fn idem_fingerprint() -> idem_layer::fingerprint::FingerprintFormat {
+    match std::env::var("IDEM_FINGERPRINT").as_deref() {
+        Ok("blake3") => idem_layer::fingerprint::FingerprintFormat::Blake3,
+        _ => idem_layer::fingerprint::FingerprintFormat::Sha256,
+    }
 }

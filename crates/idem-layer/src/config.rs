@@ -65,6 +65,7 @@ pub(crate) struct Config {
     pub(crate) allow_anonymous: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,
+    pub(crate) fingerprint_format: crate::fingerprint::FingerprintFormat,
     pub(crate) max_body: usize,
     pub(crate) body_timeout: Duration,
     pub(crate) max_response: usize,

@@ -29,6 +29,7 @@ use crate::{
 /// | [`tenant`](Self::tenant) | the [`Tenant`] request extension |
 /// | [`allow_anonymous`](Self::allow_anonymous) | off: 401 without a tenant |
 /// | [`fingerprint_headers`](Self::fingerprint_headers) | `content-type` |
+/// | [`fingerprint_format`](Self::fingerprint_format) | SHA-256 (both read) |
 /// | [`max_body`](Self::max_body) | 1 MiB (then 413) |
 /// | [`body_timeout`](Self::body_timeout) | 30 s to receive a keyed body (then 408) |
 /// | [`max_response`](Self::max_response) | 1 MiB (larger responses are not stored) |
@@ -81,6 +82,7 @@ impl<S: Store> IdempotencyLayer<S> {
             allow_anonymous: false,
             fingerprint_headers: vec![header::CONTENT_TYPE],
             fingerprint_fn: None,
+            fingerprint_format: crate::fingerprint::FingerprintFormat::Sha256,
             max_body: 1024 * 1024,
             body_timeout: Duration::from_secs(30),
             max_response: 1024 * 1024,
@@ -140,6 +142,20 @@ impl<S: Store> IdempotencyLayer<S> {
     pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         let headers = headers.into_iter().collect();
         self.with(|c| c.fingerprint_headers = headers)
+    }
+
+    /// The hash the default fingerprint writes new records with (default
+    /// [`FingerprintFormat::Sha256`](crate::fingerprint::FingerprintFormat)).
+    /// Whatever it is set to, a request whose record was written in the
+    /// other format still replays: a reservation that meets another
+    /// fingerprint is tried once more in the other format before the layer
+    /// answers `422` (one more store call, on conflicts only). Versions
+    /// before this one read only SHA-256, so set
+    /// [`Blake3`](crate::fingerprint::FingerprintFormat::Blake3) once
+    /// every instance sharing the store runs this version. A
+    /// [`fingerprint_fn`](Self::fingerprint_fn) replaces both.
+    pub fn fingerprint_format(self, format: crate::fingerprint::FingerprintFormat) -> Self {
+        self.with(|c| c.fingerprint_format = format)
     }
 
     /// Replaces the default fingerprint: `f(operation, request head, body)`.

@@ -239,7 +239,7 @@ where
         let operation = operation(&parts);
         let fingerprint = match &config.fingerprint_fn {
             Some(f) => f(&operation, &parts, &body),
-            None => crate::fingerprint::fingerprint(
+            None => config.fingerprint_format.fingerprint(
                 &operation,
                 &parts,
                 &config.fingerprint_headers,
@@ -328,9 +328,16 @@ where
 {
     // An async block, not an `async fn`, as `handle` says.
     #[allow(clippy::manual_async_fn)]
-    fn run(self) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>> {
+    fn run(mut self) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>> {
         async move {
             let rt = self.rt.clone();
+            // The default fingerprint is read in both formats: a record
+            // written in the other one is tried once before a conflict.
+            let mut other_format = rt
+                .config
+                .fingerprint_fn
+                .is_none()
+                .then(|| rt.config.fingerprint_format.other());
             let (config, store) = (&*rt.config, &*rt.store);
             let deadline = match config.in_flight {
                 InFlight::Wait(bound) => Some(deadline_after(bound)),
@@ -384,6 +391,15 @@ where
                     Reservation::Completed(replay) => return Ok(replay_response(replay)),
                     Reservation::Cancelled => return Ok(cancelled()),
                     Reservation::Conflict => {
+                        if let Some(format) = other_format.take() {
+                            self.reserve.fingerprint = format.fingerprint(
+                                self.reserve.scope.operation(),
+                                &self.parts,
+                                &config.fingerprint_headers,
+                                &self.body,
+                            );
+                            continue;
+                        }
                         m::count(Counted::Conflict);
                         let detail =
                             "this Idempotency-Key was used with a different request payload";

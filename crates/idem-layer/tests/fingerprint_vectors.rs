@@ -1,16 +1,23 @@
 //! The fingerprint equivalence vectors of the contract.
 
 use http::Request;
-use idem_layer::fingerprint::fingerprint;
+use idem_layer::fingerprint::{FingerprintFormat, fingerprint};
+
+/// Both formats, the default first.
+const FORMATS: [FingerprintFormat; 2] = [FingerprintFormat::Sha256, FingerprintFormat::Blake3];
 
 /// The fingerprint of `POST /orders` with this content type and body.
-fn order_fingerprint(content_type: &str, body: &str) -> idem_core::Fingerprint {
+fn order_fingerprint(
+    format: FingerprintFormat,
+    content_type: &str,
+    body: &str,
+) -> idem_core::Fingerprint {
     let (parts, ()) = Request::post("/orders")
         .header("content-type", content_type)
         .body(())
         .expect("request")
         .into_parts();
-    fingerprint(
+    format.fingerprint(
         "POST /orders",
         &parts,
         &[http::header::CONTENT_TYPE],
@@ -18,8 +25,48 @@ fn order_fingerprint(content_type: &str, body: &str) -> idem_core::Fingerprint {
     )
 }
 
+/// Stored fingerprints must not change from one version to the next: a
+/// retry would answer 422 instead of its replay. The values were computed
+/// outside Rust (Python's `hashlib.sha256` and the `blake3` package) over
+/// the documented layout: the format's label, then each part as a
+/// big-endian u64 length and its bytes (operation, path, query, header
+/// name, value count, value), then `raw` and the body.
+#[test]
+fn fingerprints_are_pinned() {
+    let hex = |format| order_fingerprint(format, "text/plain", "amount=100").to_hex();
+    assert_eq!(
+        hex(FingerprintFormat::Sha256),
+        "c92c5988619a9f22e63f2701a64266b21c0d4745c18c2a66fc9ab6e0de06ae57"
+    );
+    assert_eq!(
+        hex(FingerprintFormat::Blake3),
+        "b75cf979450914c8e2206b457d57f4cec10eebeda268c89075583558c25c6d85"
+    );
+    assert_eq!(
+        order_fingerprint(FingerprintFormat::default(), "text/plain", "amount=100"),
+        fingerprint(
+            "POST /orders",
+            &Request::post("/orders")
+                .header("content-type", "text/plain")
+                .body(())
+                .expect("request")
+                .into_parts()
+                .0,
+            &[http::header::CONTENT_TYPE],
+            b"amount=100"
+        ),
+        "the default format is SHA-256"
+    );
+}
+
 #[test]
 fn fingerprint_vectors() {
+    for format in FORMATS {
+        fingerprint_vectors_in(format);
+    }
+}
+
+fn fingerprint_vectors_in(format: FingerprintFormat) {
     let mut checked = 0;
     for line in include_str!("fixtures/fingerprint-equivalence.jsonl")
         .lines()
@@ -27,13 +74,13 @@ fn fingerprint_vectors() {
     {
         let case: serde_json::Value = serde_json::from_str(line).expect("json");
         let content_type = case["content_type"].as_str().expect("content_type");
-        let print = |body: &str| order_fingerprint(content_type, body);
+        let print = |body: &str| order_fingerprint(format, content_type, body);
         let a = print(case["body_a"].as_str().expect("body_a"));
         let b = print(case["body_b"].as_str().expect("body_b"));
         let same = case["same_fingerprint"]
             .as_bool()
             .expect("same_fingerprint");
-        assert_eq!(a == b, same, "{}", case["note"]);
+        assert_eq!(a == b, same, "{format:?}: {}", case["note"]);
         checked += 1;
     }
     assert!(checked >= 10);
@@ -208,7 +255,9 @@ mod canonical_equivalence {
 /// retries. Only numbers with more digits than a double keeps changed.
 #[test]
 fn fingerprints_of_ordinary_numbers_are_unchanged() {
-    let print = |body: &str| order_fingerprint("application/json", body).to_hex();
+    let print = |body: &str| {
+        order_fingerprint(FingerprintFormat::Sha256, "application/json", body).to_hex()
+    };
     for (body, before) in [
         (
             r#"{"amount":100,"currency":"eur","items":[1,2,3]}"#,

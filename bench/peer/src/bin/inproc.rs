@@ -55,12 +55,14 @@ fn main() {
                 router.layer(
                     idem_layer::IdempotencyLayer::new(store)
                         .tenant(idem_layer::TenantFromAuthorization)
+                    .fingerprint_format(idem_fingerprint())
                         .require_key(true),
                 )
             }
             "idem-memory" => router.layer(
                 idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                     .tenant(idem_layer::TenantFromAuthorization)
+                    .fingerprint_format(idem_fingerprint())
                     .require_key(true),
             ),
             other => panic!("unknown mode {other}"),
@@ -89,4 +91,13 @@ fn main() {
         }
         eprintln!("{mode}: {ok}/{n} answered 201");
     });
+}
+
+/// IDEM_FINGERPRINT=blake3: idem's layers write BLAKE3 fingerprints
+/// (`fingerprint_format`); otherwise the default, SHA-256.
+fn idem_fingerprint() -> idem_layer::fingerprint::FingerprintFormat {
+    match std::env::var("IDEM_FINGERPRINT").as_deref() {
+        Ok("blake3") => idem_layer::fingerprint::FingerprintFormat::Blake3,
+        _ => idem_layer::fingerprint::FingerprintFormat::Sha256,
+    }
 }
