@@ -13,7 +13,8 @@
 # $IDEM/target/peer-bench (the peer declares rust-version 1.98 and builds on
 # 1.95 with --ignore-rust-version). Results: $IDEM/target/peer-bench/results.
 # IDEM_PACK=1: idem's Redis store packs new records (pack_records); IDEM_LANES=N:
-# its connections.
+# its connections; IDEM_FINGERPRINT=blake3 and IDEM_SCOPE=blake3: idem hashes
+# fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 IDEM=$(cd "$here/../.." && pwd)

@@ -16,7 +16,7 @@ use axum::{Router, extract::Path, routing::post};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
-use idem_core::{Reservation, ReserveRequest, Scope, ScopeHash, ScopeSecret, Store};
+use idem_core::{Reservation, ReserveRequest, Scope, ScopeFormat, ScopeHash, ScopeSecret, Store};
 use idem_layer::{
     IdempotencyContext, IdempotencyLayer, TenantFromHeader, fingerprint::FingerprintFormat,
 };
@@ -533,6 +533,72 @@ pub async fn keyed_scopes_are_their_own_records<S: Store>(store: S) {
     assert!(store.get(&unkeyed_hash).await.expect("get").is_some());
 }
 
+/// A layer with BLAKE3 scopes, keyed or not, stores its records under the
+/// BLAKE3 hash of the scope and under no SHA-256 one; it and another layer
+/// hashing alike replay them, through HTTP and the records API. A layer
+/// with SHA-256 scopes on the same store does not find them and runs the
+/// request again: the format is chosen when a deployment starts.
+pub async fn blake3_scopes_are_their_own_records<S: Store>(store: S) {
+    let store = Arc::new(store);
+    let secret = || ScopeSecret::new(&[0x6a; 32]).expect("secret");
+    for keyed in [false, true] {
+        let layer = |store: &Arc<S>| {
+            let layer = App::layer(Arc::clone(store)).scope_format(ScopeFormat::Blake3);
+            if keyed {
+                layer.scope_secret(secret())
+            } else {
+                layer
+            }
+        };
+        let app = App::with_layer(layer(&store));
+        let first = app.post("/orders", "b3", "{}").await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let replay = app.post("/orders", "b3", "{}").await;
+        assert!(replay.replayed(), "{replay:?}");
+        assert_eq!(replay.body, first.body);
+        assert_eq!(app.runs(), 1);
+
+        let blake3 = match keyed {
+            false => ScopeHash::blake3(&app.tenant, "POST /orders", "b3"),
+            true => ScopeHash::blake3_keyed(&secret(), &app.tenant, "POST /orders", "b3"),
+        };
+        let record = store.get(&blake3).await.expect("get");
+        assert_eq!(record.map(|r| r.scope), Some(blake3), "keyed: {keyed}");
+        let sha = ScopeFormat::Sha256.hash(
+            keyed.then(secret).as_ref(),
+            &app.tenant,
+            "POST /orders",
+            "b3",
+        );
+        assert!(store.get(&sha).await.expect("get").is_none());
+        let shown = app.records("GET", "?method=POST&path=/orders&key=b3").await;
+        assert_eq!(shown.status, StatusCode::OK, "keyed: {keyed}");
+
+        let same = App {
+            tenant: app.tenant.clone(),
+            ..App::with_layer(layer(&store))
+        };
+        let replayed = same.post("/orders", "b3", "{}").await;
+        assert!(replayed.replayed());
+        assert_eq!(replayed.body, first.body);
+        assert_eq!(same.runs(), 0);
+
+        let mut other = App::layer(Arc::clone(&store));
+        if keyed {
+            other = other.scope_secret(secret());
+        }
+        let stranger = App {
+            tenant: app.tenant.clone(),
+            ..App::with_layer(other)
+        };
+        let ran = stranger.post("/orders", "b3", "{}").await;
+        assert_eq!(ran.status, StatusCode::CREATED);
+        assert!(!ran.replayed());
+        assert_eq!(stranger.runs(), 1);
+        assert!(store.get(&sha).await.expect("get").is_some());
+    }
+}
+
 /// The fingerprint `App::post` gives `POST /orders` with `body`, in `format`.
 fn orders_fingerprint(format: FingerprintFormat, body: &str) -> idem_core::Fingerprint {
     let (parts, ()) = Request::post("/orders")
@@ -637,7 +703,8 @@ macro_rules! layer_tests {
             cancel_fences_the_running_attempt,
             records_api_shows_and_lists,
             keyed_scopes_are_their_own_records,
-            fingerprint_formats_read_each_other
+            fingerprint_formats_read_each_other,
+            blake3_scopes_are_their_own_records
         );
     };
     (@each $make:expr; $($name:ident),* $(,)?) => {

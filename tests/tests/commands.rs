@@ -231,3 +231,40 @@ async fn a_keyed_layer_runs_commands_under_the_keyed_scope() {
     assert!(store.get(&keyed).await.expect("get").is_some());
     assert!(store.get(scope.hash()).await.expect("get").is_none());
 }
+
+/// A layer with BLAKE3 scopes runs commands under the BLAKE3 hash of
+/// their scope, keyed or not, and replays them there.
+#[tokio::test]
+async fn a_blake3_layer_runs_commands_under_the_blake3_scope() {
+    let secret = idem_core::ScopeSecret::new(&[0x43; 32]).expect("secret");
+    for secret in [None, Some(secret)] {
+        let mut layer = IdempotencyLayer::new(idem_memory::MemoryStore::new())
+            .scope_format(idem_core::ScopeFormat::Blake3);
+        if let Some(secret) = &secret {
+            layer = layer.scope_secret(secret.clone());
+        }
+        let command = charge("blake3", 700);
+        let runs = AtomicUsize::new(0);
+        for expected_ran in [true, false] {
+            let done: Outcome = layer
+                .run(&command, |_| async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok(Receipt { id: 2, cents: 700 })
+                })
+                .await;
+            let done = done.expect("done");
+            assert_eq!(matches!(done, Done::Ran(_)), expected_ran, "{done:?}");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        let scope = command.scope();
+        let blake3 = idem_core::ScopeFormat::Blake3.hash(
+            secret.as_ref(),
+            scope.tenant(),
+            scope.operation(),
+            scope.key().as_str(),
+        );
+        let store = layer.store();
+        assert!(store.get(&blake3).await.expect("get").is_some());
+        assert!(store.get(scope.hash()).await.expect("get").is_none());
+    }
+}

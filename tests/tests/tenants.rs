@@ -524,6 +524,66 @@ async fn blake3_fingerprints_and_sha256_ones_share_a_store() {
     }
 }
 
+/// `--blake3-scopes` stores each record under the BLAKE3 hash of its
+/// scope (keyed with `--keyed-scopes`); another gateway with the same
+/// flags replays it, and one hashing scopes with SHA-256 is refused the
+/// store (it would not find the record and would run the request again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blake3_scopes_are_claimed_like_keyed_ones() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let secret = "a deployment secret of the test";
+    let common = ["--store", url.as_str(), "--tenant-header", "x-tenant"];
+    let flags = [
+        &common[..],
+        &[
+            "--tenant-secret",
+            secret,
+            "--keyed-scopes",
+            "--blake3-scopes",
+        ],
+    ]
+    .concat();
+    let first_gateway = start_gateway(&origin, &flags).await;
+    let order = |addr: std::net::SocketAddr| {
+        Request::post(format!("http://{addr}/orders"))
+            .header("idempotency-key", "b3-1")
+            .header("x-tenant", "acme")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"sku\":\"book\"}")))
+            .expect("request")
+    };
+    let first = send(&client(), order(first_gateway.addr)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let scope_secret = idem_gateway::scope_secret(secret.as_bytes());
+    let hash = idem_core::ScopeHash::blake3_keyed(&scope_secret, "acme", "POST /orders", "b3-1");
+    let exists = |hash: idem_core::ScopeHash| {
+        redis.cli(&["EXISTS", &format!("idem:{{{hash}}}")]).trim() == "1"
+    };
+    assert!(exists(hash), "{:?}", redis_contents(&redis));
+    assert!(!exists(idem_core::ScopeHash::keyed(
+        &scope_secret,
+        "acme",
+        "POST /orders",
+        "b3-1"
+    )));
+
+    let again = start_gateway(&origin, &flags).await;
+    let replay = send(&client(), order(again.addr)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.runs(), 1);
+
+    let sha_flags = [&common[..], &["--tenant-secret", secret, "--keyed-scopes"]].concat();
+    let refused = try_start(&origin, &sha_flags).await;
+    assert!(refused.is_err(), "a SHA-256 gateway joined a BLAKE3 store");
+    assert_eq!(upstream.runs(), 1);
+}
+
 /// The gateway on Redis: the start or error of a gateway with these flags.
 async fn try_start(
     origin: &TestServer,

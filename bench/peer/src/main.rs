@@ -81,6 +81,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                 .tenant(idem_layer::TenantFromAuthorization)
                     .fingerprint_format(idem_fingerprint())
+                    .scope_format(idem_scope())
                 .require_key(true),
         ),
         "idem-redis" => {
@@ -103,6 +104,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 idem_layer::IdempotencyLayer::new(store)
                     .tenant(idem_layer::TenantFromAuthorization)
                     .fingerprint_format(idem_fingerprint())
+                    .scope_format(idem_scope())
                     .require_key(true),
             )
         }
@@ -128,5 +130,14 @@ fn idem_fingerprint() -> idem_layer::fingerprint::FingerprintFormat {
     match std::env::var("IDEM_FINGERPRINT").as_deref() {
         Ok("blake3") => idem_layer::fingerprint::FingerprintFormat::Blake3,
         _ => idem_layer::fingerprint::FingerprintFormat::Sha256,
+    }
+}
+
+/// IDEM_SCOPE=blake3: idem's layers hash scopes with BLAKE3
+/// (`scope_format`); otherwise the default, SHA-256.
+fn idem_scope() -> idem_layer::ScopeFormat {
+    match std::env::var("IDEM_SCOPE").as_deref() {
+        Ok("blake3") => idem_layer::ScopeFormat::Blake3,
+        _ => idem_layer::ScopeFormat::Sha256,
     }
 }

@@ -38,7 +38,7 @@ pub use record::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, LateEvidence, Lease, Outcome, OwnerToken,
     Record, RecordState, StoredResponse,
 };
-pub use scope::{Fingerprint, Scope, ScopeHash, ScopeSecret, push_hex};
+pub use scope::{Fingerprint, Scope, ScopeFormat, ScopeHash, ScopeSecret, push_hex};
 pub use store::{
     Cancellation, Completion, Current, ForceRelease, IdentityClaim, RecordQuery, Release, Renewal,
     Replay, Reservation, ReserveRequest, Store, StoreError,

@@ -44,7 +44,7 @@ use futures_util::FutureExt;
 use http::StatusCode;
 use idem_core::{
     Attempt, AttemptId, Current, Fingerprint, IdempotencyKey, Lease, Outcome, Replay, Reservation,
-    ReserveRequest, Scope, Store, StoreError, StoredResponse,
+    ReserveRequest, Scope, ScopeFormat, Store, StoreError, StoredResponse,
 };
 use serde::{Serialize, de::DeserializeOwned};
 use sha2::{Digest, Sha256};
@@ -217,9 +217,9 @@ impl<S: Store> IdempotencyLayer<S> {
         let config = &*self.runtime.config;
         config.validate().map_err(CommandError::Misconfigured)?;
         let request = ReserveRequest {
-            scope: match &config.scope_secret {
-                Some(secret) => command.scope.rehashed(Some(secret)),
-                None => command.scope.clone(),
+            scope: match (&config.scope_secret, config.scope_format) {
+                (None, ScopeFormat::Sha256) => command.scope.clone(),
+                (secret, format) => command.scope.rehashed_as(format, secret.as_ref()),
             },
             fingerprint: command.fingerprint,
             lease: config.lease,

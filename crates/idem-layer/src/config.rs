@@ -86,6 +86,7 @@ pub(crate) struct Config {
     pub(crate) admin_token: Option<[u8; 32]>,
     /// The key of scope hashes; none: unkeyed.
     pub(crate) scope_secret: Option<idem_core::ScopeSecret>,
+    pub(crate) scope_format: idem_core::ScopeFormat,
 }
 
 impl Config {

@@ -137,8 +137,8 @@ pub use headers::{HOP_BY_HOP, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 /// The idem-core types a handler meets, re-exported so that a service
 /// needs no direct idem-core dependency.
 pub use idem_core::{
-    Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeHash,
-    ScopeSecret,
+    Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeFormat,
+    ScopeHash, ScopeSecret,
 };
 pub use layer::IdempotencyLayer;
 pub use path::normalize_path;

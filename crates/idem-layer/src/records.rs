@@ -238,8 +238,9 @@ impl<S: Store> RecordsService<S> {
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| (ProblemCode::KeyInvalid, e.to_string()))?;
         let operation = operation_name(&method.to_ascii_uppercase(), &crate::normalize_path(path));
-        let secret = self.rt.config.scope_secret.as_ref();
-        Ok(*Scope::hashed(secret, tenant, operation, key).hash())
+        let config = &self.rt.config;
+        let secret = config.scope_secret.as_ref();
+        Ok(*Scope::hashed_as(config.scope_format, secret, tenant, operation, key).hash())
     }
 
     fn list_query(tenant: Option<String>, query: &Query) -> Result<RecordQuery, Refusal> {

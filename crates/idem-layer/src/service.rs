@@ -246,7 +246,8 @@ where
                 &body,
             ),
         };
-        let scope = Scope::hashed(config.scope_secret.as_ref(), tenant, operation, key);
+        let secret = config.scope_secret.as_ref();
+        let scope = Scope::hashed_as(config.scope_format, secret, tenant, operation, key);
         let span = tracing::debug_span!("idempotency", scope = %scope.hash(), operation = scope.operation());
         let reserve = ReserveRequest {
             scope,

@@ -142,6 +142,9 @@ pub struct Config {
     /// Write request fingerprints with BLAKE3 instead of SHA-256: about an eighth of the hashing instructions on CPUs without SHA extensions. Every gateway of this version reads both formats, whatever it writes; earlier versions read only SHA-256 and answer 422 to a retry whose record is in BLAKE3, so turn it on once every gateway sharing the store runs this version. Always on with the memory store.
     #[arg(long, env = "IDEM_BLAKE3_FINGERPRINTS", action = ArgAction::SetTrue)]
     pub blake3_fingerprints: bool,
+    /// Hash scopes (the records' identities in the store) with BLAKE3 instead of SHA-256: about a tenth of the hashing instructions on CPUs without SHA extensions. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity, as --keyed-scopes does: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once (a gateway that hashes otherwise refuses to start on the store).
+    #[arg(long, env = "IDEM_BLAKE3_SCOPES", action = ArgAction::SetTrue)]
+    pub blake3_scopes: bool,
     /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
     #[arg(long, env = "IDEM_KEYED_SCOPES", action = ArgAction::SetTrue)]
     pub keyed_scopes: bool,
@@ -536,10 +539,16 @@ fn store_identity(config: &Config, tenants: &Tenants) -> String {
         (None, Some(_)) => (format!("jwt {}", config.tenant_jwt_claim), true),
         (None, None) => ("authorization".to_owned(), true),
     };
-    let scopes = if config.keyed_scopes {
+    let keyed = if config.keyed_scopes {
         "keyed"
     } else {
         "unkeyed"
+    };
+    // SHA-256 scopes keep the marker of the gateways before BLAKE3.
+    let scopes = if config.blake3_scopes {
+        format!("{keyed} blake3")
+    } else {
+        keyed.to_owned()
     };
     // A secret that derives nothing is left out: gateways may differ in it.
     let secret: &[u8] = if hashed || config.keyed_scopes {
@@ -929,6 +938,9 @@ fn layer<S: Store>(
     // scopes changes no stored identity.
     if config.keyed_scopes || config.store == "memory" {
         layer = layer.scope_secret(scope_secret(&tenants.secret));
+    }
+    if config.blake3_scopes || config.store == "memory" {
+        layer = layer.scope_format(idem_core::ScopeFormat::Blake3);
     }
     if config.blake3_fingerprints || config.store == "memory" {
         layer = layer.fingerprint_format(idem_layer::fingerprint::FingerprintFormat::Blake3);
