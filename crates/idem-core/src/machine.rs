@@ -165,19 +165,35 @@ pub fn reserve(
     attempt: AttemptId,
     token: OwnerToken,
 ) -> Reservation {
+    reserve_with(slot, request, now_ms, || (attempt, token))
+}
+
+/// [`reserve`], with the new attempt's id and owner token made by `ids`
+/// only when an attempt starts: a replay, a conflict or a request in
+/// flight makes none.
+pub fn reserve_with(
+    slot: &mut Option<Record>,
+    request: &ReserveRequest,
+    now_ms: u64,
+    ids: impl FnOnce() -> (AttemptId, OwnerToken),
+) -> Reservation {
     expire(slot, now_ms);
-    let start = Start {
-        request,
-        now_ms,
-        attempt,
-        token,
+    let start = move || {
+        let (attempt, token) = ids();
+        Start {
+            request,
+            now_ms,
+            attempt,
+            token,
+        }
     };
     let Some(record) = slot.as_mut() else {
+        let start = start();
         *slot = Some(start.record());
         return Reservation::Acquired(start.lease(1));
     };
     match record.state {
-        RecordState::Released => Reservation::Acquired(start.next(record)),
+        RecordState::Released => Reservation::Acquired(start().next(record)),
         _ if record.fingerprint != request.fingerprint => Reservation::Conflict,
         RecordState::Processing if record.lease_expires_at_ms > now_ms => Reservation::InProgress {
             retry_after: Duration::from_millis(record.lease_expires_at_ms - now_ms),
@@ -193,7 +209,7 @@ pub fn reserve(
                     late: None,
                 });
             Reservation::TakenOver {
-                lease: start.next(record),
+                lease: start().next(record),
                 superseded,
             }
         }
@@ -201,7 +217,7 @@ pub fn reserve(
             Some(outcome) => Reservation::Completed(replay(record, outcome, now_ms)),
             // A completed record always holds its outcome; one that lost it
             // cannot be replayed, so it is treated as released.
-            None => Reservation::Acquired(start.next(record)),
+            None => Reservation::Acquired(start().next(record)),
         },
         RecordState::Cancelled => Reservation::Cancelled,
     }

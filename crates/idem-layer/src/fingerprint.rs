@@ -457,48 +457,28 @@ impl FingerprintFormat {
     ) -> Fingerprint {
         let bytes = match self {
             Self::Sha256 => {
+                let (head, tail) =
+                    request_bytes(b"idem-fingerprint-v1", operation, parts, headers, body);
                 let mut hasher = Sha256::new();
-                write_request(
-                    &mut hasher,
-                    b"idem-fingerprint-v1",
-                    operation,
-                    parts,
-                    headers,
-                    body,
-                );
+                hasher.update(&head);
+                hasher.update(tail);
                 hasher.finalize().into()
             }
             Self::Blake3 => {
-                let mut hasher = blake3::Hasher::new();
-                write_request(
-                    &mut hasher,
-                    b"idem-fingerprint-v2",
-                    operation,
-                    parts,
-                    headers,
-                    body,
-                );
-                *hasher.finalize().as_bytes()
+                let (head, tail) =
+                    request_bytes(b"idem-fingerprint-v2", operation, parts, headers, body);
+                let hash = if tail.is_empty() {
+                    blake3::hash(&head)
+                } else {
+                    let mut hasher = blake3::Hasher::new();
+                    hasher.update(&head);
+                    hasher.update(tail);
+                    hasher.finalize()
+                };
+                *hash.as_bytes()
             }
         };
         Fingerprint::from_bytes(bytes)
-    }
-}
-
-/// A hash the fingerprint's bytes are written into.
-trait Sink {
-    fn put(&mut self, bytes: &[u8]);
-}
-
-impl Sink for Sha256 {
-    fn put(&mut self, bytes: &[u8]) {
-        self.update(bytes);
-    }
-}
-
-impl Sink for blake3::Hasher {
-    fn put(&mut self, bytes: &[u8]) {
-        self.update(bytes);
     }
 }
 
@@ -508,18 +488,17 @@ fn push_part(out: &mut Vec<u8>, part: &[u8]) {
     out.extend_from_slice(part);
 }
 
-/// Writes `label` and the request's parts. They are gathered in one
-/// buffer (a JSON body's tokens too) and handed to the hash in one call,
-/// or two for a raw body: a hash fed many small pieces spends more on the
-/// pieces than on the bytes.
-fn write_request(
-    sink: &mut impl Sink,
+/// The bytes a fingerprint hashes: `label` and the request's parts,
+/// gathered in one buffer (a JSON body's tokens too), and a raw body,
+/// which follows them (empty for JSON). A hash fed many small pieces
+/// spends more on the pieces than on the bytes.
+fn request_bytes<'b>(
     label: &[u8],
     operation: &str,
     parts: &Parts,
     headers: &[HeaderName],
-    body: &[u8],
-) {
+    body: &'b [u8],
+) -> (Vec<u8>, &'b [u8]) {
     let json = parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -544,15 +523,13 @@ fn write_request(
         if canonical_tokens_into(&mut out, body) {
             let length = (out.len() - length_at - 8) as u64;
             out[length_at..length_at + 8].copy_from_slice(&length.to_be_bytes());
-            sink.put(&out);
-            return;
+            return (out, &[]);
         }
         out.truncate(length_at - 4);
     }
     out.extend_from_slice(b"raw");
     out.extend_from_slice(&(body.len() as u64).to_be_bytes());
-    sink.put(&out);
-    sink.put(body);
+    (out, body)
 }
 
 /// The default fingerprint of a request in the default format

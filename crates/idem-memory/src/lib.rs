@@ -714,9 +714,11 @@ impl Store for MemoryStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
         let tenant = Some(request.scope.tenant());
-        let (attempt, token) = (AttemptId::new(), OwnerToken::new());
+        // The ids are made under the slot's lock, and only when an attempt
+        // starts (a replay makes none).
+        let ids = || (AttemptId::new(), OwnerToken::new());
         let reserve =
-            |slot: &mut Option<Record>, now| machine::reserve(slot, request, now, attempt, token);
+            |slot: &mut Option<Record>, now| machine::reserve_with(slot, request, now, ids);
         let refused = match self.with_slot(scope, tenant, reserve) {
             Ok(reservation) => return Ok(reservation),
             Err(refused) => refused,
