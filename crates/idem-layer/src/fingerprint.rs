@@ -424,6 +424,11 @@ impl<'de> serde::de::Visitor<'de> for Canon<'_, '_> {
 /// answers `422 idempotency_conflict` to a retry whose record is in
 /// BLAKE3, so switch writers to BLAKE3 only once every instance sharing
 /// the store runs a version that reads it.
+///
+/// The contract (SPEC §2) names SHA-256, the default; BLAKE3 replaces it
+/// the way a custom fingerprint function may, over the same parts, so
+/// every equivalence the contract asks for holds in both formats (the
+/// tests run its vectors in each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum FingerprintFormat {

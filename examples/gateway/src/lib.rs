@@ -148,7 +148,7 @@ pub struct Config {
     /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
     #[arg(long, env = "IDEM_KEYED_SCOPES", action = ArgAction::SetTrue)]
     pub keyed_scopes: bool,
-    /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source or --keyed-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
+    /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source, --keyed-scopes or --blake3-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
     #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
     pub replace_store_identity: bool,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
