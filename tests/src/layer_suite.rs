@@ -599,6 +599,63 @@ pub async fn blake3_scopes_are_their_own_records<S: Store>(store: S) {
     }
 }
 
+/// Layers claim a store for how they hash scopes: layers with the same
+/// secret and format hold it together, one with another secret, another
+/// format or no secret is told who holds it (on a store `shared` between
+/// processes; a memory store holds every claim, since no other process
+/// can find its records), and `replace` takes it over. Markers tell
+/// settings apart without showing the secret.
+pub async fn layers_claim_the_store_by_how_they_hash_scopes<S: Store>(store: S, shared: bool) {
+    use idem_core::IdentityClaim;
+    let store = Arc::new(store);
+    let secret = |byte: u8| ScopeSecret::new(&[byte; 32]).expect("secret");
+    let keyed = |byte: u8| App::layer(Arc::clone(&store)).scope_secret(secret(byte));
+    let first = keyed(1);
+    let same = keyed(1);
+    let others = [
+        keyed(2),
+        keyed(1).scope_format(ScopeFormat::Blake3),
+        App::layer(Arc::clone(&store)),
+    ];
+    assert_eq!(first.store_identity(), same.store_identity());
+    let mut markers: Vec<String> = others.iter().map(|l| l.store_identity()).collect();
+    markers.push(first.store_identity());
+    let mut distinct = markers.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), markers.len(), "{markers:?}");
+    assert!(markers.iter().all(|m| !m.contains(&"01".repeat(16))));
+
+    assert_eq!(
+        first.claim_store(false).await.expect("claim"),
+        IdentityClaim::Held
+    );
+    assert_eq!(
+        same.claim_store(false).await.expect("claim"),
+        IdentityClaim::Held
+    );
+    for other in &others {
+        let claim = other.claim_store(false).await.expect("claim");
+        if shared {
+            assert_eq!(claim, IdentityClaim::Other(first.store_identity()));
+        } else {
+            assert_eq!(claim, IdentityClaim::Held);
+        }
+    }
+    // A take-over: the old settings are then the stranger.
+    let taking = &others[1];
+    assert_eq!(
+        taking.claim_store(true).await.expect("claim"),
+        IdentityClaim::Held
+    );
+    let old = first.claim_store(false).await.expect("claim");
+    if shared {
+        assert_eq!(old, IdentityClaim::Other(taking.store_identity()));
+    } else {
+        assert_eq!(old, IdentityClaim::Held);
+    }
+}
+
 /// The fingerprint `App::post` gives `POST /orders` with `body`, in `format`.
 fn orders_fingerprint(format: FingerprintFormat, body: &str) -> idem_core::Fingerprint {
     let (parts, ()) = Request::post("/orders")

@@ -4,6 +4,12 @@
 
 mod memory {
     idem_tests::layer_tests!(|| async { Some((idem_memory::MemoryStore::new(), ())) });
+
+    #[tokio::test]
+    async fn layers_claim_the_store_by_how_they_hash_scopes() {
+        let store = idem_memory::MemoryStore::new();
+        idem_tests::layer_suite::layers_claim_the_store_by_how_they_hash_scopes(store, false).await;
+    }
 }
 
 mod redis {
@@ -17,6 +23,14 @@ mod redis {
     }
 
     idem_tests::layer_tests!(store);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn layers_claim_the_store_by_how_they_hash_scopes() {
+        let Some((store, _server)) = store().await else {
+            return;
+        };
+        idem_tests::layer_suite::layers_claim_the_store_by_how_they_hash_scopes(store, true).await;
+    }
 }
 
 mod postgres {
@@ -31,4 +45,12 @@ mod postgres {
     }
 
     idem_tests::layer_tests!(store);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn layers_claim_the_store_by_how_they_hash_scopes() {
+        let Some((store, ())) = store().await else {
+            return;
+        };
+        idem_tests::layer_suite::layers_claim_the_store_by_how_they_hash_scopes(store, true).await;
+    }
 }

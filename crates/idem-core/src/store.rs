@@ -327,6 +327,24 @@ pub trait Store: Send + Sync + 'static {
         let _ = scope;
         tokio::time::sleep(timeout.min(Duration::from_millis(25)))
     }
+
+    /// Claims the store for `marker` (how the caller derives the records'
+    /// identities; see [`IdentityClaim`]) for `ttl`: a claim held for the
+    /// same marker is extended (never shortened), one held for another is
+    /// answered [`IdentityClaim::Other`] and left alone unless `replace`,
+    /// which takes it over. A store shared between processes overrides
+    /// this; the default, for a store whose records live in its process
+    /// only (nothing another instance could find), answers
+    /// [`IdentityClaim::Held`].
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        let _ = (marker, ttl, replace);
+        std::future::ready(Ok(IdentityClaim::Held))
+    }
 }
 
 impl<S: Store> Store for std::sync::Arc<S> {
@@ -387,6 +405,15 @@ impl<S: Store> Store for std::sync::Arc<S> {
         scope: &ScopeHash,
     ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send {
         (**self).force_release(scope)
+    }
+
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        (**self).claim_identity(marker, ttl, replace)
     }
 }
 

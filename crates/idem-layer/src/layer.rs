@@ -375,6 +375,54 @@ impl<S: Store> IdempotencyLayer<S> {
     pub fn store(&self) -> &Arc<S> {
         &self.runtime.store
     }
+
+    /// The marker of how this layer derives its records' identities: its
+    /// scope hashing ([`scope_format`](Self::scope_format) and, keyed by
+    /// it, the [`scope_secret`](Self::scope_secret)). Layers whose markers
+    /// differ find no record of each other on one store. The marker is a
+    /// keyed hash: it never shows the secret. It does not cover the
+    /// tenant extractor, which the layer cannot see into.
+    pub fn store_identity(&self) -> String {
+        let config = &self.runtime.config;
+        let format = match config.scope_format {
+            crate::ScopeFormat::Blake3 => "blake3",
+            _ => "sha256",
+        };
+        // A scope hash of fixed parts: keyed by the secret when there is
+        // one, so the marker tells secrets apart without showing them.
+        let digest = crate::ScopeFormat::Sha256.hash(
+            config.scope_secret.as_ref(),
+            "idem-layer identity v1",
+            format,
+            "",
+        );
+        let mut marker = "layer-v1:".to_owned();
+        idem_core::push_hex(&mut marker, &digest.as_bytes()[..16]);
+        marker
+    }
+
+    /// Claims the store for this layer's [`store_identity`](Self::store_identity)
+    /// for as long as the retention ([`Store::claim_identity`]): call it
+    /// at start, and again at least every quarter of the retention (say
+    /// every minute) while the instance serves. An answer of
+    /// [`IdentityClaim::Other`](idem_core::IdentityClaim) means instances
+    /// that hash scopes otherwise (another secret or format) use the store:
+    /// a retry moving between them would run again, so do not serve until
+    /// the deployment agrees, or pass `replace` once to take the store over
+    /// for this layer's settings. A memory store answers
+    /// [`Held`](idem_core::IdentityClaim): nothing outside its process can
+    /// find its records.
+    pub async fn claim_store(
+        &self,
+        replace: bool,
+    ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
+        let marker = self.store_identity();
+        let ttl = self.runtime.config.retention;
+        self.runtime
+            .store
+            .claim_identity(&marker, ttl, replace)
+            .await
+    }
 }
 
 impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {

@@ -564,6 +564,15 @@ impl PgStore {
 }
 
 impl Store for PgStore {
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        PgStore::claim_identity(self, marker, ttl, replace)
+    }
+
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let attempt = idem_core::AttemptId::new();
         let token = OwnerToken::new();

@@ -342,6 +342,15 @@ fn decode_reservation(
 }
 
 impl Store for RedisStore {
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        RedisStore::claim_identity(self, marker, ttl, replace)
+    }
+
     /// Each call is bounded by the store's timeout (plus the wait for
     /// replicas, when it waits for them): see [`RedisStoreBuilder::timeout`].
     fn call_bound(&self) -> Option<Duration> {

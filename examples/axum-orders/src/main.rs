@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use axum::Router;
-use idem_core::Store;
+use idem_core::{IdentityClaim, Store};
 use idem_layer::{IdempotencyLayer, TenantFromHeader};
 use idem_memory::MemoryStore;
 use idem_postgres::PgStore;
@@ -27,18 +27,45 @@ fn exit(error: impl std::fmt::Display) -> ! {
     std::process::exit(2);
 }
 
-/// `routes` behind the layer on `store`, with the records API.
-fn protected<S: Store>(routes: Router, store: S, lease: Duration) -> Router {
+/// `routes` behind the layer on `store`, with the records API, once the
+/// store is claimed for the layer's scope hashing.
+async fn protected<S: Store>(routes: Router, store: S, lease: Duration) -> Router {
     let layer = IdempotencyLayer::new(store)
         .tenant(TenantFromHeader::new(http::HeaderName::from_static(
             "x-tenant-id",
         )))
         .allow_anonymous(true)
         .lease(lease);
+    claim_store(&layer).await;
     routes
         .route_service("/_idempotency/records", layer.records_service())
         .layer(layer)
         .layer(axum::middleware::from_fn(axum_orders::hooks::hold_after))
+}
+
+/// Claims the store at start (instances that hash scopes otherwise would
+/// run each other's retries again: exit) and every minute while serving.
+async fn claim_store<S: Store>(layer: &IdempotencyLayer<S>) {
+    match layer.claim_store(false).await {
+        Ok(IdentityClaim::Other(marker)) => exit(format!(
+            "the store is claimed by instances that hash scopes otherwise ({marker}); \
+             a retry moving between them would run again"
+        )),
+        Ok(_) => {}
+        // Claimed at the next refresh.
+        Err(error) => eprintln!("axum-orders: could not claim the store yet: {error}"),
+    }
+    let layer = layer.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(60));
+        every.tick().await;
+        loop {
+            every.tick().await;
+            if let Ok(IdentityClaim::Other(marker)) = layer.claim_store(false).await {
+                eprintln!("axum-orders: the store was taken over by {marker}");
+            }
+        }
+    });
 }
 
 #[tokio::main]
@@ -58,17 +85,17 @@ async fn main() -> std::io::Result<()> {
         }
         let routes = axum_orders::pg::orders(pg.clone());
         if protect {
-            protected(routes, pg, lease)
+            protected(routes, pg, lease).await
         } else {
             routes
         }
     } else if !protect {
         axum_orders::orders()
     } else if store == "memory" {
-        protected(axum_orders::orders(), MemoryStore::new(), lease)
+        protected(axum_orders::orders(), MemoryStore::new(), lease).await
     } else {
         let redis = RedisStore::from_url(&store).unwrap_or_else(|error| exit(error));
-        protected(axum_orders::orders(), redis, lease)
+        protected(axum_orders::orders(), redis, lease).await
     };
     let listener = tokio::net::TcpListener::bind(&listen).await?;
     let addr = listener.local_addr()?;
