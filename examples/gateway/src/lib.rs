@@ -511,8 +511,9 @@ async fn store_router(
         store.migrate().await.map_err(|error| {
             StartError::Postgres(format!("could not create the records table: {error}"))
         })?;
+        let place = format!("the table {}_identity", store.table());
         let store = std::sync::Arc::new(store);
-        claim_store(&store, config, tenants).await?;
+        claim_store(&store, place, config, tenants).await?;
         return router(config, tenants, store, None, upstream);
     }
     let mut builder = RedisStore::builder(&config.store)
@@ -523,7 +524,8 @@ async fn store_router(
     }
     let store = std::sync::Arc::new(builder.build()?);
     check_redis(&store, config.allow_redis_eviction).await?;
-    claim_store(&store, config, tenants).await?;
+    let place = format!("the Redis key {}", store.identity_key());
+    claim_store(&store, place, config, tenants).await?;
     check_failover(&store, config.lease).await;
     let health = redis_health(&store);
     router(config, tenants, store, Some(health), upstream)
@@ -563,74 +565,31 @@ fn store_identity(config: &Config, tenants: &Tenants) -> String {
     marker
 }
 
-/// A store that outlives the process, claimed for one identity.
-trait Claimed: Send + Sync + 'static {
-    /// Claims it (see `RedisStore::claim_identity`).
-    fn claim(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<idem_core::IdentityClaim, idem_core::StoreError>> + Send;
-
-    /// Where the claim lives, for an operator.
-    fn claim_place(&self) -> String;
-}
-
-impl Claimed for RedisStore {
-    fn claim(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<idem_core::IdentityClaim, idem_core::StoreError>> + Send {
-        self.claim_identity(marker, ttl, replace)
-    }
-
-    fn claim_place(&self) -> String {
-        format!("the Redis key {}", self.identity_key())
-    }
-}
-
-impl Claimed for idem_postgres::PgStore {
-    fn claim(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<idem_core::IdentityClaim, idem_core::StoreError>> + Send {
-        self.claim_identity(marker, ttl, replace)
-    }
-
-    fn claim_place(&self) -> String {
-        format!("the table {}_identity", self.table())
-    }
-}
-
 /// Claims the store for this gateway's identity at start, or refuses to
 /// start when gateways that derive tenants or scopes differently hold it
 /// (a retry moving between them would run again); then keeps the claim
 /// alive as long as the retention. A store that cannot be asked at start
-/// is logged and accepted, and claimed on the next refresh.
-async fn claim_store<C: Claimed>(
-    store: &std::sync::Arc<C>,
+/// is logged and accepted, and claimed on the next refresh. `place` says
+/// where the claim lives, for an operator.
+async fn claim_store<S: Store>(
+    store: &std::sync::Arc<S>,
+    place: String,
     config: &Config,
     tenants: &Tenants,
 ) -> Result<(), StartError> {
     let marker = store_identity(config, tenants);
     let ttl = config.retention;
     match store
-        .claim(&marker, ttl, config.replace_store_identity)
+        .claim_identity(&marker, ttl, config.replace_store_identity)
         .await
     {
         Ok(idem_core::IdentityClaim::Other(_)) => {
             return Err(StartError::UnsafeStore(format!(
                 "this store holds records of gateways that derive tenants or scopes differently \
-                 (another tenant secret, tenant source or --keyed-scopes; {} says so): a retry \
-                 that moves between them and this gateway does not find its record and runs \
-                 again. Start it with their settings, or pass --replace-store-identity to make \
-                 this gateway's the store's",
-                store.claim_place()
+                 (another tenant secret, tenant source, --keyed-scopes or --blake3-scopes; {place} \
+                 says so): a retry that moves between them and this gateway does not find its \
+                 record and runs again. Start it with their settings, or pass \
+                 --replace-store-identity to make this gateway's the store's"
             )));
         }
         Ok(_) => {}
@@ -641,9 +600,9 @@ async fn claim_store<C: Claimed>(
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
-            match store.claim(&marker, ttl, false).await {
+            match store.claim_identity(&marker, ttl, false).await {
                 Ok(idem_core::IdentityClaim::Other(_)) => tracing::error!(
-                    place = store.claim_place(),
+                    place,
                     "another gateway made this store its own with other tenant or scope \
                      settings (--replace-store-identity): requests that move between it and \
                      this gateway run again. Restart this gateway with its settings"
