@@ -657,7 +657,7 @@ pub async fn layers_claim_the_store_by_how_they_hash_scopes<S: Store>(store: S, 
 }
 
 /// The fingerprint `App::post` gives `POST /orders` with `body`, in `format`.
-fn orders_fingerprint(format: FingerprintFormat, body: &str) -> idem_core::Fingerprint {
+pub fn orders_fingerprint(format: FingerprintFormat, body: &str) -> idem_core::Fingerprint {
     let (parts, ()) = Request::post("/orders")
         .header("content-type", "application/json")
         .body(())

@@ -24,6 +24,16 @@ async fn post(addr: std::net::SocketAddr, key: &str, authorization: &str) -> Rep
     send(&client(), request).await
 }
 
+/// A keyed JSON POST of `/orders` from the tenant `acme` (`x-tenant`).
+fn acme_order(addr: std::net::SocketAddr, key: &str, body: &'static str) -> Request<Full<Bytes>> {
+    Request::post(format!("http://{addr}/orders"))
+        .header("idempotency-key", key)
+        .header("x-tenant", "acme")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .expect("request")
+}
+
 /// The equivalent spellings of one credential are one tenant: the second
 /// and later spellings replay.
 #[tokio::test]
@@ -417,14 +427,7 @@ async fn keyed_scopes_hide_where_records_live() {
     let common = ["--store", url.as_str(), "--tenant-header", "x-tenant"];
     let keyed_flags = [&common[..], &["--tenant-secret", secret, "--keyed-scopes"]].concat();
     let keyed = start_gateway(&origin, &keyed_flags).await;
-    let order = |addr: std::net::SocketAddr| {
-        Request::post(format!("http://{addr}/orders"))
-            .header("idempotency-key", "keyed-1")
-            .header("x-tenant", "acme")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from_static(b"{\"sku\":\"book\"}")))
-            .expect("request")
-    };
+    let order = |addr| acme_order(addr, "keyed-1", r#"{"sku":"book"}"#);
     let first = send(&client(), order(keyed.addr)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(upstream.runs(), 1);
@@ -476,29 +479,12 @@ async fn blake3_fingerprints_and_sha256_ones_share_a_store() {
     let sha = start_gateway(&origin, &common).await;
     let blake_flags = [&common[..], &["--blake3-fingerprints"]].concat();
     let blake = start_gateway(&origin, &blake_flags).await;
-    let order = |addr: std::net::SocketAddr, key: &str, body: &'static [u8]| {
-        Request::post(format!("http://{addr}/orders"))
-            .header("idempotency-key", key)
-            .header("x-tenant", "acme")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from_static(body)))
-            .expect("request")
-    };
     let stored = |key: &str| {
         let hash = idem_core::ScopeHash::of("acme", "POST /orders", key);
         redis.cli(&["HGET", &format!("idem:{{{hash}}}"), "fp"])
     };
-    let body = b"{\"sku\":\"book\",\"n\":1}";
-    let (parts, ()) = Request::post("/orders")
-        .header("content-type", "application/json")
-        .body(())
-        .expect("request")
-        .into_parts();
-    let expected = |format: idem_layer::fingerprint::FingerprintFormat| {
-        format
-            .fingerprint("POST /orders", &parts, &[http::header::CONTENT_TYPE], body)
-            .to_hex()
-    };
+    let body = r#"{"sku":"book","n":1}"#;
+    let expected = |format| idem_tests::layer_suite::orders_fingerprint(format, body).to_hex();
     use idem_layer::fingerprint::FingerprintFormat::{Blake3, Sha256};
     for (runs, (writer, reader, format, key)) in [
         (sha.addr, blake.addr, Sha256, "fmt-1"),
@@ -507,18 +493,18 @@ async fn blake3_fingerprints_and_sha256_ones_share_a_store() {
     .into_iter()
     .enumerate()
     {
-        let first = send(&client(), order(writer, key, body)).await;
+        let first = send(&client(), acme_order(writer, key, body)).await;
         assert_eq!(first.status, StatusCode::CREATED, "{key}");
         assert_eq!(upstream.runs(), runs + 1);
         assert_eq!(stored(key).trim(), expected(format), "{key}");
         let retry = send(
             &client(),
-            order(reader, key, b"{\"n\":1, \"sku\":\"book\"}"),
+            acme_order(reader, key, r#"{"n":1, "sku":"book"}"#),
         )
         .await;
         assert!(retry.replayed(), "{key}: {retry:?}");
         assert_eq!(retry.body, first.body);
-        let changed = send(&client(), order(reader, key, b"{\"sku\":\"pen\",\"n\":1}")).await;
+        let changed = send(&client(), acme_order(reader, key, r#"{"sku":"pen","n":1}"#)).await;
         assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY, "{key}");
         assert_eq!(upstream.runs(), runs + 1);
     }
@@ -549,14 +535,7 @@ async fn blake3_scopes_are_claimed_like_keyed_ones() {
     ]
     .concat();
     let first_gateway = start_gateway(&origin, &flags).await;
-    let order = |addr: std::net::SocketAddr| {
-        Request::post(format!("http://{addr}/orders"))
-            .header("idempotency-key", "b3-1")
-            .header("x-tenant", "acme")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from_static(b"{\"sku\":\"book\"}")))
-            .expect("request")
-    };
+    let order = |addr| acme_order(addr, "b3-1", r#"{"sku":"book"}"#);
     let first = send(&client(), order(first_gateway.addr)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let scope_secret = idem_gateway::scope_secret(secret.as_bytes());
