@@ -301,13 +301,9 @@ impl ScopeHash {
     /// knows the parts can compute it (the form of every version before
     /// keyed hashes, and still the default).
     pub fn of(tenant: &str, operation: &str, key: &str) -> Self {
-        let mut hasher = Sha256::new();
-        hasher.update(b"idem-scope-v1");
-        for part in [tenant, operation, key] {
-            hasher.update((part.len() as u64).to_be_bytes());
-            hasher.update(part.as_bytes());
-        }
-        Self(hasher.finalize().into())
+        with_scope_bytes(b"idem-scope-v1", [tenant, operation, key], |bytes| {
+            Self(Sha256::digest(bytes).into())
+        })
     }
 
     /// Hashes the three parts of a scope with HMAC-SHA256 under `secret`:
@@ -315,13 +311,11 @@ impl ScopeHash {
     /// aim keys at one shard, table bucket or cluster slot, nor test a
     /// guess of a tenant against what is stored.
     pub fn keyed(secret: &ScopeSecret, tenant: &str, operation: &str, key: &str) -> Self {
-        let mut mac = secret.hmac.clone();
-        mac.update(b"idem-scope-keyed-v1");
-        for part in [tenant, operation, key] {
-            mac.update(&(part.len() as u64).to_be_bytes());
-            mac.update(part.as_bytes());
-        }
-        Self(mac.finalize().into_bytes().into())
+        with_scope_bytes(b"idem-scope-keyed-v1", [tenant, operation, key], |bytes| {
+            let mut mac = secret.hmac.clone();
+            mac.update(bytes);
+            Self(mac.finalize().into_bytes().into())
+        })
     }
 
     /// BLAKE3 over `idem-scope-v2` and the three parts, each
@@ -343,8 +337,9 @@ impl ScopeHash {
 }
 
 /// Calls `f` with `label` and the three parts, each as a big-endian u64
-/// length and its bytes, in one buffer (the hash gets them in one call):
-/// on the stack when they fit, as a typical scope does.
+/// length and its bytes: the layout every scope hash hashes, in one
+/// buffer (the hash gets it in one call), on the stack when it fits, as
+/// a typical scope does.
 fn with_scope_bytes<T>(label: &[u8], parts: [&str; 3], f: impl FnOnce(&[u8]) -> T) -> T {
     let len = label.len() + parts.iter().map(|part| 8 + part.len()).sum::<usize>();
     let mut stack = [0u8; 256];
