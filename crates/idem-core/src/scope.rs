@@ -126,6 +126,14 @@ pub enum ScopeFormat {
 }
 
 impl ScopeFormat {
+    /// Its name: `sha256` or `blake3`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sha256 => "sha256",
+            Self::Blake3 => "blake3",
+        }
+    }
+
     /// The hash of a scope's parts in this format.
     pub fn hash(
         self,

@@ -384,16 +384,12 @@ impl<S: Store> IdempotencyLayer<S> {
     /// tenant extractor, which the layer cannot see into.
     pub fn store_identity(&self) -> String {
         let config = &self.runtime.config;
-        let format = match config.scope_format {
-            crate::ScopeFormat::Blake3 => "blake3",
-            _ => "sha256",
-        };
         // A scope hash of fixed parts: keyed by the secret when there is
         // one, so the marker tells secrets apart without showing them.
         let digest = crate::ScopeFormat::Sha256.hash(
             config.scope_secret.as_ref(),
             "idem-layer identity v1",
-            format,
+            config.scope_format.name(),
             "",
         );
         let mut marker = "layer-v1:".to_owned();
