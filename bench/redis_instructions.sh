@@ -78,21 +78,21 @@ key = lambda i: f"idem:{{{run}-{i}}}"
 reserve = lambda i: (1, key(i), fp, attempt, token, 30000, 86400000, tenant, "POST /orders",
                      "order-1")
 rows = [
-    ("idem", "new key", per_call(f"{work}/reserve.lua", reserve, "acquired")),
+    ("idem", "new key", per_call(f"{work}/reserve.lua", reserve, ":1\r\n")),
     ("idem", "completion", per_call(f"{work}/complete.lua", lambda i: (
         1, key(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
-        "recorded")),
+        ":1\r\n")),
     ("idem", "replay", per_call(f"{work}/reserve.lua", reserve, "completed")),
 ]
 # A response over 64 bytes is kept in a key of its own beside the record.
 big = lambda i: f"idem:{{{run}-big-{i}}}"
 reserve_big = lambda i: (1, big(i), fp, attempt, token, 30000, 86400000, tenant, "POST /orders",
                          "order-1")
-per_call(f"{work}/reserve.lua", reserve_big, "acquired")
+per_call(f"{work}/reserve.lua", reserve_big, ":1\r\n")
 body = '{"id":"1","items":[' + ",".join(['{"sku":"book","qty":1}'] * 8) + "]}"
 rows.append(("idem", "completion, 200-byte body", per_call(f"{work}/complete.lua", lambda i: (
     1, big(i), 1, token, attempt, "201:1", "content-type: application/json", body),
-    "recorded")))
+    ":1\r\n")))
 rows.append(("idem", "replay, 200-byte body",
              per_call(f"{work}/reserve.lua", reserve_big, "completed")))
 # The same calls by a store that packs new records (pack_records).
@@ -100,10 +100,10 @@ packed = lambda i: f"idem:{{{run}-packed-{i}}}"
 reserve_packed = lambda i: (1, packed(i), fp, attempt, token, 30000, 86400000, tenant,
                             "POST /orders", "order-1")
 rows += [
-    ("packed", "new key", per_call(f"{work}/reserve-packed.lua", reserve_packed, "acquired")),
+    ("packed", "new key", per_call(f"{work}/reserve-packed.lua", reserve_packed, ":1\r\n")),
     ("packed", "completion", per_call(f"{work}/complete-packed.lua", lambda i: (
         1, packed(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
-        "recorded")),
+        ":1\r\n")),
     ("packed", "replay", per_call(f"{work}/reserve-packed.lua", reserve_packed, "completed")),
 ]
 if peer:

@@ -38,6 +38,13 @@ pub(crate) fn collect_text(value: &Value, out: &mut String) {
 
 // ===== reply decoding =====
 
+/// Whether a script answered from its hot path: the integer 1 (a new key
+/// acquired at generation 1, an outcome recorded, a lease released), which
+/// costs Redis far less to build and encode than a table.
+pub(crate) fn hot_path(reply: &Value) -> bool {
+    matches!(reply, Value::Int(1))
+}
+
 pub(crate) fn items(value: Value) -> Result<Vec<Value>, StoreError> {
     match value {
         Value::Array(items) => Ok(items),

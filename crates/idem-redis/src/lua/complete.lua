@@ -1,5 +1,7 @@
 -- ARGV: generation, owner token, attempt id, '<status>:<stored>' (stored
 --       '1' or '0'), encoded headers, body
+-- Answers the integer 1 on its hot path (recorded), else a table led by
+-- its kind (fence.lua).
 --@holder
 if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   -- The hot path: the caller holds the lease (the record is live, see
@@ -40,7 +42,8 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   if watched and NOTIFY then
     redis.call('PUBLISH', record .. ':c', '1')
   end
-  return {'recorded'}
+  -- Recorded: an integer, not a table (see reserve.lua).
+  return 1
 end
 --@common
 --@fence

@@ -1,4 +1,6 @@
 -- ARGV: generation, owner token, attempt id
+-- Answers the integer 1 on its hot path (released), else a table led by
+-- its kind (fence.lua).
 --@holder
 if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   -- The hot path: the caller holds the lease (the record is live, see
@@ -12,7 +14,8 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   if watched and NOTIFY then
     redis.call('PUBLISH', record .. ':c', '1')
   end
-  return {'released'}
+  -- Released: an integer, not a table (see reserve.lua).
+  return 1
 end
 --@common
 --@fence
