@@ -154,7 +154,11 @@ fn decode_tenant(fields: &HashMap<String, &Value>) -> Result<String, StoreError>
 }
 
 pub(crate) fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
-    let mut out = Vec::new();
+    // Sized once: growing from empty reallocates four or five times.
+    let size = headers
+        .iter()
+        .map(|(name, value)| 8 + name.len() + value.len());
+    let mut out = Vec::with_capacity(size.sum());
     for (name, value) in headers {
         for part in [name.as_bytes(), value.as_ref()] {
             out.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
