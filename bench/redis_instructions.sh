@@ -82,7 +82,7 @@ rows = [
     ("idem", "completion", per_call(f"{work}/complete.lua", lambda i: (
         1, key(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
         ":1\r\n")),
-    ("idem", "replay", per_call(f"{work}/reserve.lua", reserve, "completed")),
+    ("idem", "replay", per_call(f"{work}/reserve.lua", reserve, "201:1:")),
 ]
 # A response over 64 bytes is kept in a key of its own beside the record.
 big = lambda i: f"idem:{{{run}-big-{i}}}"
@@ -94,7 +94,7 @@ rows.append(("idem", "completion, 200-byte body", per_call(f"{work}/complete.lua
     1, big(i), 1, token, attempt, "201:1", "content-type: application/json", body),
     ":1\r\n")))
 rows.append(("idem", "replay, 200-byte body",
-             per_call(f"{work}/reserve.lua", reserve_big, "completed")))
+             per_call(f"{work}/reserve.lua", reserve_big, "201:1:")))
 # The same calls by a store that packs new records (pack_records).
 packed = lambda i: f"idem:{{{run}-packed-{i}}}"
 reserve_packed = lambda i: (1, packed(i), fp, attempt, token, 30000, 86400000, tenant,
@@ -104,7 +104,7 @@ rows += [
     ("packed", "completion", per_call(f"{work}/complete-packed.lua", lambda i: (
         1, packed(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
         ":1\r\n")),
-    ("packed", "replay", per_call(f"{work}/reserve-packed.lua", reserve_packed, "completed")),
+    ("packed", "replay", per_call(f"{work}/reserve-packed.lua", reserve_packed, "201:1:")),
 ]
 if peer:
     data = "x" * 120

@@ -264,6 +264,41 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
     }
 }
 
+/// A replay as the reserve script answers it, one string:
+/// `<status>:<stored>:<completed at, Unix ms>:<length of the headers>:`,
+/// then the headers and the body. The body is a slice of the reply, not a
+/// copy; the age is measured as [`decode_current`] measures it.
+pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
+    const FIELDS: [&str; 4] = ["status", "stored", "completion time", "headers' length"];
+    let mut numbers = [0u64; 4];
+    let mut at = 0;
+    for (number, what) in numbers.iter_mut().zip(FIELDS) {
+        let field = raw[at..]
+            .split(|&byte| byte == b':')
+            .next()
+            .unwrap_or_default();
+        *number = std::str::from_utf8(field)
+            .ok()
+            .and_then(|digits| digits.parse().ok())
+            .filter(|_| at + field.len() < raw.len())
+            .ok_or_else(|| corrupt(format!("replay lacks the {what}")))?;
+        at += field.len() + 1;
+    }
+    let [status, stored, completed, headers] = numbers;
+    // A response key cut short reads as what it holds, as Lua's
+    // string.sub reads it.
+    let headers_end = usize::try_from(headers)
+        .map_or(raw.len(), |length| at.saturating_add(length))
+        .min(raw.len());
+    let raw = Bytes::from(raw);
+    let body = raw.slice(headers_end..);
+    let outcome = outcome(status, stored == 1, &raw[at..headers_end], body)?;
+    Ok(Replay {
+        outcome,
+        age: Duration::from_millis(unix_ms().saturating_sub(completed)),
+    })
+}
+
 /// `completed:201:<ms>` or `released::<ms>`, as the scripts write it.
 pub(crate) fn decode_late(raw: &str) -> Result<Option<LateEvidence>, StoreError> {
     if raw.is_empty() {

@@ -314,14 +314,17 @@ impl ServerSafety {
 // ===== impl Store =====
 
 /// The reserve script's answer; `lease` makes the lease of a generation.
-/// A new key's hot path answers the integer 1 (acquired, generation 1),
-/// every other path a table led by its kind.
+/// A new key's hot path answers the integer 1 (acquired, generation 1), a
+/// replay one string, every other path a table led by its kind.
 fn decode_reservation(
     reply: Value,
     lease: impl Fn(u64) -> Lease,
 ) -> Result<Reservation, StoreError> {
     if hot_path(&reply) {
         return Ok(Reservation::Acquired(lease(1)));
+    }
+    if let Value::BulkString(raw) = reply {
+        return Ok(Reservation::Completed(decode_replay(raw)?));
     }
     let reply = items(reply)?;
     let field = |i: usize| reply.get(i).ok_or_else(|| corrupt("short reply"));
@@ -890,6 +893,17 @@ mod tests {
                 prop_assert_eq!(decode_headers(&encode_headers(&headers)).expect("decode"), headers);
             }
 
+            /// A replay's answer, cut anywhere or with any prefix, is
+            /// decoded or refused as corrupt, never a panic.
+            #[test]
+            fn replay_decode_never_panics(raw in prop::collection::vec(any::<u8>(), 0..80), cut in any::<usize>()) {
+                let mut answer = b"201:1:1700000000000:9:".to_vec();
+                answer.extend_from_slice(&raw);
+                let _ = decode_replay(raw);
+                answer.truncate(cut % (answer.len() + 1));
+                let _ = decode_replay(answer);
+            }
+
             #[test]
             fn late_evidence_decode_never_panics(raw in ".{0,40}") {
                 let _ = decode_late(&raw);
@@ -916,6 +930,39 @@ mod tests {
                 let _ = decode_record(ScopeHash::from_bytes([1; 32]), &pairs);
                 let _ = decode_current(pairs);
             }
+        }
+    }
+
+    /// A replay's one-string answer gives the exact headers and body, a
+    /// response key cut short gives what it holds, and a malformed answer
+    /// is corrupt.
+    #[test]
+    fn replays_decode_from_one_string() {
+        let headers = encode_headers(&[("location".to_owned(), Bytes::from_static(b"/o/1"))]);
+        let answer = |len: usize, rest: &[u8]| {
+            let mut raw = format!("201:1:1700000000000:{len}:").into_bytes();
+            raw.extend_from_slice(rest);
+            raw
+        };
+        let whole = [&headers[..], b"{\"id\":1}"].concat();
+        let replay = decode_replay(answer(headers.len(), &whole)).expect("replay");
+        let Outcome::Stored(response) = replay.outcome else {
+            panic!("a stored response")
+        };
+        assert_eq!(response.status, 201);
+        assert_eq!(response.headers, [("location".to_owned(), Bytes::from_static(b"/o/1"))]);
+        assert_eq!(&response.body[..], b"{\"id\":1}");
+        // Not stored: the status alone.
+        let replay = decode_replay(b"409:0:1700000000000:0:".to_vec()).expect("replay");
+        assert!(matches!(replay.outcome, Outcome::NotStored { status: 409 }));
+        // Headers longer than what is there: all of it is headers.
+        let cut = decode_replay(answer(headers.len() + 50, &headers)).expect("replay");
+        let Outcome::Stored(response) = cut.outcome else {
+            panic!("a stored response")
+        };
+        assert!(response.body.is_empty());
+        for bad in [&b""[..], b"201", b"201:1:", b"201:1:17:", b"x:1:17:0:", b"201:1:17:z:"] {
+            assert!(decode_replay(bad.to_vec()).is_err(), "{bad:?}");
         }
     }
 

@@ -1,8 +1,8 @@
 -- ARGV: fingerprint, attempt id, owner token, lease ms, retention ms,
 --       tenant, operation, key
--- Answers the integer 1 for a new key (acquired, generation 1), else a
--- table led by its kind: acquired, taken_over, in_progress, conflict,
--- completed, cancelled (decode_reservation in lib.rs).
+-- Answers the integer 1 for a new key (acquired, generation 1), one
+-- string for a replay, else a table led by its kind: acquired, taken_over,
+-- in_progress, conflict, cancelled (decode_reservation in lib.rs).
 -- The tenant's field, 'tenant' or 'tenant_bin' (see decode.rs), is filled
 -- in by scripts.rs: one script for each.
 local TENANT_FIELD = '@TENANT_FIELD@'
@@ -39,13 +39,19 @@ if state == 'completed' then
   if found_fp ~= fp then
     return {'conflict'}
   end
+  -- One string, not a table (see the new key's answer below):
+  -- '<done>:<length of the headers>:' then the headers and the body.
   if split then
-    -- The response is kept in a key of its own (see complete.lua).
-    local raw = redis.call('GET', record .. ':r') or ''
-    local n = tonumber(split)
-    headers, body = string.sub(raw, 1, n), string.sub(raw, n + 1)
+    -- The response is kept in a key of its own (see complete.lua), its
+    -- headers and body already one string.
+    local raw = redis.call('GET', record .. ':r')
+    if raw then
+      return (done or '') .. ':' .. split .. ':' .. raw
+    end
+    headers, body = '', ''
   end
-  return {'completed', done, headers, body}
+  headers, body = headers or '', body or ''
+  return (done or '') .. ':' .. string.format('%d', #headers) .. ':' .. headers .. body
 end
 
 --@clock
