@@ -71,11 +71,20 @@ impl Hashing {
 
     /// `prefix` + the hex digest of `value`.
     fn tenant(&self, prefix: &str, value: &[u8]) -> String {
+        self.tenant_of_pieces(prefix, &[value])
+    }
+
+    /// `prefix` + the hex digest of the concatenated `pieces`.
+    fn tenant_of_pieces(&self, prefix: &str, pieces: &[&[u8]]) -> String {
         let digest: [u8; 32] = match self {
-            Hashing::Plain => Sha256::digest(value).into(),
+            Hashing::Plain => {
+                let mut hasher = Sha256::new();
+                pieces.iter().for_each(|piece| hasher.update(piece));
+                hasher.finalize().into()
+            }
             Hashing::Keyed(keyed) => {
                 let mut mac = keyed.clone();
-                mac.update(value);
+                pieces.iter().for_each(|piece| mac.update(piece));
                 mac.finalize().into_bytes().into()
             }
         };
@@ -240,30 +249,40 @@ pub struct TenantFromKeyedAuthorization {
     hashing: Hashing,
 }
 
-/// `scheme credentials` with the scheme lowercased and one space between.
-fn normalize_authorization(value: &[u8]) -> Vec<u8> {
-    let value = value.trim_ascii();
+/// The tenant of the `Authorization` value, hashed as `hashing` says: the
+/// hash of `scheme credentials` with the scheme lowercased and one space
+/// between, fed to the hash in its pieces (no copy of the value is made).
+fn authorization_tenant(parts: &Parts, hashing: &Hashing) -> Option<String> {
+    let value = parts
+        .headers
+        .get(http::header::AUTHORIZATION)?
+        .as_bytes()
+        .trim_ascii();
+    if value.is_empty() {
+        return None;
+    }
     let split = value
         .iter()
         .position(|b| b.is_ascii_whitespace())
         .unwrap_or(value.len());
     let (scheme, rest) = value.split_at(split);
-    let mut out = scheme.to_ascii_lowercase();
     let rest = rest.trim_ascii();
-    if !rest.is_empty() {
-        out.push(b' ');
-        out.extend_from_slice(rest);
-    }
-    out
-}
-
-/// The tenant of the `Authorization` value, hashed as `hashing` says.
-fn authorization_tenant(parts: &Parts, hashing: &Hashing) -> Option<String> {
-    let value = parts.headers.get(http::header::AUTHORIZATION)?.as_bytes();
-    if value.trim_ascii().is_empty() {
-        return None;
-    }
-    Some(hashing.tenant("auth:", &normalize_authorization(value)))
+    // Schemes are short words (`Bearer`, `Basic`): lowercased on the stack.
+    let mut short = [0u8; 32];
+    let long: Vec<u8>;
+    let scheme: &[u8] = match short.get_mut(..scheme.len()) {
+        Some(lower) => {
+            lower.copy_from_slice(scheme);
+            lower.make_ascii_lowercase();
+            lower
+        }
+        None => {
+            long = scheme.to_ascii_lowercase();
+            &long
+        }
+    };
+    let separator: &[u8] = if rest.is_empty() { b"" } else { b" " };
+    Some(hashing.tenant_of_pieces("auth:", &[scheme, separator, rest]))
 }
 
 impl TenantExtractor for TenantFromAuthorization {
@@ -292,6 +311,46 @@ mod tests {
     /// Keyed tenants are HMAC-SHA256 exactly (RFC 4231, cases 1 and 6: a
     /// short key and one longer than a block), however the keyed state is
     /// reused: stored tenants must not change between versions.
+    /// The tenant of an `Authorization` value is pinned (Python's
+    /// `hashlib` and `hmac`): the scheme lowercased, one space, the
+    /// credentials; a scheme longer than the stack buffer hashes the same
+    /// way; a value of only spaces is no tenant.
+    #[test]
+    fn authorization_tenants_are_pinned() {
+        let tenant = |value: &'static str, hashing: &Hashing| {
+            let parts = http::Request::get("/")
+                .header(http::header::AUTHORIZATION, value)
+                .body(())
+                .expect("request")
+                .into_parts()
+                .0;
+            authorization_tenant(&parts, hashing)
+        };
+        let plain = Hashing::Plain;
+        let bearer = "auth:46e38e9ce4c432c3ca84636e27ba624263cfe0e4ad78886dcbad9942a0f3f36a";
+        for spelling in ["Bearer abc", "  BEARER \t abc ", "bearer abc"] {
+            assert_eq!(
+                tenant(spelling, &plain).as_deref(),
+                Some(bearer),
+                "{spelling:?}"
+            );
+        }
+        assert_eq!(
+            tenant("Basic", &plain).as_deref(),
+            Some("auth:fbb7b5bf4ca348eeeebf8cc3660712859a5a1fbf18e83217a57ce203fb51d5c2")
+        );
+        let long = "XXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX t";
+        assert_eq!(
+            tenant(long, &plain).as_deref(),
+            Some("auth:c3137ac7d0bd33df55becb487e2e4c297917bfb9a777632ad0a49bd1e92f895d")
+        );
+        assert_eq!(
+            tenant("Bearer abc", &Hashing::keyed(&[b'k'; 20])).as_deref(),
+            Some("auth:2cf1e69c4f0007c12d01c8a518e68eb92faa044a522bb8d957671c0f0f493815")
+        );
+        assert_eq!(tenant("   ", &plain), None);
+    }
+
     #[test]
     fn keyed_tenants_are_rfc_4231_hmac_sha256() {
         assert_eq!(

@@ -950,7 +950,10 @@ mod tests {
             panic!("a stored response")
         };
         assert_eq!(response.status, 201);
-        assert_eq!(response.headers, [("location".to_owned(), Bytes::from_static(b"/o/1"))]);
+        assert_eq!(
+            response.headers,
+            [("location".to_owned(), Bytes::from_static(b"/o/1"))]
+        );
         assert_eq!(&response.body[..], b"{\"id\":1}");
         // Not stored: the status alone.
         let replay = decode_replay(b"409:0:1700000000000:0:".to_vec()).expect("replay");
@@ -961,7 +964,14 @@ mod tests {
             panic!("a stored response")
         };
         assert!(response.body.is_empty());
-        for bad in [&b""[..], b"201", b"201:1:", b"201:1:17:", b"x:1:17:0:", b"201:1:17:z:"] {
+        for bad in [
+            &b""[..],
+            b"201",
+            b"201:1:",
+            b"201:1:17:",
+            b"x:1:17:0:",
+            b"201:1:17:z:",
+        ] {
             assert!(decode_replay(bad.to_vec()).is_err(), "{bad:?}");
         }
     }
