@@ -52,7 +52,10 @@ impl ReplyCutter {
     }
 
     /// The next reply from the server, on any connection, is dropped with
-    /// its connection.
+    /// its connection. Whatever the server answers next is cut: load the
+    /// scripts under test first (a `NOSCRIPT` answer would be cut instead
+    /// of the script's), and give the client a connection (a handshake's
+    /// answer would be cut instead of the call's).
     pub fn cut_next_reply(&self) {
         self.armed.store(true, Ordering::SeqCst);
     }

@@ -38,11 +38,17 @@ async fn store_behind_cutter(redis: &RedisServer) -> (RedisStore, ReplyCutter) {
         .timeout(Duration::from_secs(5))
         .build()
         .expect("store");
+    warm(&store).await;
+    (store, cutter)
+}
+
+/// Gives every lane a connection: a cut armed while a lane has none would
+/// cut the new connection's handshake instead of the call under test.
+async fn warm(store: &RedisStore) {
     for n in 0..8 {
         let nothing = request(&format!("warm-{n}"), Duration::from_secs(1));
         store.get(nothing.scope.hash()).await.expect("warm-up");
     }
-    (store, cutter)
 }
 
 /// A takeover whose reply was lost is retried on a new connection, and the
@@ -73,6 +79,88 @@ async fn a_retried_takeover_still_reports_the_superseded_attempt() {
     assert_eq!(cutter.cuts(), 1, "the reply was cut");
 }
 
+/// A new key's reservation, a completion and a release whose replies were
+/// lost are retried on a new connection and answer as the first call would
+/// have: the hot paths answer an integer and the retries a tagged table, and
+/// both decode to the same outcome. The completed key then replays its
+/// exact response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retried_hot_path_calls_answer_as_the_first_would_have() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let (store, cutter) = store_behind_cutter(&redis).await;
+    // Every script loaded first: a cut must lose a reply of a script that
+    // ran, not a NOSCRIPT answer the store would follow with the script.
+    for (n, release) in [(0, false), (1, true)] {
+        let lease = match store
+            .reserve(&request(&format!("load-{n}"), Duration::from_secs(30)))
+            .await
+        {
+            Ok(Reservation::Acquired(lease)) => lease,
+            other => panic!("unexpected {other:?}"),
+        };
+        if release {
+            let released = store.release(&lease).await.expect("release");
+            assert!(matches!(released, idem_core::Release::Released));
+        } else {
+            let outcome = idem_core::Outcome::NotStored { status: 500 };
+            let completed = store.complete(&lease, &outcome).await.expect("complete");
+            assert!(matches!(completed, idem_core::Completion::Recorded));
+        }
+    }
+    warm(&store).await;
+    let req = request("lost-hot-paths", Duration::from_secs(30));
+    cutter.cut_next_reply();
+    let lease = match store.reserve(&req).await.expect("reserve after the cut") {
+        Reservation::Acquired(lease) => lease,
+        other => panic!("a lost reservation reply came back as {other:?}"),
+    };
+    assert_eq!(lease.generation, 1);
+    assert_eq!(cutter.cuts(), 1, "the reservation's reply was cut");
+    let response = idem_core::StoredResponse {
+        status: 201,
+        headers: vec![("location".to_owned(), Bytes::from_static(b"/orders/7"))],
+        body: Bytes::from_static(b"{\"id\":7}"),
+    };
+    // A broken connection replaces every lane's: refill them first.
+    warm(&store).await;
+    cutter.cut_next_reply();
+    let completion = store
+        .complete(&lease, &idem_core::Outcome::Stored(response.clone()))
+        .await
+        .expect("complete after the cut");
+    assert!(
+        matches!(completion, idem_core::Completion::Recorded),
+        "a lost completion reply came back as {completion:?}"
+    );
+    assert_eq!(cutter.cuts(), 2, "the completion's reply was cut");
+    match store.reserve(&req).await.expect("replay") {
+        Reservation::Completed(replay) => {
+            assert_eq!(replay.outcome, idem_core::Outcome::Stored(response));
+        }
+        other => panic!("the completed key answered {other:?}"),
+    }
+
+    let other = request("lost-release", Duration::from_secs(30));
+    let lease = match store.reserve(&other).await.expect("reserve") {
+        Reservation::Acquired(lease) => lease,
+        other => panic!("unexpected {other:?}"),
+    };
+    warm(&store).await;
+    cutter.cut_next_reply();
+    let release = store.release(&lease).await.expect("release after the cut");
+    assert!(
+        matches!(release, idem_core::Release::Released),
+        "a lost release reply came back as {release:?}"
+    );
+    assert_eq!(cutter.cuts(), 3, "the release's reply was cut");
+    assert!(matches!(
+        store.reserve(&other).await.expect("reserve again"),
+        Reservation::Acquired(lease) if lease.generation == 2
+    ));
+}
+
 /// A cancel whose reply was lost is retried and still answers `Cancelled`
 /// (the call did cancel), not `AlreadyCancelled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -85,6 +173,13 @@ async fn a_retried_cancel_reports_its_own_cancellation() {
     assert!(matches!(
         store.reserve(&req).await.expect("reserve"),
         Reservation::Acquired(_)
+    ));
+    // The cancel script loaded first (a cancel of an absent key): a cut
+    // must lose the reply of a cancel that ran, not a NOSCRIPT answer.
+    let absent = request("never-reserved", Duration::from_secs(30));
+    assert!(matches!(
+        store.cancel(absent.scope.hash()).await.expect("cancel"),
+        Cancellation::NotFound
     ));
     cutter.cut_next_reply();
     let cancel = store.cancel(req.scope.hash()).await.expect("cancel");
