@@ -86,8 +86,6 @@ pub(crate) fn replay_response<B>(replay: Replay) -> Response<ResponseBody<B>> {
     *response.status_mut() = http::StatusCode::from_u16(stored.status)
         .unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
-    // Sized once for the stored headers and the replay marker.
-    headers.reserve(stored.headers.len() + 1);
     for (name, value) in stored.headers {
         let name = HeaderName::from_bytes(name.as_bytes());
         let value = HeaderValue::from_maybe_shared(value);
