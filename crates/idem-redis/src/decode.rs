@@ -45,6 +45,13 @@ pub(crate) fn hot_path(reply: &Value) -> bool {
     matches!(reply, Value::Int(1))
 }
 
+/// Whether `reply` is a table led by `kind`: how the paths off the hot
+/// one answer (fence.lua), the retry of a call whose reply was lost among
+/// them.
+pub(crate) fn led_by(reply: &Value, kind: &str) -> bool {
+    matches!(reply, Value::Array(items) if tag(items.first()).is_ok_and(|led| led == kind))
+}
+
 pub(crate) fn items(value: Value) -> Result<Vec<Value>, StoreError> {
     match value {
         Value::Array(items) => Ok(items),

@@ -459,11 +459,9 @@ impl Store for RedisStore {
             }
         }
         let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
-        let recorded = hot_path(&reply)
-            || {
-                // A retry of this completion whose reply was lost (fence.lua).
-                matches!(&reply, Value::Array(items) if matches!(decode::tag(items.first()), Ok("recorded")))
-            };
+        // Recorded now, or by this very call if its reply was lost and it
+        // was retried (fence.lua).
+        let recorded = hot_path(&reply) || led_by(&reply, "recorded");
         if recorded {
             if let Some((acked, wanted)) = self.short_of_replicas(acked) {
                 tracing::warn!(
@@ -483,14 +481,10 @@ impl Store for RedisStore {
         lease_args(&mut invocation, lease);
         invocation.uuid(&lease.attempt.0);
         let reply = self.run(invocation, false).await?.0;
-        if hot_path(&reply) {
+        if hot_path(&reply) || led_by(&reply, "released") {
             return Ok(Release::Released);
         }
-        let reply = items(reply)?;
-        if decode::tag(reply.first())? == "released" {
-            return Ok(Release::Released);
-        }
-        Ok(Release::Fenced(decode_current(reply)?))
+        Ok(Release::Fenced(decode_current(items(reply)?)?))
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
