@@ -46,7 +46,7 @@ cost() { # script key
 rsha=$(load "$work/reserve.lua"); csha=$(load "$work/complete.lua")
 cli EVALSHA "$rsha" 1 'idem:{replay}' "${reserve_args[@]}" >/dev/null
 cli EVALSHA "$csha" 1 'idem:{replay}' 1 "$token" "$attempt" 201:1 \
-  'content-type: application/json' '{"id":"1"}' >/dev/null
+  'content-type: application/json' '{"id":"1"}' 1700000000000 >/dev/null
 printf '%-34s %10s\n' script usec/call
 printf '%-34s %10s\n' 'empty script' "$(cost "$work/empty.lua" 'idem:{__rand_int__}')"
 printf '%-34s %10s\n' 'shared prologue only' "$(cost "$work/prologue.lua" 'idem:{__rand_int__}')"

@@ -80,7 +80,7 @@ reserve = lambda i: (1, key(i), fp, attempt, token, 30000, 86400000, tenant, "PO
 rows = [
     ("idem", "new key", per_call(f"{work}/reserve.lua", reserve, ":1\r\n")),
     ("idem", "completion", per_call(f"{work}/complete.lua", lambda i: (
-        1, key(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
+        1, key(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}', "1700000000000"),
         ":1\r\n")),
     ("idem", "replay", per_call(f"{work}/reserve.lua", reserve, "201:1:")),
 ]
@@ -91,7 +91,7 @@ reserve_big = lambda i: (1, big(i), fp, attempt, token, 30000, 86400000, tenant,
 per_call(f"{work}/reserve.lua", reserve_big, ":1\r\n")
 body = '{"id":"1","items":[' + ",".join(['{"sku":"book","qty":1}'] * 8) + "]}"
 rows.append(("idem", "completion, 200-byte body", per_call(f"{work}/complete.lua", lambda i: (
-    1, big(i), 1, token, attempt, "201:1", "content-type: application/json", body),
+    1, big(i), 1, token, attempt, "201:1", "content-type: application/json", body, "1700000000000"),
     ":1\r\n")))
 rows.append(("idem", "replay, 200-byte body",
              per_call(f"{work}/reserve.lua", reserve_big, "201:1:")))
@@ -102,7 +102,7 @@ reserve_packed = lambda i: (1, packed(i), fp, attempt, token, 30000, 86400000, t
 rows += [
     ("packed", "new key", per_call(f"{work}/reserve-packed.lua", reserve_packed, ":1\r\n")),
     ("packed", "completion", per_call(f"{work}/complete-packed.lua", lambda i: (
-        1, packed(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}'),
+        1, packed(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}', "1700000000000"),
         ":1\r\n")),
     ("packed", "replay", per_call(f"{work}/reserve-packed.lua", reserve_packed, "201:1:")),
 ]

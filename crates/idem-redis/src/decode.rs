@@ -345,6 +345,7 @@ pub(crate) fn current_attempt(
             .map_err(|_| corrupt(format!("attempt field {raw:?}")))
     };
     let ended = get("cur_end")?;
+    let started = number(get("cur_start")?)?;
     let outcome = match get("cur_outcome")?.as_str() {
         "running" => AttemptOutcome::Running,
         "completed" => AttemptOutcome::Completed {
@@ -365,11 +366,13 @@ pub(crate) fn current_attempt(
     Ok(Attempt {
         id: AttemptId(uuid::Uuid::parse_str(&get("cur_id")?).map_err(|_| corrupt("attempt id"))?),
         generation,
-        started_at_ms: number(get("cur_start")?)?,
+        started_at_ms: started,
+        // A completion or release writes its end by its caller's clock, the
+        // start is Redis': an end before the start is read as the start.
         ended_at_ms: if ended.is_empty() {
             None
         } else {
-            Some(number(ended)?)
+            Some(number(ended)?.max(started))
         },
         outcome,
         late: decode_late(&get("cur_late")?)?,
@@ -458,7 +461,9 @@ fn times(fields: &HashMap<String, &Value>, state: RecordState) -> Result<Times, 
     let started = opt_int("cur_start")?;
     let ended = match fields.get("cur_end").map(|v| text(v)).transpose()? {
         Some(ended) if !ended.is_empty() => {
-            Some(ended.parse::<u64>().map_err(|_| corrupt("attempt end"))?)
+            let ended = ended.parse::<u64>().map_err(|_| corrupt("attempt end"))?;
+            // Never before the start (see current_attempt).
+            Some(started.map_or(ended, |started| ended.max(started)))
         }
         _ => None,
     };

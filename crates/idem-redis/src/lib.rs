@@ -458,6 +458,8 @@ impl Store for RedisStore {
                 invocation.arg(format!("{status}:0")).arg("").arg("");
             }
         }
+        // The attempt's end by this process' clock (see complete.lua).
+        invocation.arg(unix_ms());
         let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
         // Recorded now, or by this very call if its reply was lost and it
         // was retried (fence.lua).
@@ -479,7 +481,7 @@ impl Store for RedisStore {
         let key = self.record_key(&lease.scope);
         let mut invocation = Invocation::new(&self.scripts.release, &[&key]);
         lease_args(&mut invocation, lease);
-        invocation.uuid(&lease.attempt.0);
+        invocation.uuid(&lease.attempt.0).arg(unix_ms());
         let reply = self.run(invocation, false).await?.0;
         if hot_path(&reply) || led_by(&reply, "released") {
             return Ok(Release::Released);
@@ -802,6 +804,29 @@ mod tests {
                     assert_eq!(value, other.as_bytes());
                 }
             }
+        }
+
+        /// A completion writes its end by its caller's clock and the start
+        /// is Redis': an end before the start (the caller's clock behind
+        /// Redis') is read as the start, never as a negative duration.
+        #[test]
+        fn an_end_before_the_start_is_read_as_the_start() {
+            let mut fields: Vec<(&str, Vec<u8>)> = valid_record()
+                .into_iter()
+                .filter(|(name, _)| !matches!(*name, "completed" | "updated" | "created"))
+                .collect();
+            for (name, value) in &mut fields {
+                if *name == "cur_end" {
+                    *value = b"1700000000400".to_vec();
+                }
+            }
+            let record =
+                decode_record(ScopeHash::from_bytes([1; 32]), &pairs(&fields)).expect("record");
+            let current = record.attempts.last().expect("the current attempt");
+            assert_eq!(current.started_at_ms, 1_700_000_001_000);
+            assert_eq!(current.ended_at_ms, Some(1_700_000_001_000));
+            assert_eq!(record.completed_at_ms, Some(1_700_000_001_000));
+            assert_eq!(record.updated_at_ms, 1_700_000_001_000);
         }
 
         #[test]

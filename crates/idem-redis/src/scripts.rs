@@ -10,7 +10,9 @@
 //! body without `--@clock` reads the clock first, one without `--@common`
 //! gets the helpers before it. The hot paths (a new key, a replay, a
 //! completion, a release) come before the helpers, so a call that takes
-//! one never builds their closures, and a replay comes before the clock.
+//! one never builds their closures, and a replay, a completion and a
+//! release come before the clock (the last two take the attempt's end time
+//! from the caller).
 
 use redis::Script;
 
@@ -139,8 +141,9 @@ mod tests {
         assert!(reserve.contains("local PACKED = true"));
         for name in ["complete", "release"] {
             let script = source(body(name), off, "tenant");
-            assert!(at(&script, "redis.call('TIME')") < at(&script, "if state == 'processing'"));
-            assert!(at(&script, "if state == 'processing'") < at(&script, "local function"));
+            // The hot path takes its end time from the caller: no clock.
+            assert!(at(&script, "if state == 'processing'") < at(&script, "redis.call('TIME')"));
+            assert!(at(&script, "redis.call('TIME')") < at(&script, "local function"));
             assert!(at(&script, "local function fenced") < at(&script, "return fenced("));
             assert!(script.contains("local NOTIFY = false"));
         }

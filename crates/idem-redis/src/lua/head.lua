@@ -34,7 +34,10 @@
 -- cur_start and cur_end. Records written before this layout (with
 -- created, updated, completed and cur_status, and the response inline)
 -- are read as they are.
--- The hot paths call TIME (not a replay), one HMGET (two for a
+-- The hot paths call TIME (only a new key's reservation: a replay needs
+-- no clock, and a completion and a release take the attempt's end time
+-- from the caller's clock; leases, retention and expiry stay on Redis'
+-- clock), one HMGET (two for a
 -- reservation of an existing record, the second reading only what its
 -- state needs; a store reading a record of the other layout reads once
 -- more) and at most one HSET, plus one PEXPIREAT when a new attempt
