@@ -41,8 +41,12 @@
 //!   the key (`PEXPIREAT`, or `PEXPIRE` by the retention for a packed new
 //!   key). A replay reads no clock in Redis (a record Redis hands a
 //!   script is live by its own expiry): the age it reports is the web
-//!   server's clock minus the stored completion time, so skew between the
-//!   two clocks shows in that age (a metric) and nowhere else.
+//!   server's clock minus the stored completion time. A completion and a
+//!   release write the attempt's end by their caller's clock (reading
+//!   `TIME` was a fifth of a completion's cost), so skew between web
+//!   servers shows in that age (a metric) and in the end times a record
+//!   shows (an end before the start reads as the start), and nowhere
+//!   else.
 //! * **Round trips.** A new key costs two round trips (reserve, complete),
 //!   plus one renewal per third of the lease for long handlers; a replay, a
 //!   conflict or an in-progress answer costs one.
