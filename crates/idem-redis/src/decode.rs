@@ -234,10 +234,7 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
         }),
         "completed" => {
             // '<status>:<stored>:<completed at, Unix ms>', then headers
-            // and body. The age is measured against this process' clock:
-            // a replay reads no clock in Redis (see head.lua), and skew
-            // between the two clocks shows in the age alone (never
-            // negative).
+            // and body.
             let meta = self::tag(Some(at(1)?))?;
             let mut parts = meta.splitn(3, ':');
             let mut number = |what: &str| {
@@ -261,11 +258,9 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
                 Value::Nil => &[],
                 other => return Err(corrupt(format!("expected headers, got {other:?}"))),
             };
-            let outcome = outcome(status, stored == 1, headers, body)?;
-            Ok(Current::Completed(Replay {
-                outcome,
-                age: Duration::from_millis(unix_ms().saturating_sub(completed)),
-            }))
+            Ok(Current::Completed(replay(
+                status, stored, completed, headers, body,
+            )?))
         }
         other => Err(corrupt(format!("unexpected reply {other}"))),
     }
@@ -274,7 +269,7 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
 /// A replay as the reserve script answers it, one string:
 /// `<status>:<stored>:<completed at, Unix ms>:<length of the headers>:`,
 /// then the headers and the body. The body is a slice of the reply, not a
-/// copy; the age is measured as [`decode_current`] measures it.
+/// copy.
 pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
     const FIELDS: [&str; 4] = ["status", "stored", "completion time", "headers' length"];
     let mut numbers = [0u64; 4];
@@ -299,9 +294,22 @@ pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
         .min(raw.len());
     let raw = Bytes::from(raw);
     let body = raw.slice(headers_end..);
-    let outcome = outcome(status, stored == 1, &raw[at..headers_end], body)?;
+    replay(status, stored, completed, &raw[at..headers_end], body)
+}
+
+/// The replay of a completed record, read from either answer. The age is
+/// measured against this process' clock: a replay reads no clock in Redis
+/// (see head.lua), and skew between the clocks shows in the age alone
+/// (never negative).
+fn replay(
+    status: u64,
+    stored: u64,
+    completed: u64,
+    headers: &[u8],
+    body: Bytes,
+) -> Result<Replay, StoreError> {
     Ok(Replay {
-        outcome,
+        outcome: outcome(status, stored == 1, headers, body)?,
         age: Duration::from_millis(unix_ms().saturating_sub(completed)),
     })
 }
