@@ -13,6 +13,8 @@
 //! GET /count (a safe method, so the layer passes it through untouched) returns how many
 //! times the /orders handler has actually executed; used only for the correctness check.
 
+mod formats;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -80,8 +82,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "idem-memory" => router.layer(
             idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                 .tenant(idem_layer::TenantFromAuthorization)
-                    .fingerprint_format(idem_fingerprint())
-                    .scope_format(idem_scope())
+                    .fingerprint_format(formats::idem_fingerprint())
+                    .scope_format(formats::idem_scope())
                 .require_key(true),
         ),
         "idem-redis" => {
@@ -103,8 +105,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             router.layer(
                 idem_layer::IdempotencyLayer::new(store)
                     .tenant(idem_layer::TenantFromAuthorization)
-                    .fingerprint_format(idem_fingerprint())
-                    .scope_format(idem_scope())
+                    .fingerprint_format(formats::idem_fingerprint())
+                    .scope_format(formats::idem_scope())
                     .require_key(true),
             )
         }
@@ -122,22 +124,4 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .await?;
     Ok(())
-}
-
-/// IDEM_FINGERPRINT=blake3: idem's layers write BLAKE3 fingerprints
-/// (`fingerprint_format`); otherwise the default, SHA-256.
-fn idem_fingerprint() -> idem_layer::fingerprint::FingerprintFormat {
-    match std::env::var("IDEM_FINGERPRINT").as_deref() {
-        Ok("blake3") => idem_layer::fingerprint::FingerprintFormat::Blake3,
-        _ => idem_layer::fingerprint::FingerprintFormat::Sha256,
-    }
-}
-
-/// IDEM_SCOPE=blake3: idem's layers hash scopes with BLAKE3
-/// (`scope_format`); otherwise the default, SHA-256.
-fn idem_scope() -> idem_layer::ScopeFormat {
-    match std::env::var("IDEM_SCOPE").as_deref() {
-        Ok("blake3") => idem_layer::ScopeFormat::Blake3,
-        _ => idem_layer::ScopeFormat::Sha256,
-    }
 }

@@ -12,6 +12,10 @@
 //! Run twice with different N and subtract, so start-up cost cancels out:
 //!   valgrind --tool=callgrind --callgrind-out-file=/dev/null inproc idem-memory 1000 new
 
+// The layers' formats from the environment, shared with the server binary.
+#[path = "../formats.rs"]
+mod formats;
+
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
 use axum::response::IntoResponse;
@@ -55,16 +59,16 @@ fn main() {
                 router.layer(
                     idem_layer::IdempotencyLayer::new(store)
                         .tenant(idem_layer::TenantFromAuthorization)
-                    .fingerprint_format(idem_fingerprint())
-                    .scope_format(idem_scope())
+                    .fingerprint_format(formats::idem_fingerprint())
+                    .scope_format(formats::idem_scope())
                         .require_key(true),
                 )
             }
             "idem-memory" => router.layer(
                 idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                     .tenant(idem_layer::TenantFromAuthorization)
-                    .fingerprint_format(idem_fingerprint())
-                    .scope_format(idem_scope())
+                    .fingerprint_format(formats::idem_fingerprint())
+                    .scope_format(formats::idem_scope())
                     .require_key(true),
             ),
             other => panic!("unknown mode {other}"),
@@ -93,22 +97,4 @@ fn main() {
         }
         eprintln!("{mode}: {ok}/{n} answered 201");
     });
-}
-
-/// IDEM_FINGERPRINT=blake3: idem's layers write BLAKE3 fingerprints
-/// (`fingerprint_format`); otherwise the default, SHA-256.
-fn idem_fingerprint() -> idem_layer::fingerprint::FingerprintFormat {
-    match std::env::var("IDEM_FINGERPRINT").as_deref() {
-        Ok("blake3") => idem_layer::fingerprint::FingerprintFormat::Blake3,
-        _ => idem_layer::fingerprint::FingerprintFormat::Sha256,
-    }
-}
-
-/// IDEM_SCOPE=blake3: idem's layers hash scopes with BLAKE3
-/// (`scope_format`); otherwise the default, SHA-256.
-fn idem_scope() -> idem_layer::ScopeFormat {
-    match std::env::var("IDEM_SCOPE").as_deref() {
-        Ok("blake3") => idem_layer::ScopeFormat::Blake3,
-        _ => idem_layer::ScopeFormat::Sha256,
-    }
 }
