@@ -339,6 +339,17 @@ async fn jwt_keys_from_a_pem_file_and_a_jwks_document() {
 }
 
 /// Every key and every field Redis holds, as text.
+/// The Redis key of the record with scope `hash` (the gateway's default
+/// prefix).
+fn record_key(hash: idem_core::ScopeHash) -> String {
+    format!("idem:{{{hash}}}")
+}
+
+/// Whether Redis holds a record under scope `hash`.
+fn stored_under(redis: &RedisServer, hash: idem_core::ScopeHash) -> bool {
+    redis.cli(&["EXISTS", &record_key(hash)]).trim() == "1"
+}
+
 fn redis_contents(server: &RedisServer) -> Vec<String> {
     let mut out = Vec::new();
     for key in server.cli(&["--scan"]).lines().filter(|k| !k.is_empty()) {
@@ -433,16 +444,14 @@ async fn keyed_scopes_hide_where_records_live() {
     assert_eq!(upstream.runs(), 1);
 
     let scope_secret = idem_gateway::scope_secret(secret.as_bytes());
-    let record_key = |hash: idem_core::ScopeHash| format!("idem:{{{hash}}}");
     let keyed_hash = idem_core::ScopeHash::keyed(&scope_secret, "acme", "POST /orders", "keyed-1");
     let unkeyed_hash = idem_core::ScopeHash::of("acme", "POST /orders", "keyed-1");
-    let exists = |key: String| redis.cli(&["EXISTS", &key]).trim() == "1";
     assert!(
-        exists(record_key(keyed_hash)),
+        stored_under(&redis, keyed_hash),
         "{:?}",
         redis_contents(&redis)
     );
-    assert!(!exists(record_key(unkeyed_hash)));
+    assert!(!stored_under(&redis, unkeyed_hash));
 
     let again = start_gateway(&origin, &keyed_flags).await;
     let replay = send(&client(), order(again.addr)).await;
@@ -459,7 +468,7 @@ async fn keyed_scopes_hide_where_records_live() {
     assert_eq!(ran.status, StatusCode::CREATED);
     assert!(!ran.replayed());
     assert_eq!(upstream.runs(), 2);
-    assert!(exists(record_key(unkeyed_hash)));
+    assert!(stored_under(&redis, unkeyed_hash));
 }
 
 /// `--blake3-fingerprints` writes BLAKE3 fingerprints and both kinds of
@@ -481,7 +490,7 @@ async fn blake3_fingerprints_and_sha256_ones_share_a_store() {
     let blake = start_gateway(&origin, &blake_flags).await;
     let stored = |key: &str| {
         let hash = idem_core::ScopeHash::of("acme", "POST /orders", key);
-        redis.cli(&["HGET", &format!("idem:{{{hash}}}"), "fp"])
+        redis.cli(&["HGET", &record_key(hash), "fp"])
     };
     let body = r#"{"sku":"book","n":1}"#;
     let expected = |format| idem_tests::layer_suite::orders_fingerprint(format, body).to_hex();
@@ -540,16 +549,11 @@ async fn blake3_scopes_are_claimed_like_keyed_ones() {
     assert_eq!(first.status, StatusCode::CREATED);
     let scope_secret = idem_gateway::scope_secret(secret.as_bytes());
     let hash = idem_core::ScopeHash::blake3_keyed(&scope_secret, "acme", "POST /orders", "b3-1");
-    let exists = |hash: idem_core::ScopeHash| {
-        redis.cli(&["EXISTS", &format!("idem:{{{hash}}}")]).trim() == "1"
-    };
-    assert!(exists(hash), "{:?}", redis_contents(&redis));
-    assert!(!exists(idem_core::ScopeHash::keyed(
-        &scope_secret,
-        "acme",
-        "POST /orders",
-        "b3-1"
-    )));
+    assert!(stored_under(&redis, hash), "{:?}", redis_contents(&redis));
+    assert!(!stored_under(
+        &redis,
+        idem_core::ScopeHash::keyed(&scope_secret, "acme", "POST /orders", "b3-1")
+    ));
 
     let again = start_gateway(&origin, &flags).await;
     let replay = send(&client(), order(again.addr)).await;
