@@ -54,6 +54,11 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: letting in-flight requests finish");
 }
 
+/// mimalloc: its per-thread heaps free memory allocated on another worker
+/// thread without taking a lock, where glibc's arenas contend.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() {
     // Logs go to stderr; stdout carries the banner only.
