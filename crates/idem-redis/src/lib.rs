@@ -97,6 +97,10 @@
 
 use std::time::Duration;
 
+/// How many record reads [`Store::list`](idem_core::Store::list) keeps in
+/// flight at once.
+const LIST_READS_AT_ONCE: usize = 32;
+
 use idem_core::{
     Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, Outcome,
     OwnerToken, Record, RecordQuery, Release, Renewal, Reservation, ReserveRequest, ScopeHash,
@@ -519,22 +523,28 @@ impl Store for RedisStore {
             [secs, micros] => secs * 1000 + micros / 1000,
             _ => return Err(corrupt("TIME answered oddly")),
         };
-        let mut found = Vec::new();
-        for key in self.record_keys().await? {
-            let Some(scope) = key
-                .strip_prefix(&self.prefix)
-                .and_then(|rest| rest.strip_prefix('{'))
-                .and_then(|rest| rest.strip_suffix('}'))
-                .and_then(scope_from_hex)
-            else {
-                continue;
-            };
-            if let Some(record) = self.get(&scope).await?
-                && query.matches(&record, now_ms)
-            {
-                found.push(record);
-            }
-        }
+        use futures_util::{StreamExt, TryStreamExt};
+        let scopes: Vec<ScopeHash> = self
+            .record_keys()
+            .await?
+            .iter()
+            .filter_map(|key| {
+                key.strip_prefix(&self.prefix)
+                    .and_then(|rest| rest.strip_prefix('{'))
+                    .and_then(|rest| rest.strip_suffix('}'))
+                    .and_then(scope_from_hex)
+            })
+            .collect();
+        // The reads share the connection, LIST_READS_AT_ONCE in flight:
+        // Redis takes them in batches instead of one round trip each.
+        let mut found: Vec<Record> = futures_util::stream::iter(scopes)
+            .map(|scope| async move { self.get(&scope).await })
+            .buffer_unordered(LIST_READS_AT_ONCE)
+            .try_filter_map(|record| {
+                std::future::ready(Ok(record.filter(|record| query.matches(record, now_ms))))
+            })
+            .try_collect()
+            .await?;
         found.sort_by(|a, b| (a.created_at_ms, &a.key).cmp(&(b.created_at_ms, &b.key)));
         found.truncate(query.limit);
         Ok(found)

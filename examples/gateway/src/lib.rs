@@ -310,8 +310,20 @@ pub enum StartError {
     UnsafeStore(String),
 }
 
-/// How often the gauge of lapsed records is refreshed.
+/// How often the gauge of lapsed records is refreshed, at most.
 const LAPSED_EVERY: Duration = Duration::from_secs(5);
+
+/// The gauge's sweep runs at most one part in this many of the time: a
+/// sweep that took longer than `LAPSED_EVERY / LAPSED_IDLE_PARTS` (a Redis
+/// store reads every record it holds) waits this many times its own
+/// length before the next.
+const LAPSED_IDLE_PARTS: u32 = 50;
+
+/// The wait before the next sweep of lapsed records, after one that took
+/// `took`.
+fn lapsed_wait(took: Duration) -> Duration {
+    LAPSED_EVERY.max(took.saturating_mul(LAPSED_IDLE_PARTS))
+}
 
 /// Latency buckets, in seconds: store calls take tens of microseconds,
 /// requests up to the upstream timeout.
@@ -918,12 +930,13 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
             ..Default::default()
         };
         loop {
+            let started = tokio::time::Instant::now();
             if let Ok(Ok(records)) =
                 tokio::time::timeout(Duration::from_secs(10), store.list(&stuck)).await
             {
                 metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
             }
-            tokio::time::sleep(LAPSED_EVERY).await;
+            tokio::time::sleep(lapsed_wait(started.elapsed())).await;
         }
     });
 }
@@ -1145,4 +1158,20 @@ pub(crate) fn problem(status: StatusCode, code: &str, title: &str, detail: &str)
         http::HeaderValue::from_static(idem_layer::PROBLEM_JSON),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_sweep_of_lapsed_records_waits_fifty_times_its_length() {
+        assert_eq!(lapsed_wait(Duration::ZERO), LAPSED_EVERY);
+        assert_eq!(lapsed_wait(Duration::from_millis(100)), LAPSED_EVERY);
+        assert_eq!(
+            lapsed_wait(Duration::from_secs(2)),
+            Duration::from_secs(100)
+        );
+        assert_eq!(lapsed_wait(Duration::MAX), Duration::MAX);
+    }
 }
