@@ -97,16 +97,16 @@
 
 use std::time::Duration;
 
+use idem_core::{
+    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, Outcome,
+    OwnerToken, Record, RecordQuery, RecordState, Release, Renewal, Reservation, ReserveRequest,
+    ScopeHash, Store, StoreError,
+};
+use redis::Value;
+
 /// How many record reads [`Store::list`](idem_core::Store::list) keeps in
 /// flight at once.
 const LIST_READS_AT_ONCE: usize = 32;
-
-use idem_core::{
-    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, Outcome,
-    OwnerToken, Record, RecordQuery, Release, Renewal, Reservation, ReserveRequest, ScopeHash,
-    Store, StoreError,
-};
-use redis::Value;
 
 mod builder;
 mod cluster;
@@ -209,6 +209,25 @@ impl RedisStore {
         scope.write_hex(&mut key);
         key.push('}');
         key
+    }
+
+    /// The live record of `scope`; with `only_processing`, only if it is
+    /// processing (another is read no further than its state).
+    async fn read(
+        &self,
+        scope: &ScopeHash,
+        only_processing: bool,
+    ) -> Result<Option<Record>, StoreError> {
+        let key = self.record_key(scope);
+        let mut invocation = Invocation::new(&self.scripts.get, &[&key]);
+        if only_processing {
+            invocation.arg("processing");
+        }
+        let pairs = items(self.run(invocation, false).await?.0)?;
+        if pairs.is_empty() {
+            return Ok(None);
+        }
+        decode_record(*scope, &pairs).map(Some)
     }
 
     /// The Redis key of the store's identity marker (see
@@ -535,10 +554,13 @@ impl Store for RedisStore {
                     .and_then(scope_from_hex)
             })
             .collect();
+        // A query that only processing records can match reads the others'
+        // state alone (most records are completed).
+        let only_processing = query.lapsed || query.state == Some(RecordState::Processing);
         // The reads share the connection, LIST_READS_AT_ONCE in flight:
         // Redis takes them in batches instead of one round trip each.
         let mut found: Vec<Record> = futures_util::stream::iter(scopes)
-            .map(|scope| async move { self.get(&scope).await })
+            .map(|scope| async move { self.read(&scope, only_processing).await })
             .buffer_unordered(LIST_READS_AT_ONCE)
             .try_filter_map(|record| {
                 std::future::ready(Ok(record.filter(|record| query.matches(record, now_ms))))
@@ -582,13 +604,7 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        let key = self.record_key(scope);
-        let invocation = Invocation::new(&self.scripts.get, &[&key]);
-        let pairs = items(self.run(invocation, false).await?.0)?;
-        if pairs.is_empty() {
-            return Ok(None);
-        }
-        decode_record(*scope, &pairs).map(Some)
+        self.read(scope, false).await
     }
 }
 
