@@ -3,7 +3,8 @@
 //! compact hash encoding within a kilobyte, and records written in the
 //! layout before it are still replayed and listed. Packed records
 //! (`--redis-pack-records`) are smaller still, and gateways that pack and
-//! gateways that do not replay each other's records exactly.
+//! gateways that do not replay each other's records exactly. A listing of
+//! processing records reads no completed record's response.
 
 use std::sync::{
     Arc,
@@ -313,4 +314,88 @@ async fn packed_records_are_smaller_and_either_gateway_replays_them() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     // A replay reads without rewriting: the packed record stays packed.
     assert!(field_names(&redis, &packed_record).contains(&"n".to_owned()));
+}
+
+/// Bytes Redis has sent to its clients so far (`INFO stats`).
+fn bytes_sent(redis: &RedisServer) -> u64 {
+    redis
+        .cli(&["INFO", "stats"])
+        .lines()
+        .find_map(|line| line.strip_prefix("total_net_output_bytes:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("total_net_output_bytes in INFO stats")
+}
+
+/// A listing only processing records can match (the gateway's gauge of
+/// stuck records runs one every few seconds) reads the other records no
+/// further than their state: twenty completed records with 16 KiB
+/// responses cost it a few kilobytes, where a listing of every record
+/// carries all their responses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_processing_records_reads_no_completed_response() {
+    use idem_core::{
+        Fingerprint, IdempotencyKey, Outcome, RecordQuery, RecordState, Reservation,
+        ReserveRequest, Scope, Store, StoredResponse,
+    };
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let store = idem_redis::RedisStore::from_url(&redis.url()).expect("store");
+    let reserve = |key: String| {
+        let request = ReserveRequest {
+            scope: Scope::new(
+                "tenant",
+                "POST /orders",
+                IdempotencyKey::parse(key.as_bytes()).expect("key"),
+            ),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: std::time::Duration::from_secs(30),
+            retention: std::time::Duration::from_secs(600),
+        };
+        let store = &store;
+        async move {
+            match store.reserve(&request).await.expect("reserve") {
+                Reservation::Acquired(lease) => lease,
+                other => panic!("expected Acquired, got {other:?}"),
+            }
+        }
+    };
+    let body = Bytes::from(vec![b'x'; 16 * 1024]);
+    for n in 0..20 {
+        let lease = reserve(format!("done-{n}")).await;
+        let outcome = Outcome::Stored(StoredResponse {
+            status: 201,
+            headers: vec![("content-type".to_owned(), Bytes::from_static(b"text/plain"))],
+            body: body.clone(),
+        });
+        let _ = store.complete(&lease, &outcome).await.expect("complete");
+    }
+    let _running = reserve("running".to_owned()).await;
+    let query = |state| RecordQuery {
+        state,
+        limit: 100,
+        ..RecordQuery::default()
+    };
+
+    let before = bytes_sent(&redis);
+    let processing = store
+        .list(&query(Some(RecordState::Processing)))
+        .await
+        .expect("list");
+    let filtered = bytes_sent(&redis) - before;
+    let keys: Vec<&str> = processing.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(keys, ["running"]);
+
+    let before = bytes_sent(&redis);
+    let every = store.list(&query(None)).await.expect("list");
+    let unfiltered = bytes_sent(&redis) - before;
+    assert_eq!(every.len(), 21);
+    assert!(
+        unfiltered > 20 * 16 * 1024,
+        "a listing of every record carries the responses: {unfiltered} bytes"
+    );
+    assert!(
+        filtered < 16 * 1024,
+        "the listing of processing records read completed responses: {filtered} bytes"
+    );
 }
