@@ -132,10 +132,8 @@ fn rss() -> f64 {
 /// Redis's `used_memory`.
 fn redis_used_memory(server: &RedisServer) -> f64 {
     server
-        .cli(&["INFO", "memory"])
-        .lines()
-        .find_map(|line| line.strip_prefix("used_memory:"))
-        .and_then(|n| n.trim().parse().ok())
+        .info_field("memory", "used_memory")
+        .and_then(|n| n.parse().ok())
         .unwrap_or(0.0)
 }
 

@@ -170,6 +170,15 @@ impl RedisServer {
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
+    /// One field of `INFO section` (`used_memory`, say), as Redis wrote it.
+    pub fn info_field(&self, section: &str, field: &str) -> Option<String> {
+        let prefix = format!("{field}:");
+        self.cli(&["INFO", section]).lines().find_map(|line| {
+            line.strip_prefix(prefix.as_str())
+                .map(|v| v.trim().to_owned())
+        })
+    }
+
     /// `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)

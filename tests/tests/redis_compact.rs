@@ -319,10 +319,8 @@ async fn packed_records_are_smaller_and_either_gateway_replays_them() {
 /// Bytes Redis has sent to its clients so far (`INFO stats`).
 fn bytes_sent(redis: &RedisServer) -> u64 {
     redis
-        .cli(&["INFO", "stats"])
-        .lines()
-        .find_map(|line| line.strip_prefix("total_net_output_bytes:"))
-        .and_then(|n| n.trim().parse().ok())
+        .info_field("stats", "total_net_output_bytes")
+        .and_then(|n| n.parse().ok())
         .expect("total_net_output_bytes in INFO stats")
 }
 
