@@ -4,7 +4,9 @@
 # the peer's layer and behind idem's, memory stores. Instruction counts do not
 # move with the machine's load, so two runs of the same code agree closely.
 #   bench/peer/inproc.sh   (IDEM_FINGERPRINT=blake3: idem writes BLAKE3 fingerprints;
-#                           IDEM_SCOPE=blake3: idem hashes scopes with BLAKE3)
+#                           IDEM_SCOPE=blake3: idem hashes scopes with BLAKE3;
+#                           IDEM_TENANT=blake3 or hmac: the tenant from Authorization
+#                           keyed with BLAKE3 or HMAC-SHA256, else plain SHA-256)
 # Each figure is (count at N=6000 - count at N=1000) / 5000: start-up cancels.
 # Caveat: valgrind does not run SHA-NI, so SHA-256 counts as software here.
 set -euo pipefail

@@ -14,7 +14,9 @@
 # 1.95 with --ignore-rust-version). Results: $IDEM/target/peer-bench/results.
 # IDEM_PACK=1: idem's Redis store packs new records (pack_records); IDEM_LANES=N:
 # its connections; IDEM_FINGERPRINT=blake3 and IDEM_SCOPE=blake3: idem hashes
-# fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format).
+# fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format);
+# IDEM_TENANT=blake3 or hmac: the tenant from Authorization keyed with BLAKE3
+# or HMAC-SHA256 (TenantFromAuthorization::keyed_as), else plain SHA-256.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 IDEM=$(cd "$here/../.." && pwd)

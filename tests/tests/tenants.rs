@@ -567,6 +567,53 @@ async fn blake3_scopes_are_claimed_like_keyed_ones() {
     assert_eq!(upstream.runs(), 1);
 }
 
+/// `--blake3-tenants` stores each caller as the keyed BLAKE3 hash of its
+/// normalized `Authorization` value (so under another scope than the HMAC
+/// form's); another gateway with the same flags replays the record, and
+/// one hashing tenants with HMAC-SHA256 is refused the store (it would not
+/// find the record and would run the request again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blake3_tenants_are_claimed_like_blake3_scopes() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let secret = "a deployment secret of the test";
+    let hmac_flags = ["--store", url.as_str(), "--tenant-secret", secret];
+    let flags = [&hmac_flags[..], &["--blake3-tenants"]].concat();
+    let first_gateway = start_gateway(&origin, &flags).await;
+    let first = post(first_gateway.addr, "t3-1", "Bearer  abc").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let tenant = |hash| {
+        idem_layer::TenantHasher::new(hash, secret.as_bytes()).tenant("auth:", b"bearer abc")
+    };
+    let scope = |hash| idem_core::ScopeHash::of(&tenant(hash), "POST /orders", "t3-1");
+    assert!(
+        stored_under(&redis, scope(idem_layer::TenantHash::Blake3)),
+        "{:?}",
+        redis_contents(&redis)
+    );
+    assert!(!stored_under(
+        &redis,
+        scope(idem_layer::TenantHash::HmacSha256)
+    ));
+
+    let again = start_gateway(&origin, &flags).await;
+    let replay = post(again.addr, "t3-1", "bearer abc").await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.runs(), 1);
+
+    let refused = try_start(&origin, &hmac_flags).await;
+    assert!(
+        refused.is_err(),
+        "an HMAC-SHA256 gateway joined a BLAKE3-tenant store"
+    );
+    assert_eq!(upstream.runs(), 1);
+}
+
 /// The gateway on Redis: the start or error of a gateway with these flags.
 async fn try_start(
     origin: &TestServer,

@@ -81,7 +81,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         "idem-memory" => router.layer(
             idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
-                .tenant(idem_layer::TenantFromAuthorization)
+                .tenant(formats::idem_tenant())
                     .fingerprint_format(formats::idem_fingerprint())
                     .scope_format(formats::idem_scope())
                 .require_key(true),
@@ -104,7 +104,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             store.ping().await?;
             router.layer(
                 idem_layer::IdempotencyLayer::new(store)
-                    .tenant(idem_layer::TenantFromAuthorization)
+                    .tenant(formats::idem_tenant())
                     .fingerprint_format(formats::idem_fingerprint())
                     .scope_format(formats::idem_scope())
                     .require_key(true),

@@ -149,6 +149,6 @@ pub use records::RecordsService;
 pub use service::Idempotency;
 pub use tenant::{
     Tenant, TenantExtractor, TenantFromAuthorization, TenantFromExtension, TenantFromHeader,
-    TenantFromKeyedAuthorization,
+    TenantFromKeyedAuthorization, TenantHash, TenantHasher,
 };
 pub use unknown::{LateResponse, UnknownOutcome};

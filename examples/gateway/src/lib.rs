@@ -145,10 +145,13 @@ pub struct Config {
     /// Hash scopes (the records' identities in the store) with BLAKE3 instead of SHA-256: about a tenth of the hashing instructions on CPUs without SHA extensions. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity, as --keyed-scopes does: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once (a gateway that hashes otherwise refuses to start on the store).
     #[arg(long, env = "IDEM_BLAKE3_SCOPES", action = ArgAction::SetTrue)]
     pub blake3_scopes: bool,
+    /// Hash tenants (from Authorization or a JWT claim) with keyed BLAKE3 instead of HMAC-SHA256: one BLAKE3 compression instead of two SHA-256 ones for a short credential. Always on with the memory store. On Redis or PostgreSQL it changes every record's tenant, and so its identity, as --blake3-scopes does: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once (a gateway that hashes otherwise refuses to start on the store).
+    #[arg(long, env = "IDEM_BLAKE3_TENANTS", action = ArgAction::SetTrue)]
+    pub blake3_tenants: bool,
     /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
     #[arg(long, env = "IDEM_KEYED_SCOPES", action = ArgAction::SetTrue)]
     pub keyed_scopes: bool,
-    /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source, --keyed-scopes or --blake3-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
+    /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or --blake3-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
     #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
     pub replace_store_identity: bool,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
@@ -553,6 +556,12 @@ fn store_identity(config: &Config, tenants: &Tenants) -> String {
         (None, Some(_)) => (format!("jwt {}", config.tenant_jwt_claim), true),
         (None, None) => ("authorization".to_owned(), true),
     };
+    // HMAC-SHA256 tenants keep the marker of the gateways before BLAKE3.
+    let source = if hashed && config.blake3_tenants {
+        format!("{source} blake3")
+    } else {
+        source
+    };
     let keyed = if config.keyed_scopes {
         "keyed"
     } else {
@@ -598,7 +607,8 @@ async fn claim_store<S: Store>(
         Ok(idem_core::IdentityClaim::Other(_)) => {
             return Err(StartError::UnsafeStore(format!(
                 "this store holds records of gateways that derive tenants or scopes differently \
-                 (another tenant secret, tenant source, --keyed-scopes or --blake3-scopes; {place} \
+                 (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or \
+                 --blake3-scopes; {place} \
                  says so): a retry that moves between them and this gateway does not find its \
                  record and runs again. Start it with their settings, or pass \
                  --replace-store-identity to make this gateway's the store's"
@@ -873,6 +883,17 @@ fn generated_secret_warning(store: &str) {
     }
 }
 
+/// How the gateway hashes tenants from credentials (`--blake3-tenants`;
+/// always BLAKE3 with the memory store, whose records live in this
+/// process only).
+fn tenant_hash(config: &Config) -> idem_layer::TenantHash {
+    if config.blake3_tenants || config.store == "memory" {
+        idem_layer::TenantHash::Blake3
+    } else {
+        idem_layer::TenantHash::HmacSha256
+    }
+}
+
 /// The idempotency layer the flags describe.
 fn layer<S: Store>(
     config: &Config,
@@ -900,7 +921,10 @@ fn layer<S: Store>(
     layer = match (&config.tenant_header, &tenants.jwt) {
         (Some(name), _) => layer.tenant(TenantFromHeader::new(name.clone())),
         (None, Some(_)) => layer.tenant(idem_layer::TenantFromExtension::<Tenant>::new()),
-        (None, None) => layer.tenant(TenantFromAuthorization::keyed(tenants.secret.clone())),
+        (None, None) => layer.tenant(TenantFromAuthorization::keyed_as(
+            tenant_hash(config),
+            tenants.secret.clone(),
+        )),
     };
     if let Some(token) = &config.records_admin_token {
         layer = layer.records_admin_token(token.as_bytes());
@@ -1003,7 +1027,7 @@ fn router<S: Store>(
     let records_path = format!("{}/records", config.records_prefix);
     let jwt = tenants.jwt.clone().map(|jwt| JwtState {
         jwt,
-        secret: std::sync::Arc::from(tenants.secret.clone()),
+        tenants: idem_layer::TenantHasher::new(tenant_hash(config), &tenants.secret),
         methods: std::sync::Arc::new(config.methods.clone()),
         records_path: std::sync::Arc::from(records_path.as_str()),
     });
@@ -1034,7 +1058,7 @@ fn router<S: Store>(
 #[derive(Clone)]
 struct JwtState {
     jwt: jwt::JwtTenants,
-    secret: std::sync::Arc<[u8]>,
+    tenants: idem_layer::TenantHasher,
     methods: std::sync::Arc<Vec<Method>>,
     records_path: std::sync::Arc<str>,
 }
@@ -1068,8 +1092,7 @@ async fn tenant_from_jwt(
     if let Some(verified) = verified {
         match verified {
             Ok(claim) => {
-                let tenant =
-                    idem_layer::tenant::keyed_tenant(&state.secret, "jwt:", claim.as_bytes());
+                let tenant = state.tenants.tenant("jwt:", claim.as_bytes());
                 request.extensions_mut().insert(Tenant(tenant));
             }
             Err(why) => {

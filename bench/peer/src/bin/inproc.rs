@@ -58,7 +58,7 @@ fn main() {
                 let store = idem_redis::RedisStore::from_url(&url).unwrap();
                 router.layer(
                     idem_layer::IdempotencyLayer::new(store)
-                        .tenant(idem_layer::TenantFromAuthorization)
+                        .tenant(formats::idem_tenant())
                     .fingerprint_format(formats::idem_fingerprint())
                     .scope_format(formats::idem_scope())
                         .require_key(true),
@@ -66,7 +66,7 @@ fn main() {
             }
             "idem-memory" => router.layer(
                 idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
-                    .tenant(idem_layer::TenantFromAuthorization)
+                    .tenant(formats::idem_tenant())
                     .fingerprint_format(formats::idem_fingerprint())
                     .scope_format(formats::idem_scope())
                     .require_key(true),
