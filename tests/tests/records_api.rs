@@ -205,3 +205,105 @@ async fn an_operator_finds_and_releases_a_stuck_record() {
         "no lapsed gauge in:\n{text}"
     );
 }
+
+/// A caller listing records cannot take the store: listings run one at a
+/// time (the others answer `429 idempotency_listing_busy` at once, without
+/// the store, here while Redis is frozen), and after a long listing the
+/// next waits for the listings' twentieth of the time. Keyed requests and
+/// one record's reads go on meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listings_are_budgeted() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let flags = [
+        "--store",
+        &url,
+        "--tenant-header",
+        "x-tenant",
+        "--store-timeout",
+        "10s",
+    ];
+    let gateway = start_gateway(&server, &flags).await;
+    let base = format!("http://{}", gateway.addr);
+    let order = |key: &str| {
+        let mut post = request("POST", format!("{base}/orders"), "acme", false);
+        post.headers_mut()
+            .insert("idempotency-key", key.parse().expect("key"));
+        post
+    };
+    assert_eq!(
+        send(&client(), order("listed")).await.status,
+        StatusCode::CREATED
+    );
+    let http = client();
+    let list = || {
+        send(
+            &http,
+            request("GET", format!("{base}/_idempotency/records"), "acme", false),
+        )
+    };
+    let busy = |reply: &Reply| {
+        reply.status == StatusCode::TOO_MANY_REQUESTS
+            && reply.code().as_deref() == Some("idempotency_listing_busy")
+    };
+    let retry_after = |reply: &Reply| -> u64 {
+        reply.headers["retry-after"]
+            .to_str()
+            .expect("ascii")
+            .parse()
+            .expect("seconds")
+    };
+
+    // Three listings at once against a frozen Redis: one waits for it,
+    // the two others are refused without it.
+    redis.pause();
+    let frozen_at = std::time::Instant::now();
+    let mut listings: Vec<_> = (0..3).map(|_| tokio::spawn(list())).collect();
+    let finished = idem_tests::poll_until(
+        Duration::from_secs(10),
+        async || listings.iter().filter(|l| l.is_finished()).count(),
+        |done| *done >= 2,
+    )
+    .await;
+    assert_eq!(finished, 2, "two listings answer while Redis is frozen");
+    // The one that waits lists for more than the budget's first second.
+    tokio::time::sleep(Duration::from_millis(1500).saturating_sub(frozen_at.elapsed())).await;
+    redis.resume();
+    let mut replies = Vec::new();
+    for listing in listings.drain(..) {
+        replies.push(listing.await.expect("listing"));
+    }
+    let refused: Vec<&Reply> = replies.iter().filter(|r| busy(r)).collect();
+    assert_eq!(refused.len(), 2, "{replies:?}");
+    assert!(refused.iter().all(|r| retry_after(r) == 1), "{refused:?}");
+    let listed: Vec<&Reply> = replies.iter().filter(|r| !busy(r)).collect();
+    assert_eq!(listed[0].status, StatusCode::OK, "{listed:?}");
+    assert_eq!(keys(listed[0]), ["acme/listed"]);
+
+    // That listing took over a second: the next waits its share out.
+    let spaced = list().await;
+    assert!(busy(&spaced), "{spaced:?}");
+    let wait = retry_after(&spaced);
+    assert!((2..=31).contains(&wait), "Retry-After {wait}");
+
+    // Keyed requests and one record's reads are not budgeted.
+    assert_eq!(
+        send(&client(), order("after")).await.status,
+        StatusCode::CREATED
+    );
+    let one = send(
+        &client(),
+        request(
+            "GET",
+            format!("{base}/_idempotency/records?method=POST&path=/orders&key=after"),
+            "acme",
+            false,
+        ),
+    )
+    .await;
+    assert_eq!(one.status, StatusCode::OK, "{one:?}");
+}

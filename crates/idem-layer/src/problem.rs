@@ -62,6 +62,10 @@ pub enum ProblemCode {
     /// 403: the records API request needs the admin credential (another
     /// tenant's records, or every tenant's).
     AdminRequired,
+    /// 429: a records listing was asked for while another runs, or beyond
+    /// the listings' share of the time (see [`records`](crate::records));
+    /// `Retry-After` says when to list again.
+    ListingBusy,
     /// 500: the layer was applied with a configuration
     /// [`IdempotencyLayer::validate`](crate::IdempotencyLayer::validate)
     /// refuses; requests of the protected methods are refused, never run
@@ -91,6 +95,7 @@ impl ProblemCode {
             ProblemCode::LayerMissing => "idempotency_layer_missing",
             ProblemCode::QuotaExceeded => "idempotency_quota_exceeded",
             ProblemCode::AdminRequired => "idempotency_admin_required",
+            ProblemCode::ListingBusy => "idempotency_listing_busy",
             ProblemCode::Misconfigured => "idempotency_misconfigured",
         }
     }
@@ -114,7 +119,7 @@ impl ProblemCode {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
-            ProblemCode::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            ProblemCode::QuotaExceeded | ProblemCode::ListingBusy => StatusCode::TOO_MANY_REQUESTS,
             ProblemCode::AdminRequired => StatusCode::FORBIDDEN,
         }
     }
@@ -139,6 +144,7 @@ impl ProblemCode {
             ProblemCode::LayerMissing => "The idempotency layer did not run for this request",
             ProblemCode::QuotaExceeded => "The caller holds its quota of idempotency records",
             ProblemCode::AdminRequired => "The records API admin credential is required",
+            ProblemCode::ListingBusy => "Records are being listed; list again later",
             ProblemCode::Misconfigured => "The idempotency layer is misconfigured",
         }
     }

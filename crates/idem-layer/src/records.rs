@@ -37,6 +37,16 @@
 //!   `{"records": [...]}`, filtered by `state=processing`,
 //!   `older_than=10m` (since created), `lapsed=true` (processing records
 //!   whose lease lapsed: stuck), and `limit` (default 100, at most 1,000).
+//!   A listing reads every record in the store (no store keeps an index
+//!   by tenant), so listings are budgeted per layer: one runs at a time,
+//!   and they take at most a twentieth of the time, beyond a first second
+//!   of listing. After a listing that took `t`, the next one waits `19 t`
+//!   (less while the second is unspent). A listing asked for outside the
+//!   budget is `429 idempotency_listing_busy` with `Retry-After`; nothing
+//!   reaches the store. So a caller who lists in a loop costs the store a
+//!   twentieth of its time, not all of it, and leaves every other request
+//!   alone; the others' listings wait their turn. Reading, cancelling or
+//!   releasing one record is not budgeted.
 //! * `POST ?method=…&path=…&key=…&action=release` releases a stuck
 //!   processing record whatever its lease: `200 {"result": "released",
 //!   "record": …}` (its attempt is kept as `released_by_operator`, its
@@ -57,7 +67,7 @@
 use std::{
     convert::Infallible,
     task::{Context, Poll},
-    time::{Duration, UNIX_EPOCH},
+    time::{Duration, Instant, UNIX_EPOCH},
 };
 
 use bytes::Bytes;
@@ -177,6 +187,85 @@ impl Query {
 
 /// The most records one list answers.
 const LIST_LIMIT: usize = 1_000;
+
+/// Listings take at most one part in this of the time…
+const LISTING_SHARE: u32 = 20;
+
+/// …beyond this much listing, which a layer that has not listed for a
+/// while may spend at once.
+const LISTING_ALLOWANCE: Duration = Duration::from_secs(1);
+
+/// The listings of one layer: one at a time, within the share (see the
+/// [module docs](self)). A virtual schedule: each listing moves `due` on by
+/// `LISTING_SHARE` times its length; a listing may start while `due` is at
+/// most the allowance's share ahead.
+#[derive(Debug, Default)]
+pub(crate) struct ListingBudget(std::sync::Mutex<Budget>);
+
+#[derive(Debug, Default)]
+struct Budget {
+    running: bool,
+    due: Option<Instant>,
+}
+
+impl ListingBudget {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Budget> {
+        // The state is two plain values: a panic elsewhere leaves it usable.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts a listing at `now`, or says how long until one may start.
+    fn begin(&self, now: Instant) -> Result<(), Duration> {
+        let mut budget = self.lock();
+        if budget.running {
+            return Err(Duration::from_secs(1));
+        }
+        let ahead = budget
+            .due
+            .map_or(Duration::ZERO, |due| due.saturating_duration_since(now));
+        let allowed = LISTING_ALLOWANCE.saturating_mul(LISTING_SHARE);
+        if ahead > allowed {
+            return Err(ahead - allowed);
+        }
+        budget.running = true;
+        Ok(())
+    }
+
+    /// Ends the listing that began at `started`, at `now`.
+    fn end(&self, started: Instant, now: Instant) {
+        let mut budget = self.lock();
+        budget.running = false;
+        let took = now.saturating_duration_since(started);
+        let from = budget.due.map_or(started, |due| due.max(started));
+        budget.due = Some(
+            from.checked_add(took.saturating_mul(LISTING_SHARE))
+                .unwrap_or(from),
+        );
+    }
+}
+
+/// A running listing: ends its budget's listing when dropped, also when
+/// the request is abandoned halfway.
+struct Listing<'a> {
+    budget: &'a ListingBudget,
+    started: Instant,
+}
+
+impl<'a> Listing<'a> {
+    fn begin(budget: &'a ListingBudget) -> Result<Self, Duration> {
+        let started = Instant::now();
+        budget.begin(started)?;
+        Ok(Self { budget, started })
+    }
+}
+
+impl Drop for Listing<'_> {
+    fn drop(&mut self) {
+        self.budget.end(self.started, Instant::now());
+    }
+}
 
 type Refusal = (ProblemCode, String);
 
@@ -299,6 +388,14 @@ impl<S: Store> RecordsService<S> {
         Ok(match (&parts.method, one) {
             (&Method::GET, false) => {
                 let list = Self::list_query(tenant, &query)?;
+                let _listing = match Listing::begin(&self.rt.listings) {
+                    Ok(listing) => listing,
+                    Err(wait) => {
+                        let detail = "records are listed at most one at a time and for a \
+                                      twentieth of the time; list again after Retry-After";
+                        return Ok(problem(ProblemCode::ListingBusy, detail, Some(wait)));
+                    }
+                };
                 match store_call(config, StoreOp::List, self.rt.store.list(&list)).await {
                     Ok(records) => json_response(
                         StatusCode::OK,
@@ -410,4 +507,55 @@ pub fn record_json(record: &Record) -> Value {
         "stored": matches!(record.outcome, Some(idem_core::Outcome::Stored(_))),
         "attempts": record.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One listing at a time; a listing may start while the schedule is at
+    /// most a second's share ahead, and each moves it on by twenty times
+    /// its length.
+    #[test]
+    fn listings_run_one_at_a_time_within_their_share() {
+        let budget = ListingBudget::default();
+        let (ms, s) = (Duration::from_millis, Duration::from_secs);
+        let t0 = Instant::now();
+        assert_eq!(budget.begin(t0), Ok(()));
+        assert_eq!(budget.begin(t0), Err(s(1)), "a second listing at once");
+        budget.end(t0, t0 + ms(500));
+        // 10 s scheduled ahead, within the 20 s allowance.
+        assert_eq!(budget.begin(t0 + ms(500)), Ok(()));
+        budget.end(t0 + ms(500), t0 + ms(3500));
+        // 70 s scheduled: the next may start at 50 s.
+        assert_eq!(budget.begin(t0 + ms(3500)), Err(ms(46_500)));
+        assert_eq!(budget.begin(t0 + s(49)), Err(s(1)));
+        assert_eq!(budget.begin(t0 + s(50)), Ok(()));
+        budget.end(t0 + s(50), t0 + s(50));
+    }
+
+    /// A caller listing in a loop, each listing taking a second, lists for
+    /// a twentieth of the time (and the first second).
+    #[test]
+    fn listings_in_a_loop_take_a_twentieth_of_the_time() {
+        let budget = ListingBudget::default();
+        let t0 = Instant::now();
+        let (mut now, mut listed) = (t0, Duration::ZERO);
+        while now < t0 + Duration::from_secs(2000) {
+            match budget.begin(now) {
+                Ok(()) => {
+                    let end = now + Duration::from_secs(1);
+                    budget.end(now, end);
+                    listed += Duration::from_secs(1);
+                    now = end;
+                }
+                Err(wait) => now += wait,
+            }
+        }
+        assert!(
+            listed <= Duration::from_secs(2000 / 20 + 2),
+            "listed {listed:?} of 2000 s"
+        );
+        assert!(listed >= Duration::from_secs(2000 / 20 - 2), "{listed:?}");
+    }
 }

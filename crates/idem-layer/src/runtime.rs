@@ -32,6 +32,9 @@ pub(crate) struct Shared<S> {
     /// retried after a store error, answers awaited after an unknown
     /// outcome. Shared by clones; `IdempotencyLayer::drain` waits for it.
     pub(crate) tasks: TaskTracker,
+    /// The records API's listings, shared by every records service of the
+    /// layer.
+    pub(crate) listings: Arc<crate::records::ListingBudget>,
 }
 
 impl<S> Runtime<S> {
@@ -44,6 +47,7 @@ impl<S> Runtime<S> {
             store: Arc::new(store),
             config: Arc::new(config),
             tasks: TaskTracker::new(),
+            listings: Default::default(),
         }))
     }
 
@@ -67,6 +71,7 @@ impl<S> Clone for Shared<S> {
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
             tasks: self.tasks.clone(),
+            listings: Arc::clone(&self.listings),
         }
     }
 }
