@@ -83,8 +83,246 @@ pub(crate) fn canonical_tokens(body: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// [`canonical_tokens`] appended to `out`; `false` (and `out` as it was)
-/// when the text is not JSON.
+/// when the text is not JSON. A text in the plain form most API bodies
+/// take is tokenized by [`Plain`]; any other goes through serde_json's
+/// parser. Both write the same tokens for the texts `Plain` takes (the
+/// tests compare them on generated texts).
 fn canonical_tokens_into(out: &mut Vec<u8>, body: &[u8]) -> bool {
+    let start = out.len();
+    if Plain::tokens_into(out, body) {
+        return true;
+    }
+    out.truncate(start);
+    serde_tokens_into(out, body)
+}
+
+/// A tokenizer for JSON texts in a plain form: strings of printable ASCII
+/// without escapes, integers of at most 15 digits, `true`, `false`, `null`,
+/// arrays, and objects of at most [`Plain::MEMBERS`] members without a
+/// repeated key, nested at most [`Plain::DEPTH`] deep. For such a text
+/// the canonical tokens need neither UTF-8 or escape decoding, nor a
+/// double (such an integer is its own RFC 8785 spelling), nor UTF-16 key
+/// order (ASCII byte order is the same). Anything else, valid JSON or
+/// not, makes it give up, and serde_json's parser decides.
+struct Plain<'b> {
+    body: &'b [u8],
+    at: usize,
+}
+
+impl Plain<'_> {
+    /// The most members an object may have here.
+    const MEMBERS: usize = 16;
+    /// The deepest nesting handled here (serde_json's own limit is 128).
+    const DEPTH: usize = 24;
+
+    /// Appends the tokens of `body` to `out`; `false` (with `out` partly
+    /// written) when the text is not in the plain form.
+    fn tokens_into(out: &mut Vec<u8>, body: &[u8]) -> bool {
+        let mut plain = Plain { body, at: 0 };
+        plain.skip_whitespace();
+        if !plain.value(out, 0) {
+            return false;
+        }
+        plain.skip_whitespace();
+        plain.at == body.len()
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.body.get(self.at).copied()
+    }
+
+    fn skip_whitespace(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.at += 1;
+        }
+    }
+
+    fn value(&mut self, out: &mut Vec<u8>, depth: usize) -> bool {
+        match self.peek() {
+            Some(b'"') => match self.string() {
+                Some(text) => {
+                    put_part(out, b's', text);
+                    true
+                }
+                None => false,
+            },
+            Some(b'-' | b'0'..=b'9') => self.integer(out),
+            Some(b't') => self.literal(b"true", b't', out),
+            Some(b'f') => self.literal(b"false", b'f', out),
+            Some(b'n') => self.literal(b"null", b'n', out),
+            Some(b'[') if depth < Self::DEPTH => self.array(out, depth + 1),
+            Some(b'{') if depth < Self::DEPTH => self.object(out, depth + 1),
+            _ => false,
+        }
+    }
+
+    fn literal(&mut self, word: &[u8], tag: u8, out: &mut Vec<u8>) -> bool {
+        if !self.body[self.at..].starts_with(word) {
+            return false;
+        }
+        self.at += word.len();
+        out.push(tag);
+        true
+    }
+
+    /// A string's bytes, between its quotes, if it is printable ASCII
+    /// without escapes.
+    fn string(&mut self) -> Option<&[u8]> {
+        let start = self.at + 1;
+        let length = self
+            .body
+            .get(start..)?
+            .iter()
+            .position(|b| !matches!(b, 0x20..=0x7e) || *b == b'"' || *b == b'\\')?;
+        let end = start + length;
+        if self.body[end] != b'"' {
+            return None;
+        }
+        self.at = end + 1;
+        Some(&self.body[start..end])
+    }
+
+    /// An integer of at most 15 digits, without fraction or exponent: the
+    /// literal is its own canonical spelling, but `-0`, which is `0`.
+    fn integer(&mut self, out: &mut Vec<u8>) -> bool {
+        let start = self.at;
+        let negative = self.peek() == Some(b'-');
+        let digits_at = start + usize::from(negative);
+        let digits = self.body[digits_at..]
+            .iter()
+            .position(|b| !b.is_ascii_digit())
+            .unwrap_or(self.body.len() - digits_at);
+        let end = digits_at + digits;
+        let leading_zero = digits > 1 && self.body[digits_at] == b'0';
+        if digits == 0
+            || digits > 15
+            || leading_zero
+            || matches!(self.body.get(end), Some(b'.' | b'e' | b'E'))
+        {
+            return false;
+        }
+        self.at = end;
+        let literal = &self.body[start..end];
+        put_part(out, b'd', if literal == b"-0" { b"0" } else { literal });
+        true
+    }
+
+    fn array(&mut self, out: &mut Vec<u8>, depth: usize) -> bool {
+        self.at += 1;
+        out.push(b'a');
+        let count_at = out.len();
+        out.extend_from_slice(&[0; 8]);
+        self.skip_whitespace();
+        let mut count = 0u64;
+        if self.peek() == Some(b']') {
+            self.at += 1;
+        } else {
+            loop {
+                if !self.value(out, depth) {
+                    return false;
+                }
+                count += 1;
+                self.skip_whitespace();
+                match self.peek() {
+                    Some(b',') => {
+                        self.at += 1;
+                        self.skip_whitespace();
+                    }
+                    Some(b']') => {
+                        self.at += 1;
+                        break;
+                    }
+                    _ => return false,
+                }
+            }
+        }
+        out[count_at..count_at + 8].copy_from_slice(&count.to_be_bytes());
+        true
+    }
+
+    fn object(&mut self, out: &mut Vec<u8>, depth: usize) -> bool {
+        self.at += 1;
+        out.push(b'o');
+        let count_at = out.len();
+        out.extend_from_slice(&[0; 8]);
+        let first = out.len();
+        // Each member's key (in the body) and tokens (in `out`).
+        let mut members = [(0usize, 0usize, 0usize, 0usize); Self::MEMBERS];
+        let mut count = 0;
+        let mut sorted = true;
+        self.skip_whitespace();
+        if self.peek() == Some(b'}') {
+            self.at += 1;
+        } else {
+            loop {
+                if count == Self::MEMBERS || self.peek() != Some(b'"') {
+                    return false;
+                }
+                let key_at = self.at + 1;
+                let Some(key) = self.string() else {
+                    return false;
+                };
+                let key_len = key.len();
+                let tokens_at = out.len();
+                put_part(out, b'k', key);
+                self.skip_whitespace();
+                if self.peek() != Some(b':') {
+                    return false;
+                }
+                self.at += 1;
+                self.skip_whitespace();
+                if !self.value(out, depth) {
+                    return false;
+                }
+                if count > 0 {
+                    let (at, len, ..) = members[count - 1];
+                    let previous = &self.body[at..at + len];
+                    match previous.cmp(&self.body[key_at..key_at + key_len]) {
+                        std::cmp::Ordering::Less => {}
+                        // A repeated key: serde_json's path refuses it.
+                        std::cmp::Ordering::Equal => return false,
+                        std::cmp::Ordering::Greater => sorted = false,
+                    }
+                }
+                members[count] = (key_at, key_len, tokens_at, out.len());
+                count += 1;
+                self.skip_whitespace();
+                match self.peek() {
+                    Some(b',') => {
+                        self.at += 1;
+                        self.skip_whitespace();
+                    }
+                    Some(b'}') => {
+                        self.at += 1;
+                        break;
+                    }
+                    _ => return false,
+                }
+            }
+        }
+        out[count_at..count_at + 8].copy_from_slice(&(count as u64).to_be_bytes());
+        if !sorted {
+            let members = &mut members[..count];
+            let body = self.body;
+            let key = |&(at, len, ..): &(usize, usize, usize, usize)| &body[at..at + len];
+            members.sort_unstable_by(|a, b| key(a).cmp(key(b)));
+            if members
+                .windows(2)
+                .any(|pair| key(&pair[0]) == key(&pair[1]))
+            {
+                return false;
+            }
+            let written = out.split_off(first);
+            for &(_, _, start, end) in members.iter() {
+                out.extend_from_slice(&written[start - first..end - first]);
+            }
+        }
+        true
+    }
+}
+
+/// [`canonical_tokens_into`] through serde_json's parser, for every text.
+fn serde_tokens_into(out: &mut Vec<u8>, body: &[u8]) -> bool {
     use serde::de::DeserializeSeed;
     let start = out.len();
     let mut numbers = NumberTexts::new(body);
@@ -546,4 +784,146 @@ pub fn fingerprint(
     body: &[u8],
 ) -> Fingerprint {
     FingerprintFormat::Sha256.fingerprint(operation, parts, headers, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn serde_tokens(body: &[u8]) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        serde_tokens_into(&mut out, body).then_some(out)
+    }
+
+    fn plain_tokens(body: &[u8]) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        Plain::tokens_into(&mut out, body).then_some(out)
+    }
+
+    /// The plain form takes the bodies APIs usually get, and gives up on
+    /// everything it does not decode itself.
+    #[test]
+    fn the_plain_form_takes_plain_bodies_only() {
+        for body in [
+            r#"{"amount":100,"currency":"eur","items":[1,2,3]}"#,
+            r#" { "b" : -0 , "a" : [ true , null , { "c" : "x y" } ] , "" : [] } "#,
+            r#"[{},[],"",-123456789012345]"#,
+            "17",
+        ] {
+            let plain = plain_tokens(body.as_bytes());
+            assert!(plain.is_some(), "{body}");
+            assert_eq!(plain, serde_tokens(body.as_bytes()), "{body}");
+        }
+        for body in [
+            r#"{"a":1.5}"#,
+            r#"{"a":1e3}"#,
+            r#"{"a":1234567890123456}"#,
+            r#"{"a":01}"#,
+            r#"{"a":"\u00e9"}"#,
+            r#"{"a":"é"}"#,
+            r#"{"a":1,"a":2}"#,
+            r#"{"b":1,"a":2,"b":3}"#,
+            r#"{"a":1,}"#,
+            r#"[1 2]"#,
+            r#"{"a":1} x"#,
+            "",
+            "tru",
+        ] {
+            assert_eq!(plain_tokens(body.as_bytes()), None, "{body}");
+        }
+        let deep = format!("{}{}", "[".repeat(30), "]".repeat(30));
+        assert_eq!(plain_tokens(deep.as_bytes()), None);
+        assert!(serde_tokens(deep.as_bytes()).is_some());
+        let wide: Vec<String> = (0..17).map(|i| format!("\"k{i:02}\":{i}")).collect();
+        let wide = format!("{{{}}}", wide.join(","));
+        assert_eq!(plain_tokens(wide.as_bytes()), None);
+    }
+
+    /// JSON-like texts, valid or nearly: every form the plain tokenizer
+    /// takes or must refuse, with repeated and unsorted keys, odd spacing,
+    /// and a cut or a stray byte now and then.
+    fn text() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            Just("true".to_owned()),
+            Just("false".to_owned()),
+            Just("null".to_owned()),
+            Just("nul".to_owned()),
+            "-?[0-9]{1,17}",
+            // About a double's last exact integers (2^53 has 16 digits).
+            "-?9[0-9]{15}",
+            "-?[1-9][0-9]{14,15}",
+            "-?[0-9]{1,3}\\.[0-9]{0,3}",
+            "-?[0-9]{1,2}[eE][+-]?[0-9]{1,3}",
+            "\"[ -~]{0,6}\"",
+            "\"[a-zé\u{7f}\u{1}\u{1F600}]{0,4}\"",
+            Just(r#""\u00e9\n""#.to_owned()),
+        ];
+        let space = prop_oneof![
+            Just(""),
+            Just(""),
+            Just(" "),
+            Just("\n\t"),
+            Just("\r"),
+            Just("\u{c}"),
+        ];
+        let key = prop_oneof![
+            Just("a"),
+            Just("b"),
+            Just("aa"),
+            Just("B"),
+            Just(""),
+            Just("é"),
+            Just("a\\u0062"),
+        ];
+        leaf.prop_recursive(4, 48, 6, move |inner| {
+            prop_oneof![
+                (prop::collection::vec(inner.clone(), 0..6), space.clone()).prop_map(
+                    |(items, space)| format!(
+                        "[{space}{}{space}]",
+                        items.join(&format!("{space},"))
+                    )
+                ),
+                (
+                    prop::collection::vec((key.clone(), inner), 0..6),
+                    space.clone()
+                )
+                    .prop_map(|(members, space)| {
+                        let members: Vec<String> = members
+                            .iter()
+                            .map(|(k, v)| format!("\"{k}\"{space}:{space}{v}"))
+                            .collect();
+                        format!("{{{space}{}}}", members.join(","))
+                    }),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Where the plain tokenizer takes a text, its tokens are
+        /// serde_json's path's, byte for byte; so canonical tokens are the
+        /// same with or without it, for every text.
+        #[test]
+        fn the_plain_form_writes_serde_jsons_tokens(
+            text in text(),
+            cut in any::<prop::sample::Index>(),
+            stray in prop::option::of((any::<prop::sample::Index>(), any::<u8>())),
+            cut_it in any::<bool>(),
+        ) {
+            let mut body = text.into_bytes();
+            if cut_it {
+                body.truncate(cut.index(body.len() + 1));
+            }
+            if let Some((at, byte)) = stray {
+                body.insert(at.index(body.len() + 1), byte);
+            }
+            let serde = serde_tokens(&body);
+            if let Some(plain) = plain_tokens(&body) {
+                prop_assert_eq!(Some(&plain), serde.as_ref());
+            }
+            prop_assert_eq!(canonical_tokens(&body), serde);
+        }
+    }
 }
