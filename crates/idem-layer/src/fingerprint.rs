@@ -468,9 +468,12 @@ fn utf16_cmp(a: &str, b: &str) -> std::cmp::Ordering {
     }
 }
 
+/// A token: its tag, its length (8 bytes, big-endian) and its bytes. The
+/// tag and length go in as one piece (a token is often shorter than them).
 fn put_part(out: &mut Vec<u8>, tag: u8, part: &[u8]) {
-    out.push(tag);
-    out.extend_from_slice(&(part.len() as u64).to_be_bytes());
+    let mut head = [tag; 9];
+    head[1..].copy_from_slice(&(part.len() as u64).to_be_bytes());
+    out.extend_from_slice(&head);
     out.extend_from_slice(part);
 }
 
