@@ -123,16 +123,20 @@ pub(crate) fn encode_tenant(tenant: &str) -> (&'static str, Vec<u8>) {
             _ => None,
         }
     }
+    fn decode(hex: &[u8]) -> Option<[u8; 32]> {
+        let mut hash = [0u8; 32];
+        for (byte, pair) in hash.iter_mut().zip(hex.chunks_exact(2)) {
+            *byte = nibble(pair[0])? << 4 | nibble(pair[1])?;
+        }
+        Some(hash)
+    }
     let bytes = tenant.as_bytes();
     if let Some(split) = bytes.len().checked_sub(64) {
-        let (prefix, hash) = bytes.split_at(split);
-        let mut out = Vec::with_capacity(prefix.len() + 32);
-        out.extend_from_slice(prefix);
-        let decoded = hash.chunks_exact(2).try_for_each(|pair| {
-            out.push(nibble(pair[0])? << 4 | nibble(pair[1])?);
-            Some(())
-        });
-        if decoded.is_some() {
+        let (prefix, hex) = bytes.split_at(split);
+        if let Some(hash) = decode(hex) {
+            let mut out = Vec::with_capacity(prefix.len() + 32);
+            out.extend_from_slice(prefix);
+            out.extend_from_slice(&hash);
             return ("tenant_bin", out);
         }
     }
