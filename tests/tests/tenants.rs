@@ -370,11 +370,9 @@ fn sha256_hex(value: &[u8]) -> String {
 /// configured secret or the generated one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_record_field_is_an_unkeyed_hash_of_a_credential() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some((redis, _upstream, origin)) = redis_and_origin().await else {
         return;
     };
-    let upstream = Upstream::default();
-    let origin = TestServer::start(upstream.router()).await;
     let password = "hunter2";
     let basic = "YWxpY2U6aHVudGVyMg=="; // alice:hunter2
     let authorization = format!("Basic {basic}");
@@ -428,11 +426,9 @@ async fn no_record_field_is_an_unkeyed_hash_of_a_credential() {
 /// (why every gateway on a store must agree).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_scopes_hide_where_records_live() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some((redis, upstream, origin)) = redis_and_origin().await else {
         return;
     };
-    let upstream = Upstream::default();
-    let origin = TestServer::start(upstream.router()).await;
     let url = redis.url();
     let secret = "a deployment secret of the test";
     let common = ["--store", url.as_str(), "--tenant-header", "x-tenant"];
@@ -478,11 +474,9 @@ async fn keyed_scopes_hide_where_records_live() {
 /// upstream runs once per key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blake3_fingerprints_and_sha256_ones_share_a_store() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some((redis, upstream, origin)) = redis_and_origin().await else {
         return;
     };
-    let upstream = Upstream::default();
-    let origin = TestServer::start(upstream.router()).await;
     let url = redis.url();
     let common = ["--store", url.as_str(), "--tenant-header", "x-tenant"];
     let sha = start_gateway(&origin, &common).await;
@@ -525,11 +519,9 @@ async fn blake3_fingerprints_and_sha256_ones_share_a_store() {
 /// store (it would not find the record and would run the request again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blake3_scopes_are_claimed_like_keyed_ones() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some((redis, upstream, origin)) = redis_and_origin().await else {
         return;
     };
-    let upstream = Upstream::default();
-    let origin = TestServer::start(upstream.router()).await;
     let url = redis.url();
     let secret = "a deployment secret of the test";
     let common = ["--store", url.as_str(), "--tenant-header", "x-tenant"];
@@ -574,11 +566,9 @@ async fn blake3_scopes_are_claimed_like_keyed_ones() {
 /// find the record and would run the request again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blake3_tenants_are_claimed_like_blake3_scopes() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some((redis, upstream, origin)) = redis_and_origin().await else {
         return;
     };
-    let upstream = Upstream::default();
-    let origin = TestServer::start(upstream.router()).await;
     let url = redis.url();
     let secret = "a deployment secret of the test";
     let hmac_flags = ["--store", url.as_str(), "--tenant-secret", secret];
@@ -614,6 +604,15 @@ async fn blake3_tenants_are_claimed_like_blake3_scopes() {
     assert_eq!(upstream.runs(), 1);
 }
 
+/// A private Redis and a counting upstream for gateways to stand before
+/// (`None`, after a notice, where `redis-server` is missing outside CI).
+async fn redis_and_origin() -> Option<(RedisServer, Upstream, TestServer)> {
+    let redis = RedisServer::spawn()?;
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    Some((redis, upstream, origin))
+}
+
 /// The gateway on Redis: the start or error of a gateway with these flags.
 async fn try_start(
     origin: &TestServer,
@@ -634,11 +633,9 @@ async fn try_start(
 /// over; the old settings are then refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateways_that_derive_tenants_differently_cannot_share_a_store() {
-    let Some(redis) = RedisServer::spawn() else {
+    let Some((redis, upstream, origin)) = redis_and_origin().await else {
         return;
     };
-    let upstream = Upstream::default();
-    let origin = TestServer::start(upstream.router()).await;
     let url = redis.url();
     let store = ["--store", url.as_str()];
     let with = |extra: &[&'static str]| -> Vec<&str> { [&store[..], extra].concat() };

@@ -207,6 +207,21 @@ impl Plain<'_> {
         true
     }
 
+    /// After an array element or object member: `Some(true)` past a
+    /// comma (another follows), `Some(false)` past `close`, `None` for
+    /// anything else.
+    fn after_item(&mut self, close: u8) -> Option<bool> {
+        self.skip_whitespace();
+        let next = self.peek()?;
+        self.at += 1;
+        if next == b',' {
+            self.skip_whitespace();
+            Some(true)
+        } else {
+            (next == close).then_some(false)
+        }
+    }
+
     fn array(&mut self, out: &mut Vec<u8>, depth: usize) -> bool {
         self.at += 1;
         out.push(b'a');
@@ -222,17 +237,10 @@ impl Plain<'_> {
                     return false;
                 }
                 count += 1;
-                self.skip_whitespace();
-                match self.peek() {
-                    Some(b',') => {
-                        self.at += 1;
-                        self.skip_whitespace();
-                    }
-                    Some(b']') => {
-                        self.at += 1;
-                        break;
-                    }
-                    _ => return false,
+                match self.after_item(b']') {
+                    Some(true) => {}
+                    Some(false) => break,
+                    None => return false,
                 }
             }
         }
@@ -286,17 +294,10 @@ impl Plain<'_> {
                 }
                 members[count] = (key_at, key_len, tokens_at, out.len());
                 count += 1;
-                self.skip_whitespace();
-                match self.peek() {
-                    Some(b',') => {
-                        self.at += 1;
-                        self.skip_whitespace();
-                    }
-                    Some(b'}') => {
-                        self.at += 1;
-                        break;
-                    }
-                    _ => return false,
+                match self.after_item(b'}') {
+                    Some(true) => {}
+                    Some(false) => break,
+                    None => return false,
                 }
             }
         }
