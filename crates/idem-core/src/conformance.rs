@@ -643,7 +643,22 @@ pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
         limit: 1,
         ..query(None, false)
     };
-    assert_eq!(h.store().list(&limited).await.expect("list").len(), 1);
+    let oldest = h.store().list(&limited).await.expect("list");
+    let keys: Vec<&str> = oldest.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(keys, ["first"], "the limit keeps the oldest");
+    let two_processing = RecordQuery {
+        limit: 2,
+        ..query(Some(RecordState::Processing), false)
+    };
+    let keys: Vec<String> = h
+        .store()
+        .list(&two_processing)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|r| r.key)
+        .collect();
+    assert_eq!(keys, ["first", "second"]);
 }
 
 /// Runs every check in turn on one harness (for stores that are costly to

@@ -40,6 +40,6 @@ pub use record::{
 };
 pub use scope::{Fingerprint, Scope, ScopeFormat, ScopeHash, ScopeSecret, push_hex};
 pub use store::{
-    Cancellation, Completion, Current, ForceRelease, IdentityClaim, RecordQuery, Release, Renewal,
-    Replay, Reservation, ReserveRequest, Store, StoreError,
+    Cancellation, Completion, Current, ForceRelease, IdentityClaim, OldestRecords, RecordQuery,
+    Release, Renewal, Replay, Reservation, ReserveRequest, Store, StoreError,
 };

@@ -172,6 +172,87 @@ impl RecordQuery {
     }
 }
 
+/// The oldest records of a listing, kept while the store is scanned: it
+/// holds at most `limit` records at any time, so a listing over a large
+/// store holds no more than its answer. Oldest means created first; records
+/// created in the same millisecond go by key.
+#[derive(Debug)]
+pub struct OldestRecords {
+    limit: usize,
+    /// The newest kept record on top.
+    kept: std::collections::BinaryHeap<ByAge>,
+}
+
+#[derive(Debug)]
+struct ByAge(Record);
+
+impl ByAge {
+    fn age_key(&self) -> (u64, &str) {
+        (self.0.created_at_ms, &self.0.key)
+    }
+}
+
+impl PartialEq for ByAge {
+    fn eq(&self, other: &Self) -> bool {
+        self.age_key() == other.age_key()
+    }
+}
+
+impl Eq for ByAge {}
+
+impl PartialOrd for ByAge {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ByAge {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.age_key().cmp(&other.age_key())
+    }
+}
+
+impl OldestRecords {
+    /// Keeps the `limit` oldest records offered.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            kept: std::collections::BinaryHeap::with_capacity(limit.min(1024) + 1),
+        }
+    }
+
+    /// Whether a record created at `created_at_ms` with `key` would be
+    /// kept now: check before cloning a record to offer it.
+    pub fn wants(&self, created_at_ms: u64, key: &str) -> bool {
+        if self.kept.len() < self.limit {
+            return true;
+        }
+        self.kept
+            .peek()
+            .is_some_and(|newest| (created_at_ms, key) < newest.age_key())
+    }
+
+    /// Offers a record: kept if it is among the `limit` oldest so far.
+    pub fn offer(&mut self, record: Record) {
+        if !self.wants(record.created_at_ms, &record.key) {
+            return;
+        }
+        self.kept.push(ByAge(record));
+        if self.kept.len() > self.limit {
+            self.kept.pop();
+        }
+    }
+
+    /// The kept records, oldest first.
+    pub fn into_oldest_first(self) -> Vec<Record> {
+        self.kept
+            .into_sorted_vec()
+            .into_iter()
+            .map(|ByAge(record)| record)
+            .collect()
+    }
+}
+
 /// The answer to [`Store::force_release`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
@@ -430,4 +511,59 @@ pub enum IdentityClaim {
     Held,
     /// The store is claimed for another marker (this one).
     Other(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{AttemptId, IdempotencyKey, OwnerToken, machine};
+
+    fn record(created_at_ms: u64, key: &str) -> Record {
+        let request = ReserveRequest {
+            scope: Scope::new(
+                "t",
+                "POST /orders",
+                IdempotencyKey::parse(key.as_bytes()).expect("key"),
+            ),
+            fingerprint: Fingerprint::from_bytes([0; 32]),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(3600),
+        };
+        let mut slot = None;
+        let _ = machine::reserve(
+            &mut slot,
+            &request,
+            created_at_ms,
+            AttemptId::new(),
+            OwnerToken::new(),
+        );
+        slot.expect("reserved")
+    }
+
+    /// The `limit` oldest records come out oldest first (same millisecond:
+    /// by key), whatever order they were offered in, and no more than
+    /// `limit` are ever held.
+    #[test]
+    fn oldest_records_keep_the_oldest_and_no_more() {
+        let mut offered: Vec<(u64, String)> = (0..200u64)
+            .map(|i| ((i * 7919) % 101, format!("k{:03}", (i * 31) % 200)))
+            .collect();
+        let mut oldest = OldestRecords::new(5);
+        for (created, key) in &offered {
+            oldest.offer(record(*created, key));
+            assert!(oldest.kept.len() <= 5);
+        }
+        offered.sort();
+        let expected: Vec<(u64, String)> = offered.into_iter().take(5).collect();
+        let kept: Vec<(u64, String)> = oldest
+            .into_oldest_first()
+            .into_iter()
+            .map(|r| (r.created_at_ms, r.key))
+            .collect();
+        assert_eq!(kept, expected);
+        let mut none = OldestRecords::new(0);
+        assert!(!none.wants(0, "a"));
+        none.offer(record(0, "a"));
+        assert!(none.into_oldest_first().is_empty());
+    }
 }

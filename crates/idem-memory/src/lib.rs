@@ -44,9 +44,9 @@ use std::{
 };
 
 use idem_core::{
-    AttemptId, Cancellation, Completion, ForceRelease, Lease, Outcome, OwnerToken, Record,
-    RecordQuery, RecordState, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store,
-    StoreError, machine,
+    AttemptId, Cancellation, Completion, ForceRelease, Lease, OldestRecords, Outcome, OwnerToken,
+    Record, RecordQuery, RecordState, Release, Renewal, Reservation, ReserveRequest, ScopeHash,
+    Store, StoreError, machine,
 };
 use parking_lot::Mutex;
 use tokio::sync::{Notify, futures::OwnedNotified};
@@ -786,21 +786,18 @@ impl Store for MemoryStore {
 
     async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
         let now_ms = self.now_ms();
-        let mut found: Vec<Record> = Vec::new();
+        // Only records that are among the oldest so far are cloned: a
+        // listing holds no more than its answer, however full the store.
+        let mut found = OldestRecords::new(query.limit);
         for shard in &self.inner.shards {
             let state = shard.state.lock();
-            found.extend(
-                state
-                    .records
-                    .values()
-                    .filter_map(|slot| slot.as_ref())
-                    .filter(|record| query.matches(record, now_ms))
-                    .cloned(),
-            );
+            for record in state.records.values().filter_map(|slot| slot.as_ref()) {
+                if found.wants(record.created_at_ms, &record.key) && query.matches(record, now_ms) {
+                    found.offer(record.clone());
+                }
+            }
         }
-        found.sort_by(|a, b| (a.created_at_ms, &a.key).cmp(&(b.created_at_ms, &b.key)));
-        found.truncate(query.limit);
-        Ok(found)
+        Ok(found.into_oldest_first())
     }
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {

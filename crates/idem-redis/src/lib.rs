@@ -98,9 +98,9 @@
 use std::time::Duration;
 
 use idem_core::{
-    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, Outcome,
-    OwnerToken, Record, RecordQuery, RecordState, Release, Renewal, Reservation, ReserveRequest,
-    ScopeHash, Store, StoreError,
+    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, OldestRecords,
+    Outcome, OwnerToken, Record, RecordQuery, RecordState, Release, Renewal, Reservation,
+    ReserveRequest, ScopeHash, Store, StoreError,
 };
 use redis::Value;
 
@@ -559,17 +559,19 @@ impl Store for RedisStore {
         let only_processing = query.lapsed || query.state == Some(RecordState::Processing);
         // The reads share the connection, LIST_READS_AT_ONCE in flight:
         // Redis takes them in batches instead of one round trip each.
-        let mut found: Vec<Record> = futures_util::stream::iter(scopes)
+        // Only the oldest matches so far are kept: a listing holds no more
+        // than its answer, however many records it reads.
+        let found = futures_util::stream::iter(scopes)
             .map(|scope| async move { self.read(&scope, only_processing).await })
             .buffer_unordered(LIST_READS_AT_ONCE)
-            .try_filter_map(|record| {
-                std::future::ready(Ok(record.filter(|record| query.matches(record, now_ms))))
+            .try_fold(OldestRecords::new(query.limit), |mut found, record| {
+                if let Some(record) = record.filter(|record| query.matches(record, now_ms)) {
+                    found.offer(record);
+                }
+                std::future::ready(Ok(found))
             })
-            .try_collect()
             .await?;
-        found.sort_by(|a, b| (a.created_at_ms, &a.key).cmp(&(b.created_at_ms, &b.key)));
-        found.truncate(query.limit);
-        Ok(found)
+        Ok(found.into_oldest_first())
     }
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
