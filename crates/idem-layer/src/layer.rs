@@ -425,16 +425,21 @@ impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
     type Service = Idempotency<I, S>;
 
     fn layer(&self, inner: I) -> Self::Service {
-        let misconfigured = match self.runtime.config.validate() {
-            Ok(()) => false,
-            Err(error) => {
-                tracing::error!(
-                    %error,
-                    "invalid idempotency layer configuration; requests of protected methods are refused"
-                );
-                true
-            }
-        };
-        Idempotency::new(inner, self.runtime.clone(), misconfigured)
+        // Validated (and an invalid configuration logged) once, not at
+        // every application: a router may apply the layer per request.
+        let valid = *self
+            .runtime
+            .valid
+            .get_or_init(|| match self.runtime.config.validate() {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::error!(
+                        %error,
+                        "invalid idempotency layer configuration; requests of protected methods are refused"
+                    );
+                    false
+                }
+            });
+        Idempotency::new(inner, self.runtime.clone(), !valid)
     }
 }

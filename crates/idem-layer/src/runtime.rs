@@ -35,6 +35,9 @@ pub(crate) struct Shared<S> {
     /// The records API's listings, shared by every records service of the
     /// layer.
     pub(crate) listings: Arc<crate::records::ListingBudget>,
+    /// Whether `config` passed validation, decided once (a router may
+    /// apply the layer per request) and again after every change.
+    pub(crate) valid: std::sync::OnceLock<bool>,
 }
 
 impl<S> Runtime<S> {
@@ -48,6 +51,7 @@ impl<S> Runtime<S> {
             config: Arc::new(config),
             tasks: TaskTracker::new(),
             listings: Default::default(),
+            valid: std::sync::OnceLock::new(),
         }))
     }
 
@@ -55,6 +59,7 @@ impl<S> Runtime<S> {
     /// write if services already share them).
     pub(crate) fn config_mut(&mut self) -> &mut Config {
         let shared = Arc::make_mut(&mut self.0);
+        shared.valid = std::sync::OnceLock::new();
         Arc::make_mut(&mut shared.config)
     }
 }
@@ -72,6 +77,7 @@ impl<S> Clone for Shared<S> {
             config: Arc::clone(&self.config),
             tasks: self.tasks.clone(),
             listings: Arc::clone(&self.listings),
+            valid: self.valid.clone(),
         }
     }
 }

@@ -528,6 +528,33 @@ async fn long_handler_keeps_its_lease() {
     assert_eq!(probe.calls(), 1);
 }
 
+/// The layer validates its configuration once, not at every application:
+/// a change made after it was applied is validated again, either way.
+#[tokio::test]
+async fn a_changed_configuration_is_validated_again() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let valid = layer(&store);
+    let first = send(&service(&valid, &probe), order("v1", r#"{"qty":1}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let invalid = valid
+        .clone()
+        .lease(Duration::from_secs(30))
+        .retention(Duration::from_secs(30));
+    let refused = send(&service(&invalid, &probe), order("v2", r#"{"qty":1}"#)).await;
+    refused.assert_problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "idempotency_misconfigured",
+    );
+    let mended = invalid.retention(Duration::from_secs(60));
+    let again = send(&service(&mended, &probe), order("v3", r#"{"qty":1}"#)).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    // The first layer, applied again, is still valid.
+    let reused = send(&service(&valid, &probe), order("v4", r#"{"qty":1}"#)).await;
+    assert_eq!(reused.status, StatusCode::CREATED);
+    assert_eq!(probe.calls(), 3);
+}
+
 #[tokio::test]
 async fn retention_not_longer_than_lease_is_a_configuration_error() {
     let store = MemoryStore::new();
