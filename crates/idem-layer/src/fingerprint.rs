@@ -370,11 +370,25 @@ impl<'a> NumberTexts<'a> {
                     i += 1;
                 }
                 b'-' | b'0'..=b'9' => {
+                    // The number as JSON spells it, and no further: the
+                    // parser visits a number before it reads what follows,
+                    // which may make the text invalid (`10E+00-`).
                     let start = i;
-                    while i < body.len()
-                        && matches!(body[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
-                    {
+                    let digits = |i: &mut usize| {
+                        while body.get(*i).is_some_and(u8::is_ascii_digit) {
+                            *i += 1;
+                        }
+                    };
+                    i += usize::from(body[i] == b'-');
+                    digits(&mut i);
+                    if body.get(i) == Some(&b'.') {
                         i += 1;
+                        digits(&mut i);
+                    }
+                    if matches!(body.get(i), Some(b'e' | b'E')) {
+                        i += 1;
+                        i += usize::from(matches!(body.get(i), Some(b'+' | b'-')));
+                        digits(&mut i);
                     }
                     self.at = i;
                     return Some(&body[start..i]);
@@ -422,7 +436,9 @@ fn exact_number(out: &mut Vec<u8>, literal: &[u8]) {
         }
         _ => false,
     };
-    for digit in exponent_digits {
+    // Digits only (the scan above spells numbers as JSON does); anything
+    // else is skipped rather than trusted.
+    for digit in exponent_digits.iter().filter(|d| d.is_ascii_digit()) {
         exponent = exponent
             .saturating_mul(10)
             .saturating_add(i64::from(digit - b'0'));
@@ -842,6 +858,27 @@ mod tests {
         let wide: Vec<String> = (0..17).map(|i| format!("\"k{i:02}\":{i}")).collect();
         let wide = format!("{{{}}}", wide.join(","));
         assert_eq!(plain_tokens(wide.as_bytes()), None);
+    }
+
+    /// serde_json visits a number before it reads what follows it; text
+    /// that makes the body invalid right after a number (a sign, a second
+    /// exponent) must leave the body raw bytes, never panic.
+    #[test]
+    fn a_number_followed_by_invalid_text_never_panics() {
+        for body in [
+            "[10E+00-,1]",
+            "[1e5-]",
+            "{\"a\":2E-3+}",
+            "[-1.5e+7e8]",
+            "[0-]",
+        ] {
+            assert_eq!(canonical_tokens(body.as_bytes()), None, "{body}");
+            assert_eq!(serde_tokens(body.as_bytes()), None, "{body}");
+        }
+        // Valid numbers of every shape still tokenize.
+        for body in ["[10E+00,1]", "[-0.5e-7]", "[1E5]", "[2.50]"] {
+            assert!(canonical_tokens(body.as_bytes()).is_some(), "{body}");
+        }
     }
 
     /// JSON-like texts, valid or nearly: every form the plain tokenizer
