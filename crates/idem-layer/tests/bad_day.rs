@@ -242,6 +242,25 @@ async fn path_aliases_are_one_operation() {
     assert_eq!(probe.calls(), 1);
 }
 
+/// The path the handler is handed is an alias of the request's own: a
+/// retry sent to it (as a proxy's client might, from a redirect or a log)
+/// lands in the same scope. A `%` that starts no escape is written `%25`,
+/// so that `/x/%%616` is `/x/%25a6`, not `/x/%a6` (which would normalize
+/// again to `/x/%A6`, another scope).
+#[tokio::test]
+async fn the_normalized_path_is_an_alias_of_the_request() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let service = service(&layer(&store), &probe);
+    let first = send(&service, order_to("/x/%%616", "pct-1")).await;
+    for alias in ["/x/%25a6", "/x/%25%61%36", "//x/./%%616"] {
+        let retry = send(&service, order_to(alias, "pct-1")).await;
+        assert!(retry.replayed(), "{alias}: {}", retry.status);
+        assert_eq!(retry.body, first.body);
+    }
+    assert_eq!(probe.calls(), 1);
+}
+
 /// `post` where `POST` is protected is refused, never passed through
 /// unprotected, even with a key required.
 #[tokio::test]
