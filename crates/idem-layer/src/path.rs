@@ -137,6 +137,40 @@ mod tests {
 
         /// The normal form is a fixed point: a proxy forwards the path it
         /// scoped, and the retry of that path must land in the same scope.
+        /// Every spelling of a path (unreserved characters percent-encoded
+        /// in either case, repeated slashes, `.` segments, a segment and
+        /// `..`) normalizes to the path itself.
+        #[test]
+        fn aliases_normalize_to_the_path(
+            segments in prop::collection::vec("[a-z0-9~._-]{1,5}", 1..5),
+            spelling in prop::collection::vec(0u8..6, 40),
+        ) {
+            let segments: Vec<String> = segments
+                .into_iter()
+                .filter(|s| s != "." && s != "..")
+                .collect();
+            let canonical: String = segments.iter().map(|s| format!("/{s}")).collect();
+            let canonical = if canonical.is_empty() { "/".to_owned() } else { canonical };
+            let mut choice = spelling.iter().cycle();
+            let mut alias = String::new();
+            for segment in &segments {
+                match choice.next() {
+                    Some(1) => alias.push_str("//"),
+                    Some(2) => alias.push_str("/./"),
+                    Some(3) => alias.push_str("/zz/../"),
+                    _ => alias.push('/'),
+                }
+                for c in segment.chars() {
+                    match choice.next() {
+                        Some(4) => alias.push_str(&format!("%{:02X}", c as u32)),
+                        Some(5) => alias.push_str(&format!("%{:02x}", c as u32)),
+                        _ => alias.push(c),
+                    }
+                }
+            }
+            prop_assert_eq!(normalize_path(&alias), canonical.as_str(), "{:?}", alias);
+        }
+
         #[test]
         fn normalizing_twice_changes_nothing(path in "[/.%2Ee61FfAa9z~é-]{0,20}") {
             let once = normalize_path(&path).into_owned();
