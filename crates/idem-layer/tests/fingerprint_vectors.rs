@@ -131,6 +131,46 @@ mod canonical_equivalence {
         fingerprint("POST /x", &parts, &[], body)
     }
 
+    /// `m × 10^e` as a plain decimal (`-12.34`, `0.001234`, `1234000`),
+    /// with `zeros` trailing zeros after a decimal point.
+    fn decimal(m: i64, e: i32, zeros: usize) -> String {
+        if m == 0 {
+            return if zeros > 0 {
+                format!("0.{}", "0".repeat(zeros))
+            } else {
+                "0".to_owned()
+            };
+        }
+        let sign = if m < 0 { "-" } else { "" };
+        let digits = m.unsigned_abs().to_string();
+        let pad = "0".repeat(zeros);
+        if e >= 0 {
+            let point = if zeros > 0 { "." } else { "" };
+            return format!("{sign}{digits}{}{point}{pad}", "0".repeat(e as usize));
+        }
+        let shift = e.unsigned_abs() as usize;
+        if digits.len() > shift {
+            let (int, frac) = digits.split_at(digits.len() - shift);
+            format!("{sign}{int}.{frac}{pad}")
+        } else {
+            format!("{sign}0.{}{digits}{pad}", "0".repeat(shift - digits.len()))
+        }
+    }
+
+    /// The exact value of `m × 10^e`: its digits without trailing zeros
+    /// and the exponent that goes with them (zero has one value).
+    fn value_of((m, e): (i64, i32)) -> (i128, i32) {
+        if m == 0 {
+            return (0, 0);
+        }
+        let (mut m, mut e) = (i128::from(m), e);
+        while m % 10 == 0 {
+            m /= 10;
+            e += 1;
+        }
+        (m, e)
+    }
+
     fn value() -> impl Strategy<Value = serde_json::Value> {
         use serde_json::Value;
         let leaf = prop_oneof![
@@ -190,6 +230,32 @@ mod canonical_equivalence {
             let shifted = format!("{a}{}e-{zeros}", "0".repeat(zeros));
             prop_assert_eq!(json_fingerprint(&body(&padded)), fa);
             prop_assert_eq!(json_fingerprint(&body(&shifted)), fa);
+        }
+
+        /// Decimal amounts count by exact value too: `m × 10^e` spelled
+        /// as a decimal, with trailing zeros, or with an exponent is one
+        /// payload; two amounts of different value (`12.30` and `12.31`,
+        /// or digits beyond a double's) are never one.
+        #[test]
+        fn decimals_are_exact(
+            a in (any::<i64>(), -25i32..25),
+            b in (any::<i64>(), -25i32..25),
+            zeros in 0usize..5,
+        ) {
+            let body = |n: &str| format!("{{\"amount\":{n}}}").into_bytes();
+            let fingerprint = |(m, e): (i64, i32)| json_fingerprint(&body(&decimal(m, e, 0)));
+            for (m, e) in [a, b] {
+                let first = fingerprint((m, e));
+                prop_assert_eq!(json_fingerprint(&body(&decimal(m, e, zeros))), first);
+                prop_assert_eq!(json_fingerprint(&body(&format!("{m}e{e}"))), first);
+                if m != 0 {
+                    prop_assert_eq!(json_fingerprint(&body(&format!("{m}0E{}", e - 1))), first);
+                }
+                if m < i64::MAX {
+                    prop_assert_ne!(fingerprint((m + 1, e)), first);
+                }
+            }
+            prop_assert_eq!(value_of(a) == value_of(b), fingerprint(a) == fingerprint(b));
         }
 
         /// Member order never matters, at any depth.
