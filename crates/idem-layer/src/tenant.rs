@@ -432,6 +432,44 @@ mod tests {
         assert_eq!(tenant("   ", &plain), None);
     }
 
+    proptest::proptest! {
+        /// Any spelling of one credential is one tenant (scheme in any
+        /// case, any spaces or tabs around and between), and another
+        /// credential is another tenant, in every hash form.
+        #[test]
+        fn spellings_of_a_credential_are_one_tenant(
+            scheme in "[A-Za-z][A-Za-z0-9-]{0,11}",
+            credential in "[!-~]{1,24}",
+            other in "[!-~]{1,24}",
+            (lead, mid, trail) in ("[ \t]{0,3}", "[ \t]{1,3}", "[ \t]{0,3}"),
+        ) {
+            let tenant = |value: &str, hashing: &Hashing| {
+                let parts = http::Request::get("/")
+                    .header(http::header::AUTHORIZATION, value)
+                    .body(())
+                    .expect("request")
+                    .into_parts()
+                    .0;
+                authorization_tenant(&parts, hashing)
+            };
+            let canonical = format!("{} {credential}", scheme.to_ascii_lowercase());
+            let spelled = format!("{lead}{}{mid}{credential}{trail}", scheme.to_ascii_uppercase());
+            for hashing in [
+                Hashing::Plain,
+                Hashing::keyed(b"a secret"),
+                Hashing::keyed_as(TenantHash::Blake3, b"a secret"),
+            ] {
+                let expected = tenant(&canonical, &hashing);
+                proptest::prop_assert!(expected.is_some());
+                proptest::prop_assert_eq!(tenant(&spelled, &hashing), expected.clone());
+                if other != credential {
+                    let another = format!("{scheme} {other}");
+                    proptest::prop_assert_ne!(tenant(&another, &hashing), expected);
+                }
+            }
+        }
+    }
+
     /// The keyed BLAKE3 form is BLAKE3's keyed mode over the same
     /// normalized value, under the documented derived key, and pinned:
     /// stored tenants must not change between versions.
