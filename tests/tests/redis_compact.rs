@@ -397,3 +397,88 @@ async fn a_listing_of_processing_records_reads_no_completed_response() {
         "the listing of processing records read completed responses: {filtered} bytes"
     );
 }
+
+/// A tenant's listing (the records API lists the caller's own records)
+/// reads other tenants' records no further than their tenant: twenty
+/// records of another tenant with 16 KiB responses cost it a few
+/// kilobytes. It finds the tenant's records in either form the tenant is
+/// kept in: `tenant_bin` (a hashed tenant, as the gateway's) and the
+/// `tenant` text of records written before that form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_listing_reads_no_other_tenants_record() {
+    use idem_core::{
+        Fingerprint, IdempotencyKey, Outcome, RecordQuery, Reservation, ReserveRequest, Scope,
+        Store, StoredResponse,
+    };
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    for packed in [false, true] {
+        let prefix = format!("t{}:", u8::from(packed));
+        let store = idem_redis::RedisStore::builder(&redis.url())
+            .prefix(prefix.clone())
+            .pack_records(packed)
+            .build()
+            .expect("store");
+        let hashed = format!("auth:{}", "5e".repeat(32));
+        let complete = async |tenant: &str, key: &str, body: &'static [u8]| {
+            let request = ReserveRequest {
+                scope: Scope::new(
+                    tenant,
+                    "POST /orders",
+                    IdempotencyKey::parse(key.as_bytes()).expect("key"),
+                ),
+                fingerprint: Fingerprint::from_bytes([7; 32]),
+                lease: std::time::Duration::from_secs(30),
+                retention: std::time::Duration::from_secs(600),
+            };
+            let Reservation::Acquired(lease) = store.reserve(&request).await.expect("reserve")
+            else {
+                panic!("expected a new key");
+            };
+            let outcome = Outcome::Stored(StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: Bytes::from_static(body),
+            });
+            let _ = store.complete(&lease, &outcome).await.expect("complete");
+            *request.scope.hash()
+        };
+        static LARGE: [u8; 16 * 1024] = [b'x'; 16 * 1024];
+        for n in 0..20 {
+            complete("auth:other", &format!("theirs-{n}"), &LARGE).await;
+        }
+        complete(&hashed, "mine", b"ok").await;
+        // A record of the same tenant in the layout before `tenant_bin`.
+        let older = complete(&hashed, "older", b"ok").await;
+        let record = format!("{prefix}{{{}}}", older.to_hex());
+        redis.cli(&["HDEL", &record, "tenant_bin"]);
+        redis.cli(&["HSET", &record, "tenant", &hashed]);
+
+        let query = |tenant: &str| RecordQuery {
+            tenant: Some(tenant.to_owned()),
+            limit: 100,
+            ..RecordQuery::default()
+        };
+        let before = bytes_sent(&redis);
+        let mine = store.list(&query(&hashed)).await.expect("list");
+        let filtered = bytes_sent(&redis) - before;
+        let mut keys: Vec<&str> = mine.iter().map(|r| r.key.as_str()).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["mine", "older"], "packed {packed}");
+        assert!(mine.iter().all(|r| r.tenant == hashed));
+        assert!(
+            filtered < 16 * 1024,
+            "a tenant's listing read another tenant's responses: {filtered} bytes (packed {packed})"
+        );
+        let theirs = store.list(&query("auth:other")).await.expect("list");
+        assert_eq!(theirs.len(), 20, "packed {packed}");
+        assert!(
+            store
+                .list(&query("auth:nobody"))
+                .await
+                .expect("list")
+                .is_empty()
+        );
+    }
+}

@@ -217,11 +217,15 @@ impl RedisStore {
         &self,
         scope: &ScopeHash,
         only_processing: bool,
+        tenant: Option<&(String, Vec<u8>)>,
     ) -> Result<Option<Record>, StoreError> {
         let key = self.record_key(scope);
         let mut invocation = Invocation::new(&self.scripts.get, &[&key]);
-        if only_processing {
-            invocation.arg("processing");
+        if only_processing || tenant.is_some() {
+            invocation.arg(if only_processing { "processing" } else { "" });
+        }
+        if let Some((text, binary)) = tenant {
+            invocation.arg(text.as_str()).arg(binary.as_slice());
         }
         let pairs = items(self.run(invocation, false).await?.0)?;
         if pairs.is_empty() {
@@ -557,12 +561,24 @@ impl Store for RedisStore {
         // A query that only processing records can match reads the others'
         // state alone (most records are completed).
         let only_processing = query.lapsed || query.state == Some(RecordState::Processing);
+        // A tenant's listing reads other tenants' records no further than
+        // their tenant: as the 'tenant' field holds it (every record before
+        // the binary form, and every tenant without one), and as
+        // 'tenant_bin' does.
+        let tenant = query
+            .tenant
+            .as_ref()
+            .map(|tenant| match encode_tenant(tenant) {
+                ("tenant_bin", binary) => (tenant.clone(), binary),
+                _ => (tenant.clone(), Vec::new()),
+            });
+        let tenant = tenant.as_ref();
         // The reads share the connection, LIST_READS_AT_ONCE in flight:
         // Redis takes them in batches instead of one round trip each.
         // Only the oldest matches so far are kept: a listing holds no more
         // than its answer, however many records it reads.
         let found = futures_util::stream::iter(scopes)
-            .map(|scope| async move { self.read(&scope, only_processing).await })
+            .map(|scope| async move { self.read(&scope, only_processing, tenant).await })
             .buffer_unordered(LIST_READS_AT_ONCE)
             .try_fold(OldestRecords::new(query.limit), |mut found, record| {
                 if let Some(record) = record.filter(|record| query.matches(record, now_ms)) {
@@ -606,7 +622,7 @@ impl Store for RedisStore {
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        self.read(scope, false).await
+        self.read(scope, false, None).await
     }
 }
 
