@@ -307,3 +307,71 @@ async fn listings_are_budgeted() {
     .await;
     assert_eq!(one.status, StatusCode::OK, "{one:?}");
 }
+
+/// A listing reads every record of the store, which takes longer than one
+/// store call: it is bounded by 30 s (or the store timeout, the longer),
+/// not by the store timeout, so a large store still lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_outlasts_the_store_timeout() {
+    use futures_util::StreamExt;
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let timeout_ms = 300u64;
+    let timeout = format!("{timeout_ms}ms");
+    let flags = [
+        "--store",
+        &url,
+        "--tenant-header",
+        "x-tenant",
+        "--store-timeout",
+        &timeout,
+    ];
+    let gateway = start_gateway(&server, &flags).await;
+    // 30,000 records: reading each costs Redis over 10 µs, so listing them
+    // takes longer than the store timeout.
+    let store = RedisStore::from_url(&url).expect("store");
+    let made = futures_util::stream::iter(0..30_000)
+        .map(|n| {
+            let store = &store;
+            async move {
+                let request = ReserveRequest {
+                    scope: Scope::new(
+                        "acme",
+                        "POST /orders",
+                        IdempotencyKey::parse(format!("many-{n}").as_bytes()).expect("key"),
+                    ),
+                    fingerprint: idem_core::Fingerprint::from_bytes([1; 32]),
+                    lease: Duration::from_secs(60),
+                    retention: Duration::from_secs(600),
+                };
+                matches!(store.reserve(&request).await, Ok(Reservation::Acquired(_)))
+            }
+        })
+        .buffer_unordered(64)
+        .filter(|acquired| std::future::ready(*acquired))
+        .count()
+        .await;
+    assert_eq!(made, 30_000);
+    let started = std::time::Instant::now();
+    let listed = send(
+        &client(),
+        request(
+            "GET",
+            format!("http://{}/_idempotency/records?limit=3", gateway.addr),
+            "acme",
+            false,
+        ),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(listed.status, StatusCode::OK, "{listed:?} after {took:?}");
+    assert_eq!(keys(&listed).len(), 3);
+    assert!(
+        took > Duration::from_millis(timeout_ms),
+        "the listing took {took:?}: it proves nothing about the bound"
+    );
+}

@@ -46,7 +46,9 @@
 //!   reaches the store. So a caller who lists in a loop costs the store a
 //!   twentieth of its time, not all of it, and leaves every other request
 //!   alone; the others' listings wait their turn. Reading, cancelling or
-//!   releasing one record is not budgeted.
+//!   releasing one record is not budgeted. A listing is given 30 s (or
+//!   the store timeout, if longer): it reads every record, which takes
+//!   longer than one store call.
 //! * `POST ?method=…&path=…&key=…&action=release` releases a stuck
 //!   processing record whatever its lease: `200 {"result": "released",
 //!   "record": …}` (its attempt is kept as `released_by_operator`, its
@@ -86,7 +88,7 @@ use crate::{
     headers::ADMIN_TOKEN,
     metrics::StoreOp,
     problem::{ProblemCode, problem},
-    runtime::{Runtime, operation_name, store_call, unavailable_problem},
+    runtime::{Runtime, list_call, operation_name, store_call, unavailable_problem},
 };
 
 /// The body type of the records API.
@@ -396,7 +398,7 @@ impl<S: Store> RecordsService<S> {
                         return Ok(problem(ProblemCode::ListingBusy, detail, Some(wait)));
                     }
                 };
-                match store_call(config, StoreOp::List, self.rt.store.list(&list)).await {
+                match list_call(config, self.rt.store.list(&list)).await {
                     Ok(records) => json_response(
                         StatusCode::OK,
                         &json!({ "records": records.iter().map(record_json).collect::<Vec<_>>() }),

@@ -137,7 +137,24 @@ pub(crate) fn store_call<'a, T: Send + 'a>(
     op: StoreOp,
     call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
 ) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
-    timed_call(config, op, store_bounds(config, op), call)
+    let bound = (!store_bounds(config, op)).then_some(config.store_timeout);
+    timed_call(config, op, bound, call)
+}
+
+/// The least time a records listing is given: it reads every record of
+/// the store, which takes longer than one call. Listings are budgeted
+/// (see [`records`](crate::records)), so a long one does not load the
+/// store.
+pub(crate) const LISTING_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// [`store_call`] for a records listing: bounded by the store timeout or
+/// [`LISTING_TIMEOUT`], the longer.
+pub(crate) fn list_call<'a, T: Send + 'a>(
+    config: &'a Config,
+    call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
+) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
+    let bound = config.store_timeout.max(LISTING_TIMEOUT);
+    timed_call(config, StoreOp::List, Some(bound), call)
 }
 
 /// [`store_call`] for a completion committed through the handler's own
@@ -146,15 +163,15 @@ pub(crate) fn commit_call<'a, T: Send + 'a>(
     config: &'a Config,
     call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
 ) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
-    timed_call(config, StoreOp::Complete, false, call)
+    timed_call(config, StoreOp::Complete, Some(config.store_timeout), call)
 }
 
-/// A call under the layer's store timeout unless `bounded` (the callee
-/// bounds it within that timeout itself), its latency recorded as `op`'s.
+/// A call within `bound` (`None`: the callee bounds it within the layer's
+/// timeout itself), its latency recorded as `op`'s.
 fn timed_call<'a, T: Send + 'a>(
     config: &'a Config,
     op: StoreOp,
-    bounded: bool,
+    bound: Option<Duration>,
     call: impl Future<Output = Result<T, StoreError>> + Send + 'a,
 ) -> impl Future<Output = Result<T, StoreError>> + Send + 'a {
     let mut call: std::pin::Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>> =
@@ -164,10 +181,9 @@ fn timed_call<'a, T: Send + 'a>(
         // No timer for a call the store bounds itself within the layer's
         // timeout (its own timer ends the call first); `within` arms none
         // for a call answered at once (the memory store's).
-        let bound = (!bounded).then_some(config.store_timeout);
         let result = match within(bound, &mut call).await {
             Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(config.store_timeout)),
+            Err(_) => Err(StoreError::Timeout(bound.unwrap_or(config.store_timeout))),
         };
         m::store_latency(op, started.elapsed());
         result
