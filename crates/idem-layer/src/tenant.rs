@@ -389,6 +389,21 @@ pub fn keyed_tenant(secret: &[u8], prefix: &str, value: &[u8]) -> String {
 mod tests {
     use super::*;
 
+    /// The head of a request with this one header.
+    fn head(name: &str, value: &str) -> Parts {
+        http::Request::get("/")
+            .header(name, value)
+            .body(())
+            .expect("request")
+            .into_parts()
+            .0
+    }
+
+    /// The tenant of this `Authorization` value under `hashing`.
+    fn tenant_of(value: &str, hashing: &Hashing) -> Option<String> {
+        authorization_tenant(&head("authorization", value), hashing)
+    }
+
     /// Keyed tenants are HMAC-SHA256 exactly (RFC 4231, cases 1 and 6: a
     /// short key and one longer than a block), however the keyed state is
     /// reused: stored tenants must not change between versions.
@@ -398,15 +413,7 @@ mod tests {
     /// way; a value of only spaces is no tenant.
     #[test]
     fn authorization_tenants_are_pinned() {
-        let tenant = |value: &'static str, hashing: &Hashing| {
-            let parts = http::Request::get("/")
-                .header(http::header::AUTHORIZATION, value)
-                .body(())
-                .expect("request")
-                .into_parts()
-                .0;
-            authorization_tenant(&parts, hashing)
-        };
+        let tenant = tenant_of;
         let plain = Hashing::Plain;
         let bearer = "auth:46e38e9ce4c432c3ca84636e27ba624263cfe0e4ad78886dcbad9942a0f3f36a";
         for spelling in ["Bearer abc", "  BEARER \t abc ", "bearer abc"] {
@@ -443,15 +450,7 @@ mod tests {
             other in "[!-~]{1,24}",
             (lead, mid, trail) in ("[ \t]{0,3}", "[ \t]{1,3}", "[ \t]{0,3}"),
         ) {
-            let tenant = |value: &str, hashing: &Hashing| {
-                let parts = http::Request::get("/")
-                    .header(http::header::AUTHORIZATION, value)
-                    .body(())
-                    .expect("request")
-                    .into_parts()
-                    .0;
-                authorization_tenant(&parts, hashing)
-            };
+            let tenant = tenant_of;
             let canonical = format!("{} {credential}", scheme.to_ascii_lowercase());
             let spelled = format!("{lead}{}{mid}{credential}{trail}", scheme.to_ascii_uppercase());
             for hashing in [
@@ -479,17 +478,12 @@ mod tests {
         let hasher = TenantHasher::new(TenantHash::Blake3, &secret);
         let key = blake3::derive_key("idem 2026-12-01 tenant hash key v1", &secret);
         let expected = format!("auth:{}", blake3::keyed_hash(&key, b"bearer abc").to_hex());
-        let parts = |value: &'static str| {
-            http::Request::get("/")
-                .header(http::header::AUTHORIZATION, value)
-                .body(())
-                .expect("request")
-                .into_parts()
-                .0
-        };
         let extractor = TenantFromAuthorization::keyed_as(TenantHash::Blake3, secret);
         for spelling in ["Bearer abc", "  BEARER \t abc ", "bearer abc"] {
-            assert_eq!(extractor.tenant(&parts(spelling)), Some(expected.clone()));
+            assert_eq!(
+                extractor.tenant(&head("authorization", spelling)),
+                Some(expected.clone())
+            );
         }
         assert_eq!(hasher.tenant("auth:", b"bearer abc"), expected);
         assert_eq!(
@@ -506,13 +500,10 @@ mod tests {
             expected
         );
         let header = TenantFromHeader::hashed_as("x-api-key", TenantHash::Blake3, secret);
-        let request = http::Request::get("/")
-            .header("x-api-key", "abc")
-            .body(())
-            .expect("request")
-            .into_parts()
-            .0;
-        assert_eq!(header.tenant(&request), Some(hasher.tenant("hdr:", b"abc")));
+        assert_eq!(
+            header.tenant(&head("x-api-key", "abc")),
+            Some(hasher.tenant("hdr:", b"abc"))
+        );
     }
 
     #[test]
