@@ -212,12 +212,14 @@ impl RedisStore {
     }
 
     /// The live record of `scope`; with `only_processing`, only if it is
-    /// processing (another is read no further than its state).
+    /// processing (another is read no further than its state); with
+    /// `tenant` (as the `tenant` and the `tenant_bin` fields hold it, see
+    /// `get.lua`), only if it is that tenant's.
     async fn read(
         &self,
         scope: &ScopeHash,
         only_processing: bool,
-        tenant: Option<&(String, Vec<u8>)>,
+        tenant: Option<(&str, &[u8])>,
     ) -> Result<Option<Record>, StoreError> {
         let key = self.record_key(scope);
         let mut invocation = Invocation::new(&self.scripts.get, &[&key]);
@@ -225,7 +227,7 @@ impl RedisStore {
             invocation.arg(if only_processing { "processing" } else { "" });
         }
         if let Some((text, binary)) = tenant {
-            invocation.arg(text.as_str()).arg(binary.as_slice());
+            invocation.arg(text).arg(binary);
         }
         let pairs = items(self.run(invocation, false).await?.0)?;
         if pairs.is_empty() {
@@ -565,14 +567,14 @@ impl Store for RedisStore {
         // their tenant: as the 'tenant' field holds it (every record before
         // the binary form, and every tenant without one), and as
         // 'tenant_bin' does.
-        let tenant = query
+        let binary = query
             .tenant
-            .as_ref()
+            .as_deref()
             .map(|tenant| match encode_tenant(tenant) {
-                ("tenant_bin", binary) => (tenant.clone(), binary),
-                _ => (tenant.clone(), Vec::new()),
+                ("tenant_bin", binary) => binary,
+                _ => Vec::new(),
             });
-        let tenant = tenant.as_ref();
+        let tenant = query.tenant.as_deref().zip(binary.as_deref());
         // The reads share the connection, LIST_READS_AT_ONCE in flight:
         // Redis takes them in batches instead of one round trip each.
         // Only the oldest matches so far are kept: a listing holds no more
