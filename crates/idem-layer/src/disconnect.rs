@@ -1,7 +1,9 @@
 //! Keeping or dropping an attempt when its client goes away.
 
 use std::{
+    cell::Cell,
     future::Future,
+    pin::Pin,
     task::{Context, Poll},
 };
 
@@ -10,48 +12,111 @@ use tokio_util::task::TaskTracker;
 
 use crate::runtime::Runtime;
 
-/// Polls a future inline; if dropped before it finished, spawns the rest
-/// of it so it still runs to completion (on-disconnect `Detach` mode). This
-/// costs no task per request, yet a client disconnect never cancels a
-/// handler half-way.
-/// The spawned rest is tracked, so a graceful shutdown waits for it.
-pub(crate) struct RunToCompletion<F: Future + Send + 'static> {
-    future: Option<std::pin::Pin<Box<F>>>,
-    tasks: TaskTracker,
+thread_local! {
+    /// Set by [`attempt_started`] during a poll of a [`ResponseFuture`]'s
+    /// request: the attempt (the inner service's run) begins in this poll.
+    static ATTEMPT_STARTED: Cell<bool> = const { Cell::new(false) };
 }
 
-impl<F: Future + Send + 'static> RunToCompletion<F> {
-    pub(crate) fn new(future: F, tasks: TaskTracker) -> Self {
+/// Marks, from inside the request a [`ResponseFuture`] is polling, that the
+/// attempt begins (on-disconnect `Detach`): from here on, dropping the
+/// response future unfinished moves the rest of the request to a task, so
+/// the attempt runs to completion and its outcome is recorded.
+pub(crate) fn attempt_started() {
+    ATTEMPT_STARTED.with(|started| started.set(true));
+}
+
+/// A request on its way through the layer, boxed once.
+type Request<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+
+/// The future of [`Idempotency`](crate::Idempotency)'s responses.
+///
+/// It owns the request's one allocation. Dropped before it finished (the
+/// client went away) once the request's attempt has begun in on-disconnect
+/// `Detach` mode, it moves the rest of the request to a task of its own,
+/// tracked for [`IdempotencyLayer::drain`](crate::IdempotencyLayer::drain),
+/// so a client disconnect never cancels a handler half-way and its outcome
+/// is still recorded. Dropped before that (while the body arrives, the key
+/// is reserved, or a duplicate waits), nothing runs on: the handler never
+/// started. A request that runs to completion costs no task.
+pub struct ResponseFuture<T: 'static, E: 'static> {
+    request: Option<Request<T, E>>,
+    /// Where the rest of a started attempt goes when dropped unfinished;
+    /// `None` for requests that never start one here (pass-through,
+    /// refusals).
+    tasks: Option<TaskTracker>,
+    /// The attempt has begun.
+    started: bool,
+}
+
+impl<T: 'static, E: 'static> ResponseFuture<T, E> {
+    /// A request that may start an attempt.
+    pub(crate) fn keyed(
+        request: impl Future<Output = Result<T, E>> + Send + 'static,
+        tasks: TaskTracker,
+    ) -> Self {
         Self {
-            future: Some(Box::pin(future)),
-            tasks,
+            request: Some(Box::pin(request)),
+            tasks: Some(tasks),
+            started: false,
+        }
+    }
+
+    /// A request that never starts an attempt: dropped, it is dropped.
+    pub(crate) fn plain(request: impl Future<Output = Result<T, E>> + Send + 'static) -> Self {
+        Self {
+            request: Some(Box::pin(request)),
+            tasks: None,
+            started: false,
         }
     }
 }
 
-impl<F: Future + Send + 'static> Future for RunToCompletion<F> {
-    type Output = F::Output;
-
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let Some(future) = self.future.as_mut() else {
-            return Poll::Pending;
-        };
-        let output = std::task::ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
+impl<T: 'static, E: 'static> std::fmt::Debug for ResponseFuture<T, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("finished", &self.request.is_none())
+            .field("attempt_started", &self.started)
+            .finish()
     }
 }
 
-impl<F: Future + Send + 'static> Drop for RunToCompletion<F> {
+impl<T: 'static, E: 'static> Future for ResponseFuture<T, E> {
+    type Output = Result<T, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let Some(request) = this.request.as_mut() else {
+            return Poll::Pending;
+        };
+        // The flag of an enclosing response future (a layer in front of
+        // this one, polling it from its own attempt) is kept aside and put
+        // back, so each sees only its own request's attempt.
+        let enclosing = ATTEMPT_STARTED.with(|started| started.replace(false));
+        let poll = request.as_mut().poll(cx);
+        if ATTEMPT_STARTED.with(|started| started.replace(enclosing)) {
+            this.started = true;
+        }
+        if poll.is_ready() {
+            this.request = None;
+        }
+        poll
+    }
+}
+
+impl<T: 'static, E: 'static> Drop for ResponseFuture<T, E> {
     fn drop(&mut self) {
-        let Some(future) = self.future.take() else {
+        if !self.started {
+            return;
+        }
+        let (Some(request), Some(tasks)) = (self.request.take(), self.tasks.take()) else {
             return;
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             tracing::info!("client went away; the attempt runs on and records its outcome");
-            self.tasks.spawn_on(
+            tasks.spawn_on(
                 async move {
-                    let _ = future.await;
+                    let _ = request.await;
                 },
                 &runtime,
             );

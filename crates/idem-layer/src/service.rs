@@ -8,7 +8,6 @@ use std::{
 };
 
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
 use http::{Request, Response, header, request::Parts};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -21,7 +20,7 @@ use crate::{
     answer::{cancelled, in_progress, replay_response},
     attempt::attempt,
     body::BoxError,
-    disconnect::{ReleaseOnDrop, RunToCompletion},
+    disconnect::{ReleaseOnDrop, ResponseFuture, attempt_started},
     headers::read_key,
     metrics::{self as m, Outcome as Counted, StoreOp},
     normalize_path,
@@ -69,13 +68,14 @@ impl<I, S> Idempotency<I, S> {
         &self,
         code: ProblemCode,
         detail: &str,
-    ) -> BoxFuture<'static, Result<Response<ResponseBody<B>>, E>>
+    ) -> ResponseFuture<Response<ResponseBody<B>>, E>
     where
         B: Send + 'static,
+        E: 'static,
     {
         m::count(Counted::Rejected);
         let refusal = self.rt.config.shape(problem(code, detail, None));
-        Box::pin(async move { Ok(refusal) })
+        ResponseFuture::plain(async move { Ok(refusal) })
     }
 
     pub(crate) fn new(inner: I, rt: Runtime<S>, misconfigured: bool) -> Self {
@@ -101,7 +101,7 @@ where
 {
     type Response = Response<ResponseBody<ResBody>>;
     type Error = I::Error;
-    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+    type Future = ResponseFuture<Self::Response, Self::Error>;
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -127,18 +127,22 @@ where
                 return self.refuse(ProblemCode::MethodCaseMismatch, &detail);
             }
             let future = inner.call(request);
-            return Box::pin(async move { Ok(future.await?.map(ResponseBody::inner)) });
+            return ResponseFuture::plain(
+                async move { Ok(future.await?.map(ResponseBody::inner)) },
+            );
         }
         if self.misconfigured {
             let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
             return self.refuse(ProblemCode::Misconfigured, detail);
         }
         let rt = self.rt.clone();
+        let tasks = rt.tasks.clone();
         if rt.config.shapes_problems() {
             let config = Arc::clone(&rt.config);
-            return Box::pin(async move { Ok(config.shape(handle(rt, inner, request).await?)) });
+            let shaped = async move { Ok(config.shape(handle(rt, inner, request).await?)) };
+            return ResponseFuture::keyed(shaped, tasks);
         }
-        Box::pin(handle(rt, inner, request))
+        ResponseFuture::keyed(handle(rt, inner, request), tasks)
     }
 }
 
@@ -442,25 +446,20 @@ where
             match rt.config.on_disconnect {
                 OnDisconnect::Detach => {
                     // The attempt runs inline while the client waits; if the
-                    // client goes away, the unfinished attempt moves to a task
-                    // of its own and its outcome is still recorded.
-                    let tasks = rt.tasks.clone();
-                    RunToCompletion::new(
-                        attempt(rt, inner, request, reserve, lease).in_current_span(),
-                        tasks,
-                    )
-                    .await
+                    // client goes away, the response future moves the rest
+                    // of the request to a task of its own and the outcome is
+                    // still recorded.
+                    attempt_started();
+                    attempt(rt, inner, request, reserve, lease).await
                 }
                 OnDisconnect::Release => {
                     let guard = ReleaseOnDrop {
                         rt: rt.clone(),
                         lease: Some(lease.clone()),
                     };
-                    // Boxed like the detached attempt: inline, the attempt's
-                    // future (which holds the inner service's) would make
-                    // every future of the request path as large, and each move
-                    // of it a copy of that size.
-                    let result = Box::pin(attempt(rt, inner, request, reserve, lease)).await;
+                    // Dropped with the response future: the handler is
+                    // dropped and the guard releases the key.
+                    let result = attempt(rt, inner, request, reserve, lease).await;
                     guard.disarm();
                     result
                 }

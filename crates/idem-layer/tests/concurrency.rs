@@ -116,6 +116,61 @@ async fn disconnect_in_detach_mode_records_the_outcome() {
     assert_eq!(probe.calls(), 1, "the retry was replayed, not re-executed");
 }
 
+/// A duplicate whose client goes away while it waits for the running
+/// attempt started none of its own: it is dropped, and nothing of it runs
+/// on in a task (it would hold its wait, and run the handler if the key
+/// were released).
+#[tokio::test]
+async fn a_waiter_whose_client_went_away_is_dropped() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(30)));
+    let svc = service(&layer, &probe);
+    let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
+    wait_calls(&probe, 1).await;
+    let waiter = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
+    wait_until(Duration::from_secs(10), "the duplicate waits", async || {
+        store.waiting() == 1
+    })
+    .await;
+    waiter.abort();
+    assert!(waiter.await.is_err_and(|e| e.is_cancelled()));
+    assert_eq!(store.waiting(), 0, "the dropped duplicate waits no more");
+    probe.open_gate(1);
+    let first = first.await.expect("join").expect("response");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(probe.calls(), 1);
+}
+
+/// Two layers, one in front of the other (two stores): when the client
+/// goes away mid-handler, both attempts run on and both record the
+/// outcome, so a retry through the front layer is a replay. Each layer's
+/// response future keeps its own mark of a started attempt.
+#[tokio::test]
+async fn stacked_layers_both_record_the_outcome_when_the_client_goes_away() {
+    let (back_store, front_store) = (MemoryStore::new(), MemoryStore::new());
+    let probe = Probe::default();
+    let back = service(&layer(&back_store), &probe);
+    let front = tower::Layer::layer(&layer(&front_store), back.clone());
+    let client = tokio::spawn(front.clone().oneshot(keyed("/slow", "k")));
+    wait_calls(&probe, 1).await;
+    client.abort();
+    assert!(client.await.is_err_and(|e| e.is_cancelled()));
+    probe.open_gate(1);
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || send(&front, keyed("/slow", "k")).await,
+        |answer| answer.status != StatusCode::CONFLICT,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed(), "the front layer recorded the outcome");
+    assert_eq!(retry.body, "{\"order\":1}");
+    let behind = send(&back, keyed("/slow", "k")).await;
+    assert!(behind.replayed(), "the back layer recorded it too");
+    assert_eq!(probe.calls(), 1);
+}
+
 #[tokio::test]
 async fn disconnect_in_release_mode_drops_the_handler_and_frees_the_key() {
     let (_store, probe, svc) = fresh_with(|layer| layer.on_disconnect(OnDisconnect::Release));
