@@ -1,13 +1,17 @@
 //! One execution of the inner service under a lease, and the recording of
 //! its outcome.
 
-use std::{collections::VecDeque, future::Future, panic::AssertUnwindSafe, time::Duration};
+use std::{
+    collections::VecDeque,
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use bytes::{Bytes, BytesMut};
-use futures_util::{
-    FutureExt,
-    future::{Either, select},
-};
+use futures_util::{FutureExt, future::Fuse};
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
@@ -123,32 +127,83 @@ async fn keep_alive<S: Store>(config: &Config, store: &S, lease: &Lease) {
 
 /// Drives `work` to its end while the lease is kept alive beside it (both
 /// polled concurrently: a slow renewal never stalls the work).
-pub(crate) async fn renewing<S: Store, T>(
-    config: &Config,
-    store: &S,
-    lease: &Lease,
-    work: impl Future<Output = T>,
-) -> T {
-    let work = std::pin::pin!(work);
-    let keeper = std::pin::pin!(keep_alive(config, store, lease));
-    match select(work, keeper).await {
-        Either::Left((output, _)) => output,
-        Either::Right(((), work)) => work.await,
+pub(crate) fn renewing<'a, S: Store, W: Future + 'a>(
+    config: &'a Config,
+    store: &'a S,
+    lease: &'a Lease,
+    work: W,
+) -> impl Future<Output = W::Output> + 'a {
+    Renewing {
+        work,
+        keeper: keep_alive(config, store, lease).fuse(),
     }
 }
 
 /// Drives `work` while the lease is held; `None` once it is lost.
-async fn while_held<S: Store, T>(
-    config: &Config,
-    store: &S,
-    lease: &Lease,
-    work: impl Future<Output = T>,
-) -> Option<T> {
-    let work = std::pin::pin!(work);
-    let keeper = std::pin::pin!(keep_alive(config, store, lease));
-    match select(work, keeper).await {
-        Either::Left((output, _)) => Some(output),
-        Either::Right(_) => None,
+fn while_held<'a, S: Store, W: Future + 'a>(
+    config: &'a Config,
+    store: &'a S,
+    lease: &'a Lease,
+    work: W,
+) -> impl Future<Output = Option<W::Output>> + 'a {
+    WhileHeld {
+        work,
+        keeper: keep_alive(config, store, lease),
+    }
+}
+
+// Hand-written rather than `select` over pinned locals: an `async fn`
+// keeps `work` twice in its state (as its argument and as the pinned
+// local), and `work` holds the inner service's future.
+pin_project_lite::pin_project! {
+    /// `work` and the lease's keeper, polled in that order; the work goes
+    /// on once the keeper has ended.
+    struct Renewing<W, K> {
+        #[pin]
+        work: W,
+        #[pin]
+        keeper: Fuse<K>,
+    }
+}
+
+impl<W: Future, K: Future<Output = ()>> Future for Renewing<W, K> {
+    type Output = W::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<W::Output> {
+        let this = self.project();
+        if let Poll::Ready(output) = this.work.poll(cx) {
+            return Poll::Ready(output);
+        }
+        // An ended keeper (the lease is lost) is not polled again; the
+        // work's own waker is registered above.
+        let _ = this.keeper.poll(cx);
+        Poll::Pending
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// `work` and the lease's keeper, polled in that order; `None` as soon
+    /// as the keeper ends (the lease is lost).
+    struct WhileHeld<W, K> {
+        #[pin]
+        work: W,
+        #[pin]
+        keeper: K,
+    }
+}
+
+impl<W: Future, K: Future<Output = ()>> Future for WhileHeld<W, K> {
+    type Output = Option<W::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(output) = this.work.poll(cx) {
+            return Poll::Ready(Some(output));
+        }
+        match this.keeper.poll(cx) {
+            Poll::Ready(()) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 

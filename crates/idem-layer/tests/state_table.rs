@@ -517,7 +517,11 @@ async fn long_handler_keeps_its_lease() {
     wait_calls(&probe, 1).await;
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let busy = send(&svc, keyed("/slow", "k")).await;
+        // Bounded: a duplicate that took the lease over would run the
+        // handler, which waits for the gate.
+        let busy = tokio::time::timeout(Duration::from_secs(10), send(&svc, keyed("/slow", "k")))
+            .await
+            .expect("the duplicate is answered, not run");
         assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
     }
     probe.open_gate(1);
