@@ -357,3 +357,82 @@ async fn the_gateway_runs_on_postgres() {
         "{error}"
     );
 }
+
+/// A reservation whose caller gave up before its answer (here the store
+/// timeout, behind a table lock) is freed once the statement has run,
+/// on the connection it went out on: the retry runs at once instead of
+/// meeting `409` for a whole lease, and the handler runs once for the key.
+#[tokio::test]
+async fn a_given_up_reservation_is_freed_once_it_lands() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    // One connection: the reservation below goes out on the connection
+    // whose statement cache already holds it, so its insert waits for the
+    // lock at execution (a first, unprepared one would wait in its parse,
+    // and never run once given up).
+    let store = PgStore::builder()
+        .url(url.clone())
+        .max_connections(1)
+        .build()
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(TenantFromHeader::from_static("x-tenant-id"))
+        .store_timeout(Duration::from_millis(300))
+        .lease(Duration::from_secs(60));
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("{{\"order\":{n}}}")) }
+            }),
+        )
+        .layer(layer);
+    let warm = call(&router, Some("warm-up"), &[]).await;
+    assert_eq!(warm.status, StatusCode::CREATED);
+    // Another session holds the table: the reservation's insert waits.
+    let mut locker = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .expect("locker");
+    sqlx::query("BEGIN")
+        .execute(&mut locker)
+        .await
+        .expect("begin");
+    sqlx::query("LOCK TABLE idem_records IN EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .expect("lock");
+    let refused = call(&router, Some("given-up"), &[]).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    // The lock goes; the waiting insert lands and takes the key for an
+    // attempt nobody runs.
+    sqlx::query("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("rollback");
+    let retry = idem_core::conformance::poll_until(
+        Duration::from_secs(10),
+        async || call(&router, Some("given-up"), &[]).await,
+        // 503 while the one connection frees the key.
+        |reply| {
+            !matches!(
+                reply.status,
+                StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE
+            )
+        },
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.code());
+    assert!(!retry.headers.contains_key("idempotent-replayed"));
+    assert_eq!(retry.body, "{\"order\":2}");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+}

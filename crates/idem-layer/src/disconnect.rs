@@ -29,6 +29,15 @@ pub(crate) fn attempt_started() {
 /// A request on its way through the layer, boxed once.
 type Request<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
+/// An enclosing response future's mark, put back when dropped.
+struct Enclosing(bool);
+
+impl Drop for Enclosing {
+    fn drop(&mut self) {
+        ATTEMPT_STARTED.with(|started| started.set(self.0));
+    }
+}
+
 /// The future of [`Idempotency`](crate::Idempotency)'s responses.
 ///
 /// It owns the request's one allocation. Dropped before it finished (the
@@ -92,11 +101,14 @@ impl<T: 'static, E: 'static> Future for ResponseFuture<T, E> {
         // The flag of an enclosing response future (a layer in front of
         // this one, polling it from its own attempt) is kept aside and put
         // back, so each sees only its own request's attempt.
-        let enclosing = ATTEMPT_STARTED.with(|started| started.replace(false));
+        // Put back even if the request panics (an enclosing layer catches
+        // its handler's panics and goes on).
+        let enclosing = Enclosing(ATTEMPT_STARTED.with(|started| started.replace(false)));
         let poll = request.as_mut().poll(cx);
-        if ATTEMPT_STARTED.with(|started| started.replace(enclosing)) {
+        if ATTEMPT_STARTED.with(Cell::get) {
             this.started = true;
         }
+        drop(enclosing);
         if poll.is_ready() {
             this.request = None;
         }

@@ -25,6 +25,13 @@
 //! * Takeovers, releases, cancellations and fenced writes run the shared
 //!   state machine ([`idem_core::machine`]) in a short transaction around
 //!   `SELECT … FOR UPDATE` of the one row.
+//! * A reservation runs on one connection it holds. Given up before its
+//!   answer (the layer's store timeout, or the client went away), it
+//!   leaves the connection to a task that, once the statement has run (a
+//!   connection's statements run in order), releases the record if this
+//!   reservation's owner token still holds it: a reservation held up behind
+//!   a lock or a slow server never leaves an owner that nobody runs for a
+//!   whole lease.
 //! * PostgreSQL has no TTL: a background sweep deletes expired records in
 //!   bounded batches (every minute by default, [`PgStoreBuilder::sweep_every`]),
 //!   never one whose attempt still holds a live lease; [`PgStore::sweep`]
@@ -48,7 +55,8 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use idem_core::{
     Cancellation, Completion, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
-    Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
+    RecordState, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
+    machine,
 };
 use sqlx::{
     PgPool, Row,
@@ -183,6 +191,69 @@ fn valid_table(name: &str) -> bool {
         .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
         && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
         && name.len() <= 50
+}
+
+/// Frees a reservation whose caller gave up before its answer (the call
+/// timed out, or the client went away): on drop, while it still holds the
+/// connection the reservation's statements went out on, it releases the
+/// record if this reservation's owner token still holds it, on that same
+/// connection, which runs it after them (a connection's statements run in
+/// order; an unfinished transaction is rolled back first). So a reservation
+/// held up behind a lock or a slow server never leaves an owner that nobody
+/// runs for a whole lease. Bounded by the lease, after which a takeover
+/// frees the key anyway.
+struct GivenUp {
+    store: PgStore,
+    conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
+    scope: ScopeHash,
+    attempt: idem_core::AttemptId,
+    token: OwnerToken,
+    within: Duration,
+}
+
+impl Drop for GivenUp {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, scope, attempt, token) =
+            (self.store.clone(), self.scope, self.attempt, self.token);
+        let within = self.within;
+        runtime.spawn(async move {
+            let free = store.locked_on(&mut conn, &scope, |slot, now_ms| {
+                let Some(record) = slot.as_ref() else {
+                    return false;
+                };
+                let ours = record.state == RecordState::Processing
+                    && record.owner == Some(token)
+                    && record.attempts.last().is_some_and(|a| a.id == attempt);
+                if !ours {
+                    return false;
+                }
+                let lease = Lease {
+                    scope,
+                    attempt,
+                    generation: record.generation,
+                    token,
+                    ttl: Duration::ZERO,
+                };
+                matches!(machine::release(slot, &lease, now_ms), Release::Released)
+            });
+            match tokio::time::timeout(within, free).await {
+                Ok(Ok(Ok(true))) => tracing::info!("a given-up reservation was freed"),
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "a given-up reservation could not be freed; its lease will lapse");
+                }
+                Err(_) => {
+                    tracing::warn!("a given-up reservation could not be freed in time; its lease will lapse");
+                }
+            }
+        });
+    }
 }
 
 /// Aborts the sweep task when the store's last handle is dropped.
@@ -493,6 +564,68 @@ impl PgStore {
             .bind(body)
     }
 
+    /// A reservation's statements, on the connection its guard holds.
+    async fn reserve_on(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        request: &ReserveRequest,
+        attempt: idem_core::AttemptId,
+        token: OwnerToken,
+    ) -> Result<Reservation, StoreError> {
+        let scope = *request.scope.hash();
+        let lease_ms = row::ms(u64::try_from(request.lease.as_millis()).unwrap_or(u64::MAX));
+        let retention_ms =
+            row::ms(u64::try_from(request.retention.as_millis()).unwrap_or(u64::MAX));
+        for _ in 0..RESERVE_TRIES {
+            let found = sqlx::query(&self.inner.sql.reserve)
+                .bind(scope.as_bytes().to_vec())
+                .bind(request.scope.tenant())
+                .bind(request.scope.operation())
+                .bind(request.scope.key().as_str())
+                .bind(request.fingerprint.as_bytes().to_vec())
+                .bind(token.0)
+                .bind(lease_ms)
+                .bind(retention_ms)
+                .bind(attempt.0)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(failed)?;
+            let inserted: i64 = found.try_get("inserted").map_err(failed)?;
+            if inserted == 1 {
+                return Ok(Reservation::Acquired(Lease {
+                    scope,
+                    attempt,
+                    generation: 1,
+                    token,
+                    ttl: request.lease,
+                }));
+            }
+            let existing: Option<Vec<u8>> = found.try_get("scope").map_err(failed)?;
+            if existing.is_some() {
+                // Answers that change nothing (a replay, a conflict, a live
+                // lease, a cancellation) come from the row just read.
+                let now: i64 = found.try_get("now_ms").map_err(failed)?;
+                let mut slot = Some(row::decode(&found)?);
+                let now_ms = u64::try_from(now).unwrap_or(0);
+                match machine::reserve(&mut slot, request, now_ms, attempt, token) {
+                    Reservation::Acquired(_) | Reservation::TakenOver { .. } => {}
+                    unchanged => return Ok(unchanged),
+                }
+            }
+            let locked = self
+                .locked_on(conn, &scope, |slot, now_ms| {
+                    machine::reserve(slot, request, now_ms, attempt, token)
+                })
+                .await?;
+            if let Ok(reservation) = locked {
+                return Ok(reservation);
+            }
+        }
+        Err(StoreError::unavailable(
+            "the record kept vanishing between reading and locking it",
+        ))
+    }
+
     /// Runs one transition of the state machine on the locked row of
     /// `scope` and writes the record back if it changed; `Err(apply)`,
     /// untouched, when there is no row (a reservation then tries its insert
@@ -501,7 +634,21 @@ impl PgStore {
     where
         F: FnOnce(&mut Option<Record>, u64) -> T,
     {
-        let mut tx = self.inner.pool.begin().await.map_err(failed)?;
+        let mut conn = self.inner.pool.acquire().await.map_err(failed)?;
+        self.locked_on(&mut conn, scope, apply).await
+    }
+
+    /// [`locked`](Self::locked) on a connection the caller holds.
+    async fn locked_on<T, F>(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        scope: &ScopeHash,
+        apply: F,
+    ) -> Result<Result<T, F>, StoreError>
+    where
+        F: FnOnce(&mut Option<Record>, u64) -> T,
+    {
+        let mut tx = sqlx::Connection::begin(conn).await.map_err(failed)?;
         let found = sqlx::query(&self.inner.sql.lock)
             .bind(scope.as_bytes().to_vec())
             .fetch_optional(&mut *tx)
@@ -576,58 +723,23 @@ impl Store for PgStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let attempt = idem_core::AttemptId::new();
         let token = OwnerToken::new();
-        let scope = *request.scope.hash();
-        let lease_ms = row::ms(u64::try_from(request.lease.as_millis()).unwrap_or(u64::MAX));
-        let retention_ms =
-            row::ms(u64::try_from(request.retention.as_millis()).unwrap_or(u64::MAX));
-        for _ in 0..RESERVE_TRIES {
-            let found = sqlx::query(&self.inner.sql.reserve)
-                .bind(scope.as_bytes().to_vec())
-                .bind(request.scope.tenant())
-                .bind(request.scope.operation())
-                .bind(request.scope.key().as_str())
-                .bind(request.fingerprint.as_bytes().to_vec())
-                .bind(token.0)
-                .bind(lease_ms)
-                .bind(retention_ms)
-                .bind(attempt.0)
-                .fetch_one(&self.inner.pool)
-                .await
-                .map_err(failed)?;
-            let inserted: i64 = found.try_get("inserted").map_err(failed)?;
-            if inserted == 1 {
-                return Ok(Reservation::Acquired(Lease {
-                    scope,
-                    attempt,
-                    generation: 1,
-                    token,
-                    ttl: request.lease,
-                }));
-            }
-            let existing: Option<Vec<u8>> = found.try_get("scope").map_err(failed)?;
-            if existing.is_some() {
-                // Answers that change nothing (a replay, a conflict, a live
-                // lease, a cancellation) come from the row just read.
-                let now: i64 = found.try_get("now_ms").map_err(failed)?;
-                let mut slot = Some(row::decode(&found)?);
-                let now_ms = u64::try_from(now).unwrap_or(0);
-                match machine::reserve(&mut slot, request, now_ms, attempt, token) {
-                    Reservation::Acquired(_) | Reservation::TakenOver { .. } => {}
-                    unchanged => return Ok(unchanged),
-                }
-            }
-            let locked = self
-                .locked(&scope, |slot, now_ms| {
-                    machine::reserve(slot, request, now_ms, attempt, token)
-                })
-                .await?;
-            if let Ok(reservation) = locked {
-                return Ok(reservation);
-            }
-        }
-        Err(StoreError::unavailable(
-            "the record kept vanishing between reading and locking it",
-        ))
+        let conn = self.inner.pool.acquire().await.map_err(failed)?;
+        // From here a statement may reach the server: given up (dropped)
+        // before its answer, the guard frees what it may have reserved.
+        let mut guard = GivenUp {
+            store: self.clone(),
+            conn: Some(conn),
+            scope: *request.scope.hash(),
+            attempt,
+            token,
+            within: request.lease,
+        };
+        let Some(conn) = guard.conn.as_mut() else {
+            return Err(StoreError::unavailable("no connection"));
+        };
+        let answer = self.reserve_on(conn, request, attempt, token).await;
+        guard.conn = None;
+        answer
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
