@@ -305,13 +305,26 @@ pub fn service(
 #[allow(unused_imports)] // not every test file waits
 pub use idem_core::conformance::{poll_until, wait_until};
 
-/// Waits until the handler has started `n` times.
+/// Waits until the handler has started `n` times; fails after 10 s (of
+/// the runtime's clock: at once, with time paused, when nothing else can
+/// happen), so a regression fails the test instead of hanging it.
 pub async fn wait_calls(probe: &Probe, n: usize) {
-    loop {
-        let entered = probe.entered.notified();
-        if probe.calls() >= n {
-            return;
+    let started = async {
+        loop {
+            let entered = probe.entered.notified();
+            if probe.calls() >= n {
+                return;
+            }
+            entered.await;
         }
-        entered.await;
+    };
+    if tokio::time::timeout(std::time::Duration::from_secs(10), started)
+        .await
+        .is_err()
+    {
+        panic!(
+            "the handler started {} times, not {n}, within 10 s",
+            probe.calls()
+        );
     }
 }
