@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use http::{Request, Response, header, request::Parts};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -296,19 +296,45 @@ where
     }
     // A body that has already arrived (the usual small one) is collected
     // without a timer.
-    let collect = std::pin::pin!(Limited::new(body, limit).collect());
+    let collect = std::pin::pin!(collect(Limited::new(body, limit)));
     let Ok(collected) = within(Some(timeout), collect).await else {
         let detail = format!("the request body did not arrive within {timeout:?}");
         return Err(problem(ProblemCode::BodyTimeout, &detail, None));
     };
     match collected {
-        Ok(collected) => Ok(collected.to_bytes()),
+        Ok(collected) => Ok(collected),
         Err(error) if error.is::<LengthLimitError>() => Err(too_large()),
         Err(error) => {
             let detail = format!("the request body could not be read: {error}");
             Err(problem(ProblemCode::BodyInvalid, &detail, None))
         }
     }
+}
+
+/// A body's bytes, its trailers dropped: a body of one data frame (the
+/// usual small one) is taken as it is, without a copy; more are joined.
+async fn collect<B: Body>(body: B) -> Result<Bytes, B::Error> {
+    let mut body = std::pin::pin!(body);
+    let mut first = Bytes::new();
+    let mut joined: Option<BytesMut> = None;
+    while let Some(frame) = body.as_mut().frame().await {
+        let Ok(mut data) = frame?.into_data() else {
+            continue;
+        };
+        let chunk = data.copy_to_bytes(data.remaining());
+        match &mut joined {
+            Some(joined) => joined.extend_from_slice(&chunk),
+            None if first.is_empty() => first = chunk,
+            None if chunk.is_empty() => {}
+            None => {
+                let mut both = BytesMut::with_capacity(first.len() + chunk.len());
+                both.extend_from_slice(&first);
+                both.extend_from_slice(&chunk);
+                joined = Some(both);
+            }
+        }
+    }
+    Ok(joined.map_or(first, BytesMut::freeze))
 }
 
 /// A keyed request on its way through the state machine.
@@ -465,5 +491,55 @@ where
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use bytes::Bytes;
+    use http::HeaderMap;
+    use http_body::Frame;
+    use http_body_util::{StreamBody, combinators::BoxBody};
+
+    use super::collect;
+
+    fn body(frames: Vec<Frame<Bytes>>) -> BoxBody<Bytes, Infallible> {
+        let stream = futures_util::stream::iter(frames.into_iter().map(Ok::<_, Infallible>));
+        BoxBody::new(StreamBody::new(stream))
+    }
+
+    fn data(text: &'static str) -> Frame<Bytes> {
+        Frame::data(Bytes::from_static(text.as_bytes()))
+    }
+
+    /// Every way the bytes may come in frames gives the same body:
+    /// one frame (taken as it is), several, empty ones anywhere, trailers.
+    #[tokio::test]
+    async fn frames_join_into_the_body() {
+        let cases: Vec<(Vec<Frame<Bytes>>, &str)> = vec![
+            (vec![], ""),
+            (vec![data("")], ""),
+            (vec![data("abc")], "abc"),
+            (vec![data(""), data("abc"), data("")], "abc"),
+            (vec![data("ab"), data("c")], "abc"),
+            (vec![data("a"), data(""), data("b"), data("c")], "abc"),
+            (
+                vec![data("ab"), Frame::trailers(HeaderMap::new()), data("c")],
+                "abc",
+            ),
+        ];
+        for (frames, want) in cases {
+            let described = format!("{frames:?}");
+            let got = collect(body(frames)).await.expect("infallible");
+            assert_eq!(got, want, "{described}");
+        }
+        // One frame is the frame's own bytes, not a copy.
+        let one = Bytes::from_static(b"payload");
+        let got = collect(body(vec![Frame::data(one.clone())]))
+            .await
+            .expect("infallible");
+        assert_eq!(got.as_ptr(), one.as_ptr());
     }
 }

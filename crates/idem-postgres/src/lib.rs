@@ -738,7 +738,11 @@ impl Store for PgStore {
             return Err(StoreError::unavailable("no connection"));
         };
         let answer = self.reserve_on(conn, request, attempt, token).await;
-        guard.conn = None;
+        // Answered: the caller owns what it reserved. An error leaves the
+        // guard armed: whatever landed before it is freed.
+        if answer.is_ok() {
+            guard.conn = None;
+        }
         answer
     }
 
