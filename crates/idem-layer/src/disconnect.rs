@@ -98,11 +98,11 @@ impl<T: 'static, E: 'static> Future for ResponseFuture<T, E> {
         let Some(request) = this.request.as_mut() else {
             return Poll::Pending;
         };
-        // The flag of an enclosing response future (a layer in front of
+        // The mark of an enclosing response future (a layer in front of
         // this one, polling it from its own attempt) is kept aside and put
-        // back, so each sees only its own request's attempt.
-        // Put back even if the request panics (an enclosing layer catches
-        // its handler's panics and goes on).
+        // back, even if the request panics (the enclosing layer catches its
+        // handler's panics and goes on), so each sees only its own
+        // request's attempt.
         let enclosing = Enclosing(ATTEMPT_STARTED.with(|started| started.replace(false)));
         let poll = request.as_mut().poll(cx);
         if ATTEMPT_STARTED.with(Cell::get) {
