@@ -24,7 +24,10 @@ pub enum InFlight {
 pub enum OnDisconnect {
     /// Keep running the handler to completion, in a task of its own once
     /// the client is gone, and record its outcome, so a retry is replayed
-    /// (the default: the lost-acknowledgement case).
+    /// (the default: the lost-acknowledgement case). A request whose client
+    /// goes away before its handler started (while its body arrives, its
+    /// key is reserved, or it waits as a duplicate) is dropped: nothing of
+    /// it runs on.
     Detach,
     /// Drop the handler and release the reservation, so a retry executes
     /// again.
