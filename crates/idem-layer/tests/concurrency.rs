@@ -91,25 +91,42 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
     assert_eq!(probe.calls(), 1);
 }
 
+/// The client of a `/slow` request goes away while its handler runs; the
+/// handler is let finish and the request retried until it is no longer in
+/// progress: that retry.
+async fn retry_after_a_disconnect<S, B>(svc: &S, probe: &Probe) -> Answer
+where
+    S: tower::Service<
+            http::Request<http_body_util::Full<bytes::Bytes>>,
+            Response = http::Response<B>,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Debug + Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Error: std::fmt::Debug,
+{
+    let client = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
+    wait_calls(probe, 1).await;
+    client.abort(); // the client disconnects
+    assert!(client.await.is_err_and(|e| e.is_cancelled()));
+    probe.open_gate(1);
+    poll_until(
+        Duration::from_secs(10),
+        async || send(svc, keyed("/slow", "k")).await,
+        |answer| answer.status != StatusCode::CONFLICT,
+    )
+    .await
+}
+
 /// The lost-acknowledgement case: the client goes away mid-handler, the
 /// handler runs to completion in a task of its own, and the retry is a
 /// replay.
 #[tokio::test]
 async fn disconnect_in_detach_mode_records_the_outcome() {
     let (_store, probe, svc) = fresh();
-    let request = svc.clone().oneshot(keyed("/slow", "k"));
-    let client = tokio::spawn(request);
-    wait_calls(&probe, 1).await;
-    client.abort(); // the client disconnects
-    assert!(client.await.is_err_and(|e| e.is_cancelled()));
-    probe.open_gate(1);
-    // The handler finishes and records its outcome.
-    let retry = poll_until(
-        Duration::from_secs(10),
-        async || send(&svc, keyed("/slow", "k")).await,
-        |answer| answer.status != StatusCode::CONFLICT,
-    )
-    .await;
+    let retry = retry_after_a_disconnect(&svc, &probe).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed());
     assert_eq!(retry.body, "{\"order\":1}");
@@ -152,17 +169,7 @@ async fn stacked_layers_both_record_the_outcome_when_the_client_goes_away() {
     let probe = Probe::default();
     let back = service(&layer(&back_store), &probe);
     let front = tower::Layer::layer(&layer(&front_store), back.clone());
-    let client = tokio::spawn(front.clone().oneshot(keyed("/slow", "k")));
-    wait_calls(&probe, 1).await;
-    client.abort();
-    assert!(client.await.is_err_and(|e| e.is_cancelled()));
-    probe.open_gate(1);
-    let retry = poll_until(
-        Duration::from_secs(10),
-        async || send(&front, keyed("/slow", "k")).await,
-        |answer| answer.status != StatusCode::CONFLICT,
-    )
-    .await;
+    let retry = retry_after_a_disconnect(&front, &probe).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed(), "the front layer recorded the outcome");
     assert_eq!(retry.body, "{\"order\":1}");
