@@ -420,6 +420,38 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
     ));
 }
 
+/// A completion or a release sent again by its own lease after the first
+/// was applied (its reply was lost to a timeout, and the layer retries it)
+/// is answered as the first was, and keeps no late evidence against its
+/// own attempt.
+pub async fn a_write_whose_reply_was_lost_is_answered_again<H: Harness>(h: &H) {
+    let scope = fresh_scope("lost-reply-complete");
+    let lease = acquire(h, &scope, 1).await;
+    let outcome = response(201, b"{\"order\":1}");
+    recorded(h, &lease, &outcome).await;
+    assert_eq!(complete(h, &lease, &outcome).await, Completion::Recorded);
+    let record = get(h, scope.hash()).await.expect("record");
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.outcome, Some(outcome));
+    assert_eq!(record.attempts[0].late, None);
+
+    let scope = fresh_scope("lost-reply-release");
+    let lease = acquire(h, &scope, 1).await;
+    assert_eq!(release(h, &lease).await, Release::Released);
+    assert_eq!(release(h, &lease).await, Release::Released);
+    let record = get(h, scope.hash()).await.expect("record");
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(record.attempts[0].late, None);
+    // A newer attempt's record is not this lease's write: still fenced.
+    let second = acquire(h, &scope, 1).await;
+    assert!(matches!(
+        complete(h, &lease, &response(200, b"late")).await,
+        Completion::Fenced(_)
+    ));
+    assert_eq!(release(h, &second).await, Release::Released);
+    assert!(matches!(release(h, &lease).await, Release::Fenced(_)));
+}
+
 /// Cancel while processing: 410 afterwards, the running attempt's
 /// completion fenced and kept as late evidence.
 pub async fn cancel_processing_fences_completion<H: Harness>(h: &H) {
@@ -676,6 +708,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     superseded_writes_are_fenced(h).await;
     wrong_token_is_fenced(h).await;
     release_frees_key(h).await;
+    a_write_whose_reply_was_lost_is_answered_again(h).await;
     cancel_processing_fences_completion(h).await;
     cancel_after_completion_reports_outcome(h).await;
     cancel_absent_is_not_found(h).await;
@@ -708,6 +741,7 @@ macro_rules! conformance_tests {
             superseded_writes_are_fenced,
             wrong_token_is_fenced,
             release_frees_key,
+            a_write_whose_reply_was_lost_is_answered_again,
             cancel_processing_fences_completion,
             cancel_after_completion_reports_outcome,
             cancel_absent_is_not_found,

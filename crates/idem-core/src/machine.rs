@@ -232,6 +232,29 @@ fn owns(slot: &Option<Record>, lease: &Lease, now_ms: u64) -> bool {
     })
 }
 
+/// Whether the record already holds this lease's own write, in `state`
+/// and as its current attempt's `outcome`: the retry of a write whose
+/// reply was lost (a timeout after the store had applied it). It is
+/// answered as the write was, and keeps no late evidence against itself.
+fn already_written(
+    slot: &Option<Record>,
+    lease: &Lease,
+    state: RecordState,
+    outcome: impl Fn(&AttemptOutcome) -> bool,
+    now_ms: u64,
+) -> bool {
+    slot.as_ref().is_some_and(|r| {
+        !r.is_expired(now_ms)
+            && r.state == state
+            && r.generation == lease.generation
+            && r.attempts
+                .iter()
+                .rev()
+                .find(|a| a.generation == lease.generation)
+                .is_some_and(|a| a.id == lease.attempt && outcome(&a.outcome))
+    })
+}
+
 fn keep_evidence(slot: &mut Option<Record>, lease: &Lease, late: LateEvidence) {
     if let Some(attempt) = slot
         .as_mut()
@@ -266,6 +289,10 @@ pub fn complete(
     now_ms: u64,
 ) -> Completion {
     expire(slot, now_ms);
+    let completed = |a: &AttemptOutcome| matches!(a, AttemptOutcome::Completed { .. });
+    if already_written(slot, lease, RecordState::Completed, completed, now_ms) {
+        return Completion::Recorded;
+    }
     if !owns(slot, lease, now_ms) {
         let status = outcome.status();
         keep_evidence(
@@ -297,6 +324,10 @@ pub fn complete(
 /// evidence on the attempt.
 pub fn release(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Release {
     expire(slot, now_ms);
+    let released = |a: &AttemptOutcome| *a == AttemptOutcome::Released;
+    if already_written(slot, lease, RecordState::Released, released, now_ms) {
+        return Release::Released;
+    }
     if !owns(slot, lease, now_ms) {
         keep_evidence(slot, lease, LateEvidence::Released { at_ms: now_ms });
         return Release::Fenced(current(slot, now_ms));
