@@ -50,6 +50,9 @@ struct ModelRecord {
     fp: u8,
     generation: u64,
     owner: Option<usize>,
+    /// The lease whose completion or release made the state: its own
+    /// write sent again (a retry after a lost reply) answers as the first.
+    writer: Option<usize>,
     lease_until: u64,
     expires_at: u64,
 }
@@ -95,6 +98,7 @@ impl Model {
             fp,
             generation,
             owner: Some(lease_id),
+            writer: None,
             lease_until: now + LEASE_MS,
             expires_at: now + RETENTION_MS,
         };
@@ -127,10 +131,17 @@ impl Model {
     }
 
     fn complete(&mut self, key: u8, lease_id: usize, status: u16) -> Answer {
+        if self
+            .live(key)
+            .is_some_and(|r| matches!(r.state, State::Completed(_)) && r.writer == Some(lease_id))
+        {
+            return Answer::Recorded;
+        }
         match self.owned(key, lease_id) {
             Some(r) => {
                 r.state = State::Completed(status);
                 r.owner = None;
+                r.writer = Some(lease_id);
                 Answer::Recorded
             }
             None => Answer::Fenced,
@@ -138,10 +149,17 @@ impl Model {
     }
 
     fn release(&mut self, key: u8, lease_id: usize) -> Answer {
+        if self
+            .live(key)
+            .is_some_and(|r| r.state == State::Released && r.writer == Some(lease_id))
+        {
+            return Answer::Released;
+        }
         match self.owned(key, lease_id) {
             Some(r) => {
                 r.state = State::Released;
                 r.owner = None;
+                r.writer = Some(lease_id);
                 Answer::Released
             }
             None => Answer::Fenced,
