@@ -341,6 +341,42 @@ pub fn release(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Release
     Release::Released
 }
 
+/// Frees a reservation whose caller gave up before its answer came (the
+/// call was dropped after the store had applied it): nobody runs that
+/// attempt, so the key must not stay taken for a whole lease. Only while
+/// the record is still processing for that very attempt and owner token;
+/// anything else about the record is left alone. `true` when it was freed.
+pub fn abandon(
+    slot: &mut Option<Record>,
+    attempt: AttemptId,
+    token: OwnerToken,
+    now_ms: u64,
+) -> bool {
+    expire(slot, now_ms);
+    let Some(record) = slot.as_ref() else {
+        return false;
+    };
+    let current = record
+        .attempts
+        .iter()
+        .rev()
+        .find(|a| a.generation == record.generation);
+    if record.state != RecordState::Processing
+        || record.owner != Some(token)
+        || current.is_none_or(|a| a.id != attempt)
+    {
+        return false;
+    }
+    let lease = Lease {
+        scope: record.scope,
+        attempt,
+        generation: record.generation,
+        token,
+        ttl: Duration::ZERO,
+    };
+    matches!(release(slot, &lease, now_ms), Release::Released)
+}
+
 /// Cancels the record, atomically against completion.
 pub fn cancel(slot: &mut Option<Record>, now_ms: u64) -> Cancellation {
     expire(slot, now_ms);
@@ -379,4 +415,64 @@ pub fn force_release(slot: &mut Option<Record>, now_ms: u64) -> ForceRelease {
     record.owner = None;
     record.updated_at_ms = now_ms;
     ForceRelease::Released(record.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{abandon, complete, reserve};
+    use crate::{
+        AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, Outcome, OwnerToken, RecordState,
+        Reservation, ReserveRequest, Scope,
+    };
+
+    /// A given-up reservation is freed only while it still holds the
+    /// record as its own: not under another token or attempt, not once
+    /// completed, and only once.
+    #[test]
+    fn abandon_frees_only_its_own_running_reservation() {
+        let request = ReserveRequest {
+            scope: Scope::new(
+                "t".to_owned(),
+                "POST /orders",
+                IdempotencyKey::parse(b"k").expect("key"),
+            ),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(3600),
+        };
+        let (attempt, token) = (AttemptId::new(), OwnerToken::new());
+        let mut slot = None;
+        let Reservation::Acquired(_) = reserve(&mut slot, &request, 1_000, attempt, token) else {
+            panic!("a new key is acquired");
+        };
+        assert!(!abandon(&mut slot, attempt, OwnerToken::new(), 1_001));
+        assert!(!abandon(&mut slot, AttemptId::new(), token, 1_001));
+        assert_eq!(
+            slot.as_ref().map(|r| r.state),
+            Some(RecordState::Processing)
+        );
+        assert!(abandon(&mut slot, attempt, token, 1_002));
+        let record = slot.as_ref().expect("record kept");
+        assert_eq!(record.state, RecordState::Released);
+        assert_eq!(record.attempts[0].outcome, AttemptOutcome::Released);
+        assert!(!abandon(&mut slot, attempt, token, 1_003), "only once");
+
+        // A completed reservation is left alone.
+        let (attempt, token) = (AttemptId::new(), OwnerToken::new());
+        let mut slot = None;
+        let Reservation::Acquired(lease) = reserve(&mut slot, &request, 1_000, attempt, token)
+        else {
+            panic!("a new key is acquired");
+        };
+        let _ = complete(
+            &mut slot,
+            &lease,
+            &Outcome::NotStored { status: 201 },
+            1_001,
+        );
+        assert!(!abandon(&mut slot, attempt, token, 1_002));
+        assert_eq!(slot.as_ref().map(|r| r.state), Some(RecordState::Completed));
+    }
 }

@@ -55,8 +55,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use idem_core::{
     Cancellation, Completion, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
-    RecordState, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
-    machine,
+    Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
 };
 use sqlx::{
     PgPool, Row,
@@ -224,23 +223,7 @@ impl Drop for GivenUp {
         let within = self.within;
         runtime.spawn(async move {
             let free = store.locked_on(&mut conn, &scope, |slot, now_ms| {
-                let Some(record) = slot.as_ref() else {
-                    return false;
-                };
-                let ours = record.state == RecordState::Processing
-                    && record.owner == Some(token)
-                    && record.attempts.last().is_some_and(|a| a.id == attempt);
-                if !ours {
-                    return false;
-                }
-                let lease = Lease {
-                    scope,
-                    attempt,
-                    generation: record.generation,
-                    token,
-                    ttl: Duration::ZERO,
-                };
-                matches!(machine::release(slot, &lease, now_ms), Release::Released)
+                machine::abandon(slot, attempt, token, now_ms)
             });
             match tokio::time::timeout(within, free).await {
                 Ok(Ok(Ok(true))) => tracing::info!("a given-up reservation was freed"),
@@ -728,15 +711,13 @@ impl Store for PgStore {
         // before its answer, the guard frees what it may have reserved.
         let mut guard = GivenUp {
             store: self.clone(),
-            conn: Some(conn),
+            conn: None,
             scope: *request.scope.hash(),
             attempt,
             token,
             within: request.lease,
         };
-        let Some(conn) = guard.conn.as_mut() else {
-            return Err(StoreError::unavailable("no connection"));
-        };
+        let conn = guard.conn.insert(conn);
         let answer = self.reserve_on(conn, request, attempt, token).await;
         // Answered: the caller owns what it reserved. An error leaves the
         // guard armed: whatever landed before it is freed.
