@@ -43,3 +43,25 @@ pub use store::{
     Cancellation, Completion, Current, ForceRelease, IdentityClaim, OldestRecords, RecordQuery,
     Release, Renewal, Replay, Reservation, ReserveRequest, Store, StoreError,
 };
+
+/// What this crate's unit tests share.
+#[cfg(test)]
+mod test_support {
+    use std::time::Duration;
+
+    use crate::{Fingerprint, IdempotencyKey, ReserveRequest, Scope};
+
+    /// A reservation of `key` for tenant `t` on `POST /orders`.
+    pub(crate) fn request(key: &str) -> ReserveRequest {
+        ReserveRequest {
+            scope: Scope::new(
+                "t",
+                "POST /orders",
+                IdempotencyKey::parse(key.as_bytes()).expect("key"),
+            ),
+            fingerprint: Fingerprint::from_bytes([0; 32]),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(3600),
+        }
+    }
+}

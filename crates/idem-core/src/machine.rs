@@ -419,29 +419,15 @@ pub fn force_release(slot: &mut Option<Record>, now_ms: u64) -> ForceRelease {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::{abandon, complete, reserve};
-    use crate::{
-        AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, Outcome, OwnerToken, RecordState,
-        Reservation, ReserveRequest, Scope,
-    };
+    use crate::{AttemptId, AttemptOutcome, Outcome, OwnerToken, RecordState, Reservation};
 
     /// A given-up reservation is freed only while it still holds the
     /// record as its own: not under another token or attempt, not once
     /// completed, and only once.
     #[test]
     fn abandon_frees_only_its_own_running_reservation() {
-        let request = ReserveRequest {
-            scope: Scope::new(
-                "t".to_owned(),
-                "POST /orders",
-                IdempotencyKey::parse(b"k").expect("key"),
-            ),
-            fingerprint: Fingerprint::from_bytes([1; 32]),
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(3600),
-        };
+        let request = crate::test_support::request("k");
         let (attempt, token) = (AttemptId::new(), OwnerToken::new());
         let mut slot = None;
         let Reservation::Acquired(_) = reserve(&mut slot, &request, 1_000, attempt, token) else {

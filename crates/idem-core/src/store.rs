@@ -516,19 +516,10 @@ pub enum IdentityClaim {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{AttemptId, IdempotencyKey, OwnerToken, machine};
+    use crate::{AttemptId, OwnerToken, machine};
 
     fn record(created_at_ms: u64, key: &str) -> Record {
-        let request = ReserveRequest {
-            scope: Scope::new(
-                "t",
-                "POST /orders",
-                IdempotencyKey::parse(key.as_bytes()).expect("key"),
-            ),
-            fingerprint: Fingerprint::from_bytes([0; 32]),
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(3600),
-        };
+        let request = crate::test_support::request(key);
         let mut slot = None;
         let _ = machine::reserve(
             &mut slot,

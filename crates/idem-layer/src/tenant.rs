@@ -427,30 +427,29 @@ mod tests {
     /// way; a value of only spaces is no tenant.
     #[test]
     fn authorization_tenants_are_pinned() {
-        let tenant = tenant_of;
         let plain = Hashing::Plain;
         let bearer = "auth:46e38e9ce4c432c3ca84636e27ba624263cfe0e4ad78886dcbad9942a0f3f36a";
         for spelling in ["Bearer abc", "  BEARER \t abc ", "bearer abc"] {
             assert_eq!(
-                tenant(spelling, &plain).as_deref(),
+                tenant_of(spelling, &plain).as_deref(),
                 Some(bearer),
                 "{spelling:?}"
             );
         }
         assert_eq!(
-            tenant("Basic", &plain).as_deref(),
+            tenant_of("Basic", &plain).as_deref(),
             Some("auth:fbb7b5bf4ca348eeeebf8cc3660712859a5a1fbf18e83217a57ce203fb51d5c2")
         );
         let long = "XXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX t";
         assert_eq!(
-            tenant(long, &plain).as_deref(),
+            tenant_of(long, &plain).as_deref(),
             Some("auth:c3137ac7d0bd33df55becb487e2e4c297917bfb9a777632ad0a49bd1e92f895d")
         );
         assert_eq!(
-            tenant("Bearer abc", &Hashing::keyed(&[b'k'; 20])).as_deref(),
+            tenant_of("Bearer abc", &Hashing::keyed(&[b'k'; 20])).as_deref(),
             Some("auth:2cf1e69c4f0007c12d01c8a518e68eb92faa044a522bb8d957671c0f0f493815")
         );
-        assert_eq!(tenant("   ", &plain), None);
+        assert_eq!(tenant_of("   ", &plain), None);
     }
 
     proptest::proptest! {
@@ -464,7 +463,6 @@ mod tests {
             other in "[!-~]{1,24}",
             (lead, mid, trail) in ("[ \t]{0,3}", "[ \t]{1,3}", "[ \t]{0,3}"),
         ) {
-            let tenant = tenant_of;
             let canonical = format!("{} {credential}", scheme.to_ascii_lowercase());
             let spelled = format!("{lead}{}{mid}{credential}{trail}", scheme.to_ascii_uppercase());
             for hashing in [
@@ -472,12 +470,12 @@ mod tests {
                 Hashing::keyed(b"a secret"),
                 Hashing::keyed_as(TenantHash::Blake3, b"a secret"),
             ] {
-                let expected = tenant(&canonical, &hashing);
+                let expected = tenant_of(&canonical, &hashing);
                 proptest::prop_assert!(expected.is_some());
-                proptest::prop_assert_eq!(tenant(&spelled, &hashing), expected.clone());
+                proptest::prop_assert_eq!(tenant_of(&spelled, &hashing), expected.clone());
                 if other != credential {
                     let another = format!("{scheme} {other}");
-                    proptest::prop_assert_ne!(tenant(&another, &hashing), expected);
+                    proptest::prop_assert_ne!(tenant_of(&another, &hashing), expected);
                 }
             }
         }

@@ -228,18 +228,27 @@ fn key(k: &str) -> idem_core::IdempotencyKey {
 /// one execution, and the handler sees the normalized path.
 #[tokio::test]
 async fn path_aliases_are_one_operation() {
+    let aliases = ["/./orders", "/x/../orders", "/orders", "/%6Frders"];
+    let first = aliases_replay("//orders", "alias-1", &aliases).await;
+    assert_eq!(first.status, StatusCode::CREATED, "reached /orders");
+}
+
+/// Sends an order to `path`, then the same order with the same key to
+/// each alias: every alias replays the first answer (status and bytes),
+/// and the handler runs once. The first answer.
+async fn aliases_replay(path: &str, key: &str, aliases: &[&str]) -> Answer {
     let store = MemoryStore::new();
     let probe = Probe::default();
     let service = service(&layer(&store), &probe);
-    let first = send(&service, order_to("//orders", "alias-1")).await;
-    assert_eq!(first.status, StatusCode::CREATED, "reached /orders");
-    for alias in ["/./orders", "/x/../orders", "/orders", "/%6Frders"] {
-        let retry = send(&service, order_to(alias, "alias-1")).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{alias}");
-        assert!(retry.replayed(), "{alias} is replayed");
-        assert_eq!(retry.body, first.body);
+    let first = send(&service, order_to(path, key)).await;
+    for alias in aliases {
+        let retry = send(&service, order_to(alias, key)).await;
+        assert!(retry.replayed(), "{alias} is replayed: {}", retry.status);
+        assert_eq!(retry.status, first.status, "{alias}");
+        assert_eq!(retry.body, first.body, "{alias}");
     }
     assert_eq!(probe.calls(), 1);
+    first
 }
 
 /// The path the handler is handed is an alias of the request's own: a
@@ -249,16 +258,8 @@ async fn path_aliases_are_one_operation() {
 /// again to `/x/%A6`, another scope).
 #[tokio::test]
 async fn the_normalized_path_is_an_alias_of_the_request() {
-    let store = MemoryStore::new();
-    let probe = Probe::default();
-    let service = service(&layer(&store), &probe);
-    let first = send(&service, order_to("/x/%%616", "pct-1")).await;
-    for alias in ["/x/%25a6", "/x/%25%61%36", "//x/./%%616"] {
-        let retry = send(&service, order_to(alias, "pct-1")).await;
-        assert!(retry.replayed(), "{alias}: {}", retry.status);
-        assert_eq!(retry.body, first.body);
-    }
-    assert_eq!(probe.calls(), 1);
+    let aliases = ["/x/%25a6", "/x/%25%61%36", "//x/./%%616"];
+    aliases_replay("/x/%%616", "pct-1", &aliases).await;
 }
 
 /// `post` where `POST` is protected is refused, never passed through
