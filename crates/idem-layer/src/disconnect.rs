@@ -14,27 +14,28 @@ use crate::runtime::Runtime;
 
 thread_local! {
     /// Set by [`attempt_started`] during a poll of a [`ResponseFuture`]'s
-    /// request: the attempt (the inner service's run) begins in this poll.
-    static ATTEMPT_STARTED: Cell<bool> = const { Cell::new(false) };
+    /// request: the attempt (the inner service's run) begins in this poll,
+    /// and this is where the rest of the request goes if it is dropped.
+    static ATTEMPT_STARTED: Cell<Option<TaskTracker>> = const { Cell::new(None) };
 }
 
 /// Marks, from inside the request a [`ResponseFuture`] is polling, that the
 /// attempt begins (on-disconnect `Detach`): from here on, dropping the
-/// response future unfinished moves the rest of the request to a task, so
-/// the attempt runs to completion and its outcome is recorded.
-pub(crate) fn attempt_started() {
-    ATTEMPT_STARTED.with(|started| started.set(true));
+/// response future unfinished moves the rest of the request to a task of
+/// `tasks`, so the attempt runs to completion and its outcome is recorded.
+pub(crate) fn attempt_started(tasks: &TaskTracker) {
+    ATTEMPT_STARTED.with(|started| started.set(Some(tasks.clone())));
 }
 
 /// A request on its way through the layer, boxed once.
 type Request<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
 /// An enclosing response future's mark, put back when dropped.
-struct Enclosing(bool);
+struct Enclosing(Option<TaskTracker>);
 
 impl Drop for Enclosing {
     fn drop(&mut self) {
-        ATTEMPT_STARTED.with(|started| started.set(self.0));
+        ATTEMPT_STARTED.with(|started| started.set(self.0.take()));
     }
 }
 
@@ -50,33 +51,16 @@ impl Drop for Enclosing {
 /// started. A request that runs to completion costs no task.
 pub struct ResponseFuture<T: 'static, E: 'static> {
     request: Option<Request<T, E>>,
-    /// Where the rest of a started attempt goes when dropped unfinished;
-    /// `None` for requests that never start one here (pass-through,
-    /// refusals).
-    tasks: Option<TaskTracker>,
-    /// The attempt has begun.
-    started: bool,
+    /// Once the attempt has begun: where the rest of the request goes if
+    /// dropped unfinished.
+    started: Option<TaskTracker>,
 }
 
 impl<T: 'static, E: 'static> ResponseFuture<T, E> {
-    /// A request that may start an attempt.
-    pub(crate) fn keyed(
-        request: impl Future<Output = Result<T, E>> + Send + 'static,
-        tasks: TaskTracker,
-    ) -> Self {
+    pub(crate) fn new(request: impl Future<Output = Result<T, E>> + Send + 'static) -> Self {
         Self {
             request: Some(Box::pin(request)),
-            tasks: Some(tasks),
-            started: false,
-        }
-    }
-
-    /// A request that never starts an attempt: dropped, it is dropped.
-    pub(crate) fn plain(request: impl Future<Output = Result<T, E>> + Send + 'static) -> Self {
-        Self {
-            request: Some(Box::pin(request)),
-            tasks: None,
-            started: false,
+            started: None,
         }
     }
 }
@@ -85,7 +69,7 @@ impl<T: 'static, E: 'static> std::fmt::Debug for ResponseFuture<T, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture")
             .field("finished", &self.request.is_none())
-            .field("attempt_started", &self.started)
+            .field("attempt_started", &self.started.is_some())
             .finish()
     }
 }
@@ -103,10 +87,10 @@ impl<T: 'static, E: 'static> Future for ResponseFuture<T, E> {
         // back, even if the request panics (the enclosing layer catches its
         // handler's panics and goes on), so each sees only its own
         // request's attempt.
-        let enclosing = Enclosing(ATTEMPT_STARTED.with(|started| started.replace(false)));
+        let enclosing = Enclosing(ATTEMPT_STARTED.with(Cell::take));
         let poll = request.as_mut().poll(cx);
-        if ATTEMPT_STARTED.with(Cell::get) {
-            this.started = true;
+        if let Some(tasks) = ATTEMPT_STARTED.with(Cell::take) {
+            this.started = Some(tasks);
         }
         drop(enclosing);
         if poll.is_ready() {
@@ -118,10 +102,7 @@ impl<T: 'static, E: 'static> Future for ResponseFuture<T, E> {
 
 impl<T: 'static, E: 'static> Drop for ResponseFuture<T, E> {
     fn drop(&mut self) {
-        if !self.started {
-            return;
-        }
-        let (Some(request), Some(tasks)) = (self.request.take(), self.tasks.take()) else {
+        let (Some(request), Some(tasks)) = (self.request.take(), self.started.take()) else {
             return;
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {

@@ -75,7 +75,7 @@ impl<I, S> Idempotency<I, S> {
     {
         m::count(Counted::Rejected);
         let refusal = self.rt.config.shape(problem(code, detail, None));
-        ResponseFuture::plain(async move { Ok(refusal) })
+        ResponseFuture::new(async move { Ok(refusal) })
     }
 
     pub(crate) fn new(inner: I, rt: Runtime<S>, misconfigured: bool) -> Self {
@@ -127,22 +127,19 @@ where
                 return self.refuse(ProblemCode::MethodCaseMismatch, &detail);
             }
             let future = inner.call(request);
-            return ResponseFuture::plain(
-                async move { Ok(future.await?.map(ResponseBody::inner)) },
-            );
+            return ResponseFuture::new(async move { Ok(future.await?.map(ResponseBody::inner)) });
         }
         if self.misconfigured {
             let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
             return self.refuse(ProblemCode::Misconfigured, detail);
         }
         let rt = self.rt.clone();
-        let tasks = rt.tasks.clone();
         if rt.config.shapes_problems() {
             let config = Arc::clone(&rt.config);
             let shaped = async move { Ok(config.shape(handle(rt, inner, request).await?)) };
-            return ResponseFuture::keyed(shaped, tasks);
+            return ResponseFuture::new(shaped);
         }
-        ResponseFuture::keyed(handle(rt, inner, request), tasks)
+        ResponseFuture::new(handle(rt, inner, request))
     }
 }
 
@@ -475,7 +472,7 @@ where
                     // client goes away, the response future moves the rest
                     // of the request to a task of its own and the outcome is
                     // still recorded.
-                    attempt_started();
+                    attempt_started(&rt.tasks);
                     attempt(rt, inner, request, reserve, lease).await
                 }
                 OnDisconnect::Release => {
