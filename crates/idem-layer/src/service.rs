@@ -264,7 +264,12 @@ where
             reserve,
             request_body: std::marker::PhantomData,
         };
-        keyed.run().instrument(span).await
+        // A span no subscriber records is not entered on every poll.
+        if span.is_disabled() {
+            keyed.run().await
+        } else {
+            keyed.run().instrument(span).await
+        }
     }
 }
 

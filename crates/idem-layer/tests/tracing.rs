@@ -1,11 +1,16 @@
-//! Tracing spans carry the scope hash, never the raw key.
+//! Tracing spans carry the scope hash, never the raw key, and what the
+//! handler logs is inside the request's span.
 
 mod common;
 
 use std::sync::{Arc, Mutex};
 
+use bytes::Bytes;
 use common::*;
+use http::Request;
+use http_body_util::Full;
 use idem_core::Scope;
+use idem_memory::MemoryStore;
 use tracing_subscriber::fmt::{MakeWriter, format::FmtSpan};
 
 #[derive(Clone, Default)]
@@ -41,7 +46,13 @@ async fn spans_name_the_scope_hash_not_the_key() {
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
-    let (_store, _probe, svc) = fresh();
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let logging = tower::ServiceExt::map_request(inner(&probe), |request: Request<Full<Bytes>>| {
+        tracing::info!("the handler runs");
+        request
+    });
+    let svc = tower::Layer::layer(&layer(&store), logging);
     let secret = "card-4242-4242-secret-key";
     send(&svc, order(secret, "{}")).await;
     send(&svc, order(secret, "{}")).await;
@@ -53,6 +64,16 @@ async fn spans_name_the_scope_hash_not_the_key() {
     assert!(
         output.contains(&hash),
         "the spans name the scope hash:\n{output}"
+    );
+    let in_span = format!("idempotency{{scope={hash} operation=\"POST /orders\"}}");
+    let handler_lines: Vec<&str> = output
+        .lines()
+        .filter(|line| line.contains("the handler runs"))
+        .collect();
+    assert_eq!(handler_lines.len(), 1, "the handler ran once:\n{output}");
+    assert!(
+        handler_lines[0].contains(&in_span),
+        "the handler's events are inside the request's span:\n{output}"
     );
     assert!(
         !output.contains(secret),
