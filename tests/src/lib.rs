@@ -267,7 +267,7 @@ pub mod bench {
         Outcome::Stored(StoredResponse {
             status: 201,
             headers: vec![(
-                "content-type".to_owned(),
+                http::header::CONTENT_TYPE,
                 Bytes::from_static(b"application/json"),
             )],
             body: Bytes::from_static(b"{\"id\":42,\"status\":\"created\"}"),

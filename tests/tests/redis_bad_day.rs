@@ -120,7 +120,7 @@ async fn retried_hot_path_calls_answer_as_the_first_would_have() {
     assert_eq!(cutter.cuts(), 1, "the reservation's reply was cut");
     let response = idem_core::StoredResponse {
         status: 201,
-        headers: vec![("location".to_owned(), Bytes::from_static(b"/orders/7"))],
+        headers: vec![(http::header::LOCATION, Bytes::from_static(b"/orders/7"))],
         body: Bytes::from_static(b"{\"id\":7}"),
     };
     // A broken connection replaces every lane's: refill them first.

@@ -363,7 +363,10 @@ async fn a_listing_of_processing_records_reads_no_completed_response() {
         let lease = reserve(format!("done-{n}")).await;
         let outcome = Outcome::Stored(StoredResponse {
             status: 201,
-            headers: vec![("content-type".to_owned(), Bytes::from_static(b"text/plain"))],
+            headers: vec![(
+                http::header::CONTENT_TYPE,
+                Bytes::from_static(b"text/plain"),
+            )],
             body: body.clone(),
         });
         let _ = store.complete(&lease, &outcome).await.expect("complete");

@@ -94,11 +94,14 @@ pub fn response(status: u16, body: &[u8]) -> Outcome {
         status,
         headers: vec![
             (
-                "content-type".to_owned(),
+                http::header::CONTENT_TYPE,
                 Bytes::from_static(b"application/json"),
             ),
-            ("location".to_owned(), Bytes::from_static(b"/orders/1")),
-            ("x-binary".to_owned(), Bytes::from_static(b"\x80\xff")),
+            (http::header::LOCATION, Bytes::from_static(b"/orders/1")),
+            (
+                http::HeaderName::from_static("x-binary"),
+                Bytes::from_static(b"\x80\xff"),
+            ),
         ],
         body: Bytes::copy_from_slice(body),
     })

@@ -33,6 +33,8 @@ mod store;
 pub mod conformance;
 
 pub use handoff::{CompletionSlot, DeferredCompletion};
+/// The name of a stored response header ([`StoredResponse::headers`]).
+pub use http::HeaderName;
 pub use key::{IdempotencyKey, KeyError};
 pub use record::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, LateEvidence, Lease, Outcome, OwnerToken,

@@ -92,8 +92,10 @@ pub struct Lease {
 pub struct StoredResponse {
     /// The HTTP status code.
     pub status: u16,
-    /// Header fields in order, names in lower case; values are raw bytes.
-    pub headers: Vec<(String, Bytes)>,
+    /// Header fields in order; values are raw bytes. A name is an
+    /// [`http::HeaderName`] (lower case): a standard one is kept and cloned
+    /// without an allocation, and a replay needs no parse.
+    pub headers: Vec<(http::HeaderName, Bytes)>,
     /// The complete body.
     pub body: Bytes,
 }

@@ -263,7 +263,7 @@ impl<S: Store> IdempotencyLayer<S> {
         let outcome = Outcome::Stored(StoredResponse {
             status,
             headers: vec![(
-                "content-type".to_owned(),
+                http::header::CONTENT_TYPE,
                 Bytes::from_static(b"application/json"),
             )],
             body: Bytes::from(body),

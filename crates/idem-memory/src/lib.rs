@@ -179,7 +179,7 @@ fn outcome_weight(outcome: &Outcome) -> usize {
                 + response
                     .headers
                     .iter()
-                    .map(|(name, value)| HEADER_OVERHEAD + name.len() + value.len())
+                    .map(|(name, value)| HEADER_OVERHEAD + name.as_str().len() + value.len())
                     .sum::<usize>()
         }
     }

@@ -117,7 +117,10 @@ async fn a_record_does_not_pin_the_buffer_its_body_came_from() {
     let buffer = Bytes::from(vec![b'x'; 8192]);
     let outcome = Outcome::Stored(StoredResponse {
         status: 201,
-        headers: vec![("location".to_owned(), buffer.slice(100..110))],
+        headers: vec![(
+            idem_core::HeaderName::from_static("location"),
+            buffer.slice(100..110),
+        )],
         body: buffer.slice(0..66),
     });
     assert_eq!(
@@ -259,7 +262,10 @@ async fn the_byte_bound_holds_while_a_tenant_floods() {
     let big = |n: u8| {
         Outcome::Stored(StoredResponse {
             status: 201,
-            headers: vec![("content-type".to_owned(), Bytes::from_static(b"text/plain"))],
+            headers: vec![(
+                idem_core::HeaderName::from_static("content-type"),
+                Bytes::from_static(b"text/plain"),
+            )],
             body: Bytes::from(vec![n; 10_000]),
         })
     };

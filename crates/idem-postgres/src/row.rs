@@ -84,9 +84,16 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
                 let body: Vec<u8> = get::<Option<Vec<u8>>>(row, "body")?.unwrap_or_default();
                 Some(Outcome::Stored(StoredResponse {
                     status,
+                    // Only names a header map held are stored; one that does
+                    // not parse is left out of the replay, as the layer
+                    // always did.
                     headers: names
                         .into_iter()
-                        .zip(values.into_iter().map(Bytes::from))
+                        .zip(values)
+                        .filter_map(|(name, value)| {
+                            let name = idem_core::HeaderName::from_bytes(name.as_bytes()).ok()?;
+                            Some((name, Bytes::from(value)))
+                        })
                         .collect(),
                     body: Bytes::from(body),
                 }))
@@ -137,7 +144,13 @@ pub(crate) fn outcome_columns(outcome: &Outcome) -> OutcomeColumns {
         Outcome::Stored(response) => (
             i32::from(response.status),
             true,
-            Some(response.headers.iter().map(|(n, _)| n.clone()).collect()),
+            Some(
+                response
+                    .headers
+                    .iter()
+                    .map(|(n, _)| n.as_str().to_owned())
+                    .collect(),
+            ),
             Some(response.headers.iter().map(|(_, v)| v.to_vec()).collect()),
             Some(response.body.to_vec()),
         ),

@@ -6,8 +6,8 @@ use crate::corrupt;
 
 use bytes::Bytes;
 use idem_core::{
-    Attempt, AttemptId, AttemptOutcome, Current, Fingerprint, LateEvidence, Lease, Outcome,
-    OwnerToken, Record, RecordState, Replay, ScopeHash, StoreError, StoredResponse,
+    Attempt, AttemptId, AttemptOutcome, Current, Fingerprint, HeaderName, LateEvidence, Lease,
+    Outcome, OwnerToken, Record, RecordState, Replay, ScopeHash, StoreError, StoredResponse,
 };
 use redis::Value;
 
@@ -164,14 +164,14 @@ fn decode_tenant(fields: &HashMap<String, &Value>) -> Result<String, StoreError>
     Ok(tenant)
 }
 
-pub(crate) fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
+pub(crate) fn encode_headers(headers: &[(HeaderName, Bytes)]) -> Vec<u8> {
     // Sized once: growing from empty reallocates four or five times.
     let size = headers
         .iter()
-        .map(|(name, value)| 8 + name.len() + value.len());
+        .map(|(name, value)| 8 + name.as_str().len() + value.len());
     let mut out = Vec::with_capacity(size.sum());
     for (name, value) in headers {
-        for part in [name.as_bytes(), value.as_ref()] {
+        for part in [name.as_str().as_bytes(), value.as_ref()] {
             out.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
             out.extend_from_slice(part);
         }
@@ -179,7 +179,7 @@ pub(crate) fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
     out
 }
 
-pub(crate) fn decode_headers(mut raw: &[u8]) -> Result<Vec<(String, Bytes)>, StoreError> {
+pub(crate) fn decode_headers(mut raw: &[u8]) -> Result<Vec<(HeaderName, Bytes)>, StoreError> {
     pub(crate) fn take<'a>(raw: &mut &'a [u8]) -> Result<&'a [u8], StoreError> {
         let (len, rest) = raw
             .split_first_chunk::<4>()
@@ -194,10 +194,12 @@ pub(crate) fn decode_headers(mut raw: &[u8]) -> Result<Vec<(String, Bytes)>, Sto
     }
     let mut headers = Vec::new();
     while !raw.is_empty() {
-        let name =
-            String::from_utf8(take(&mut raw)?.to_vec()).map_err(|_| corrupt("header name"))?;
-        let value = Bytes::copy_from_slice(take(&mut raw)?);
-        headers.push((name, value));
+        let (name, value) = (take(&mut raw)?, take(&mut raw)?);
+        // Only names a header map held are stored; one that does not
+        // parse is left out of the replay, as the layer always did.
+        if let Ok(name) = HeaderName::from_bytes(name) {
+            headers.push((name, Bytes::copy_from_slice(value)));
+        }
     }
     Ok(headers)
 }
