@@ -718,31 +718,63 @@ impl FingerprintFormat {
         headers: &[HeaderName],
         body: &[u8],
     ) -> Fingerprint {
-        let bytes = match self {
+        let bytes = with_buffer(|head| match self {
             Self::Sha256 => {
-                let (head, tail) =
-                    request_bytes(b"idem-fingerprint-v1", operation, parts, headers, body);
+                let tail = request_bytes(
+                    head,
+                    b"idem-fingerprint-v1",
+                    operation,
+                    parts,
+                    headers,
+                    body,
+                );
                 let mut hasher = Sha256::new();
-                hasher.update(&head);
+                hasher.update(&*head);
                 hasher.update(tail);
                 hasher.finalize().into()
             }
             Self::Blake3 => {
-                let (head, tail) =
-                    request_bytes(b"idem-fingerprint-v2", operation, parts, headers, body);
+                let tail = request_bytes(
+                    head,
+                    b"idem-fingerprint-v2",
+                    operation,
+                    parts,
+                    headers,
+                    body,
+                );
                 let hash = if tail.is_empty() {
-                    blake3::hash(&head)
+                    blake3::hash(head)
                 } else {
                     let mut hasher = blake3::Hasher::new();
-                    hasher.update(&head);
+                    hasher.update(head);
                     hasher.update(tail);
                     hasher.finalize()
                 };
                 *hash.as_bytes()
             }
-        };
+        });
         Fingerprint::from_bytes(bytes)
     }
+}
+
+thread_local! {
+    /// The buffer each thread gathers a fingerprint's bytes in, kept
+    /// between requests so that a fingerprint allocates nothing.
+    static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The most a thread keeps of its buffer after a large body.
+const BUFFER_KEPT: usize = 16 * 1024;
+
+/// Calls `f` with the thread's empty buffer (a new one if it is in use).
+fn with_buffer<R>(f: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+    let mut buffer = BUFFER.take();
+    buffer.clear();
+    let result = f(&mut buffer);
+    if buffer.capacity() <= BUFFER_KEPT {
+        BUFFER.set(buffer);
+    }
+    result
 }
 
 /// Appends a length-prefixed part.
@@ -752,47 +784,48 @@ fn push_part(out: &mut Vec<u8>, part: &[u8]) {
 }
 
 /// The bytes a fingerprint hashes: `label` and the request's parts,
-/// gathered in one buffer (a JSON body's tokens too), and a raw body,
-/// which follows them (empty for JSON). A hash fed many small pieces
+/// gathered in `out` (a JSON body's tokens too), and a raw body, which
+/// follows them (returned; empty for JSON). A hash fed many small pieces
 /// spends more on the pieces than on the bytes.
 fn request_bytes<'b>(
+    out: &mut Vec<u8>,
     label: &[u8],
     operation: &str,
     parts: &Parts,
     headers: &[HeaderName],
     body: &'b [u8],
-) -> (Vec<u8>, &'b [u8]) {
+) -> &'b [u8] {
     let json = parts
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|ct| is_json(ct.as_bytes()));
-    let mut out = Vec::with_capacity(256 + if json { body.len() + 64 } else { 0 });
+    out.reserve(256 + if json { body.len() + 64 } else { 0 });
     out.extend_from_slice(label);
-    push_part(&mut out, operation.as_bytes());
-    push_part(&mut out, parts.uri.path().as_bytes());
-    push_part(&mut out, parts.uri.query().unwrap_or_default().as_bytes());
+    push_part(out, operation.as_bytes());
+    push_part(out, parts.uri.path().as_bytes());
+    push_part(out, parts.uri.query().unwrap_or_default().as_bytes());
     for name in headers {
-        push_part(&mut out, name.as_str().as_bytes());
+        push_part(out, name.as_str().as_bytes());
         let values = parts.headers.get_all(name);
         out.extend_from_slice(&(values.iter().count() as u64).to_be_bytes());
         for value in values {
-            push_part(&mut out, value.as_bytes());
+            push_part(out, value.as_bytes());
         }
     }
     if json {
         out.extend_from_slice(b"json");
         let length_at = out.len();
         out.extend_from_slice(&[0; 8]);
-        if canonical_tokens_into(&mut out, body) {
+        if canonical_tokens_into(out, body) {
             let length = (out.len() - length_at - 8) as u64;
             out[length_at..length_at + 8].copy_from_slice(&length.to_be_bytes());
-            return (out, &[]);
+            return &[];
         }
         out.truncate(length_at - 4);
     }
     out.extend_from_slice(b"raw");
     out.extend_from_slice(&(body.len() as u64).to_be_bytes());
-    (out, body)
+    body
 }
 
 /// The default fingerprint of a request in the default format
@@ -810,6 +843,40 @@ pub fn fingerprint(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A fingerprint's buffer stays with its thread for the next request,
+    /// unless a large body grew it past what a thread keeps; either way
+    /// the fingerprint is the same.
+    #[test]
+    fn the_buffer_is_kept_only_while_small() {
+        let (parts, ()) = http::Request::post("/orders")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let kept = || {
+            BUFFER.with(|cell| {
+                let buffer = cell.take();
+                let capacity = buffer.capacity();
+                cell.set(buffer);
+                capacity
+            })
+        };
+        let small = br#"{"amount":100}"#;
+        let once = FingerprintFormat::Blake3.fingerprint("POST /orders", &parts, &[], small);
+        assert!(kept() > 0, "the buffer is kept");
+        let large = format!("[{}1]", "1,".repeat(BUFFER_KEPT));
+        let _ =
+            FingerprintFormat::Blake3.fingerprint("POST /orders", &parts, &[], large.as_bytes());
+        assert_eq!(
+            kept(),
+            0,
+            "a buffer grown past {BUFFER_KEPT} bytes is dropped"
+        );
+        let again = FingerprintFormat::Blake3.fingerprint("POST /orders", &parts, &[], small);
+        assert_eq!(once, again);
+        assert!(kept() > 0);
+    }
 
     fn serde_tokens(body: &[u8]) -> Option<Vec<u8>> {
         let mut out = Vec::new();
