@@ -29,8 +29,9 @@ pub enum KeyError {
 ///
 /// Two spellings name the same key: an RFC 8941 sf-string (`"abc"`) and, for
 /// compatibility, a bare value (`abc`). See [`IdempotencyKey::parse`].
+/// Clones share the text (the handler's context holds one).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(Box<str>);
+pub struct IdempotencyKey(std::sync::Arc<str>);
 
 impl IdempotencyKey {
     /// The longest key accepted, in characters, after unquoting.
