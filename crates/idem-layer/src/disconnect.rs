@@ -58,8 +58,20 @@ pub struct ResponseFuture<T: 'static, E: 'static> {
 
 impl<T: 'static, E: 'static> ResponseFuture<T, E> {
     pub(crate) fn new(request: impl Future<Output = Result<T, E>> + Send + 'static) -> Self {
+        Self::new_with(|| request)
+    }
+
+    /// The future `make` returns, made in its box: a request's future is
+    /// several kilobytes, and one made first and boxed after is copied
+    /// into the box whole.
+    #[inline(always)]
+    pub(crate) fn new_with<F>(make: impl FnOnce() -> F) -> Self
+    where
+        F: Future<Output = Result<T, E>> + Send + 'static,
+    {
+        let request: Box<F> = Box::write(Box::new_uninit(), make());
         Self {
-            request: Some(Box::pin(request)),
+            request: Some(Box::into_pin(request)),
             started: None,
         }
     }

@@ -136,10 +136,11 @@ where
         let rt = self.rt.clone();
         if rt.config.shapes_problems() {
             let config = Arc::clone(&rt.config);
-            let shaped = async move { Ok(config.shape(handle(rt, inner, request).await?)) };
-            return ResponseFuture::new(shaped);
+            return ResponseFuture::new_with(|| async move {
+                Ok(config.shape(handle(rt, inner, request).await?))
+            });
         }
-        ResponseFuture::new(handle(rt, inner, request))
+        ResponseFuture::new_with(|| handle(rt, inner, request))
     }
 }
 
