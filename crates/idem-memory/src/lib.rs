@@ -145,7 +145,8 @@ struct Inner {
     /// The estimated bytes of every record held.
     bytes: AtomicUsize,
     tenant_quota: Option<usize>,
-    /// Live records per tenant (by a keyed hash of the tenant), sharded.
+    /// Live records per tenant (by a keyed hash of the tenant), sharded;
+    /// kept only under a tenant quota.
     tenants: Box<[Mutex<HashMap<u64, TenantCount>>]>,
     tenant_hasher: std::collections::hash_map::RandomState,
     base: tokio::time::Instant,
@@ -473,6 +474,11 @@ impl MemoryStore {
         &self.inner.shards[index & self.inner.mask]
     }
 
+    /// Whether the store keeps per-tenant counts: only for a quota.
+    fn counts_tenants(&self) -> bool {
+        self.inner.tenant_quota.is_some()
+    }
+
     fn tenant_key(&self, tenant: &str) -> u64 {
         use std::hash::BuildHasher;
         self.inner.tenant_hasher.hash_one(tenant)
@@ -486,7 +492,8 @@ impl MemoryStore {
     /// Takes a place for a new live record of `tenant`: in the capacity,
     /// within the byte bound, and in the tenant's quota, atomically
     /// against other reservations.
-    fn take_place(&self, tenant: u64, now_ms: u64) -> Result<(), Refused> {
+    /// `tenant` is `None` when the store keeps no per-tenant counts.
+    fn take_place(&self, tenant: Option<u64>, now_ms: u64) -> Result<(), Refused> {
         let inner = &*self.inner;
         if inner.bytes.load(Ordering::Relaxed) + RECORD_OVERHEAD > inner.max_bytes {
             return Err(Refused::Full);
@@ -498,6 +505,9 @@ impl MemoryStore {
                 (n < capacity).then_some(n + 1)
             })
             .map_err(|_| Refused::Full)?;
+        let Some(tenant) = tenant else {
+            return Ok(());
+        };
         let mut tenants = self.tenant_shard(tenant).lock();
         let count = tenants.entry(tenant).or_default();
         if let Some(quota) = inner.tenant_quota
@@ -513,8 +523,11 @@ impl MemoryStore {
     }
 
     /// Gives a place back (the record was released, expired or dropped).
-    fn give_place(&self, tenant: u64) {
+    fn give_place(&self, tenant: Option<u64>) {
         self.inner.len.fetch_sub(1, Ordering::Relaxed);
+        let Some(tenant) = tenant else {
+            return;
+        };
         let mut tenants = self.tenant_shard(tenant).lock();
         if let Some(count) = tenants.get_mut(&tenant) {
             count.records = count.records.saturating_sub(1);
@@ -540,7 +553,10 @@ impl MemoryStore {
             .bytes
             .fetch_sub(weight_of(record), Ordering::Relaxed);
         if record.state != RecordState::Released {
-            self.give_place(self.tenant_key(&record.tenant));
+            self.give_place(
+                self.counts_tenants()
+                    .then(|| self.tenant_key(&record.tenant)),
+            );
         }
     }
 
@@ -577,15 +593,19 @@ impl MemoryStore {
         // given back, so its key is hashed only then: before the transition
         // when it takes a place, or when an expired record is about to leave
         // the slot with its tenant; otherwise from the record left after it.
+        // A store without a tenant quota keeps no per-tenant counts and
+        // hashes no tenant.
+        let counted = self.counts_tenants();
         let leaving = before_live && slot.as_ref().is_some_and(|r| r.is_expired(now_ms));
         let early = match (took, slot.as_ref(), reserving_for) {
+            _ if !counted => None,
             (true, Some(record), _) => Some(self.tenant_key(&record.tenant)),
             (true, None, Some(tenant)) => Some(self.tenant_key(tenant)),
             (false, Some(record), _) if leaving => Some(self.tenant_key(&record.tenant)),
             _ => None,
         };
-        if let Some(tenant) = early.filter(|_| took) {
-            self.take_place(tenant, now_ms)?;
+        if took {
+            self.take_place(early, now_ms)?;
         }
         let result = apply(slot, now_ms);
         let (after, after_weight, after_live) = (facts(slot), weight(slot), occupies(slot));
@@ -596,9 +616,12 @@ impl MemoryStore {
         };
         // Only a reservation makes a record live, and it took a place above.
         if (before_live || took) && !after_live {
-            self.give_place(tenant());
+            self.give_place(counted.then(tenant));
         }
-        if took && let Some((expires_at_ms, ..)) = after {
+        if counted
+            && took
+            && let Some((expires_at_ms, ..)) = after
+        {
             self.note_expiry(tenant(), expires_at_ms);
         }
         let bytes = &self.inner.bytes;
