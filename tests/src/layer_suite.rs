@@ -149,16 +149,20 @@ impl App {
             )
             .route(
                 "/ctx",
-                post(move |ctx: IdempotencyContext| {
-                    r6.fetch_add(1, Ordering::SeqCst);
-                    let superseded = ctx.superseded.map(|a| a.generation);
-                    async move {
-                        format!(
-                            "generation={} superseded={superseded:?}",
-                            ctx.generation
-                        )
-                    }
-                }),
+                post(
+                    move |ctx: IdempotencyContext,
+                          slot: Option<axum::Extension<idem_core::CompletionSlot>>| {
+                        r6.fetch_add(1, Ordering::SeqCst);
+                        let superseded = ctx.superseded.map(|a| a.generation);
+                        async move {
+                            format!(
+                                "generation={} superseded={superseded:?} slot={}",
+                                ctx.generation,
+                                slot.is_some()
+                            )
+                        }
+                    },
+                ),
             );
         let router = router
             .route_service("/records", layer.records_service())
@@ -466,9 +470,12 @@ pub async fn lapsed_lease_is_taken_over<S: Store>(store: S) {
     assert_eq!(
         std::str::from_utf8(&taken.body).expect("utf8"),
         format!(
-            "generation={} superseded=Some({})",
+            "generation={} superseded=Some({}) slot={}",
             dead.generation + 1,
-            dead.generation
+            dead.generation,
+            // A completion slot only where a handler's transaction can
+            // complete the record.
+            store.completes_in_transactions()
         )
     );
     let replay = app.post("/ctx", "t", "{}").await;

@@ -10,6 +10,14 @@ mod memory {
         let store = idem_memory::MemoryStore::new();
         idem_tests::layer_suite::layers_claim_the_store_by_how_they_hash_scopes(store, false).await;
     }
+
+    /// No handler transaction completes a memory record: its handlers get
+    /// no completion slot (the suite's `/ctx` shows it).
+    #[test]
+    fn offers_no_completion_slot() {
+        use idem_core::Store;
+        assert!(!idem_memory::MemoryStore::new().completes_in_transactions());
+    }
 }
 
 mod redis {
@@ -30,6 +38,15 @@ mod redis {
             return;
         };
         idem_tests::layer_suite::layers_claim_the_store_by_how_they_hash_scopes(store, true).await;
+    }
+
+    /// A Redis record is completed by the store, never inside a handler's
+    /// transaction: no completion slot.
+    #[test]
+    fn offers_no_completion_slot() {
+        use idem_core::Store;
+        let store = RedisStore::from_url("redis://127.0.0.1:1").expect("store");
+        assert!(!store.completes_in_transactions());
     }
 }
 
@@ -52,5 +69,16 @@ mod postgres {
             return;
         };
         idem_tests::layer_suite::layers_claim_the_store_by_how_they_hash_scopes(store, true).await;
+    }
+
+    /// A handler's transaction on the records' database completes the
+    /// record: its handlers get a completion slot.
+    #[tokio::test]
+    async fn offers_a_completion_slot() {
+        use idem_core::Store;
+        let Some((store, ())) = store().await else {
+            return;
+        };
+        assert!(store.completes_in_transactions());
     }
 }

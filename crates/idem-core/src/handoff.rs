@@ -2,8 +2,10 @@
 //!
 //! A store that keeps records in the same database as the handler's own
 //! data (PostgreSQL, say) can make the outcome and the handler's writes
-//! durable in one commit. The layer puts a [`CompletionSlot`] in the
-//! request extensions of every attempt it runs; the handler writes its rows
+//! durable in one commit. For such a store
+//! ([`Store::completes_in_transactions`](crate::Store::completes_in_transactions))
+//! the layer puts a [`CompletionSlot`] in the request extensions of every
+//! attempt it runs; the handler writes its rows
 //! in a transaction and puts that transaction into the slot as a
 //! [`DeferredCompletion`] instead of committing it. When the handler's
 //! response has been read and is to be recorded, the layer hands the
@@ -49,9 +51,12 @@ pub trait DeferredCompletion: Send + 'static {
 
 /// Where a handler leaves its [`DeferredCompletion`] for the layer.
 ///
-/// Present in the request extensions of every attempt the layer executes;
-/// absent when the layer did not run (an unkeyed request, say), in which
-/// case the handler commits its transaction itself.
+/// Present in the request extensions of every attempt the layer executes
+/// on a store that completes in transactions
+/// ([`Store::completes_in_transactions`](crate::Store::completes_in_transactions));
+/// absent when the layer did not run (an unkeyed request, say) or runs on
+/// another store, in which case the handler commits its transaction
+/// itself.
 #[derive(Clone, Default)]
 pub struct CompletionSlot(Arc<Mutex<Option<Box<dyn DeferredCompletion>>>>);
 

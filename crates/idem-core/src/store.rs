@@ -400,6 +400,15 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Whether a handler can complete this store's records inside its own
+    /// transaction ([`CompletionSlot`](crate::CompletionSlot)): a store
+    /// that keeps records in the handler's database (PostgreSQL). The
+    /// layer puts a slot in an attempt's request only for such a store.
+    /// `false` (the default): no handler transaction can hold a record.
+    fn completes_in_transactions(&self) -> bool {
+        false
+    }
+
     /// Resolves when the record of `scope` may have changed, or after at
     /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
     /// allowed. The default polls: it sleeps for a short interval (25 ms, or
@@ -454,6 +463,10 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn call_bound(&self) -> Option<Duration> {
         (**self).call_bound()
+    }
+
+    fn completes_in_transactions(&self) -> bool {
+        (**self).completes_in_transactions()
     }
 
     fn cancel(

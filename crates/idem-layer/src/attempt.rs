@@ -354,9 +354,13 @@ where
         let config = &*rt.config;
         let store = &*rt.store;
         let max_response = config.max_response;
-        // Where a handler leaves a transaction to commit with the outcome.
-        let slot = CompletionSlot::new();
-        request.extensions_mut().insert(slot.clone());
+        // Where a handler leaves a transaction to commit with the outcome,
+        // on a store a handler's transaction can complete.
+        let slot = store.completes_in_transactions().then(|| {
+            let slot = CompletionSlot::new();
+            request.extensions_mut().insert(slot.clone());
+            slot
+        });
         let work = AssertUnwindSafe(async move {
             let mut response = inner.call(request).await?;
             if let Some(unknown) = response.extensions_mut().remove::<UnknownOutcome>() {
@@ -404,7 +408,7 @@ where
         if let Outcome::Stored(stored) = &mut outcome {
             stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
         }
-        let answer = match slot.take() {
+        let answer = match slot.and_then(|slot| slot.take()) {
             Some(deferred) if (config.should_store)(parts.status) => {
                 settle_in_transaction(&rt, &lease, deferred, outcome).await
             }

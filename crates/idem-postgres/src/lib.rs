@@ -694,6 +694,12 @@ impl PgStore {
 }
 
 impl Store for PgStore {
+    /// A handler's transaction on this database completes the record
+    /// ([`IdemTransaction`]).
+    fn completes_in_transactions(&self) -> bool {
+        true
+    }
+
     fn claim_identity(
         &self,
         marker: &str,
