@@ -409,6 +409,22 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// Resolves once the store's own work that outlives its calls has
+    /// finished: freeing a reservation whose call was given up before its
+    /// answer (the Redis and PostgreSQL stores). The layer's
+    /// [`drain`](https://docs.rs/idem-layer) waits for it at shutdown, so a
+    /// given-up reservation does not hold its key for a lease after the
+    /// process ends. The default: nothing to wait for.
+    fn settled(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+
+    /// How many of the tasks [`settled`](Self::settled) waits for are
+    /// running now.
+    fn background_tasks(&self) -> usize {
+        0
+    }
+
     /// Resolves when the record of `scope` may have changed, or after at
     /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
     /// allowed. The default polls: it sleeps for a short interval (25 ms, or
@@ -467,6 +483,14 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn completes_in_transactions(&self) -> bool {
         (**self).completes_in_transactions()
+    }
+
+    fn settled(&self) -> impl Future<Output = ()> + Send {
+        (**self).settled()
+    }
+
+    fn background_tasks(&self) -> usize {
+        (**self).background_tasks()
     }
 
     fn cancel(

@@ -344,18 +344,25 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// Waits, up to `bound`, for the work that outlives its requests:
     /// handlers still running after their client left, outcomes being
-    /// recorded after a store error, late answers of unknown outcomes.
-    /// Call it at shutdown, after the server stopped taking requests, so
-    /// that no outcome is lost with the process. Answers how many of those
-    /// tasks were still running when the bound passed (0: all finished);
-    /// their records stay processing until their leases lapse.
+    /// recorded after a store error, late answers of unknown outcomes,
+    /// and then the store's own ([`Store::settled`]: reservations given
+    /// up before their answer being freed). Call it at shutdown, after the
+    /// server stopped taking requests, so that no outcome is lost with the
+    /// process. Answers how many of those tasks were still running when
+    /// the bound passed (0: all finished); their records stay processing
+    /// until their leases lapse.
     pub async fn drain(&self, bound: Duration) -> usize {
-        self.runtime.tasks.close();
-        let finished = tokio::time::timeout(bound, self.runtime.tasks.wait()).await;
-        self.runtime.tasks.reopen();
+        let (tasks, store) = (&self.runtime.tasks, &*self.runtime.store);
+        tasks.close();
+        let finished = tokio::time::timeout(bound, async {
+            tasks.wait().await;
+            store.settled().await;
+        })
+        .await;
+        tasks.reopen();
         match finished {
             Ok(()) => 0,
-            Err(_) => self.runtime.tasks.len(),
+            Err(_) => tasks.len() + store.background_tasks(),
         }
     }
 

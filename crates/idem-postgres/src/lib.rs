@@ -221,7 +221,8 @@ impl Drop for GivenUp {
         let (store, scope, attempt, token) =
             (self.store.clone(), self.scope, self.attempt, self.token);
         let within = self.within;
-        runtime.spawn(async move {
+        let tasks = self.store.inner.given_up.clone();
+        tasks.spawn_on(async move {
             let free = store.locked_on(&mut conn, &scope, |slot, now_ms| {
                 machine::abandon(slot, attempt, token, now_ms)
             });
@@ -235,8 +236,16 @@ impl Drop for GivenUp {
                     tracing::warn!("a given-up reservation could not be freed in time; its lease will lapse");
                 }
             }
-        });
+        }, &runtime);
     }
+}
+
+/// A task tracker that is closed from the start, so that waiting on it
+/// ends whenever it holds no task (it still tracks new ones).
+fn closed_tracker() -> tokio_util::task::TaskTracker {
+    let tracker = tokio_util::task::TaskTracker::new();
+    tracker.close();
+    tracker
 }
 
 /// Aborts the sweep task when the store's last handle is dropped.
@@ -253,6 +262,8 @@ struct Inner {
     sql: Sql,
     sweep_batch: i64,
     _sweeper: Option<Sweeper>,
+    /// Tasks freeing reservations whose calls were given up.
+    given_up: tokio_util::task::TaskTracker,
 }
 
 /// The PostgreSQL store. Cheap to clone; clones share the pool.
@@ -359,6 +370,7 @@ impl PgStoreBuilder {
                 sql,
                 sweep_batch,
                 _sweeper: sweeper,
+                given_up: closed_tracker(),
             }),
         })
     }
@@ -698,6 +710,14 @@ impl Store for PgStore {
     /// ([`IdemTransaction`]).
     fn completes_in_transactions(&self) -> bool {
         true
+    }
+
+    fn settled(&self) -> impl Future<Output = ()> + Send {
+        self.inner.given_up.wait()
+    }
+
+    fn background_tasks(&self) -> usize {
+        self.inner.given_up.len()
     }
 
     fn claim_identity(

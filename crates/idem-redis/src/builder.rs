@@ -195,6 +195,13 @@ impl RedisStoreBuilder {
             timeout: self.timeout,
             wait_replicas: self.wait_replicas,
             watch,
+            // Closed from the start: waiting on it ends whenever it holds
+            // no task (it still tracks new ones).
+            given_up: {
+                let tracker = tokio_util::task::TaskTracker::new();
+                tracker.close();
+                tracker
+            },
         })
     }
 }

@@ -316,7 +316,10 @@ impl RedisStore {
 /// reservation queued behind a paused server never leaves an owner that
 /// nobody runs. Retried until the server answers, for at most a lease
 /// (after which a takeover frees the key anyway).
-pub(crate) struct Abandon {
+pub(crate) struct Abandon<'s> {
+    /// The store's tasks that free given-up reservations
+    /// ([`Store::settled`](idem_core::Store::settled) waits for them).
+    pub(crate) tasks: &'s tokio_util::task::TaskTracker,
     pub(crate) script: std::sync::Arc<Script>,
     pub(crate) key: String,
     pub(crate) attempt: uuid::Uuid,
@@ -325,7 +328,7 @@ pub(crate) struct Abandon {
     pub(crate) within: Duration,
 }
 
-impl Drop for Abandon {
+impl Drop for Abandon<'_> {
     fn drop(&mut self) {
         let Some(mut conn) = self.conn.take() else {
             return;
@@ -339,7 +342,7 @@ impl Drop for Abandon {
             self.within,
         );
         let (attempt, token) = (self.attempt, self.token);
-        runtime.spawn(async move {
+        let task = async move {
             let abandon = async {
                 loop {
                     let mut invocation = Invocation::new(&script, &[&key]);
@@ -357,6 +360,7 @@ impl Drop for Abandon {
             if tokio::time::timeout(within, abandon).await.is_err() {
                 tracing::warn!("a given-up reservation could not be freed; its lease will lapse");
             }
-        });
+        };
+        self.tasks.spawn_on(task, &runtime);
     }
 }

@@ -138,6 +138,8 @@ pub struct RedisStore {
     wait_replicas: Option<(usize, Duration)>,
     /// Waiting duplicates woken by the scripts' notifications.
     watch: std::sync::Arc<watch::Watch>,
+    /// Tasks freeing reservations whose calls were given up.
+    given_up: tokio_util::task::TaskTracker,
 }
 
 /// The Lua source of one of the store's scripts (`"reserve"`,
@@ -399,6 +401,14 @@ impl Store for RedisStore {
         Some(RedisStore::call_bound(self))
     }
 
+    fn settled(&self) -> impl Future<Output = ()> + Send {
+        self.given_up.wait()
+    }
+
+    fn background_tasks(&self) -> usize {
+        self.given_up.len()
+    }
+
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
         // If this call is given up (it times out, or its caller's timeout
@@ -408,6 +418,7 @@ impl Store for RedisStore {
         // is out (a future holds what is live across an await: a copy
         // would make every reservation's future larger).
         let mut guard = Abandon {
+            tasks: &self.given_up,
             script: std::sync::Arc::clone(&self.scripts.abandon),
             key: self.record_key(scope),
             attempt: AttemptId::new().0,
