@@ -425,6 +425,25 @@ pub trait Store: Send + Sync + 'static {
         0
     }
 
+    /// Claims the fleet-wide chore `duty` (the gateway's count of lapsed
+    /// records, say) for `holder` for `ttl`: `true` when `holder` has it
+    /// (newly, or extended to `ttl` from now), `false` while another
+    /// holder's claim lasts. Instances sharing a store call it before each
+    /// round of the chore, so that one of a fleet does it instead of
+    /// every one. A store shared between processes overrides this (Redis);
+    /// the default answers `true`, and every instance does the chore: right
+    /// for a store whose records live in its process only (PostgreSQL
+    /// keeps the default for now).
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let _ = (duty, holder, ttl);
+        std::future::ready(Ok(true))
+    }
+
     /// Resolves when the record of `scope` may have changed, or after at
     /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
     /// allowed. The default polls: it sleeps for a short interval (25 ms, or
@@ -491,6 +510,15 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn background_tasks(&self) -> usize {
         (**self).background_tasks()
+    }
+
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        (**self).claim_duty(duty, holder, ttl)
     }
 
     fn cancel(

@@ -281,6 +281,45 @@ impl RedisStore {
         }
     }
 
+    /// The key that holds who does the fleet-wide chore `duty`.
+    pub fn duty_key(&self, duty: &str) -> String {
+        format!("{}duty:{duty}", self.prefix)
+    }
+
+    /// Claims the chore `duty` for `holder` for `ttl` in
+    /// [`duty_key`](Self::duty_key) (see [`Store::claim_duty`]): taken
+    /// when no one holds it, extended to `ttl` from now when `holder` does.
+    pub async fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let key = self.duty_key(duty);
+        let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut set = redis::cmd("SET");
+        set.arg(&key)
+            .arg(holder)
+            .arg("PX")
+            .arg(millis)
+            .arg("NX")
+            .arg("GET");
+        let held: Option<String> = self.command(set).await?;
+        match held {
+            None => Ok(true),
+            Some(held) if held == holder => {
+                // Should the claim lapse between the two commands and
+                // another holder take it, this lengthens theirs: the chore
+                // is only put off.
+                let mut extend = redis::cmd("PEXPIRE");
+                extend.arg(&key).arg(millis);
+                self.command::<Value>(extend).await?;
+                Ok(true)
+            }
+            Some(_) => Ok(false),
+        }
+    }
+
     /// Checks that the server answers (`PING`), within the timeout.
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.command(redis::cmd("PING")).await
@@ -403,6 +442,15 @@ impl Store for RedisStore {
 
     fn settled(&self) -> impl Future<Output = ()> + Send {
         self.given_up.wait()
+    }
+
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        RedisStore::claim_duty(self, duty, holder, ttl)
     }
 
     fn background_tasks(&self) -> usize {

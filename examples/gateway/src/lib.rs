@@ -944,25 +944,65 @@ fn layer<S: Store>(
     Ok(layer)
 }
 
+/// The chore of counting lapsed records, which one gateway of a fleet
+/// sharing a store does ([`Store::claim_duty`]).
+const LAPSED_DUTY: &str = "lapsed-records";
+
+/// How long a gateway's claim on [`LAPSED_DUTY`] lasts past its next
+/// round: a gateway that stopped hands the chore on after this.
+const LAPSED_CLAIM_SLACK: Duration = Duration::from_secs(15);
+
 /// Keeps `idem_records_lapsed` (processing records past their lease, with
-/// no retry yet: stuck, for an operator) up to date.
+/// no retry yet: stuck, for an operator) up to date. Of the gateways
+/// sharing a store, the one that holds the chore counts them (a Redis
+/// store reads every record it holds to find them) and the others show
+/// 0, so the gauge's sum or maximum over a fleet is the store's count.
 fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
     tokio::spawn(async move {
-        let stuck = idem_core::RecordQuery {
-            lapsed: true,
-            limit: 10_000,
-            ..Default::default()
-        };
+        let holder = idem_core::OwnerToken::new().0.to_string();
+        let bound = Duration::from_secs(10);
+        let mut wait = LAPSED_EVERY;
         loop {
-            let started = tokio::time::Instant::now();
-            if let Ok(Ok(records)) =
-                tokio::time::timeout(Duration::from_secs(10), store.list(&stuck)).await
-            {
-                metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
-            }
-            tokio::time::sleep(lapsed_wait(started.elapsed())).await;
+            let claim = store.claim_duty(LAPSED_DUTY, &holder, wait + LAPSED_CLAIM_SLACK);
+            wait = match tokio::time::timeout(bound, claim).await {
+                Ok(Ok(true)) => {
+                    let started = tokio::time::Instant::now();
+                    if let Ok(Ok(records)) =
+                        tokio::time::timeout(bound, store.list(&lapsed_query())).await
+                    {
+                        metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
+                    }
+                    let wait = lapsed_wait(started.elapsed());
+                    if wait > LAPSED_EVERY {
+                        // A long sweep waits longer: keep the chore for it.
+                        let ttl = wait.saturating_add(LAPSED_CLAIM_SLACK);
+                        let _ = tokio::time::timeout(
+                            bound,
+                            store.claim_duty(LAPSED_DUTY, &holder, ttl),
+                        )
+                        .await;
+                    }
+                    wait
+                }
+                Ok(Ok(false)) => {
+                    metrics::gauge!("idem_records_lapsed").set(0.0);
+                    LAPSED_EVERY
+                }
+                // The store did not answer: the gauge keeps its value.
+                _ => LAPSED_EVERY,
+            };
+            tokio::time::sleep(wait).await;
         }
     });
+}
+
+/// The records [`watch_lapsed`] counts.
+fn lapsed_query() -> idem_core::RecordQuery {
+    idem_core::RecordQuery {
+        lapsed: true,
+        limit: 10_000,
+        ..Default::default()
+    }
 }
 
 /// `/healthz`: the store's own check if it has one, else a read of an

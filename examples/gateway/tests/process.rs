@@ -1109,3 +1109,65 @@ async fn a_generated_tenant_secret_is_announced() {
         );
     }
 }
+
+/// Of two gateways on one Redis, one counts the lapsed records (a Redis
+/// store reads every record it holds to find them) and the other shows 0:
+/// the fleet's sum or maximum of `idem_records_lapsed` is the store's
+/// count, and Redis pays for one sweep, not one per gateway. (The claim
+/// itself, and its handover once it lapses, are tested on the store:
+/// `redis_layer::a_duty_is_held_by_one_holder_at_a_time`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gateway_of_a_fleet_counts_the_lapsed_records() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let url = redis.url();
+    // A processing record whose owner died: its lease lapsed.
+    let store = idem_redis::RedisStore::from_url(&url).expect("store");
+    let stuck = idem_core::ReserveRequest {
+        scope: idem_core::Scope::new("t", "POST /orders", "stuck".parse().expect("key")),
+        fingerprint: idem_core::Fingerprint::from_bytes([1; 32]),
+        lease: Duration::from_millis(100),
+        retention: Duration::from_secs(3600),
+    };
+    let reserved = idem_core::Store::reserve(&store, &stuck)
+        .await
+        .expect("reserve");
+    assert!(matches!(reserved, idem_core::Reservation::Acquired(_)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let args = [
+        "--upstream",
+        upstream_url.as_str(),
+        "--store",
+        url.as_str(),
+        "--tenant-secret",
+        SECRET,
+    ];
+    let gateways = [Process::start(&args), Process::start(&args)];
+    let http = client();
+    let lapsed = async |gateway: &Process| {
+        let metrics = Request::get(format!("http://{}/metrics", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let text = String::from_utf8_lossy(&send(&http, metrics).await.body).into_owned();
+        text.lines()
+            .find_map(|line| line.strip_prefix("idem_records_lapsed "))
+            .map(str::to_owned)
+    };
+    let both = poll_until(
+        Duration::from_secs(20),
+        async || (lapsed(&gateways[0]).await, lapsed(&gateways[1]).await),
+        |(a, b)| a.is_some() && b.is_some(),
+    )
+    .await;
+    let mut shown = [both.0, both.1];
+    shown.sort();
+    assert_eq!(
+        shown,
+        [Some("0".to_owned()), Some("1".to_owned())],
+        "one gateway counts, the other shows 0"
+    );
+}
