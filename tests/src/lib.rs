@@ -275,6 +275,41 @@ pub mod bench {
     }
 }
 
+/// A fleet-wide chore ([`idem_core::Store::claim_duty`]) on two handles
+/// of one shared store: taken when free, refused to another holder while
+/// the claim lasts, extended by its holder, and taken over once it lapses.
+/// A store of one process (memory) gives every holder the chore.
+pub async fn duty_is_held_by_one_holder_at_a_time<S: idem_core::Store>(a: S, b: S) {
+    use std::time::Duration;
+
+    use idem_core::Store as _;
+    // Long enough that a stalled machine does not let a claim lapse
+    // between two steps that expect it held.
+    let ttl = Duration::from_secs(3);
+    let claim = async |store: &S, duty: &str, holder: &str| {
+        store.claim_duty(duty, holder, ttl).await.expect("claim")
+    };
+    assert!(claim(&a, "chore", "a").await);
+    assert!(!claim(&b, "chore", "b").await);
+    // Another chore is free.
+    assert!(claim(&b, "other", "b").await);
+    // The holder extends its claim; the other still cannot take it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(claim(&a, "chore", "a").await);
+    // Past the first claim's end: only the extension keeps it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!claim(&b, "chore", "b").await);
+    // Once the claim lapses, the other takes the chore over.
+    wait_until(Duration::from_secs(10), "the claim to lapse", async || {
+        claim(&b, "chore", "b").await
+    })
+    .await;
+    assert!(!claim(&a, "chore", "a").await);
+    let memory = idem_memory::MemoryStore::new();
+    assert!(memory.claim_duty("chore", "a", ttl).await.expect("claim"));
+    assert!(memory.claim_duty("chore", "b", ttl).await.expect("claim"));
+}
+
 /// Checks how a store is claimed for an identity (`claim_identity` of
 /// idem-redis and idem-postgres) through `claim(marker, ttl, replace)`: the
 /// first marker holds it, another is told which one holds it, the same one

@@ -260,3 +260,17 @@ async fn a_stored_header_name_that_does_not_parse_is_left_out() {
     assert_eq!(names, ["location", "x-binary"]);
     assert_eq!(stored.body, b"{\"id\":1}"[..]);
 }
+
+/// A fleet-wide chore on PostgreSQL, two stores on one database
+/// (`idem_tests::duty_is_held_by_one_holder_at_a_time`).
+#[tokio::test]
+async fn a_duty_is_held_by_one_holder_at_a_time() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    let a = PgStore::from_url(&url).expect("store");
+    a.migrate().await.expect("migrate");
+    let b = PgStore::from_url(&url).expect("store");
+    idem_tests::duty_is_held_by_one_holder_at_a_time(a, b).await;
+}

@@ -773,39 +773,15 @@ async fn repeated_writes_on(packed: bool) {
     );
 }
 
-/// A fleet-wide chore is held by one holder at a time: taken when free,
-/// extended by its holder, refused to another while the claim lasts, and
-/// taken over once it lapses. A store of one process (memory) gives every
-/// holder the chore.
+/// A fleet-wide chore on Redis (`idem_tests::duty_is_held_by_one_holder_at_a_time`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duty_is_held_by_one_holder_at_a_time() {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
-    let (a, b) = (
+    idem_tests::duty_is_held_by_one_holder_at_a_time(
         RedisStore::from_url(&server.url()).expect("store"),
         RedisStore::from_url(&server.url()).expect("store"),
-    );
-    // Long enough that a stalled machine does not let a claim lapse
-    // between two steps that expect it held.
-    let ttl = Duration::from_secs(3);
-    assert!(a.claim_duty("chore", "a", ttl).await.expect("claim"));
-    assert!(!b.claim_duty("chore", "b", ttl).await.expect("claim"));
-    // Another chore is free.
-    assert!(b.claim_duty("other", "b", ttl).await.expect("claim"));
-    // The holder extends its claim; the other still cannot take it.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(a.claim_duty("chore", "a", ttl).await.expect("claim"));
-    // Past the first claim's end: only the extension keeps it.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!b.claim_duty("chore", "b", ttl).await.expect("claim"));
-    // Once the claim lapses, the other takes the chore over.
-    wait_until(Duration::from_secs(10), "the claim to lapse", async || {
-        b.claim_duty("chore", "b", ttl).await.expect("claim")
-    })
+    )
     .await;
-    assert!(!a.claim_duty("chore", "a", ttl).await.expect("claim"));
-    let memory = idem_memory::MemoryStore::new();
-    assert!(memory.claim_duty("chore", "a", ttl).await.expect("claim"));
-    assert!(memory.claim_duty("chore", "b", ttl).await.expect("claim"));
 }

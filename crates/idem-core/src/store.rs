@@ -430,10 +430,9 @@ pub trait Store: Send + Sync + 'static {
     /// (newly, or extended to `ttl` from now), `false` while another
     /// holder's claim lasts. Instances sharing a store call it before each
     /// round of the chore, so that one of a fleet does it instead of
-    /// every one. A store shared between processes overrides this (Redis);
-    /// the default answers `true`, and every instance does the chore: right
-    /// for a store whose records live in its process only (PostgreSQL
-    /// keeps the default for now).
+    /// every one. A store shared between processes overrides this (Redis,
+    /// PostgreSQL); the default answers `true`, and every instance does the
+    /// chore: right for a store whose records live in its process only.
     fn claim_duty(
         &self,
         duty: &str,

@@ -38,3 +38,11 @@ CREATE TABLE IF NOT EXISTS idem_records_identity (
     marker        text NOT NULL,
     expires_at_ms bigint NOT NULL
 );
+
+-- Who does each fleet-wide chore (the gateway's count of lapsed records),
+-- and until when: claimed through `PgStore::claim_duty`.
+CREATE TABLE IF NOT EXISTS idem_records_duties (
+    name          text PRIMARY KEY,
+    holder        text NOT NULL,
+    expires_at_ms bigint NOT NULL
+);

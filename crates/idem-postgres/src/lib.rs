@@ -65,8 +65,9 @@ use sqlx::{
 pub use idem_core::IdentityClaim;
 pub use tx::{CommitError, IdemTransaction};
 
-/// The SQL that creates the records table, its index and its identity
-/// table (`idem_records_identity`), for the default table name
+/// The SQL that creates the records table, its index, its identity table
+/// (`idem_records_identity`) and its duties table (`idem_records_duties`,
+/// see [`PgStore::claim_duty`]), for the default table name
 /// `idem_records` (what [`PgStore::migrate`] runs).
 pub const SCHEMA: &str = include_str!("../sql/idem_records.sql");
 
@@ -476,6 +477,39 @@ impl PgStore {
         Ok(())
     }
 
+    /// Claims the fleet-wide chore `duty` for `holder` for `ttl` (see
+    /// [`Store::claim_duty`]): taken when no one holds it or its claim
+    /// lapsed, extended to `ttl` from now when `holder` holds it. The
+    /// claims live in the duties table [`migrate`](Self::migrate) creates
+    /// (`<table>_duties`).
+    pub async fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let table = format!("{}_duties", self.table());
+        let claim = format!(
+            "INSERT INTO {table} AS held (name, holder, expires_at_ms) \
+             VALUES ($1, $2, {NOW_MS} + $3) \
+             ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, \
+               expires_at_ms = EXCLUDED.expires_at_ms \
+             WHERE held.holder = EXCLUDED.holder OR held.expires_at_ms <= {NOW_MS} \
+             RETURNING holder"
+        );
+        let millis = i64::try_from(ttl.as_millis())
+            .unwrap_or(i64::MAX / 2)
+            .max(1);
+        let claimed: Option<String> = sqlx::query_scalar(&claim)
+            .bind(duty)
+            .bind(holder)
+            .bind(millis)
+            .fetch_optional(self.pool())
+            .await
+            .map_err(failed)?;
+        Ok(claimed.is_some())
+    }
+
     /// Claims the table for `marker`, a short text naming how the
     /// instances sharing it derive tenants and scopes (see
     /// [`IdentityClaim`]).
@@ -727,6 +761,15 @@ impl Store for PgStore {
         replace: bool,
     ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
         PgStore::claim_identity(self, marker, ttl, replace)
+    }
+
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        PgStore::claim_duty(self, duty, holder, ttl)
     }
 
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {

@@ -966,13 +966,7 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
             let claim = store.claim_duty(LAPSED_DUTY, &holder, wait + LAPSED_CLAIM_SLACK);
             wait = match tokio::time::timeout(bound, claim).await {
                 Ok(Ok(true)) => {
-                    let started = tokio::time::Instant::now();
-                    if let Ok(Ok(records)) =
-                        tokio::time::timeout(bound, store.list(&lapsed_query())).await
-                    {
-                        metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
-                    }
-                    let wait = lapsed_wait(started.elapsed());
+                    let wait = count_lapsed(&*store, bound).await;
                     if wait > LAPSED_EVERY {
                         // A long sweep waits longer: keep the chore for it.
                         let ttl = wait.saturating_add(LAPSED_CLAIM_SLACK);
@@ -988,21 +982,30 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
                     metrics::gauge!("idem_records_lapsed").set(0.0);
                     LAPSED_EVERY
                 }
-                // The store did not answer: the gauge keeps its value.
-                _ => LAPSED_EVERY,
+                // The claim failed (a store down, or a PostgreSQL schema
+                // from before the duties table): count as every gateway
+                // did before; a store that is down fails the count too,
+                // and the gauge keeps its value.
+                _ => count_lapsed(&*store, bound).await,
             };
             tokio::time::sleep(wait).await;
         }
     });
 }
 
-/// The records [`watch_lapsed`] counts.
-fn lapsed_query() -> idem_core::RecordQuery {
-    idem_core::RecordQuery {
+/// Counts the lapsed records into `idem_records_lapsed` (unless the
+/// store fails within `bound`); the wait before the next count.
+async fn count_lapsed<S: Store>(store: &S, bound: Duration) -> Duration {
+    let stuck = idem_core::RecordQuery {
         lapsed: true,
         limit: 10_000,
         ..Default::default()
+    };
+    let started = tokio::time::Instant::now();
+    if let Ok(Ok(records)) = tokio::time::timeout(bound, store.list(&stuck)).await {
+        metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
     }
+    lapsed_wait(started.elapsed())
 }
 
 /// `/healthz`: the store's own check if it has one, else a read of an
