@@ -241,6 +241,14 @@ impl Drop for GivenUp {
     }
 }
 
+/// A claim's time to live in whole milliseconds, at least one, and small
+/// enough to add to the clock.
+fn claim_ms(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis())
+        .unwrap_or(i64::MAX / 2)
+        .max(1)
+}
+
 /// A task tracker that is closed from the start, so that waiting on it
 /// ends whenever it holds no task (it still tracks new ones).
 fn closed_tracker() -> tokio_util::task::TaskTracker {
@@ -497,9 +505,7 @@ impl PgStore {
              WHERE held.holder = EXCLUDED.holder OR held.expires_at_ms <= {NOW_MS} \
              RETURNING holder"
         );
-        let millis = i64::try_from(ttl.as_millis())
-            .unwrap_or(i64::MAX / 2)
-            .max(1);
+        let millis = claim_ms(ttl);
         let claimed: Option<String> = sqlx::query_scalar(&claim)
             .bind(duty)
             .bind(holder)
@@ -537,9 +543,7 @@ impl PgStore {
              WHERE $3 OR held.marker = EXCLUDED.marker OR held.expires_at_ms <= {NOW_MS} \
              RETURNING marker"
         );
-        let millis = i64::try_from(ttl.as_millis())
-            .unwrap_or(i64::MAX / 2)
-            .max(1);
+        let millis = claim_ms(ttl);
         let claimed: Option<String> = sqlx::query_scalar(&claim)
             .bind(marker)
             .bind(millis)

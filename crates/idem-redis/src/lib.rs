@@ -167,6 +167,11 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
+/// A claim's time to live in whole milliseconds, at least one (`PX`).
+fn px(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
 /// The store could not do its call; the driver's error stays the source.
 fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
     StoreError::unavailable(error)
@@ -260,24 +265,50 @@ impl RedisStore {
         replace: bool,
     ) -> Result<IdentityClaim, StoreError> {
         let key = self.identity_key();
-        let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        let mut set = redis::cmd("SET");
-        set.arg(&key).arg(marker).arg("PX").arg(millis);
         if replace {
+            let mut set = redis::cmd("SET");
+            set.arg(&key).arg(marker).arg("PX").arg(px(ttl));
             self.command::<Value>(set).await?;
             return Ok(IdentityClaim::Held);
         }
-        set.arg("NX").arg("GET");
+        // Extended, never shortened.
+        Ok(match self.claim_key(&key, marker, ttl, &["GT"]).await? {
+            None => IdentityClaim::Held,
+            Some(other) => IdentityClaim::Other(other),
+        })
+    }
+
+    /// Claims `key` for `holder` for `ttl`: a free key is taken
+    /// (`SET NX GET`), one `holder` holds is given `ttl` from now again
+    /// (`PEXPIRE`, with `extend_flags`). Answers the other holder, if
+    /// another holds it.
+    async fn claim_key(
+        &self,
+        key: &str,
+        holder: &str,
+        ttl: Duration,
+        extend_flags: &[&str],
+    ) -> Result<Option<String>, StoreError> {
+        let millis = px(ttl);
+        let mut set = redis::cmd("SET");
+        set.arg(key)
+            .arg(holder)
+            .arg("PX")
+            .arg(millis)
+            .arg("NX")
+            .arg("GET");
         let held: Option<String> = self.command(set).await?;
         match held {
-            None => Ok(IdentityClaim::Held),
-            Some(held) if held == marker => {
+            Some(held) if held == holder => {
+                // Should the claim lapse between the two commands and
+                // another holder take it, this lengthens theirs: they
+                // hold it a little longer.
                 let mut extend = redis::cmd("PEXPIRE");
-                extend.arg(&key).arg(millis).arg("GT");
+                extend.arg(key).arg(millis).arg(extend_flags);
                 self.command::<Value>(extend).await?;
-                Ok(IdentityClaim::Held)
+                Ok(None)
             }
-            Some(other) => Ok(IdentityClaim::Other(other)),
+            other => Ok(other),
         }
     }
 
@@ -296,28 +327,7 @@ impl RedisStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let key = self.duty_key(duty);
-        let millis = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        let mut set = redis::cmd("SET");
-        set.arg(&key)
-            .arg(holder)
-            .arg("PX")
-            .arg(millis)
-            .arg("NX")
-            .arg("GET");
-        let held: Option<String> = self.command(set).await?;
-        match held {
-            None => Ok(true),
-            Some(held) if held == holder => {
-                // Should the claim lapse between the two commands and
-                // another holder take it, this lengthens theirs: the chore
-                // is only put off.
-                let mut extend = redis::cmd("PEXPIRE");
-                extend.arg(&key).arg(millis);
-                self.command::<Value>(extend).await?;
-                Ok(true)
-            }
-            Some(_) => Ok(false),
-        }
+        Ok(self.claim_key(&key, holder, ttl, &[]).await?.is_none())
     }
 
     /// Checks that the server answers (`PING`), within the timeout.
