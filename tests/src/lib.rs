@@ -283,31 +283,34 @@ pub async fn duty_is_held_by_one_holder_at_a_time<S: idem_core::Store>(a: S, b: 
     use std::time::Duration;
 
     use idem_core::Store as _;
-    // Long enough that a stalled machine does not let a claim lapse
-    // between two steps that expect it held.
-    let ttl = Duration::from_secs(3);
-    let claim = async |store: &S, duty: &str, holder: &str| {
+
+    let claim = async |store: &S, duty: &str, holder: &str, ttl: Duration| {
         store.claim_duty(duty, holder, ttl).await.expect("claim")
     };
-    assert!(claim(&a, "chore", "a").await);
-    assert!(!claim(&b, "chore", "b").await);
+    // Each step that expects a claim held has seconds of margin, so that
+    // a stalled machine does not let it lapse in between.
+    let first = Duration::from_secs(3);
+    assert!(claim(&a, "chore", "a", first).await);
+    assert!(!claim(&b, "chore", "b", first).await);
     // Another chore is free.
-    assert!(claim(&b, "other", "b").await);
-    // The holder extends its claim; the other still cannot take it.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(claim(&a, "chore", "a").await);
-    // Past the first claim's end: only the extension keeps it.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(!claim(&b, "chore", "b").await);
-    // Once the claim lapses, the other takes the chore over.
+    assert!(claim(&b, "other", "b", first).await);
+    // The holder extends its claim; past the first claim's end the other
+    // still cannot take it.
+    assert!(claim(&a, "chore", "a", Duration::from_secs(30)).await);
+    let past_first = tokio::time::Instant::now() + first + Duration::from_millis(500);
+    tokio::time::sleep_until(past_first).await;
+    assert!(!claim(&b, "chore", "b", first).await);
+    // A holder's claim is its new length from now, shorter too; once it
+    // lapses, the other takes the chore over.
+    assert!(claim(&a, "chore", "a", Duration::from_millis(300)).await);
     wait_until(Duration::from_secs(10), "the claim to lapse", async || {
-        claim(&b, "chore", "b").await
+        claim(&b, "chore", "b", first).await
     })
     .await;
-    assert!(!claim(&a, "chore", "a").await);
+    assert!(!claim(&a, "chore", "a", first).await);
     let memory = idem_memory::MemoryStore::new();
-    assert!(memory.claim_duty("chore", "a", ttl).await.expect("claim"));
-    assert!(memory.claim_duty("chore", "b", ttl).await.expect("claim"));
+    assert!(memory.claim_duty("chore", "a", first).await.expect("claim"));
+    assert!(memory.claim_duty("chore", "b", first).await.expect("claim"));
 }
 
 /// Checks how a store is claimed for an identity (`claim_identity` of
