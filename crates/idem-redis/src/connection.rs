@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::{RedisStore, millis, unavailable};
 
-use idem_core::StoreError;
+use idem_core::{ScopeHash, StoreError};
 use redis::{ErrorKind, Script, ServerErrorKind, ToRedisArgs, Value};
 
 pub(crate) enum Pool {
@@ -26,25 +26,84 @@ pub(crate) enum Conn {
 /// argument in an allocation of its own and copies them into the command
 /// on each call). The script is loaded and the call repeated after
 /// `NOSCRIPT` (a restarted server, `SCRIPT FLUSH`).
+///
+/// The command's buffers are reused: an ended call leaves them to its
+/// thread's next calls (see [`SPARE_COMMANDS`]).
 pub(crate) struct Invocation<'s> {
     script: &'s Script,
     cmd: redis::Cmd,
 }
 
+thread_local! {
+    /// Emptied commands of ended calls, their buffers kept for this
+    /// thread's next calls: a call's command would otherwise cost two
+    /// allocations and their growth.
+    static SPARE_COMMANDS: std::cell::RefCell<Vec<redis::Cmd>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// At most this many spare commands per thread.
+const SPARE_COMMANDS_KEPT: usize = 32;
+
+/// A command whose arguments took more bytes than this is not kept: its
+/// buffer (at most twice its largest use) would hold a large body's
+/// memory for good.
+const SPARE_COMMAND_BYTES: usize = 8 * 1024;
+
 impl<'s> Invocation<'s> {
     /// A call of `script` on `keys`; arguments follow with [`arg`](Self::arg).
     pub(crate) fn new(script: &'s Script, keys: &[&str]) -> Self {
-        let mut cmd = redis::Cmd::with_capacity(16, 256);
-        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+        let mut invocation = Self::of(script, keys.len());
         for key in keys {
-            cmd.arg(*key);
+            invocation.cmd.arg(*key);
         }
+        invocation
+    }
+
+    /// A call of `script` on one key, the record key of `scope` under
+    /// `prefix` (see [`RedisStore::record_key`]), written without an
+    /// allocation of its own.
+    pub(crate) fn on_record(script: &'s Script, prefix: &str, scope: &ScopeHash) -> Self {
+        let mut invocation = Self::of(script, 1);
+        invocation.pieces(&[prefix.as_bytes(), b"{", &scope.hex_bytes(), b"}"]);
+        invocation
+    }
+
+    /// The call's head: `EVALSHA <sha> <number of keys>`.
+    fn of(script: &'s Script, keys: usize) -> Self {
+        let mut cmd = SPARE_COMMANDS
+            .with(|spare| spare.borrow_mut().pop())
+            .unwrap_or_else(|| redis::Cmd::with_capacity(16, 256));
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
         Self { script, cmd }
     }
 
     /// Appends an argument.
     pub(crate) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
         self.cmd.arg(arg);
+        self
+    }
+
+    /// Appends one argument made of `pieces`, one after the other.
+    pub(crate) fn pieces(&mut self, pieces: &[&[u8]]) -> &mut Self {
+        self.write_arg(|out| {
+            for piece in pieces {
+                out.write_all(piece)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Appends one argument that `write` writes (into the command's
+    /// buffer: writing cannot fail).
+    pub(crate) fn write_arg(
+        &mut self,
+        write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
+    ) -> &mut Self {
+        use redis::RedisWrite;
+        let mut out = self.cmd.writer_for_next_arg();
+        let _ = write(&mut out);
+        drop(out);
         self
     }
 
@@ -82,6 +141,31 @@ impl<'s> Invocation<'s> {
             Conn::Single(c) => self.cmd.query_async(c).await,
             Conn::Cluster(c) => Box::pin(self.cmd.query_async(c)).await,
         }
+    }
+}
+
+impl Drop for Invocation<'_> {
+    fn drop(&mut self) {
+        let bytes: usize = self
+            .cmd
+            .args_iter()
+            .map(|arg| match arg {
+                redis::Arg::Simple(arg) => arg.len(),
+                _ => 0,
+            })
+            .sum();
+        if bytes > SPARE_COMMAND_BYTES {
+            return;
+        }
+        let mut cmd = std::mem::take(&mut self.cmd);
+        cmd.clear();
+        // A thread being torn down keeps nothing.
+        let _ = SPARE_COMMANDS.try_with(|spare| {
+            let mut spare = spare.borrow_mut();
+            if spare.len() < SPARE_COMMANDS_KEPT {
+                spare.push(cmd);
+            }
+        });
     }
 }
 
@@ -317,11 +401,13 @@ impl RedisStore {
 /// nobody runs. Retried until the server answers, for at most a lease
 /// (after which a takeover frees the key anyway).
 pub(crate) struct Abandon<'s> {
-    /// The store's tasks that free given-up reservations
+    /// The store: its abandon script, its key prefix and its tasks that
+    /// free given-up reservations
     /// ([`Store::settled`](idem_core::Store::settled) waits for them).
-    pub(crate) tasks: &'s tokio_util::task::TaskTracker,
-    pub(crate) script: std::sync::Arc<Script>,
-    pub(crate) key: String,
+    pub(crate) store: &'s RedisStore,
+    /// The record's scope (its key is written only if the reservation is
+    /// abandoned).
+    pub(crate) scope: ScopeHash,
     pub(crate) attempt: uuid::Uuid,
     pub(crate) token: uuid::Uuid,
     pub(crate) conn: Option<Conn>,
@@ -336,16 +422,17 @@ impl Drop for Abandon<'_> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (script, key, within) = (
-            std::sync::Arc::clone(&self.script),
-            std::mem::take(&mut self.key),
+        let (script, prefix, scope, within) = (
+            std::sync::Arc::clone(&self.store.scripts.abandon),
+            self.store.prefix.clone(),
+            self.scope,
             self.within,
         );
         let (attempt, token) = (self.attempt, self.token);
         let task = async move {
             let abandon = async {
                 loop {
-                    let mut invocation = Invocation::new(&script, &[&key]);
+                    let mut invocation = Invocation::on_record(&script, &prefix, &scope);
                     invocation.uuid(&attempt).uuid(&token);
                     let sent = invocation.invoke(&mut conn).await;
                     match sent {
@@ -361,6 +448,62 @@ impl Drop for Abandon<'_> {
                 tracing::warn!("a given-up reservation could not be freed; its lease will lapse");
             }
         };
-        self.tasks.spawn_on(task, &runtime);
+        self.store.given_up.spawn_on(task, &runtime);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spare() -> usize {
+        SPARE_COMMANDS.with(|spare| spare.borrow().len())
+    }
+
+    fn args(invocation: &Invocation<'_>) -> Vec<Vec<u8>> {
+        invocation
+            .cmd
+            .args_iter()
+            .map(|arg| match arg {
+                redis::Arg::Simple(arg) => arg.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// An ended call's command is kept, emptied, for the thread's next
+    /// call; one that held a large argument is not.
+    #[test]
+    fn ended_commands_are_reused_emptied_unless_large() {
+        let script = Script::new("return 1");
+        let before = spare();
+        let mut first = Invocation::new(&script, &["k1"]);
+        first.arg("value").pieces(&[b"a", b"b"]);
+        assert_eq!(
+            args(&first)[3..],
+            [b"k1".to_vec(), b"value".to_vec(), b"ab".to_vec()]
+        );
+        drop(first);
+        assert_eq!(spare(), before + 1);
+        // The next call takes it and starts from nothing.
+        let scope = ScopeHash::from_bytes([0xab; 32]);
+        let second = Invocation::on_record(&script, "p:", &scope);
+        assert_eq!(spare(), before);
+        let written = args(&second);
+        assert_eq!(written.len(), 4, "{written:?}");
+        assert_eq!(written[0], b"EVALSHA");
+        assert_eq!(written[2], b"1");
+        assert_eq!(
+            written[3],
+            format!("p:{{{}}}", "ab".repeat(32)).into_bytes()
+        );
+        drop(second);
+        assert_eq!(spare(), before + 1);
+        // A call that carried a large body leaves nothing behind.
+        let mut large = Invocation::new(&script, &["k"]);
+        large.arg(vec![0u8; SPARE_COMMAND_BYTES + 1]);
+        let taken = spare();
+        drop(large);
+        assert_eq!(spare(), taken);
     }
 }

@@ -114,33 +114,69 @@ pub(crate) fn bytes(value: &Value) -> Result<Bytes, StoreError> {
 /// bytes)`: 69 characters become 37 bytes, within the 64 bytes of Redis'
 /// compact hash encoding.
 pub(crate) fn encode_tenant(tenant: &str) -> (&'static str, Vec<u8>) {
-    // Lower-case hex digits only: an upper-case digit would not read back
-    // as written.
-    fn nibble(digit: u8) -> Option<u8> {
-        match digit {
-            b'0'..=b'9' => Some(digit - b'0'),
-            b'a'..=b'f' => Some(digit - b'a' + 10),
-            _ => None,
+    let form = TenantForm::of(tenant);
+    (form.field(), form.pieces().concat())
+}
+
+/// A tenant as [`encode_tenant`] keeps it, without a copy: its field and
+/// the pieces of its value.
+pub(crate) struct TenantForm<'a> {
+    /// The tenant, or the prefix before its hash.
+    text: &'a [u8],
+    /// The hash's bytes, when the tenant ends in one.
+    hash: Option<[u8; 32]>,
+}
+
+impl<'a> TenantForm<'a> {
+    pub(crate) fn of(tenant: &'a str) -> Self {
+        // Lower-case hex digits only: an upper-case digit would not read
+        // back as written.
+        fn nibble(digit: u8) -> Option<u8> {
+            match digit {
+                b'0'..=b'9' => Some(digit - b'0'),
+                b'a'..=b'f' => Some(digit - b'a' + 10),
+                _ => None,
+            }
+        }
+        fn decode(hex: &[u8]) -> Option<[u8; 32]> {
+            let mut hash = [0u8; 32];
+            for (byte, pair) in hash.iter_mut().zip(hex.chunks_exact(2)) {
+                *byte = nibble(pair[0])? << 4 | nibble(pair[1])?;
+            }
+            Some(hash)
+        }
+        let bytes = tenant.as_bytes();
+        if let Some(split) = bytes.len().checked_sub(64) {
+            let (prefix, hex) = bytes.split_at(split);
+            if let Some(hash) = decode(hex) {
+                return Self {
+                    text: prefix,
+                    hash: Some(hash),
+                };
+            }
+        }
+        Self {
+            text: bytes,
+            hash: None,
         }
     }
-    fn decode(hex: &[u8]) -> Option<[u8; 32]> {
-        let mut hash = [0u8; 32];
-        for (byte, pair) in hash.iter_mut().zip(hex.chunks_exact(2)) {
-            *byte = nibble(pair[0])? << 4 | nibble(pair[1])?;
-        }
-        Some(hash)
-    }
-    let bytes = tenant.as_bytes();
-    if let Some(split) = bytes.len().checked_sub(64) {
-        let (prefix, hex) = bytes.split_at(split);
-        if let Some(hash) = decode(hex) {
-            let mut out = Vec::with_capacity(prefix.len() + 32);
-            out.extend_from_slice(prefix);
-            out.extend_from_slice(&hash);
-            return ("tenant_bin", out);
+
+    /// `tenant` or `tenant_bin`.
+    pub(crate) fn field(&self) -> &'static str {
+        if self.hash.is_some() {
+            "tenant_bin"
+        } else {
+            "tenant"
         }
     }
-    ("tenant", bytes.to_vec())
+
+    /// The field's value, in two pieces.
+    pub(crate) fn pieces(&self) -> [&[u8]; 2] {
+        [
+            self.text,
+            self.hash.as_ref().map_or(&[][..], |hash| &hash[..]),
+        ]
+    }
 }
 
 /// Reads back what [`encode_tenant`] wrote.
@@ -164,19 +200,31 @@ fn decode_tenant(fields: &HashMap<String, &Value>) -> Result<String, StoreError>
     Ok(tenant)
 }
 
+/// A stored response's headers as a record keeps them: each name and
+/// value led by its length (four bytes, big-endian).
+#[cfg(test)]
 pub(crate) fn encode_headers(headers: &[(HeaderName, Bytes)]) -> Vec<u8> {
     // Sized once: growing from empty reallocates four or five times.
     let size = headers
         .iter()
         .map(|(name, value)| 8 + name.as_str().len() + value.len());
     let mut out = Vec::with_capacity(size.sum());
+    let _ = write_headers(&mut out, headers);
+    out
+}
+
+/// Writes what [`encode_headers`] answers into `out`.
+pub(crate) fn write_headers(
+    out: &mut dyn std::io::Write,
+    headers: &[(HeaderName, Bytes)],
+) -> std::io::Result<()> {
     for (name, value) in headers {
         for part in [name.as_str().as_bytes(), value.as_ref()] {
-            out.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
-            out.extend_from_slice(part);
+            out.write_all(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes())?;
+            out.write_all(part)?;
         }
     }
-    out
+    Ok(())
 }
 
 pub(crate) fn decode_headers(mut raw: &[u8]) -> Result<Vec<(HeaderName, Bytes)>, StoreError> {

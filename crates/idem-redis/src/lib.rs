@@ -476,31 +476,32 @@ impl Store for RedisStore {
         // is out (a future holds what is live across an await: a copy
         // would make every reservation's future larger).
         let mut guard = Abandon {
-            tasks: &self.given_up,
-            script: std::sync::Arc::clone(&self.scripts.abandon),
-            key: self.record_key(scope),
+            store: self,
+            scope: *scope,
             attempt: AttemptId::new().0,
             token: OwnerToken::new().0,
             conn: None,
             within: request.lease,
         };
-        let (tenant_field, tenant) = encode_tenant(request.scope.tenant());
-        let script = if tenant_field == "tenant_bin" {
-            &self.scripts.reserve_bin
-        } else {
-            &self.scripts.reserve
+        let invocation = {
+            let tenant = TenantForm::of(request.scope.tenant());
+            let script = if tenant.field() == "tenant_bin" {
+                &self.scripts.reserve_bin
+            } else {
+                &self.scripts.reserve
+            };
+            let mut invocation = Invocation::on_record(script, &self.prefix, scope);
+            invocation
+                .arg(&request.fingerprint.hex_bytes()[..])
+                .uuid(&guard.attempt)
+                .uuid(&guard.token)
+                .arg(millis(request.lease))
+                .arg(millis(request.retention))
+                .pieces(&tenant.pieces())
+                .arg(request.scope.operation())
+                .arg(request.scope.key().as_str());
+            invocation
         };
-        let mut invocation = Invocation::new(script, &[&guard.key]);
-        invocation
-            .arg(&request.fingerprint.hex_bytes()[..])
-            .uuid(&guard.attempt)
-            .uuid(&guard.token)
-            .arg(millis(request.lease))
-            .arg(millis(request.retention));
-        invocation
-            .arg(tenant)
-            .arg(request.scope.operation())
-            .arg(request.scope.key().as_str());
         let (reply, acked) = self
             .run_on(invocation, self.wait_replicas.is_some(), &mut guard.conn)
             .await?;
@@ -532,8 +533,7 @@ impl Store for RedisStore {
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        let key = self.record_key(&lease.scope);
-        let mut invocation = Invocation::new(&self.scripts.renew, &[&key]);
+        let mut invocation = Invocation::on_record(&self.scripts.renew, &self.prefix, &lease.scope);
         lease_args(&mut invocation, lease);
         invocation.arg(millis(lease.ttl));
         let reply = items(self.run(invocation, false).await?.0)?;
@@ -544,20 +544,23 @@ impl Store for RedisStore {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
-        let key = self.record_key(&lease.scope);
-        let mut invocation = Invocation::new(&self.scripts.complete, &[&key]);
+        let mut invocation =
+            Invocation::on_record(&self.scripts.complete, &self.prefix, &lease.scope);
         lease_args(&mut invocation, lease);
         invocation.uuid(&lease.attempt.0);
         // '<status>:<stored>': one argument, as a packed record keeps them.
         match outcome {
             Outcome::Stored(response) => {
                 invocation
-                    .arg(format!("{}:1", response.status))
-                    .arg(encode_headers(&response.headers))
+                    .write_arg(|out| write!(out, "{}:1", response.status))
+                    .write_arg(|out| write_headers(out, &response.headers))
                     .arg(response.body.as_ref());
             }
             Outcome::NotStored { status } => {
-                invocation.arg(format!("{status}:0")).arg("").arg("");
+                invocation
+                    .write_arg(|out| write!(out, "{status}:0"))
+                    .arg("")
+                    .arg("");
             }
         }
         // The attempt's end by this process' clock (see complete.lua).
@@ -580,8 +583,8 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        let key = self.record_key(&lease.scope);
-        let mut invocation = Invocation::new(&self.scripts.release, &[&key]);
+        let mut invocation =
+            Invocation::on_record(&self.scripts.release, &self.prefix, &lease.scope);
         lease_args(&mut invocation, lease);
         invocation.uuid(&lease.attempt.0).arg(unix_ms());
         let reply = self.run(invocation, false).await?.0;
