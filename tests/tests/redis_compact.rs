@@ -485,3 +485,61 @@ async fn a_tenants_listing_reads_no_other_tenants_record() {
         );
     }
 }
+
+/// A listing reads every record key, however many the store holds: with
+/// 100,000 other keys under the prefix, all 2,000 lapsed reservations are
+/// found. (A listing used to stop after the first 100,000 keys it
+/// scanned and answer from those alone: the lapsed-records gauge of a
+/// large store showed some of its stuck records, or none.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_reads_past_a_hundred_thousand_keys() {
+    use idem_core::{
+        Fingerprint, IdempotencyKey, RecordQuery, Reservation, ReserveRequest, Scope, Store,
+    };
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    // Keys under the store's prefix that hold no record (a listing skips
+    // them after the scan, as it does any key not named by a scope hash).
+    let filled = redis.cli(&[
+        "EVAL",
+        "for i = 1, tonumber(ARGV[1]) do redis.call('SET', 'idem:{filler-' .. i .. '}', '1') end return redis.call('DBSIZE')",
+        "0",
+        "100000",
+    ]);
+    assert_eq!(filled.trim(), "100000");
+    let store = idem_redis::RedisStore::from_url(&redis.url()).expect("store");
+    const STUCK: usize = 2_000;
+    for n in 0..STUCK {
+        let request = ReserveRequest {
+            scope: Scope::new(
+                "tenant",
+                "POST /orders",
+                IdempotencyKey::parse(format!("stuck-{n}").as_bytes()).expect("key"),
+            ),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: std::time::Duration::from_millis(20),
+            retention: std::time::Duration::from_secs(600),
+        };
+        let reserved = store.reserve(&request).await.expect("reserve");
+        assert!(matches!(reserved, Reservation::Acquired(_)), "{reserved:?}");
+    }
+    let lapsed = RecordQuery {
+        lapsed: true,
+        limit: 10_000,
+        ..RecordQuery::default()
+    };
+    // The leases lapse 20 ms after their reservations, by Redis' clock.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let found = store.list(&lapsed).await.expect("list").len();
+        if found == STUCK {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the listing found {found} of {STUCK} lapsed records"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}

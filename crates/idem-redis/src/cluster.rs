@@ -66,39 +66,75 @@ impl RedisStore {
         })
     }
 
-    /// The keys of every record (`SCAN` of each node; on a cluster, of
-    /// each master), at most [`LIST_SCAN_LIMIT`].
-    pub(crate) async fn record_keys(&self) -> Result<Vec<String>, StoreError> {
+    /// The scopes of every record, a `SCAN` page at a time (of each node;
+    /// on a cluster, of each master), however many there are: the pages
+    /// are read as the stream is, so a listing holds one page of keys at
+    /// a time. A key may come twice (`SCAN` promises every key that lives
+    /// throughout at least once).
+    pub(crate) fn record_scopes(
+        &self,
+    ) -> impl futures_util::Stream<Item = Result<Vec<ScopeHash>, StoreError>> + Send + '_ {
+        /// Where the walk is: the connection, the nodes left, the cursor.
+        struct Walk {
+            lane: usize,
+            conn: Conn,
+            nodes: Vec<Option<Address>>,
+            cursor: u64,
+        }
         let pattern = format!("{}{{*}}", self.prefix);
-        let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
-        let nodes: Vec<Option<Address>> = match &conn {
-            Conn::Single(_) => vec![None],
-            Conn::Cluster(cluster) => masters_of(&self.slot_map(&mut cluster.clone()).await?)
-                .into_iter()
-                .map(Some)
-                .collect(),
-        };
-        let mut keys = Vec::new();
-        for node in &nodes {
-            let mut cursor = 0u64;
-            loop {
-                let page = self.scan_page(&conn, node.as_ref(), cursor, &pattern);
-                let (next, batch) = match self.bounded(self.timeout, page).await {
+        futures_util::stream::try_unfold(None, move |walk: Option<Walk>| {
+            let pattern = pattern.clone();
+            async move {
+                let mut walk = match walk {
+                    Some(walk) => walk,
+                    None => {
+                        let (lane, conn) = self.bounded(self.timeout, self.connection()).await?;
+                        let mut nodes: Vec<Option<Address>> = match &conn {
+                            Conn::Single(_) => vec![None],
+                            Conn::Cluster(cluster) => {
+                                masters_of(&self.slot_map(&mut cluster.clone()).await?)
+                                    .into_iter()
+                                    .map(Some)
+                                    .collect()
+                            }
+                        };
+                        // Taken from the end.
+                        nodes.reverse();
+                        Walk {
+                            lane,
+                            conn,
+                            nodes,
+                            cursor: 0,
+                        }
+                    }
+                };
+                let Some(node) = walk.nodes.last() else {
+                    return Ok(None);
+                };
+                let page = self.scan_page(&walk.conn, node.as_ref(), walk.cursor, &pattern);
+                let (next, keys) = match page.await {
                     Ok(page) => page,
                     Err(error) => {
-                        self.failed(lane);
+                        self.failed(walk.lane);
                         return Err(error);
                     }
                 };
-                keys.extend(batch);
-                if next == 0 || keys.len() >= LIST_SCAN_LIMIT {
-                    break;
+                if next == 0 {
+                    walk.nodes.pop();
                 }
-                cursor = next;
+                walk.cursor = next;
+                let scopes = keys
+                    .iter()
+                    .filter_map(|key| {
+                        key.strip_prefix(&self.prefix)
+                            .and_then(|rest| rest.strip_prefix('{'))
+                            .and_then(|rest| rest.strip_suffix('}'))
+                            .and_then(scope_from_hex)
+                    })
+                    .collect();
+                Ok(Some((scopes, Some(walk))))
             }
-        }
-        keys.truncate(LIST_SCAN_LIMIT);
-        Ok(keys)
+        })
     }
 
     /// The slot map (`CLUSTER SLOTS`), from a node that answers: up to
@@ -190,8 +226,11 @@ pub(crate) fn scope_from_hex(hex: &str) -> Option<ScopeHash> {
     Some(ScopeHash::from_bytes(*fingerprint.as_bytes()))
 }
 
-/// The most record keys [`Store::list`](idem_core::Store::list) reads (it scans, then reads each
-/// record: an operator's tool, not a hot path).
+/// The most record keys [`Store::list`](idem_core::Store::list) read
+/// before this version, which answered from the first keys it scanned
+/// when a store held more. A listing now reads every record key, a page at
+/// a time, within the listing's timeout.
+#[deprecated(note = "a listing reads every record key; nothing limits it to this many")]
 pub const LIST_SCAN_LIMIT: usize = 100_000;
 
 /// The hash slots of Redis Cluster.

@@ -117,8 +117,9 @@ mod scripts;
 mod watch;
 
 pub use builder::{BuildError, RedisStoreBuilder};
-use cluster::scope_from_hex;
-pub use cluster::{Health, LIST_SCAN_LIMIT, failover_bound};
+#[allow(deprecated)]
+pub use cluster::LIST_SCAN_LIMIT;
+pub use cluster::{Health, failover_bound};
 use connection::{Abandon, Invocation, Lane, Pool};
 use decode::*;
 use scripts::Scripts;
@@ -620,18 +621,7 @@ impl Store for RedisStore {
             [secs, micros] => secs * 1000 + micros / 1000,
             _ => return Err(corrupt("TIME answered oddly")),
         };
-        use futures_util::{StreamExt, TryStreamExt};
-        let scopes: Vec<ScopeHash> = self
-            .record_keys()
-            .await?
-            .iter()
-            .filter_map(|key| {
-                key.strip_prefix(&self.prefix)
-                    .and_then(|rest| rest.strip_prefix('{'))
-                    .and_then(|rest| rest.strip_suffix('}'))
-                    .and_then(scope_from_hex)
-            })
-            .collect();
+        use futures_util::TryStreamExt;
         // A query that only processing records can match reads the others'
         // state alone (most records are completed).
         let only_processing = query.lapsed || query.state == Some(RecordState::Processing);
@@ -650,10 +640,14 @@ impl Store for RedisStore {
         // The reads share the connection, LIST_READS_AT_ONCE in flight:
         // Redis takes them in batches instead of one round trip each.
         // Only the oldest matches so far are kept: a listing holds no more
-        // than its answer, however many records it reads.
-        let found = futures_util::stream::iter(scopes)
-            .map(|scope| async move { self.read(&scope, only_processing, tenant).await })
-            .buffer_unordered(LIST_READS_AT_ONCE)
+        // than its answer and a page of keys, however many records it
+        // reads.
+        let found = self
+            .record_scopes()
+            .map_ok(|page| futures_util::stream::iter(page.into_iter().map(Ok)))
+            .try_flatten()
+            .map_ok(|scope| async move { self.read(&scope, only_processing, tenant).await })
+            .try_buffer_unordered(LIST_READS_AT_ONCE)
             .try_fold(OldestRecords::new(query.limit), |mut found, record| {
                 if let Some(record) = record.filter(|record| query.matches(record, now_ms)) {
                     found.offer(record);

@@ -322,6 +322,11 @@ const LAPSED_EVERY: Duration = Duration::from_secs(5);
 /// length before the next.
 const LAPSED_IDLE_PARTS: u32 = 50;
 
+/// How long a count of the lapsed records may take (a Redis store reads
+/// every record it holds to count them); a count that fails or takes
+/// longer is logged and the gauge keeps its last value.
+const LAPSED_COUNT_BOUND: Duration = Duration::from_secs(30);
+
 /// The wait before the next sweep of lapsed records, after one that took
 /// `took`.
 fn lapsed_wait(took: Duration) -> Duration {
@@ -966,7 +971,7 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
             let claim = store.claim_duty(LAPSED_DUTY, &holder, wait + LAPSED_CLAIM_SLACK);
             wait = match tokio::time::timeout(bound, claim).await {
                 Ok(Ok(true)) => {
-                    let wait = count_lapsed(&*store, bound).await;
+                    let wait = count_lapsed(&*store, LAPSED_COUNT_BOUND).await;
                     if wait > LAPSED_EVERY {
                         // A long sweep waits longer: keep the chore for it.
                         let ttl = wait.saturating_add(LAPSED_CLAIM_SLACK);
@@ -986,7 +991,7 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
                 // from before the duties table): count as every gateway
                 // did before; a store that is down fails the count too,
                 // and the gauge keeps its value.
-                _ => count_lapsed(&*store, bound).await,
+                _ => count_lapsed(&*store, LAPSED_COUNT_BOUND).await,
             };
             tokio::time::sleep(wait).await;
         }
@@ -1002,8 +1007,16 @@ async fn count_lapsed<S: Store>(store: &S, bound: Duration) -> Duration {
         ..Default::default()
     };
     let started = tokio::time::Instant::now();
-    if let Ok(Ok(records)) = tokio::time::timeout(bound, store.list(&stuck)).await {
-        metrics::gauge!("idem_records_lapsed").set(records.len() as f64);
+    match tokio::time::timeout(bound, store.list(&stuck)).await {
+        Ok(Ok(records)) => metrics::gauge!("idem_records_lapsed").set(records.len() as f64),
+        Ok(Err(error)) => tracing::warn!(
+            %error,
+            "could not count the lapsed records; idem_records_lapsed keeps its last value"
+        ),
+        Err(_) => tracing::warn!(
+            ?bound,
+            "counting the lapsed records took too long; idem_records_lapsed keeps its last value"
+        ),
     }
     lapsed_wait(started.elapsed())
 }
