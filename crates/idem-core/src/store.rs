@@ -175,12 +175,15 @@ impl RecordQuery {
 /// The oldest records of a listing, kept while the store is scanned: it
 /// holds at most `limit` records at any time, so a listing over a large
 /// store holds no more than its answer. Oldest means created first; records
-/// created in the same millisecond go by key.
+/// created in the same millisecond go by key. A record offered again (a
+/// Redis `SCAN` may name a key twice) is kept once.
 #[derive(Debug)]
 pub struct OldestRecords {
     limit: usize,
     /// The newest kept record on top.
     kept: std::collections::BinaryHeap<ByAge>,
+    /// The scopes of the kept records.
+    scopes: std::collections::HashSet<ScopeHash>,
 }
 
 #[derive(Debug)]
@@ -218,6 +221,7 @@ impl OldestRecords {
         Self {
             limit,
             kept: std::collections::BinaryHeap::with_capacity(limit.min(1024) + 1),
+            scopes: std::collections::HashSet::new(),
         }
     }
 
@@ -232,14 +236,17 @@ impl OldestRecords {
             .is_some_and(|newest| (created_at_ms, key) < newest.age_key())
     }
 
-    /// Offers a record: kept if it is among the `limit` oldest so far.
+    /// Offers a record: kept if it is among the `limit` oldest so far and
+    /// no record of its scope is kept already.
     pub fn offer(&mut self, record: Record) {
-        if !self.wants(record.created_at_ms, &record.key) {
+        if !self.wants(record.created_at_ms, &record.key) || !self.scopes.insert(record.scope) {
             return;
         }
         self.kept.push(ByAge(record));
-        if self.kept.len() > self.limit {
-            self.kept.pop();
+        if self.kept.len() > self.limit
+            && let Some(ByAge(newest)) = self.kept.pop()
+        {
+            self.scopes.remove(&newest.scope);
         }
     }
 
@@ -620,5 +627,33 @@ mod tests {
         assert!(!none.wants(0, "a"));
         none.offer(record(0, "a"));
         assert!(none.into_oldest_first().is_empty());
+    }
+
+    /// A record offered twice is kept once; a record evicted by older ones
+    /// leaves no trace behind.
+    #[test]
+    fn a_record_offered_twice_is_kept_once() {
+        let mut oldest = OldestRecords::new(3);
+        let twice = record(5, "a");
+        oldest.offer(twice.clone());
+        oldest.offer(twice);
+        oldest.offer(record(6, "b"));
+        let kept: Vec<String> = oldest
+            .into_oldest_first()
+            .into_iter()
+            .map(|r| r.key)
+            .collect();
+        assert_eq!(kept, ["a", "b"]);
+        let mut oldest = OldestRecords::new(1);
+        oldest.offer(record(9, "late"));
+        oldest.offer(record(1, "early"));
+        assert_eq!(oldest.scopes.len(), 1);
+        oldest.offer(record(0, "earliest"));
+        let kept: Vec<String> = oldest
+            .into_oldest_first()
+            .into_iter()
+            .map(|r| r.key)
+            .collect();
+        assert_eq!(kept, ["earliest"]);
     }
 }
