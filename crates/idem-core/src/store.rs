@@ -633,27 +633,24 @@ mod tests {
     /// leaves no trace behind.
     #[test]
     fn a_record_offered_twice_is_kept_once() {
+        let keys = |oldest: OldestRecords| -> Vec<String> {
+            oldest
+                .into_oldest_first()
+                .into_iter()
+                .map(|r| r.key)
+                .collect()
+        };
         let mut oldest = OldestRecords::new(3);
         let twice = record(5, "a");
         oldest.offer(twice.clone());
         oldest.offer(twice);
         oldest.offer(record(6, "b"));
-        let kept: Vec<String> = oldest
-            .into_oldest_first()
-            .into_iter()
-            .map(|r| r.key)
-            .collect();
-        assert_eq!(kept, ["a", "b"]);
+        assert_eq!(keys(oldest), ["a", "b"]);
         let mut oldest = OldestRecords::new(1);
         oldest.offer(record(9, "late"));
         oldest.offer(record(1, "early"));
         assert_eq!(oldest.scopes.len(), 1);
         oldest.offer(record(0, "earliest"));
-        let kept: Vec<String> = oldest
-            .into_oldest_first()
-            .into_iter()
-            .map(|r| r.key)
-            .collect();
-        assert_eq!(kept, ["earliest"]);
+        assert_eq!(keys(oldest), ["earliest"]);
     }
 }
