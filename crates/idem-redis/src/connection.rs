@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::{RedisStore, millis, unavailable};
+use crate::{RedisStore, millis, record_key_pieces, unavailable};
 
 use idem_core::{ScopeHash, StoreError};
 use redis::{ErrorKind, Script, ServerErrorKind, ToRedisArgs, Value};
@@ -65,7 +65,7 @@ impl<'s> Invocation<'s> {
     /// allocation of its own.
     pub(crate) fn on_record(script: &'s Script, prefix: &str, scope: &ScopeHash) -> Self {
         let mut invocation = Self::of(script, 1);
-        invocation.pieces(&[prefix.as_bytes(), b"{", &scope.hex_bytes(), b"}"]);
+        invocation.pieces(&record_key_pieces(prefix, &scope.hex_bytes()));
         invocation
     }
 

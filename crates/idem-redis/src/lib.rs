@@ -168,6 +168,14 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
+/// The Redis key of a scope's record under `prefix`, in the pieces it is
+/// written from: the scope hash's hex (`hex`, its
+/// [`ScopeHash::hex_bytes`]) inside a hash tag, so that every key of one
+/// record lands in one cluster slot.
+fn record_key_pieces<'a>(prefix: &'a str, hex: &'a [u8; 64]) -> [&'a [u8]; 4] {
+    [prefix.as_bytes(), b"{", hex, b"}"]
+}
+
 /// A claim's time to live in whole milliseconds, at least one (`PX`).
 fn px(ttl: Duration) -> u64 {
     u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
@@ -211,12 +219,11 @@ impl RedisStore {
 
     /// The Redis key of a scope's record: the scope hash inside a hash tag.
     pub fn record_key(&self, scope: &ScopeHash) -> String {
-        let mut key = String::with_capacity(self.prefix.len() + 66);
-        key.push_str(&self.prefix);
-        key.push('{');
-        scope.write_hex(&mut key);
-        key.push('}');
-        key
+        let hex = scope.hex_bytes();
+        record_key_pieces(&self.prefix, &hex)
+            .iter()
+            .map(|piece| String::from_utf8_lossy(piece))
+            .collect()
     }
 
     /// The live record of `scope`; with `only_processing`, only if it is
@@ -229,8 +236,7 @@ impl RedisStore {
         only_processing: bool,
         tenant: Option<(&str, &[u8])>,
     ) -> Result<Option<Record>, StoreError> {
-        let key = self.record_key(scope);
-        let mut invocation = Invocation::new(&self.scripts.get, &[&key]);
+        let mut invocation = Invocation::on_record(&self.scripts.get, &self.prefix, scope);
         if only_processing || tenant.is_some() {
             invocation.arg(if only_processing { "processing" } else { "" });
         }
@@ -596,8 +602,7 @@ impl Store for RedisStore {
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        let key = self.record_key(scope);
-        let mut invocation = Invocation::new(&self.scripts.cancel, &[&key]);
+        let mut invocation = Invocation::on_record(&self.scripts.cancel, &self.prefix, scope);
         // The id lets a retried call recognise its own earlier cancel.
         invocation.uuid(&uuid::Uuid::new_v4());
         let reply = items(self.run(invocation, false).await?.0)?;
@@ -659,8 +664,7 @@ impl Store for RedisStore {
     }
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        let key = self.record_key(scope);
-        let invocation = Invocation::new(&self.scripts.force_release, &[&key]);
+        let invocation = Invocation::on_record(&self.scripts.force_release, &self.prefix, scope);
         let reply = items(self.run(invocation, false).await?.0)?;
         let Some((kind, pairs)) = reply.split_first() else {
             return Err(corrupt("empty force-release reply"));

@@ -971,7 +971,7 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
             let claim = store.claim_duty(LAPSED_DUTY, &holder, wait + LAPSED_CLAIM_SLACK);
             wait = match tokio::time::timeout(bound, claim).await {
                 Ok(Ok(true)) => {
-                    let wait = count_lapsed(&*store, LAPSED_COUNT_BOUND).await;
+                    let wait = count_lapsed(&*store).await;
                     if wait > LAPSED_EVERY {
                         // A long sweep waits longer: keep the chore for it.
                         let ttl = wait.saturating_add(LAPSED_CLAIM_SLACK);
@@ -991,7 +991,7 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
                 // from before the duties table): count as every gateway
                 // did before; a store that is down fails the count too,
                 // and the gauge keeps its value.
-                _ => count_lapsed(&*store, LAPSED_COUNT_BOUND).await,
+                _ => count_lapsed(&*store).await,
             };
             tokio::time::sleep(wait).await;
         }
@@ -999,8 +999,10 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
 }
 
 /// Counts the lapsed records into `idem_records_lapsed` (unless the
-/// store fails within `bound`); the wait before the next count.
-async fn count_lapsed<S: Store>(store: &S, bound: Duration) -> Duration {
+/// store fails within [`LAPSED_COUNT_BOUND`]); the wait before the next
+/// count.
+async fn count_lapsed<S: Store>(store: &S) -> Duration {
+    let bound = LAPSED_COUNT_BOUND;
     let stuck = idem_core::RecordQuery {
         lapsed: true,
         limit: 10_000,
