@@ -469,8 +469,10 @@ async fn paused_redis_answers_503_within_the_timeout_and_recovers_on(packed: boo
     let runs_before = app.runs.load(Ordering::SeqCst);
 
     let elapsed = call_while_paused(&server, &app).await;
+    // By the store's 300 ms timeout: without it the call waits for the
+    // paused server for good.
     assert!(
-        elapsed < Duration::from_millis(1500),
+        elapsed < Duration::from_secs(5),
         "answered after {elapsed:?}"
     );
     assert_eq!(
