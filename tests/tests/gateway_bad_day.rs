@@ -1,5 +1,5 @@
 //! Bad days through the gateway over real HTTP: upstream timeouts and
-//! unreadable answers (unknown outcomes), path aliases, method case, big
+//! unreadable answers (unknown outcomes), answers broken mid-body, path aliases, method case, big
 //! numbers, released records, proxy headers and flags that once panicked.
 
 use std::{
@@ -115,9 +115,15 @@ async fn an_upstream_that_never_answers_is_taken_over_after_the_lease() {
     assert_eq!(seen[1].attempt.as_deref(), Some("2"));
 }
 
-/// A raw upstream that answers every request with `answer` and counts the
-/// requests it got.
+/// A raw upstream that answers every request with `answer`, closes the
+/// connection and counts the requests it got.
 async fn raw_upstream(answer: &'static [u8]) -> (SocketAddr, Arc<AtomicUsize>) {
+    raw_upstream_then(answer, true).await
+}
+
+/// [`raw_upstream`], keeping the connection open after the answer unless
+/// `close` (an upstream that stalls mid-answer).
+async fn raw_upstream_then(answer: &'static [u8], close: bool) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let count = Arc::new(AtomicUsize::new(0));
@@ -142,7 +148,12 @@ async fn raw_upstream(answer: &'static [u8]) -> (SocketAddr, Arc<AtomicUsize>) {
                 }
                 counter.fetch_add(1, Ordering::SeqCst);
                 let _ = stream.write_all(answer).await;
-                let _ = stream.shutdown().await;
+                if close {
+                    let _ = stream.shutdown().await;
+                } else {
+                    // Held open, silent, until the gateway gives up on it.
+                    let _ = stream.read(&mut buffer).await;
+                }
             });
         }
     });
@@ -184,6 +195,76 @@ async fn an_obs_folded_answer_is_recorded() {
     assert!(replay.replayed());
     assert_eq!(&replay.body[..], b"ok");
     assert_eq!(count.load(Ordering::SeqCst), 1);
+}
+
+/// An upstream that answers 201 and breaks the connection mid-body has
+/// done its work: the key is not released for a second run. The outcome
+/// is recorded without the response, so the client and every retry get
+/// `409 idempotency_response_not_stored`, and the upstream ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_broken_mid_body_never_runs_twice() {
+    let (upstream, count) = raw_upstream(
+        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"order\":",
+    )
+    .await;
+    let gateway = start(idem_tests::gateway_config(upstream, &[])).await;
+    let first = post(gateway, "/orders", "broken-1").await;
+    assert_eq!(first.status, StatusCode::CONFLICT, "{first:?}");
+    assert_eq!(
+        first.code().as_deref(),
+        Some("idempotency_response_not_stored")
+    );
+    for _ in 0..2 {
+        let retry = post(gateway, "/orders", "broken-1").await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+        assert_eq!(
+            retry.code().as_deref(),
+            Some("idempotency_response_not_stored")
+        );
+        assert!(retry.replayed());
+    }
+    assert_eq!(count.load(Ordering::SeqCst), 1, "the upstream ran once");
+}
+
+/// An upstream that sends a 201 head and part of its body, then nothing
+/// while holding the connection open, is bounded by `--upstream-timeout`
+/// as if it had broken the connection: the outcome is recorded without the
+/// response, the client and its retries get
+/// `409 idempotency_response_not_stored`, and the upstream ran once. (Before,
+/// the gateway waited for the body for good, renewing the lease: the key
+/// stayed processing and every retry got 409 in progress.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_stalled_mid_body_is_bounded_and_never_runs_twice() {
+    let (upstream, count) = raw_upstream_then(
+        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"order\":",
+        false,
+    )
+    .await;
+    let gateway = start(idem_tests::gateway_config(
+        upstream,
+        &["--upstream-timeout", "300ms"],
+    ))
+    .await;
+    // Far beyond the 300 ms bound: without it, the answer never comes.
+    let first = tokio::time::timeout(
+        Duration::from_secs(20),
+        post(gateway, "/orders", "stalled-1"),
+    )
+    .await
+    .expect("the gateway answers a stalled upstream");
+    assert_eq!(first.status, StatusCode::CONFLICT, "{first:?}");
+    assert_eq!(
+        first.code().as_deref(),
+        Some("idempotency_response_not_stored")
+    );
+    let retry = post(gateway, "/orders", "stalled-1").await;
+    assert_eq!(
+        retry.code().as_deref(),
+        Some("idempotency_response_not_stored"),
+        "{retry:?}"
+    );
+    assert!(retry.replayed());
+    assert_eq!(count.load(Ordering::SeqCst), 1, "the upstream ran once");
 }
 
 /// A refused connection provably never reached the upstream: the key is

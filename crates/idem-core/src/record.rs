@@ -105,8 +105,9 @@ pub struct StoredResponse {
 pub enum Outcome {
     /// The response, replayable byte for byte.
     Stored(StoredResponse),
-    /// The handler completed with `status`, but the response exceeded the
-    /// storable limit and was only delivered to the first caller.
+    /// The handler completed with `status`, but its response was not
+    /// stored: it exceeded the storable limit (and was only delivered to
+    /// the first caller), or its body failed after the head.
     NotStored {
         /// The status the first caller received.
         status: u16,

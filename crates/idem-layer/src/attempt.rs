@@ -43,7 +43,12 @@ enum Buffered<B> {
         prefix: VecDeque<Bytes>,
         rest: B,
     },
-    Failed(BoxError),
+    /// The body failed after the head (`parts`) had come: the handler
+    /// answered, but its answer cannot be read whole.
+    Failed {
+        parts: http::response::Parts,
+        error: BoxError,
+    },
 }
 
 async fn buffer<B>(response: Response<B>, limit: usize) -> Buffered<B>
@@ -57,7 +62,12 @@ where
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
-            Err(error) => return Buffered::Failed(error.into()),
+            Err(error) => {
+                return Buffered::Failed {
+                    parts,
+                    error: error.into(),
+                };
+            }
         };
         // Trailers are not stored.
         let Ok(data) = frame.into_data() else {
@@ -293,10 +303,17 @@ async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: 
     }
 }
 
+/// A response whose body failed after its head: the status the handler
+/// answered, and why its body cannot be read.
+struct BodyFailed {
+    status: http::StatusCode,
+    error: BoxError,
+}
+
 /// The outcome of a buffered response, and the body its client gets.
 fn outcome_of<B>(
     buffered: Buffered<B>,
-) -> Result<(http::response::Parts, ResponseBody<B>, Outcome), BoxError>
+) -> Result<(http::response::Parts, ResponseBody<B>, Outcome), BodyFailed>
 where
     B: Body<Data = Bytes> + Unpin,
 {
@@ -321,7 +338,12 @@ where
                 Outcome::NotStored { status },
             )
         }
-        Buffered::Failed(error) => return Err(error),
+        Buffered::Failed { parts, error } => {
+            return Err(BodyFailed {
+                status: parts.status,
+                error,
+            });
+        }
     })
 }
 
@@ -401,8 +423,16 @@ where
         };
         let (parts, body, mut outcome) = match outcome_of(buffered) {
             Ok(produced) => produced,
-            Err(error) => {
-                return Ok(failed(format!("the handler's response body failed: {error}")).await);
+            Err(lost) => {
+                // A transaction the handler left is rolled back as it is
+                // dropped here: nothing it wrote happened, and the key is
+                // released for the retry.
+                let rolled_back = slot.and_then(|slot| slot.take()).is_some();
+                if rolled_back || !(config.should_store)(lost.status) {
+                    let detail = format!("the handler's response body failed: {}", lost.error);
+                    return Ok(failed(detail).await);
+                }
+                return Ok(body_lost(&rt, &reserved, &lease, lost).await);
             }
         };
         if let Outcome::Stored(stored) = &mut outcome {
@@ -419,6 +449,44 @@ where
                 .and_then(answer_current),
         };
         Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
+    }
+}
+
+/// A response whose head came but whose body failed: the handler ran
+/// and answered `status`, so running it again on a retry could repeat its
+/// action (an upstream that broke the connection mid-body has done its
+/// work). A status the layer stores is recorded as completed without its
+/// response, as a response over the storable limit is: this client and
+/// every retry get `409 idempotency_response_not_stored`, and nothing runs
+/// again. A status the layer does not store releases the key, as it would
+/// have with its body.
+async fn body_lost<S: Store, B>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    lease: &Lease,
+    lost: BodyFailed,
+) -> Response<ResponseBody<B>> {
+    let BodyFailed { status, error } = lost;
+    let code = status.as_u16();
+    let stored = (rt.config.should_store)(status);
+    tracing::warn!(%error, status = code, stored, "the response body failed after its head");
+    let outcome = Outcome::NotStored { status: code };
+    if let Some(answer) = settle(rt, request, lease, status, outcome)
+        .await
+        .and_then(answer_current)
+    {
+        return answer;
+    }
+    if stored {
+        let detail = format!(
+            "the handler answered {code}, but its response body failed before it was read \
+             whole ({error}); the outcome is recorded without the response, and retries get \
+             this answer without running it again"
+        );
+        problem(ProblemCode::ResponseNotStored, &detail, None)
+    } else {
+        let detail = format!("the handler answered {code}, but its response body failed ({error})");
+        problem(ProblemCode::HandlerFailed, &detail, None)
     }
 }
 
@@ -510,8 +578,8 @@ async fn await_late<S: Store>(
             );
             let _ = settle(&rt, &request, &lease, parts.status, outcome).await;
         }
-        Err(error) => {
-            tracing::warn!(%error, "the late answer's body failed; the lease will lapse");
+        Err(lost) => {
+            let _ = body_lost::<_, ()>(&rt, &request, &lease, lost).await;
         }
     }
 }

@@ -55,8 +55,16 @@
 //! * A response too large to store (over [`IdempotencyLayer::max_response`])
 //!   reaches the first caller; later retries get
 //!   `409 idempotency_response_not_stored`, and the handler is not run again.
-//! * A panicking handler, or a response body that fails mid-stream, releases
-//!   the key and answers `500 handler_failed`.
+//! * A panicking handler releases the key and answers `500 handler_failed`.
+//! * A response whose body fails after its head (an upstream that broke
+//!   the connection mid-body) was answered: the handler ran. With a status
+//!   the layer stores, the outcome is recorded without the response, as an
+//!   oversized one is, and its client and every retry get
+//!   `409 idempotency_response_not_stored`: nothing runs twice. With a
+//!   status it does not store (a 5xx), or when the handler left a
+//!   transaction (rolled back as it is dropped), the key is released and
+//!   the answer is `500 handler_failed`. A late answer (see
+//!   [`UnknownOutcome`]) whose body fails is recorded the same way.
 //! * A request body that cannot be read answers `400 request_body_invalid`.
 //! * Scope hashes are keyed (HMAC-SHA256, IDEM-01) once the layer has a
 //!   [`scope_secret`](IdempotencyLayer::scope_secret); without one they are

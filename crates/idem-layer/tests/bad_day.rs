@@ -405,3 +405,122 @@ async fn fail_open_does_not_cover_a_store_that_answered() {
     );
     assert_eq!(probe.calls(), 1, "not run unprotected");
 }
+
+/// An inner service that answers `status` with a body whose first chunk
+/// comes and then fails, as an upstream that breaks the connection
+/// mid-body does.
+fn answers_then_breaks(
+    status: StatusCode,
+    calls: Arc<AtomicUsize>,
+) -> BoxCloneSyncService<
+    Request<Full<Bytes>>,
+    Response<http_body_util::StreamBody<BrokenFrames>>,
+    BoxError,
+> {
+    BoxCloneSyncService::new(tower::service_fn(move |_: Request<Full<Bytes>>| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        let frames: BrokenFrames = futures_util::stream::iter(vec![
+            Ok(http_body::Frame::data(Bytes::from_static(b"{\"order\":"))),
+            Err(BoxError::from("connection reset mid-body")),
+        ]);
+        let mut response = Response::new(http_body_util::StreamBody::new(frames));
+        *response.status_mut() = status;
+        async move { Ok::<_, BoxError>(response) }
+    }))
+}
+
+type BrokenFrames =
+    futures_util::stream::Iter<std::vec::IntoIter<Result<http_body::Frame<Bytes>, BoxError>>>;
+
+/// A response whose head came and whose body then failed: the handler
+/// ran and answered 201, so the key is not released for a second run.
+/// The outcome is recorded without the response: this client and every
+/// retry get `409 idempotency_response_not_stored`, and the handler ran
+/// once. (Before, the key was released and the retry ran it again.)
+#[tokio::test]
+async fn a_body_that_fails_after_a_stored_status_never_runs_twice() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = layer(&store).layer(answers_then_breaks(StatusCode::CREATED, Arc::clone(&calls)));
+    let first = send(&service, order("broken-1", "{}")).await;
+    first.assert_problem(StatusCode::CONFLICT, "idempotency_response_not_stored");
+    assert!(!first.replayed());
+    for _ in 0..2 {
+        let retry = send(&service, order("broken-1", "{}")).await;
+        retry.assert_problem(StatusCode::CONFLICT, "idempotency_response_not_stored");
+        assert!(retry.replayed());
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    let record = store
+        .get(idem_core::Scope::new("t1", "POST /orders", key("broken-1")).hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.state, idem_core::RecordState::Completed);
+    assert_eq!(record.outcome, Some(Outcome::NotStored { status: 201 }));
+}
+
+/// The same failure after a status that is not stored (a 503) releases
+/// the key, as that status would have with its body: the retry runs.
+#[tokio::test]
+async fn a_body_that_fails_after_a_temporary_status_releases_the_key() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let service = layer(&store).layer(answers_then_breaks(
+        StatusCode::SERVICE_UNAVAILABLE,
+        Arc::clone(&calls),
+    ));
+    let first = send(&service, order("broken-2", "{}")).await;
+    first.assert_problem(StatusCode::INTERNAL_SERVER_ERROR, "handler_failed");
+    let retry = send(&service, order("broken-2", "{}")).await;
+    retry.assert_problem(StatusCode::INTERNAL_SERVER_ERROR, "handler_failed");
+    assert!(!retry.replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "released: the retry ran");
+}
+
+/// A late answer (after an unknown outcome) whose body breaks after a 201
+/// head is recorded without its response, as the first answer would be:
+/// retries get `409 idempotency_response_not_stored` at once instead of a
+/// takeover once the lease lapses. The inner service ran once.
+#[tokio::test]
+async fn a_late_answer_broken_mid_body_is_recorded_without_its_response() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&calls);
+    let inner = tower::service_fn(move |_: Request<Full<Bytes>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let late = async {
+                let frames: BrokenFrames = futures_util::stream::iter(vec![
+                    Ok(http_body::Frame::data(Bytes::from_static(b"{\"order\":"))),
+                    Err(BoxError::from("connection reset mid-body")),
+                ]);
+                let mut late = Response::new(http_body_util::StreamBody::new(frames));
+                *late.status_mut() = StatusCode::CREATED;
+                Some(late)
+            };
+            let mut response = Response::new(Full::new(Bytes::from_static(b"timed out")));
+            *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+            response
+                .extensions_mut()
+                .insert(UnknownOutcome::with_late_answer(late));
+            Ok::<_, BoxError>(response)
+        }
+    });
+    let service = layer(&store).layer(BoxCloneSyncService::new(inner));
+    let first = send(&service, order("late-broken", "{}")).await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || send(&service, order("late-broken", "{}")).await,
+        |retry| retry.code().as_deref() == Some("idempotency_response_not_stored"),
+    )
+    .await;
+    retry.assert_problem(StatusCode::CONFLICT, "idempotency_response_not_stored");
+    assert!(retry.replayed());
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the inner service ran once"
+    );
+}

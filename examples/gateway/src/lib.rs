@@ -100,7 +100,7 @@ pub struct Config {
     /// Path under which the records API is served ({prefix}/records).
     #[arg(long, env = "IDEM_RECORDS_PREFIX", default_value = "/_idempotency", value_parser = parse_prefix)]
     pub records_prefix: String,
-    /// How long to wait for the upstream's response head before answering 504 (humantime).
+    /// How long to wait for the upstream's response head before answering 504, and the longest a keyed request's answer body may pause (humantime).
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub upstream_timeout: Duration,
     /// How long a client may take to send a request head (humantime).

@@ -37,11 +37,91 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// The upstream's response as the gateway answers it.
-fn upstream_response(response: Response<hyper::body::Incoming>) -> Response<Body> {
+/// The upstream's response as the gateway answers it. A keyed request's
+/// body is bounded by `stall` (see [`StallBound`]); others stream as they
+/// come (a long download or an event stream may pause for longer).
+fn upstream_response(
+    response: Response<hyper::body::Incoming>,
+    stall: Option<Duration>,
+) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    Response::from_parts(parts, Body::new(body))
+    let body = match stall {
+        Some(bound) => Body::new(StallBound::new(body, bound)),
+        None => Body::new(body),
+    };
+    Response::from_parts(parts, body)
+}
+
+pin_project_lite::pin_project! {
+    /// An upstream body that fails once it has sent nothing for `bound`.
+    ///
+    /// The layer reads a keyed request's answer whole before it records
+    /// it, renewing the lease meanwhile: an upstream that sent its head and
+    /// then stalled would hold the key, and the task, for good. Failed by
+    /// this bound, the answer is recorded without its body (the upstream
+    /// acted: retries get `409 idempotency_response_not_stored`, nothing
+    /// runs twice). The timer is armed only while the body has nothing
+    /// ready, so a body that arrived with its head costs none.
+    struct StallBound<B> {
+        #[pin]
+        body: B,
+        #[pin]
+        wait: Option<tokio::time::Sleep>,
+        bound: Duration,
+    }
+}
+
+impl<B> StallBound<B> {
+    fn new(body: B, bound: Duration) -> Self {
+        Self {
+            body,
+            wait: None,
+            bound,
+        }
+    }
+}
+
+impl<B> http_body::Body for StallBound<B>
+where
+    B: http_body::Body,
+    B::Error: Into<idem_layer::BoxError>,
+{
+    type Data = B::Data;
+    type Error = idem_layer::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<B::Data>, Self::Error>>> {
+        let mut this = self.project();
+        if let Poll::Ready(frame) = this.body.poll_frame(cx) {
+            this.wait.set(None);
+            return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
+        }
+        if this.wait.is_none() {
+            this.wait.set(Some(tokio::time::sleep(*this.bound)));
+        }
+        if let Some(wait) = this.wait.as_mut().as_pin_mut()
+            && wait.poll(cx).is_ready()
+        {
+            this.wait.set(None);
+            let error = format!(
+                "the upstream sent nothing of its answer's body for {:?}",
+                this.bound
+            );
+            return Poll::Ready(Some(Err(error.into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// A tower service that forwards every request to the upstream. Bodies
@@ -182,7 +262,7 @@ pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientCo
 impl Proxy {
     /// A proxy to `upstream` (`http://host:port` or `https://host:port`,
     /// verified against `tls`) that waits at most `timeout` for the
-    /// response head.
+    /// response head, and for each part of a keyed request's answer body.
     pub fn new(upstream: Uri, timeout: Duration, tls: rustls::ClientConfig) -> Self {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
@@ -266,6 +346,11 @@ impl Proxy {
                 );
             }
         };
+        // A keyed request's answer is read whole by the layer: bounded.
+        let stall = request
+            .extensions()
+            .get::<IdempotencyContext>()
+            .map(|_| self.0.timeout);
         // The Host the client sent is read before the URI changes.
         self.upstream_headers(&mut request);
         *request.uri_mut() = uri;
@@ -274,7 +359,7 @@ impl Proxy {
         *request.version_mut() = http::Version::HTTP_11;
         let mut pending = Box::pin(self.0.client.request(request));
         match tokio::time::timeout(self.0.timeout, &mut pending).await {
-            Ok(Ok(response)) => upstream_response(response),
+            Ok(Ok(response)) => upstream_response(response, stall),
             Ok(Err(error)) if error.is_connect() => {
                 // Provably never reached the upstream: the key may be
                 // released, a retry runs it for the first time.
@@ -312,7 +397,10 @@ impl Proxy {
                     "Gateway timeout",
                     &detail,
                 );
-                let late = async move { pending.await.ok().map(upstream_response) };
+                let late = async move {
+                    let response = pending.await.ok()?;
+                    Some(upstream_response(response, stall))
+                };
                 response
                     .extensions_mut()
                     .insert(UnknownOutcome::with_late_answer(late));
