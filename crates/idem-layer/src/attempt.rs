@@ -59,13 +59,22 @@ where
     let (parts, mut body) = response.into_parts();
     let mut chunks = VecDeque::new();
     let mut total = 0usize;
-    while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(error) => {
+    // A body that panics fails like one that errs: its head (the
+    // handler's answer) has come, so the status decides, not the panic.
+    loop {
+        let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(error))) => {
                 return Buffered::Failed {
                     parts,
                     error: error.into(),
+                };
+            }
+            Err(_panic) => {
+                return Buffered::Failed {
+                    parts,
+                    error: "the response body panicked".into(),
                 };
             }
         };

@@ -55,9 +55,11 @@
 //! * A response too large to store (over [`IdempotencyLayer::max_response`])
 //!   reaches the first caller; later retries get
 //!   `409 idempotency_response_not_stored`, and the handler is not run again.
-//! * A panicking handler releases the key and answers `500 handler_failed`.
-//! * A response whose body fails after its head (an upstream that broke
-//!   the connection mid-body) was answered: the handler ran. With a status
+//! * A handler that panics before it answers releases the key and answers
+//!   `500 handler_failed`.
+//! * A response whose body fails (errs or panics) after its head (an
+//!   upstream that broke the connection mid-body) was answered: the
+//!   handler ran. With a status
 //!   the layer stores, the outcome is recorded without the response, as an
 //!   oversized one is, and its client and every retry get
 //!   `409 idempotency_response_not_stored`: nothing runs twice. With a

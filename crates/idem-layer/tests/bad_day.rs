@@ -524,3 +524,47 @@ async fn a_late_answer_broken_mid_body_is_recorded_without_its_response() {
         "the inner service ran once"
     );
 }
+
+/// A response body that sends one chunk and panics on the next poll.
+struct PanicsMidBody {
+    sent: bool,
+}
+
+impl http_body::Body for PanicsMidBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        assert!(!self.sent, "the body panics after its first chunk");
+        self.sent = true;
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+            b"{\"order\":",
+        )))))
+    }
+}
+
+/// A body that panics after a 201 head is a body that failed: the handler
+/// answered, so the outcome is recorded without the response and the
+/// handler is not run again. (Before, the panic released the key.)
+#[tokio::test]
+async fn a_body_that_panics_after_a_stored_status_never_runs_twice() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&calls);
+    let inner = tower::service_fn(move |_: Request<Full<Bytes>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        let mut response = Response::new(PanicsMidBody { sent: false });
+        *response.status_mut() = StatusCode::CREATED;
+        async move { Ok::<_, BoxError>(response) }
+    });
+    let service = layer(&store).layer(BoxCloneSyncService::new(inner));
+    let first = send(&service, order("panicky-body", "{}")).await;
+    first.assert_problem(StatusCode::CONFLICT, "idempotency_response_not_stored");
+    let retry = send(&service, order("panicky-body", "{}")).await;
+    retry.assert_problem(StatusCode::CONFLICT, "idempotency_response_not_stored");
+    assert!(retry.replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+}
