@@ -134,6 +134,64 @@ async fn suite<S: Store>(store: S) {
         "a stored failure ran again"
     );
 
+    // A result that does not encode as JSON (a map keyed by pairs) is an
+    // action that ran: its delivery gets it, and later ones get
+    // ResultNotStored instead of running it again. So is a permanent
+    // error that does not encode.
+    let odd = charge("unencodable", 3);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let tally = |value: u8| {
+        let ran = Arc::clone(&ran);
+        move |_ctx| async move {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, ActionError<Declined>>(std::collections::HashMap::from([((1u8, 2u8), value)]))
+        }
+    };
+    let first = layer.run(&odd, tally(3)).await;
+    assert_eq!(
+        first
+            .expect("the delivery that ran gets its result")
+            .into_inner()[&(1, 2)],
+        3
+    );
+    for _ in 0..2 {
+        let again = layer.run(&odd, tally(4)).await;
+        assert!(
+            matches!(again, Err(CommandError::ResultNotStored { status: 200 })),
+            "{again:?}"
+        );
+    }
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        1,
+        "an unencodable result ran again"
+    );
+    let refused = charge("unencodable-error", 3);
+    let odd_error = |_ctx| async {
+        Err::<Receipt, _>(ActionError::Permanent(std::collections::HashMap::from([(
+            (1u8, 2u8),
+            0u8,
+        )])))
+    };
+    let first = layer.run(&refused, odd_error).await;
+    assert!(
+        matches!(
+            first,
+            Err(CommandError::Failed {
+                replayed: false,
+                ..
+            })
+        ),
+        "{first:?}"
+    );
+    let before = runs.load(Ordering::SeqCst);
+    let again = layer.run(&refused, pay(3)).await;
+    assert!(
+        matches!(again, Err(CommandError::ResultNotStored { status: 422 })),
+        "{again:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), before, "a refused command ran");
+
     // A lost owner: its lease lapses, and the next delivery takes over with
     // the next generation, seeing the superseded attempt.
     let orphan = charge("orphan", 7);

@@ -11,7 +11,11 @@
 //! The result round-trips as the caller's type: it is stored as JSON (a
 //! `200` outcome), and a permanent error as JSON too (a `422` outcome), so
 //! a redelivered command gets the same answer, typed. A temporary error
-//! releases the key: the next delivery runs the action again.
+//! releases the key: the next delivery runs the action again. A result
+//! that does not encode as JSON is still an action that ran: the delivery
+//! that ran it gets it, and the record keeps the outcome without the value,
+//! so later deliveries get [`CommandError::ResultNotStored`] and nothing
+//! runs twice.
 //!
 //! ```
 //! use idem_core::IdempotencyKey;
@@ -191,6 +195,16 @@ pub enum CommandError<E> {
     /// The stored result does not decode as the caller's type.
     #[error("the stored result does not decode: {0}")]
     Undecodable(#[source] serde_json::Error),
+    /// The action ran on an earlier delivery, but its result (or its
+    /// permanent error) was recorded without its value: it did not encode
+    /// as JSON, or it crossed the store's size bound. It never runs again;
+    /// acknowledge the delivery. (The delivery that ran it got the value.)
+    #[error("the command ran on an earlier delivery; its result was not stored")]
+    ResultNotStored {
+        /// The status it was recorded with: 200 for a result, 422 for a
+        /// permanent error.
+        status: u16,
+    },
     /// The layer's configuration is invalid (see
     /// [`IdempotencyLayer::validate`]); the action was not run.
     #[error("invalid idempotency configuration: {0}")]
@@ -236,38 +250,43 @@ impl<S: Store> IdempotencyLayer<S> {
         };
         let work = AssertUnwindSafe(action(context)).catch_unwind();
         let produced = renewing(config, &*self.runtime.store, &lease, work).await;
+        // The action ran: its result is recorded whatever happens to its
+        // encoding. One that does not encode (a map with keys JSON cannot
+        // name, a failing `Serialize`) is recorded without its value, so a
+        // redelivery gets `ResultNotStored` instead of running it again.
         let (status, body, result) = match produced {
-            Ok(Ok(value)) => match serde_json::to_vec(&value) {
-                Ok(body) => (SUCCEEDED, body, Ok(Done::Ran(value))),
-                Err(error) => return self.give_up(&lease, CommandError::Undecodable(error)).await,
-            },
-            Ok(Err(ActionError::Permanent(error))) => match serde_json::to_vec(&error) {
-                Ok(body) => {
-                    let failed = CommandError::Failed {
-                        error,
-                        replayed: false,
-                    };
-                    (FAILED, body, Err(failed))
-                }
-                Err(encoding) => {
-                    return self
-                        .give_up(&lease, CommandError::Undecodable(encoding))
-                        .await;
-                }
-            },
+            Ok(Ok(value)) => (SUCCEEDED, serde_json::to_vec(&value), Ok(Done::Ran(value))),
+            Ok(Err(ActionError::Permanent(error))) => {
+                let body = serde_json::to_vec(&error);
+                let failed = CommandError::Failed {
+                    error,
+                    replayed: false,
+                };
+                (FAILED, body, Err(failed))
+            }
             Ok(Err(ActionError::Temporary(error))) => {
                 return self.give_up(&lease, CommandError::Retry(Some(error))).await;
             }
             Err(_panic) => return self.give_up(&lease, CommandError::Retry(None)).await,
         };
-        let outcome = Outcome::Stored(StoredResponse {
-            status,
-            headers: vec![(
-                http::header::CONTENT_TYPE,
-                Bytes::from_static(b"application/json"),
-            )],
-            body: Bytes::from(body),
-        });
+        let outcome = match body {
+            Ok(body) => Outcome::Stored(StoredResponse {
+                status,
+                headers: vec![(
+                    http::header::CONTENT_TYPE,
+                    Bytes::from_static(b"application/json"),
+                )],
+                body: Bytes::from(body),
+            }),
+            Err(error) => {
+                tracing::error!(
+                    %error,
+                    status,
+                    "the command's result does not encode as JSON; it is recorded without it"
+                );
+                Outcome::NotStored { status }
+            }
+        };
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
         match settle(&self.runtime, &request, &lease, status, outcome).await {
             // Fenced: a newer attempt or a cancellation owns the record;
@@ -348,10 +367,9 @@ fn replayed<T: DeserializeOwned, E: DeserializeOwned>(
     replay: Replay,
 ) -> Result<Done<T>, CommandError<E>> {
     m::count(Counted::Replayed);
-    let Outcome::Stored(stored) = replay.outcome else {
-        return Err(CommandError::Undecodable(serde::de::Error::custom(
-            "the stored outcome holds no result",
-        )));
+    let stored = match replay.outcome {
+        Outcome::Stored(stored) => stored,
+        Outcome::NotStored { status } => return Err(CommandError::ResultNotStored { status }),
     };
     match stored.status {
         SUCCEEDED => serde_json::from_slice(&stored.body)

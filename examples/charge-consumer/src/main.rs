@@ -121,6 +121,15 @@ async fn handle<S: Store>(
             AckKind::Ack
         }
         Err(CommandError::InProgress { retry_after }) => AckKind::Nak(Some(retry_after)),
+        Err(CommandError::ResultNotStored { status }) => {
+            // Ran on an earlier delivery; its result was not kept. It must
+            // not run again: acknowledged.
+            eprintln!(
+                "charge-consumer: {} ran before (status {status}); its result was not stored",
+                charge.id
+            );
+            AckKind::Ack
+        }
         Err(CommandError::Conflict) => {
             eprintln!(
                 "charge-consumer: {} arrived with another payload, terminated",
