@@ -229,7 +229,7 @@ impl<W: Future, K: Future<Output = ()>> Future for WhileHeld<W, K> {
 /// Records what an attempt produced: stores the outcome, or releases the
 /// key when the predicate calls the status temporary. Answers what the
 /// record says now when the attempt was fenced. A completion that hits a
-/// store error is retried in the background while the lease is held.
+/// store error is retried in the background (see `record_later`).
 pub(crate) async fn settle<S: Store>(
     rt: &Runtime<S>,
     request: &ReserveRequest,
@@ -267,7 +267,7 @@ pub(crate) async fn settle<S: Store>(
             // held, so a store blip does not turn into a takeover and a
             // second execution.
             m::count(Counted::StoreError);
-            tracing::error!(%error, "could not record the outcome yet; retrying while the lease is held");
+            tracing::error!(%error, "could not record the outcome yet; retrying in the background");
             rt.tasks.spawn(
                 record_later(rt.clone(), request.clone(), lease.clone(), outcome).in_current_span(),
             );
@@ -594,7 +594,9 @@ async fn await_late<S: Store>(
 }
 
 /// Retries a completion that failed on a store error, every 100 ms, while
-/// the lease is held (renewing it), until it is recorded or fenced.
+/// the lease is held (renewing it), until it is recorded or fenced; after
+/// a lease that lapsed with the store down, on until the store answers
+/// (see below).
 async fn record_later<S: Store>(
     rt: Runtime<S>,
     request: ReserveRequest,
@@ -629,13 +631,53 @@ async fn record_later<S: Store>(
         return;
     }
     // The lease was lost: to a newer attempt or a cancellation (the
-    // completion is fenced and kept as evidence), or with the record itself
-    // (then it is made again from the outcome).
-    match store_call(config, StoreOp::Complete, store.complete(&lease, &outcome)).await {
-        Ok(Completion::Fenced(Current::Vacant)) => recreate(&rt, &request, &outcome).await,
-        Ok(Completion::Recorded) => m::count(Counted::Executed),
-        _ => tracing::error!(
-            "the outcome could not be recorded before the lease was lost; a retry will take over"
-        ),
+    // completion is fenced and kept as evidence), with the record itself
+    // (then it is made again from the outcome), or to time, renewals having
+    // failed while the store was down. Then nothing owns the record yet,
+    // and the store still takes this attempt's completion (it fences by
+    // generation and owner, not by time): recording it is all that stands
+    // between the next retry and a second run. So the tries go on, backing
+    // off to two a second, until the store answers or the record's
+    // retention has passed.
+    let deadline = deadline_after(request.retention);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match store_call(config, StoreOp::Complete, store.complete(&lease, &outcome)).await {
+            Ok(Completion::Recorded) => {
+                m::count(Counted::Executed);
+                tracing::info!("outcome recorded after the lease lapsed while the store was down");
+                return;
+            }
+            Ok(Completion::Fenced(Current::Vacant)) => {
+                m::count(Counted::Executed);
+                recreate(&rt, &request, &outcome).await;
+                return;
+            }
+            Ok(Completion::Fenced(_)) => {
+                m::count(Counted::Fenced);
+                tracing::error!(
+                    "the outcome could not be recorded before a newer attempt took over or the \
+                     key was cancelled; it is kept as late evidence"
+                );
+                return;
+            }
+            Err(error) if tokio::time::Instant::now() + pause < deadline => {
+                tracing::debug!(%error, "recording the outcome failed again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(RECORD_LATER_PAUSE);
+            }
+            Err(error) => {
+                tracing::error!(
+                    %error,
+                    "the outcome could not be recorded within the record's retention"
+                );
+                return;
+            }
+        }
     }
 }
+
+/// The longest pause between a lapsed attempt's tries to record its
+/// outcome: a store that comes back takes it within this, before most
+/// retries arrive.
+const RECORD_LATER_PAUSE: Duration = Duration::from_millis(500);

@@ -76,8 +76,12 @@
 //!   payload: the next request starts a new attempt.
 //! * If the outcome cannot be recorded because the store failed after the
 //!   handler ran, the client still gets the real response, and recording is
-//!   retried in the background (renewing the lease) while the lease is
-//!   held; after that the record stays processing until its lease lapses.
+//!   retried in the background, renewing the lease while it can. If the
+//!   store stays down until the lease lapses, the tries go on (at most two
+//!   a second) until the store answers or the record's retention passes:
+//!   nothing has taken the record over, so the store still takes the
+//!   completion, and a retry after the store is back finds the outcome
+//!   instead of running again (unless it reaches the store first).
 //! * A fenced attempt (taken over or cancelled while running) gets what the
 //!   record says now, whether it succeeded or failed; if the record is
 //!   vacant its own response.
