@@ -17,7 +17,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use idem_core::{
     Completion, CompletionSlot, Current, DeferredCompletion, Lease, Outcome, Renewal, Reservation,
-    ReserveRequest, Store, StoredResponse,
+    ReserveRequest, Store, StoreError, StoredResponse,
 };
 use tower::Service;
 use tracing::Instrument;
@@ -608,21 +608,8 @@ async fn record_later<S: Store>(
     let retries = async {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            match store_call(config, StoreOp::Complete, store.complete(&lease, &outcome)).await {
-                Ok(Completion::Recorded) => {
-                    m::count(Counted::Executed);
-                    tracing::info!("outcome recorded after a store error");
-                    return;
-                }
-                Ok(Completion::Fenced(Current::Vacant)) => {
-                    m::count(Counted::Executed);
-                    recreate(&rt, &request, &outcome).await;
-                    return;
-                }
-                Ok(Completion::Fenced(_)) => {
-                    m::count(Counted::Fenced);
-                    return;
-                }
+            match try_record(&rt, &request, &lease, &outcome).await {
+                Ok(()) => return,
                 Err(error) => tracing::debug!(%error, "recording the outcome failed again"),
             }
         }
@@ -642,25 +629,8 @@ async fn record_later<S: Store>(
     let deadline = deadline_after(request.retention);
     let mut pause = Duration::from_millis(100);
     loop {
-        match store_call(config, StoreOp::Complete, store.complete(&lease, &outcome)).await {
-            Ok(Completion::Recorded) => {
-                m::count(Counted::Executed);
-                tracing::info!("outcome recorded after the lease lapsed while the store was down");
-                return;
-            }
-            Ok(Completion::Fenced(Current::Vacant)) => {
-                m::count(Counted::Executed);
-                recreate(&rt, &request, &outcome).await;
-                return;
-            }
-            Ok(Completion::Fenced(_)) => {
-                m::count(Counted::Fenced);
-                tracing::error!(
-                    "the outcome could not be recorded before a newer attempt took over or the \
-                     key was cancelled; it is kept as late evidence"
-                );
-                return;
-            }
+        match try_record(&rt, &request, &lease, &outcome).await {
+            Ok(()) => return,
             Err(error) if tokio::time::Instant::now() + pause < deadline => {
                 tracing::debug!(%error, "recording the outcome failed again");
                 tokio::time::sleep(pause).await;
@@ -675,6 +645,36 @@ async fn record_later<S: Store>(
             }
         }
     }
+}
+
+/// One try of a background completion: `Ok` once the store answered
+/// (recorded; made again if the record was gone; fenced by a newer attempt
+/// or a cancellation, the outcome kept as late evidence).
+async fn try_record<S: Store>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    lease: &Lease,
+    outcome: &Outcome,
+) -> Result<(), StoreError> {
+    let call = rt.store.complete(lease, outcome);
+    match store_call(&rt.config, StoreOp::Complete, call).await? {
+        Completion::Recorded => {
+            m::count(Counted::Executed);
+            tracing::info!("outcome recorded after a store error");
+        }
+        Completion::Fenced(Current::Vacant) => {
+            m::count(Counted::Executed);
+            recreate(rt, request, outcome).await;
+        }
+        Completion::Fenced(_) => {
+            m::count(Counted::Fenced);
+            tracing::warn!(
+                "the outcome could not be recorded before a newer attempt took over or the key \
+                 was cancelled; it is kept as late evidence"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The longest pause between a lapsed attempt's tries to record its
