@@ -59,10 +59,12 @@ pin_project_lite::pin_project! {
     /// The layer reads a keyed request's answer whole before it records
     /// it, renewing the lease meanwhile: an upstream that sent its head and
     /// then stalled would hold the key, and the task, for good. Failed by
-    /// this bound, the answer is recorded without its body (the upstream
-    /// acted: retries get `409 idempotency_response_not_stored`, nothing
-    /// runs twice). The timer is armed only while the body has nothing
-    /// ready, so a body that arrived with its head costs none.
+    /// this bound, it is a body that broke after its head: with a status
+    /// the layer stores, the answer is recorded without its body (the
+    /// upstream acted: retries get `409 idempotency_response_not_stored`,
+    /// nothing runs twice); with a 5xx the key is released. The timer is
+    /// armed only while the body has nothing ready, so a body that arrived
+    /// with its head costs none.
     struct StallBound<B> {
         #[pin]
         body: B,
