@@ -35,9 +35,11 @@ pub enum ProblemCode {
     Conflict,
     /// 503: the store failed or timed out (or is full).
     StoreUnavailable,
-    /// 409: the handler completed, but its response was larger than the
-    /// storable limit, so it cannot be replayed. 409 rather than a 5xx, so
-    /// that generic retry policies do not retry it: retrying cannot help.
+    /// 409: the handler completed, but its response was not stored (larger
+    /// than the storable limit, or its body failed after the head), so it
+    /// cannot be replayed; the handler does not run again. 409 rather than
+    /// a 5xx, so that generic retry policies do not retry it: retrying
+    /// cannot help.
     ResponseNotStored,
     /// 500: the handler panicked, or its response body failed; the
     /// reservation was released.
