@@ -15,29 +15,8 @@ set -euo pipefail
 mode=${1:?mode}
 top=${2:-25}
 here=$(cd "$(dirname "$0")" && pwd)
-IDEM=$(cd "$here/../.." && pwd)
-WORK=$IDEM/target/peer-bench
-mkdir -p "$WORK"
-CARGO_TARGET_DIR=$WORK/target cargo build --manifest-path "$here/Cargo.toml" --release \
-  --ignore-rust-version -q --bin peerbench
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-APORT=$(free_port)
-args=("$mode")
-RPORT=
-cleanup() {
-  [ -n "${SPID:-}" ] && { kill -INT "$SPID" 2>/dev/null || true; wait "$SPID" 2>/dev/null || true; }
-  [ -n "$RPORT" ] && { redis-cli -p "$RPORT" shutdown nosave >/dev/null 2>&1 || true; }
-}
-trap cleanup EXIT
-case $mode in *redis)
-  RPORT=$(free_port)
-  redis-server --port "$RPORT" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
-    --pidfile "$WORK/profile-redis.pid" --logfile "$WORK/profile-redis.log"
-  for _ in $(seq 50); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
-  args+=("redis://127.0.0.1:$RPORT");;
-esac
-"$WORK/target/release/peerbench" "$APORT" "${args[@]}" 2>/dev/null & SPID=$!
-for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$APORT/count" && break; sleep 0.05; done
+. "$here/serve.sh"
+serve "$mode" profile
 cpu() { awk '{print $14 + $15}' "/proc/$SPID/stat"; }
 perf record -q -e cpu-clock -F 999 -p "$SPID" -o "$WORK/profile-$mode.data" 2>/dev/null & PERF=$!
 before=$(cpu)

@@ -197,31 +197,31 @@ async fn an_obs_folded_answer_is_recorded() {
     assert_eq!(count.load(Ordering::SeqCst), 1);
 }
 
+/// A 201 head and 9 of its body's 100 bytes.
+const HEAD_AND_PART: &[u8] =
+    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"order\":";
+
+/// `409 idempotency_response_not_stored`, marked replayed or not.
+fn assert_not_stored(reply: &Reply, replayed: bool) {
+    assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
+    assert_eq!(
+        reply.code().as_deref(),
+        Some("idempotency_response_not_stored")
+    );
+    assert_eq!(reply.replayed(), replayed, "{reply:?}");
+}
+
 /// An upstream that answers 201 and breaks the connection mid-body has
 /// done its work: the key is not released for a second run. The outcome
 /// is recorded without the response, so the client and every retry get
 /// `409 idempotency_response_not_stored`, and the upstream ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_broken_mid_body_never_runs_twice() {
-    let (upstream, count) = raw_upstream(
-        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"order\":",
-    )
-    .await;
+    let (upstream, count) = raw_upstream(HEAD_AND_PART).await;
     let gateway = start(idem_tests::gateway_config(upstream, &[])).await;
-    let first = post(gateway, "/orders", "broken-1").await;
-    assert_eq!(first.status, StatusCode::CONFLICT, "{first:?}");
-    assert_eq!(
-        first.code().as_deref(),
-        Some("idempotency_response_not_stored")
-    );
+    assert_not_stored(&post(gateway, "/orders", "broken-1").await, false);
     for _ in 0..2 {
-        let retry = post(gateway, "/orders", "broken-1").await;
-        assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
-        assert_eq!(
-            retry.code().as_deref(),
-            Some("idempotency_response_not_stored")
-        );
-        assert!(retry.replayed());
+        assert_not_stored(&post(gateway, "/orders", "broken-1").await, true);
     }
     assert_eq!(count.load(Ordering::SeqCst), 1, "the upstream ran once");
 }
@@ -235,11 +235,7 @@ async fn an_answer_broken_mid_body_never_runs_twice() {
 /// stayed processing and every retry got 409 in progress.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_stalled_mid_body_is_bounded_and_never_runs_twice() {
-    let (upstream, count) = raw_upstream_then(
-        b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"order\":",
-        false,
-    )
-    .await;
+    let (upstream, count) = raw_upstream_then(HEAD_AND_PART, false).await;
     let gateway = start(idem_tests::gateway_config(
         upstream,
         &["--upstream-timeout", "300ms"],
@@ -252,18 +248,8 @@ async fn an_answer_stalled_mid_body_is_bounded_and_never_runs_twice() {
     )
     .await
     .expect("the gateway answers a stalled upstream");
-    assert_eq!(first.status, StatusCode::CONFLICT, "{first:?}");
-    assert_eq!(
-        first.code().as_deref(),
-        Some("idempotency_response_not_stored")
-    );
-    let retry = post(gateway, "/orders", "stalled-1").await;
-    assert_eq!(
-        retry.code().as_deref(),
-        Some("idempotency_response_not_stored"),
-        "{retry:?}"
-    );
-    assert!(retry.replayed());
+    assert_not_stored(&first, false);
+    assert_not_stored(&post(gateway, "/orders", "stalled-1").await, true);
     assert_eq!(count.load(Ordering::SeqCst), 1, "the upstream ran once");
 }
 

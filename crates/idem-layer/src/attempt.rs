@@ -247,20 +247,7 @@ pub(crate) async fn settle<S: Store>(
     )
     .await
     {
-        Ok(Completion::Recorded) => {
-            m::count(Counted::Executed);
-            None
-        }
-        Ok(Completion::Fenced(Current::Vacant)) => {
-            m::count(Counted::Executed);
-            recreate(rt, request, &outcome).await;
-            None
-        }
-        Ok(Completion::Fenced(current)) => {
-            m::count(Counted::Fenced);
-            tracing::warn!("completion fenced: a newer attempt or a cancellation owns the record");
-            Some(current)
-        }
+        Ok(completion) => completed(rt, request, &outcome, completion).await,
         Err(error) => {
             // The action ran; its client gets the real response, and the
             // outcome is recorded in the background while the lease is
@@ -436,8 +423,7 @@ where
                 // A transaction the handler left is rolled back as it is
                 // dropped here: nothing it wrote happened, and the key is
                 // released for the retry.
-                let rolled_back = slot.and_then(|slot| slot.take()).is_some();
-                if rolled_back || !(config.should_store)(lost.status) {
+                if slot.and_then(|slot| slot.take()).is_some() {
                     let detail = format!("the handler's response body failed: {}", lost.error);
                     return Ok(failed(detail).await);
                 }
@@ -648,8 +634,7 @@ async fn record_later<S: Store>(
 }
 
 /// One try of a background completion: `Ok` once the store answered
-/// (recorded; made again if the record was gone; fenced by a newer attempt
-/// or a cancellation, the outcome kept as late evidence).
+/// (see [`completed`]).
 async fn try_record<S: Store>(
     rt: &Runtime<S>,
     request: &ReserveRequest,
@@ -657,24 +642,39 @@ async fn try_record<S: Store>(
     outcome: &Outcome,
 ) -> Result<(), StoreError> {
     let call = rt.store.complete(lease, outcome);
-    match store_call(&rt.config, StoreOp::Complete, call).await? {
+    let completion = store_call(&rt.config, StoreOp::Complete, call).await?;
+    if completed(rt, request, outcome, completion).await.is_none() {
+        tracing::info!("outcome recorded after a store error");
+    }
+    Ok(())
+}
+
+/// What a completion the store answered comes to: counted; a record that
+/// vanished under it made again from the outcome; `Some` with what the
+/// record says now when a newer attempt or a cancellation fenced it (the
+/// outcome is kept as late evidence).
+async fn completed<S: Store>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    outcome: &Outcome,
+    completion: Completion,
+) -> Option<Current> {
+    match completion {
         Completion::Recorded => {
             m::count(Counted::Executed);
-            tracing::info!("outcome recorded after a store error");
+            None
         }
         Completion::Fenced(Current::Vacant) => {
             m::count(Counted::Executed);
             recreate(rt, request, outcome).await;
+            None
         }
-        Completion::Fenced(_) => {
+        Completion::Fenced(current) => {
             m::count(Counted::Fenced);
-            tracing::warn!(
-                "the outcome could not be recorded before a newer attempt took over or the key \
-                 was cancelled; it is kept as late evidence"
-            );
+            tracing::warn!("completion fenced: a newer attempt or a cancellation owns the record");
+            Some(current)
         }
     }
-    Ok(())
 }
 
 /// The longest pause between a lapsed attempt's tries to record its

@@ -419,18 +419,24 @@ fn answers_then_breaks(
 > {
     BoxCloneSyncService::new(tower::service_fn(move |_: Request<Full<Bytes>>| {
         calls.fetch_add(1, Ordering::SeqCst);
-        let frames: BrokenFrames = futures_util::stream::iter(vec![
-            Ok(http_body::Frame::data(Bytes::from_static(b"{\"order\":"))),
-            Err(BoxError::from("connection reset mid-body")),
-        ]);
-        let mut response = Response::new(http_body_util::StreamBody::new(frames));
-        *response.status_mut() = status;
+        let response = broken_response(status);
         async move { Ok::<_, BoxError>(response) }
     }))
 }
 
 type BrokenFrames =
     futures_util::stream::Iter<std::vec::IntoIter<Result<http_body::Frame<Bytes>, BoxError>>>;
+
+/// A `status` response whose body's first chunk comes and then fails.
+fn broken_response(status: StatusCode) -> Response<http_body_util::StreamBody<BrokenFrames>> {
+    let frames: BrokenFrames = futures_util::stream::iter(vec![
+        Ok(http_body::Frame::data(Bytes::from_static(b"{\"order\":"))),
+        Err(BoxError::from("connection reset mid-body")),
+    ]);
+    let mut response = Response::new(http_body_util::StreamBody::new(frames));
+    *response.status_mut() = status;
+    response
+}
 
 /// A response whose head came and whose body then failed: the handler
 /// ran and answered 201, so the key is not released for a second run.
@@ -490,15 +496,7 @@ async fn a_late_answer_broken_mid_body_is_recorded_without_its_response() {
     let inner = tower::service_fn(move |_: Request<Full<Bytes>>| {
         counted.fetch_add(1, Ordering::SeqCst);
         async move {
-            let late = async {
-                let frames: BrokenFrames = futures_util::stream::iter(vec![
-                    Ok(http_body::Frame::data(Bytes::from_static(b"{\"order\":"))),
-                    Err(BoxError::from("connection reset mid-body")),
-                ]);
-                let mut late = Response::new(http_body_util::StreamBody::new(frames));
-                *late.status_mut() = StatusCode::CREATED;
-                Some(late)
-            };
+            let late = async { Some(broken_response(StatusCode::CREATED)) };
             let mut response = Response::new(Full::new(Bytes::from_static(b"timed out")));
             *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
             response
