@@ -255,8 +255,11 @@ pub(crate) async fn settle<S: Store>(
             // second execution.
             m::count(Counted::StoreError);
             tracing::error!(%error, "could not record the outcome yet; retrying in the background");
+            // Listed before the client gets its answer: its retry finds it.
+            let pending = rt.pending.register(*request.scope.hash());
             rt.tasks.spawn(
-                record_later(rt.clone(), request.clone(), lease.clone(), outcome).in_current_span(),
+                record_later(rt.clone(), request.clone(), lease.clone(), outcome, pending)
+                    .in_current_span(),
             );
             None
         }
@@ -582,19 +585,27 @@ async fn await_late<S: Store>(
 /// Retries a completion that failed on a store error, every 100 ms, while
 /// the lease is held (renewing it), until it is recorded or fenced; after
 /// a lease that lapsed with the store down, on until the store answers
-/// (see below).
+/// (see below). Listed in the layer's pending completions (`pending`)
+/// meanwhile: a reservation of the scope, or one the store answers,
+/// has it try at once instead of after its pause.
 async fn record_later<S: Store>(
     rt: Runtime<S>,
     request: ReserveRequest,
     lease: Lease,
     outcome: Outcome,
+    pending: crate::pending::Registration,
 ) {
     let config = &*rt.config;
     let store = &*rt.store;
+    let attempt = async || {
+        let tried = try_record(&rt, &request, &lease, &outcome).await;
+        pending.tried(tried.is_ok());
+        tried
+    };
     let retries = async {
         loop {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            match try_record(&rt, &request, &lease, &outcome).await {
+            pending.pause(Duration::from_millis(100)).await;
+            match attempt().await {
                 Ok(()) => return,
                 Err(error) => tracing::debug!(%error, "recording the outcome failed again"),
             }
@@ -615,11 +626,11 @@ async fn record_later<S: Store>(
     let deadline = deadline_after(request.retention);
     let mut pause = Duration::from_millis(100);
     loop {
-        match try_record(&rt, &request, &lease, &outcome).await {
+        match attempt().await {
             Ok(()) => return,
             Err(error) if tokio::time::Instant::now() + pause < deadline => {
                 tracing::debug!(%error, "recording the outcome failed again");
-                tokio::time::sleep(pause).await;
+                pending.pause(pause).await;
                 pause = (pause * 2).min(RECORD_LATER_PAUSE);
             }
             Err(error) => {

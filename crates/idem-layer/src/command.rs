@@ -313,8 +313,11 @@ impl<S: Store> IdempotencyLayer<S> {
             InFlight::Wait(bound) => Some(deadline_after(bound)),
             InFlight::Reject => None,
         };
+        self.runtime.outcome_recorded(request.scope.hash()).await?;
         loop {
-            let answer = match store_call(config, StoreOp::Reserve, store.reserve(request)).await? {
+            let reservation = store_call(config, StoreOp::Reserve, store.reserve(request)).await?;
+            self.runtime.pending.store_answered();
+            let answer = match reservation {
                 Reservation::Acquired(lease) => return Ok(Ok((lease, None))),
                 Reservation::TakenOver { lease, superseded } => {
                     m::count(Counted::Takeover);

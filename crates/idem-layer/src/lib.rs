@@ -81,7 +81,15 @@
 //!   a second) until the store answers or the record's retention passes:
 //!   nothing has taken the record over, so the store still takes the
 //!   completion, and a retry after the store is back finds the outcome
-//!   instead of running again (unless it reaches the store first).
+//!   instead of running again. The layer lists such outcomes by scope: a
+//!   retry of one that reaches this layer has it tried at once and waits
+//!   for that try (within twice the store timeout, at least 500 ms), then
+//!   replays it; if the store still does not take it, the retry gets
+//!   `503 idempotency_store_unavailable`, fail-open or not (the action
+//!   ran). Any reservation the store answers has every pending outcome
+//!   tried at once, so a retry that reaches another instance finds the
+//!   outcome recorded unless it is there within moments of the store's
+//!   return.
 //! * A fenced attempt (taken over or cancelled while running) gets what the
 //!   record says now, whether it succeeded or failed; if the record is
 //!   vacant its own response.
@@ -133,6 +141,7 @@ mod headers;
 mod layer;
 pub mod metrics;
 mod path;
+mod pending;
 pub mod problem;
 pub mod records;
 mod runtime;

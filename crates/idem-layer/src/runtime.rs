@@ -6,7 +6,7 @@
 use std::{future::Future, sync::Arc, task::Poll, time::Duration};
 
 use http::{Response, request::Parts};
-use idem_core::{Current, Lease, Release, Store, StoreError};
+use idem_core::{Current, Lease, Release, ScopeHash, Store, StoreError};
 use tokio_util::task::TaskTracker;
 
 use crate::{
@@ -35,6 +35,9 @@ pub(crate) struct Shared<S> {
     /// The records API's listings, shared by every records service of the
     /// layer.
     pub(crate) listings: Arc<crate::records::ListingBudget>,
+    /// Outcomes held here that a store error kept from being recorded
+    /// yet, by scope (see [`pending`](crate::pending)).
+    pub(crate) pending: Arc<crate::pending::Pending>,
     /// Whether `config` passed validation, decided once (a router may
     /// apply the layer per request) and again after every change.
     pub(crate) valid: std::sync::OnceLock<bool>,
@@ -51,6 +54,7 @@ impl<S> Runtime<S> {
             config: Arc::new(config),
             tasks: TaskTracker::new(),
             listings: Default::default(),
+            pending: Default::default(),
             valid: std::sync::OnceLock::new(),
         }))
     }
@@ -77,6 +81,7 @@ impl<S> Clone for Shared<S> {
             config: Arc::clone(&self.config),
             tasks: self.tasks.clone(),
             listings: Arc::clone(&self.listings),
+            pending: Arc::clone(&self.pending),
             valid: self.valid.clone(),
         }
     }
@@ -108,6 +113,28 @@ impl<S: Store> Runtime<S> {
                 None
             }
         }
+    }
+}
+
+impl<S> Runtime<S> {
+    /// Before a reservation of `scope`: `Err` (the store unavailable)
+    /// when this layer holds an outcome of it that the store has not
+    /// taken yet, even when tried again now (see
+    /// [`pending`](crate::pending)). The action ran: fail-open does not
+    /// apply, and the retry that would take over waits for the record.
+    pub(crate) async fn outcome_recorded(&self, scope: &ScopeHash) -> Result<(), StoreError> {
+        // One try of the completion: a store call, within its timeout.
+        let bound = self
+            .config
+            .store_timeout
+            .saturating_mul(2)
+            .max(Duration::from_millis(500));
+        if self.pending.settled(scope, bound).await {
+            return Ok(());
+        }
+        Err(StoreError::unavailable(
+            "an earlier attempt with this key ran, and the store has not taken its outcome yet",
+        ))
     }
 }
 

@@ -377,6 +377,9 @@ where
                 InFlight::Wait(bound) => Some(deadline_after(bound)),
                 InFlight::Reject => None,
             };
+            if let Err(error) = rt.outcome_recorded(self.reserve.scope.hash()).await {
+                return Ok(store_unavailable(&error));
+            }
             loop {
                 let reservation = match store_call(
                     config,
@@ -385,7 +388,10 @@ where
                 )
                 .await
                 {
-                    Ok(reservation) => reservation,
+                    Ok(reservation) => {
+                        rt.pending.store_answered();
+                        reservation
+                    }
                     // Fail-open covers a store that cannot be reached, never one
                     // that answered: a full store or a record it cannot decode
                     // may hold the key's outcome, and running again could

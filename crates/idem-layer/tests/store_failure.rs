@@ -27,6 +27,10 @@ const FAIL: u8 = 1;
 const HANG: u8 = 2;
 /// Only the next `complete` fails.
 const FAIL_NEXT_COMPLETE: u8 = 3;
+/// Every `complete` fails; every other call is answered (a store that
+/// takes reservations but not the outcome: the background completion
+/// cannot land while a retry can take over).
+const FAIL_COMPLETES: u8 = 4;
 
 /// The memory store behind a switch that makes every call fail or hang,
 /// as a crashed or paused backend would.
@@ -62,6 +66,9 @@ impl Store for Switched {
             .compare_exchange(FAIL_NEXT_COMPLETE, OK, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
         {
+            return Err(StoreError::unavailable("connection reset"));
+        }
+        if self.mode.load(Ordering::SeqCst) == FAIL_COMPLETES {
             return Err(StoreError::unavailable("connection reset"));
         }
         self.gate().await?;
@@ -261,31 +268,87 @@ async fn the_background_completion_outlasts_a_lapsed_lease() {
     let store = switched();
     let probe = Probe::default();
     let layer = switched_layer(&store).lease(Duration::from_millis(600));
-    let svc = layer.layer(inner(&probe));
+    let first = lapsed_with_the_outcome_held(&store, &layer, &probe).await;
+    store.mode.store(OK, Ordering::SeqCst);
+    replayed_once_landed(&layer, &probe, &first).await;
+}
+
+/// The first attempt of `k` answered 201 with the store down, and the
+/// store still down well past its 600 ms lease: the lease has lapsed,
+/// and the outcome is held in the background alone.
+async fn lapsed_with_the_outcome_held(
+    store: &Switched,
+    layer: &IdempotencyLayer<Switched>,
+    probe: &Probe,
+) -> Answer {
+    let svc = layer.layer(inner(probe));
     let first = tokio::spawn(send(&svc, order_at("/slow", "k")));
-    wait_calls(&probe, 1).await;
+    wait_calls(probe, 1).await;
     store.mode.store(FAIL, Ordering::SeqCst);
     probe.open_gate(1);
     let first = first.await.expect("join");
     assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(layer.background_tasks(), 1, "recording in the background");
-    // The store stays down past the lease (600 ms, no renewal landing):
-    // however long this takes, the lease has lapsed after it.
+    // However long this takes, the lease has lapsed after it, and the
+    // background completion's pause has grown to its longest (500 ms).
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(
-        layer.background_tasks(),
-        1,
-        "still recording after the lease lapsed"
-    );
+    assert_eq!(layer.background_tasks(), 1, "recording in the background");
+    // A retry that ran the handler would not wait at the gate.
+    probe.open_gate(1);
+    first
+}
+
+/// A store that comes back takes over a lapsed lease on the next
+/// reservation: the retry that comes first, before the background
+/// completion's next try, has that try made at once and replays it.
+#[tokio::test]
+async fn a_retry_after_a_lapsed_lease_replays_the_outcome_held_here() {
+    let store = switched();
+    let probe = Probe::default();
+    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let first = lapsed_with_the_outcome_held(&store, &layer, &probe).await;
     store.mode.store(OK, Ordering::SeqCst);
+    let retry = send(&layer.layer(inner(&probe)), order_at("/slow", "k")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.code());
+    assert!(retry.replayed(), "a replay, not a second run");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(probe.calls(), 1, "the handler ran once");
+    assert_eq!(layer.background_tasks(), 0);
+}
+
+/// While the store takes reservations but not the outcome, a retry that
+/// the store would let take over is refused (503), fail-open or not: the
+/// action ran. Once the outcome lands, the retry replays it.
+#[tokio::test]
+async fn a_retry_is_refused_while_the_outcome_held_here_is_not_recorded() {
+    let store = switched();
+    let probe = Probe::default();
+    let layer = switched_layer(&store)
+        .lease(Duration::from_millis(600))
+        .fail_open(true);
+    let first = lapsed_with_the_outcome_held(&store, &layer, &probe).await;
+    store.mode.store(FAIL_COMPLETES, Ordering::SeqCst);
+    let svc = layer.layer(inner(&probe));
+    let refused = send(&svc, order_at("/slow", "k")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(probe.calls(), 1, "the handler did not run again");
+    store.mode.store(OK, Ordering::SeqCst);
+    replayed_once_landed(&layer, &probe, &first).await;
+}
+
+/// Once the background completion has landed, the retry of `k` replays
+/// `first`, and the handler has run once.
+async fn replayed_once_landed(layer: &IdempotencyLayer<Switched>, probe: &Probe, first: &Answer) {
     wait_until(
         Duration::from_secs(10),
         "the background completion to land",
         async || layer.background_tasks() == 0,
     )
     .await;
-    probe.open_gate(1);
-    let retry = send(&svc, order_at("/slow", "k")).await;
+    let retry = send(&layer.layer(inner(probe)), order_at("/slow", "k")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed(), "a replay, not a second run");
     assert_eq!(retry.body, first.body);
@@ -294,4 +357,53 @@ async fn the_background_completion_outlasts_a_lapsed_lease() {
 
 fn order_at(path: &str, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
     post(path).key(key).tenant("t1").json("{}").build()
+}
+
+/// The same for a command: a redelivery that the store would let take
+/// over a lapsed lease gets `Store` (retry later, do not acknowledge)
+/// while the outcome held here is not recorded, then its result.
+#[tokio::test]
+async fn a_redelivery_waits_for_the_command_outcome_held_here() {
+    use idem_layer::{ActionError, Command, CommandError, Done};
+    let store = switched();
+    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let key = idem_core::IdempotencyKey::parse(b"charge-1").expect("key");
+    let command =
+        Command::new("shop", "charge", key, &serde_json::json!({"cents": 5})).expect("command");
+    let runs = Arc::new(AtomicU8::new(0));
+    let charge = || {
+        let (runs, mode) = (Arc::clone(&runs), Arc::clone(&store.mode));
+        move |_ctx| async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            // The store goes down while the action runs.
+            mode.store(FAIL, Ordering::SeqCst);
+            Ok::<_, ActionError<String>>(format!("receipt-{run}"))
+        }
+    };
+    let first = layer.run(&command, charge()).await;
+    assert!(
+        matches!(first, Ok(Done::Ran(ref receipt)) if receipt == "receipt-1"),
+        "{first:?}"
+    );
+    // The lease (600 ms) lapses with the store down.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(layer.background_tasks(), 1, "recording in the background");
+    store.mode.store(FAIL_COMPLETES, Ordering::SeqCst);
+    let refused = layer.run(&command, charge()).await;
+    assert!(
+        matches!(refused, Err(CommandError::Store(_))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the action did not run again"
+    );
+    store.mode.store(OK, Ordering::SeqCst);
+    let replayed = layer.run(&command, charge()).await;
+    assert!(
+        matches!(replayed, Ok(Done::Replayed(ref receipt)) if receipt == "receipt-1"),
+        "{replayed:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the action ran once");
 }

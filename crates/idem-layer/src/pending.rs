@@ -1,0 +1,229 @@
+//! Outcomes this layer holds but has not recorded yet: completions that
+//! hit a store error and are retried in the background (see
+//! `record_later` in `attempt.rs`), by scope.
+//!
+//! Once an attempt's lease has lapsed with the store down, nothing in the
+//! store stands between a retry and a takeover, only the background
+//! completion's next try. A retry that reaches this layer first would run
+//! the action a second time. So a reservation of a scope listed here
+//! first has the completion tried at once and waits for that try: once it
+//! is recorded the reservation replays it; if the store still does not
+//! take it, the request is answered `503 idempotency_store_unavailable`
+//! (fail-open or not: the action ran). And every reservation the store
+//! answers while completions are pending has them all tried at once, so
+//! a store that comes back takes them before most retries arrive, also
+//! those that reach another instance.
+//!
+//! Cost on the request path while nothing is pending: one atomic load.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use idem_core::ScopeHash;
+use tokio::sync::Notify;
+
+/// The background completions of one layer (shared by its clones).
+#[derive(Default)]
+pub(crate) struct Pending {
+    /// How many are registered: the request path reads only this while
+    /// it is zero.
+    count: AtomicUsize,
+    entries: Mutex<HashMap<ScopeHash, Arc<Entry>>>,
+    /// The store answered a reservation: every pending completion tries
+    /// again at once.
+    answered: Notify,
+}
+
+/// One background completion.
+#[derive(Default)]
+struct Entry {
+    /// A reservation of its scope wants a try now.
+    nudge: Notify,
+    /// A try ended (recorded or not), or the completion gave up.
+    tried: Notify,
+    /// Recorded (or given up: nothing more will come of it).
+    done: AtomicBool,
+}
+
+/// A background completion's place in [`Pending`], removed when dropped
+/// (the completion recorded, was fenced, or gave up).
+pub(crate) struct Registration {
+    pending: Arc<Pending>,
+    scope: ScopeHash,
+    entry: Arc<Entry>,
+}
+
+impl Pending {
+    /// Lists a background completion of `scope`. A newer one of the same
+    /// scope replaces an older one in the list (the older keeps trying).
+    pub(crate) fn register(self: &Arc<Self>, scope: ScopeHash) -> Registration {
+        let entry = Arc::new(Entry::default());
+        self.lock().insert(scope, Arc::clone(&entry));
+        self.count.fetch_add(1, Ordering::AcqRel);
+        Registration {
+            pending: Arc::clone(self),
+            scope,
+            entry,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ScopeHash, Arc<Entry>>> {
+        // A panic while the map was locked left it whole (each use is one
+        // map call): the map is used as it is.
+        self.entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Before a reservation of `scope`: `true` when this layer holds no
+    /// unrecorded outcome of it, or the one it held was recorded by the
+    /// try this call asked for (within `bound`); `false` when the store
+    /// did not take it.
+    pub(crate) async fn settled(&self, scope: &ScopeHash, bound: Duration) -> bool {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return true;
+        }
+        let Some(entry) = self.lock().get(scope).cloned() else {
+            return true;
+        };
+        // Made before the nudge: a try that ends after it wakes it.
+        let tried = entry.tried.notified();
+        if entry.done.load(Ordering::Acquire) {
+            return true;
+        }
+        entry.nudge.notify_one();
+        let _ = tokio::time::timeout(bound, tried).await;
+        entry.done.load(Ordering::Acquire)
+    }
+
+    /// The store answered a reservation: pending completions try now.
+    pub(crate) fn store_answered(&self) {
+        if self.count.load(Ordering::Relaxed) > 0 {
+            self.answered.notify_waiters();
+        }
+    }
+
+    /// How many completions are pending.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+}
+
+impl Registration {
+    /// Waits `pause` before the next try, or less: until a reservation of
+    /// the scope asks for a try, or the store answers one of any scope.
+    pub(crate) async fn pause(&self, pause: Duration) {
+        let answered = self.pending.answered.notified();
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = self.entry.nudge.notified() => {}
+            () = answered => {}
+        }
+    }
+
+    /// A try ended; `recorded` when the store took the outcome (or
+    /// answered that a newer attempt owns the record).
+    pub(crate) fn tried(&self, recorded: bool) {
+        if recorded {
+            self.entry.done.store(true, Ordering::Release);
+        }
+        self.entry.tried.notify_waiters();
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.entry.done.store(true, Ordering::Release);
+        {
+            let mut entries = self.pending.lock();
+            if entries
+                .get(&self.scope)
+                .is_some_and(|listed| Arc::ptr_eq(listed, &self.entry))
+            {
+                entries.remove(&self.scope);
+            }
+        }
+        self.pending.count.fetch_sub(1, Ordering::AcqRel);
+        self.entry.tried.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scope(byte: u8) -> ScopeHash {
+        ScopeHash::from_bytes([byte; 32])
+    }
+
+    #[tokio::test]
+    async fn an_unlisted_scope_is_settled_at_once() {
+        let pending = Arc::new(Pending::default());
+        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+        let _listed = pending.register(scope(2));
+        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+    }
+
+    #[tokio::test]
+    async fn a_nudged_try_that_records_settles_the_scope() {
+        let pending = Arc::new(Pending::default());
+        let registration = pending.register(scope(1));
+        let task = tokio::spawn(async move {
+            // A pause far longer than the test: only the nudge ends it.
+            registration.pause(Duration::from_secs(3600)).await;
+            registration.tried(true);
+            registration
+        });
+        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+        drop(task.await.expect("join"));
+        assert_eq!(pending.len(), 0);
+        assert!(pending.lock().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_nudged_try_that_fails_leaves_the_scope_unsettled() {
+        let pending = Arc::new(Pending::default());
+        let registration = pending.register(scope(1));
+        let task = tokio::spawn(async move {
+            registration.pause(Duration::from_secs(3600)).await;
+            registration.tried(false);
+            registration
+        });
+        assert!(!pending.settled(&scope(1), Duration::from_secs(10)).await);
+        let registration = task.await.expect("join");
+        assert_eq!(pending.len(), 1);
+        drop(registration);
+        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+    }
+
+    #[tokio::test]
+    async fn an_answered_reservation_wakes_every_pending_completion() {
+        let pending = Arc::new(Pending::default());
+        let waits: Vec<_> = (0..3)
+            .map(|i| {
+                let registration = pending.register(scope(i));
+                tokio::spawn(async move {
+                    registration.pause(Duration::from_secs(3600)).await;
+                })
+            })
+            .collect();
+        // Each waits on the store's answer once it has started to pause.
+        tokio::task::yield_now().await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        for wait in waits {
+            while !wait.is_finished() {
+                assert!(tokio::time::Instant::now() < deadline, "not woken");
+                pending.store_answered();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        assert_eq!(pending.len(), 0);
+    }
+}
