@@ -253,17 +253,31 @@ pub(crate) async fn settle<S: Store>(
             // outcome is recorded in the background while the lease is
             // held, so a store blip does not turn into a takeover and a
             // second execution.
-            m::count(Counted::StoreError);
-            tracing::error!(%error, "could not record the outcome yet; retrying in the background");
-            // Listed before the client gets its answer: its retry finds it.
-            let pending = rt.pending.register(*request.scope.hash());
-            rt.tasks.spawn(
-                record_later(rt.clone(), request.clone(), lease.clone(), outcome, pending)
-                    .in_current_span(),
-            );
+            record_in_background(rt, request, lease, outcome, &error);
             None
         }
     }
+}
+
+/// Starts [`record_later`] after a completion's store error (a rare path,
+/// kept out of [`settle`]'s code).
+#[cold]
+#[inline(never)]
+fn record_in_background<S: Store>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    lease: &Lease,
+    outcome: Outcome,
+    error: &StoreError,
+) {
+    m::count(Counted::StoreError);
+    tracing::error!(%error, "could not record the outcome yet; retrying in the background");
+    // Listed before the client gets its answer: its retry finds it.
+    let pending = rt.pending.register(*request.scope.hash());
+    rt.tasks.spawn(
+        record_later(rt.clone(), request.clone(), lease.clone(), outcome, pending)
+            .in_current_span(),
+    );
 }
 
 /// A completion found no record at all: the store lost it (a failover

@@ -81,12 +81,19 @@ impl Pending {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Whether any completion is pending (then a reservation asks
+    /// [`settled`](Self::settled) first).
+    #[inline]
+    pub(crate) fn any(&self) -> bool {
+        self.count.load(Ordering::Acquire) > 0
+    }
+
     /// Before a reservation of `scope`: `true` when this layer holds no
     /// unrecorded outcome of it, or the one it held was recorded by the
     /// try this call asked for (within `bound`); `false` when the store
     /// did not take it.
     pub(crate) async fn settled(&self, scope: &ScopeHash, bound: Duration) -> bool {
-        if self.count.load(Ordering::Acquire) == 0 {
+        if !self.any() {
             return true;
         }
         let Some(entry) = self.lock().get(scope).cloned() else {
@@ -103,6 +110,7 @@ impl Pending {
     }
 
     /// The store answered a reservation: pending completions try now.
+    #[inline]
     pub(crate) fn store_answered(&self) {
         if self.count.load(Ordering::Relaxed) > 0 {
             self.answered.notify_waiters();

@@ -377,7 +377,11 @@ where
                 InFlight::Wait(bound) => Some(deadline_after(bound)),
                 InFlight::Reject => None,
             };
-            if let Err(error) = rt.outcome_recorded(self.reserve.scope.hash()).await {
+            // Boxed: the rare path's state stays out of every request's
+            // future.
+            if rt.pending.any()
+                && let Err(error) = Box::pin(rt.outcome_recorded(self.reserve.scope.hash())).await
+            {
                 return Ok(store_unavailable(&error));
             }
             loop {
