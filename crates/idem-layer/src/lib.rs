@@ -83,7 +83,7 @@
 //!   completion, and a retry after the store is back finds the outcome
 //!   instead of running again. The layer lists such outcomes by scope: a
 //!   retry of one that reaches this layer has it tried at once and waits
-//!   for that try (within twice the store timeout, at least 500 ms), then
+//!   for that try (within twice the store timeout, at least 2 s), then
 //!   replays it; if the store still does not take it, the retry gets
 //!   `503 idempotency_store_unavailable`, fail-open or not (the action
 //!   ran). Any reservation the store answers has every pending outcome

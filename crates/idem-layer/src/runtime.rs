@@ -123,12 +123,14 @@ impl<S> Runtime<S> {
     /// [`pending`](crate::pending)). The action ran: fail-open does not
     /// apply, and the retry that would take over waits for the record.
     pub(crate) async fn outcome_recorded(&self, scope: &ScopeHash) -> Result<(), StoreError> {
-        // One try of the completion: a store call, within its timeout.
+        // One try of the completion: a store call, within its timeout. A
+        // try that fails ends the wait at once; the floor is for a busy
+        // machine that runs the try late.
         let bound = self
             .config
             .store_timeout
             .saturating_mul(2)
-            .max(Duration::from_millis(500));
+            .max(Duration::from_secs(2));
         if self.pending.settled(scope, bound).await {
             return Ok(());
         }
