@@ -313,8 +313,8 @@ impl<S: Store> IdempotencyLayer<S> {
             InFlight::Wait(bound) => Some(deadline_after(bound)),
             InFlight::Reject => None,
         };
-        self.runtime.outcome_recorded(request.scope.hash()).await?;
         loop {
+            self.runtime.outcome_recorded(request.scope.hash()).await?;
             let reservation = store_call(config, StoreOp::Reserve, store.reserve(request)).await?;
             self.runtime.pending.store_answered();
             let answer = match reservation {

@@ -86,10 +86,11 @@
 //!   for that try (within twice the store timeout, at least 2 s), then
 //!   replays it; if the store still does not take it, the retry gets
 //!   `503 idempotency_store_unavailable`, fail-open or not (the action
-//!   ran). Any reservation the store answers has every pending outcome
-//!   tried at once, so a retry that reaches another instance finds the
-//!   outcome recorded unless it is there within moments of the store's
-//!   return.
+//!   ran), and so does a waiting duplicate (in-flight wait mode) that
+//!   reserves again as the store comes back. Any reservation the store
+//!   answers has every pending outcome tried at once, so a retry that
+//!   reaches another instance finds the outcome recorded unless it is
+//!   there within moments of the store's return.
 //! * A fenced attempt (taken over or cancelled while running) gets what the
 //!   record says now, whether it succeeded or failed; if the record is
 //!   vacant its own response.

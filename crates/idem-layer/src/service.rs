@@ -377,14 +377,16 @@ where
                 InFlight::Wait(bound) => Some(deadline_after(bound)),
                 InFlight::Reject => None,
             };
-            // Boxed: the rare path's state stays out of every request's
-            // future.
-            if rt.pending.any()
-                && let Err(error) = Box::pin(rt.outcome_recorded(self.reserve.scope.hash())).await
-            {
-                return Ok(store_unavailable(&error));
-            }
             loop {
+                // Before every reservation (a waiting duplicate's too: the
+                // attempt it waits for may be this layer's). Boxed: the
+                // rare path's state stays out of every request's future.
+                if rt.pending.any()
+                    && let Err(error) =
+                        Box::pin(rt.outcome_recorded(self.reserve.scope.hash())).await
+                {
+                    return Ok(store_unavailable(&error));
+                }
                 let reservation = match store_call(
                     config,
                     StoreOp::Reserve,

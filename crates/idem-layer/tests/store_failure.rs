@@ -18,7 +18,7 @@ use idem_core::{
     Cancellation, Completion, Lease, Outcome, Record, Release, Renewal, Reservation,
     ReserveRequest, ScopeHash, Store, StoreError,
 };
-use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_layer::{IdempotencyLayer, InFlight, TenantFromHeader};
 use idem_memory::MemoryStore;
 use tower::Layer;
 
@@ -38,6 +38,10 @@ const FAIL_COMPLETES: u8 = 4;
 struct Switched {
     inner: MemoryStore,
     mode: Arc<AtomicU8>,
+    /// Waiting duplicates: how many wait now; they wait (whatever their
+    /// bound) until `changes` wakes them.
+    waiting: Arc<AtomicU8>,
+    changes: Arc<tokio::sync::Notify>,
 }
 
 impl Switched {
@@ -86,6 +90,12 @@ impl Store for Switched {
         self.gate().await?;
         self.inner.get(scope).await
     }
+    async fn changed(&self, _scope: &ScopeHash, _timeout: Duration) {
+        let changed = self.changes.notified();
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        changed.await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn switched_layer(store: &Switched) -> IdempotencyLayer<Switched> {
@@ -98,6 +108,8 @@ fn switched() -> Switched {
     Switched {
         inner: MemoryStore::new(),
         mode: Arc::new(AtomicU8::new(OK)),
+        waiting: Arc::new(AtomicU8::new(0)),
+        changes: Arc::new(tokio::sync::Notify::new()),
     }
 }
 
@@ -334,6 +346,44 @@ async fn a_retry_is_refused_while_the_outcome_held_here_is_not_recorded() {
         refused.code().as_deref(),
         Some("idempotency_store_unavailable")
     );
+    assert_eq!(probe.calls(), 1, "the handler did not run again");
+    store.mode.store(OK, Ordering::SeqCst);
+    replayed_once_landed(&layer, &probe, &first).await;
+}
+
+/// A duplicate that waited through the outage (in-flight wait mode)
+/// reserves again as the store comes back: it too is refused while the
+/// outcome held here is not recorded, instead of taking over.
+#[tokio::test]
+async fn a_waiting_duplicate_is_refused_while_the_outcome_held_here_is_not_recorded() {
+    let store = switched();
+    let probe = Probe::default();
+    let layer = switched_layer(&store)
+        .lease(Duration::from_millis(600))
+        .in_flight(InFlight::Wait(Duration::from_secs(60)));
+    let svc = layer.layer(inner(&probe));
+    let first = tokio::spawn(send(&svc, order_at("/slow", "k")));
+    wait_calls(&probe, 1).await;
+    let duplicate = tokio::spawn(send(&svc, order_at("/slow", "k")));
+    wait_until(
+        Duration::from_secs(10),
+        "the duplicate to wait",
+        async || store.waiting.load(Ordering::SeqCst) == 1,
+    )
+    .await;
+    store.mode.store(FAIL, Ordering::SeqCst);
+    probe.open_gate(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    // The lease (600 ms) lapses with the store down.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(layer.background_tasks(), 1, "recording in the background");
+    store.mode.store(FAIL_COMPLETES, Ordering::SeqCst);
+    // A duplicate that ran the handler would not wait at the gate.
+    probe.open_gate(1);
+    store.changes.notify_waiters();
+    let duplicate = duplicate.await.expect("join");
+    assert_eq!(duplicate.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(probe.calls(), 1, "the handler did not run again");
     store.mode.store(OK, Ordering::SeqCst);
     replayed_once_landed(&layer, &probe, &first).await;
