@@ -88,7 +88,9 @@
 //!   `503 idempotency_store_unavailable`, fail-open or not (the action
 //!   ran), and so does a waiting duplicate (in-flight wait mode) that
 //!   reserves again as the store comes back. Any reservation the store
-//!   answers has every pending outcome tried at once, so a retry that
+//!   answers has every pending outcome tried at once (at most every
+//!   100 ms: a store that took reservations but refused completions would
+//!   otherwise get a try of each per request), so a retry that
 //!   reaches another instance finds the outcome recorded unless it is
 //!   there within moments of the store's return.
 //! * A fenced attempt (taken over or cancelled while running) gets what the

@@ -10,7 +10,8 @@
 //! is recorded the reservation replays it; if the store still does not
 //! take it, the request is answered `503 idempotency_store_unavailable`
 //! (fail-open or not: the action ran). And every reservation the store
-//! answers while completions are pending has them all tried at once, so
+//! answers while completions are pending has them all tried at once (at
+//! most every 100 ms), so
 //! a store that comes back takes them before most retries arrive, also
 //! those that reach another instance.
 //!
@@ -20,7 +21,7 @@ use std::{
     collections::HashMap,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -29,7 +30,6 @@ use idem_core::ScopeHash;
 use tokio::sync::Notify;
 
 /// The background completions of one layer (shared by its clones).
-#[derive(Default)]
 pub(crate) struct Pending {
     /// How many are registered: the request path reads only this while
     /// it is zero.
@@ -38,6 +38,27 @@ pub(crate) struct Pending {
     /// The store answered a reservation: every pending completion tries
     /// again at once.
     answered: Notify,
+    /// When `answered` last woke them (milliseconds since `epoch`): at
+    /// most once per [`WAKE_EVERY`], or a store that takes reservations
+    /// but refuses completions would get a try of every pending
+    /// completion per request.
+    woken_at: AtomicU64,
+    epoch: tokio::time::Instant,
+}
+
+/// The least time between two wake-ups of every pending completion.
+const WAKE_EVERY: Duration = Duration::from_millis(100);
+
+impl Default for Pending {
+    fn default() -> Self {
+        Self {
+            count: AtomicUsize::new(0),
+            entries: Mutex::default(),
+            answered: Notify::new(),
+            woken_at: AtomicU64::new(0),
+            epoch: tokio::time::Instant::now(),
+        }
+    }
 }
 
 /// One background completion.
@@ -109,10 +130,28 @@ impl Pending {
         entry.done.load(Ordering::Acquire)
     }
 
-    /// The store answered a reservation: pending completions try now.
+    /// The store answered a reservation: pending completions try now
+    /// (unless they were woken less than [`WAKE_EVERY`] ago).
     #[inline]
     pub(crate) fn store_answered(&self) {
         if self.count.load(Ordering::Relaxed) > 0 {
+            self.wake_all();
+        }
+    }
+
+    fn wake_all(&self) {
+        // Counted from 1: the first wake-up is never held back.
+        let now = u64::try_from(self.epoch.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        let last = self.woken_at.load(Ordering::Acquire);
+        let due = last == 0 || now.saturating_sub(last) >= WAKE_EVERY.as_millis() as u64;
+        if due
+            && self
+                .woken_at
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
             self.answered.notify_waiters();
         }
     }
@@ -209,6 +248,41 @@ mod tests {
         assert_eq!(pending.len(), 1);
         drop(registration);
         assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+    }
+
+    /// A pending completion paused for good, as a task.
+    fn paused(pending: &Arc<Pending>, byte: u8) -> tokio::task::JoinHandle<()> {
+        let registration = pending.register(scope(byte));
+        tokio::spawn(async move {
+            registration.pause(Duration::from_secs(3600)).await;
+        })
+    }
+
+    /// Lets the spawned tasks run until they wait.
+    async fn settle_tasks() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answered_reservations_wake_the_pending_at_most_every_100_ms() {
+        let pending = Arc::new(Pending::default());
+        let first = paused(&pending, 1);
+        settle_tasks().await;
+        pending.store_answered();
+        settle_tasks().await;
+        assert!(first.is_finished(), "the first wake-up is at once");
+        let second = paused(&pending, 2);
+        settle_tasks().await;
+        tokio::time::advance(Duration::from_millis(50)).await;
+        pending.store_answered();
+        settle_tasks().await;
+        assert!(!second.is_finished(), "held back within 100 ms");
+        tokio::time::advance(Duration::from_millis(50)).await;
+        pending.store_answered();
+        settle_tasks().await;
+        assert!(second.is_finished(), "woken 100 ms after the last");
     }
 
     #[tokio::test]
