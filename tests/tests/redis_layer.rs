@@ -21,6 +21,7 @@ use idem_core::{
 use idem_layer::{IdempotencyLayer, InFlight, TenantFromHeader};
 use idem_redis::RedisStore;
 use idem_tests::{
+    poll_until,
     redis_server::{RedisServer, calls_between},
     wait_until,
 };
@@ -40,14 +41,19 @@ fn app(store: RedisStore) -> App {
 }
 
 fn app_with(store: RedisStore, in_flight: InFlight) -> App {
+    app_of(
+        IdempotencyLayer::new(store)
+            .store_timeout(Duration::from_millis(300))
+            .in_flight(in_flight),
+    )
+}
+
+fn app_of(layer: IdempotencyLayer<RedisStore>) -> App {
     let runs = Arc::new(AtomicUsize::new(0));
     let gate = Arc::new(Semaphore::new(0));
-    let layer = IdempotencyLayer::new(store)
-        .tenant(TenantFromHeader::new(http::HeaderName::from_static(
-            "x-tenant-id",
-        )))
-        .store_timeout(Duration::from_millis(300))
-        .in_flight(in_flight);
+    let layer = layer.tenant(TenantFromHeader::new(http::HeaderName::from_static(
+        "x-tenant-id",
+    )));
     let (r1, r2, g) = (Arc::clone(&runs), Arc::clone(&runs), Arc::clone(&gate));
     let router = Router::new()
         .route(
@@ -577,6 +583,61 @@ async fn killed_and_restarted_redis_is_reconnected_and_scripts_reloaded() {
         2,
         "no request ran while Redis was down"
     );
+}
+
+/// Redis killed (SIGKILL) while a request runs, and started again with
+/// its data (an append-only file synced on every write) only after the
+/// request's lease lapsed: its completion failed and is held in the
+/// background. The retries that come as Redis returns never take the
+/// lapsed lease over: they have the held outcome tried at once and get
+/// `503` until Redis takes it, then its replay. The handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let Some(mut server) =
+        RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    else {
+        return;
+    };
+    let store = RedisStore::from_url(&server.url()).expect("store");
+    let app = app_of(
+        IdempotencyLayer::new(store)
+            .store_timeout(Duration::from_millis(300))
+            .lease(Duration::from_secs(1)),
+    );
+    let router = app.router.clone();
+    let first = tokio::spawn(async move { call(&router, "/slow", "k", "{}").await });
+    poll_until(
+        Duration::from_secs(10),
+        async || app.runs.load(Ordering::SeqCst),
+        |runs| *runs == 1,
+    )
+    .await;
+    server.kill();
+    app.gate.add_permits(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        app.layer.background_tasks(),
+        1,
+        "recording in the background"
+    );
+    // However long this takes, the lease (1 s, no renewal landing) has
+    // lapsed after it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    server.restart();
+    // A retry that ran the handler would not wait at the gate.
+    app.gate.add_permits(1);
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || call(&app.router, "/slow", "k", "{}").await,
+        |reply| reply.status != StatusCode::SERVICE_UNAVAILABLE,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.code);
+    assert!(retry.replayed, "a replay, not a takeover");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
 
 #[tokio::test]
