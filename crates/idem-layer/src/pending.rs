@@ -218,16 +218,23 @@ mod tests {
         assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
     }
 
+    /// A background completion whose only try comes when nudged (its
+    /// pause is far longer than the test), recording or not.
+    fn tries_when_nudged(
+        registration: Registration,
+        recorded: bool,
+    ) -> tokio::task::JoinHandle<Registration> {
+        tokio::spawn(async move {
+            registration.pause(Duration::from_secs(3600)).await;
+            registration.tried(recorded);
+            registration
+        })
+    }
+
     #[tokio::test]
     async fn a_nudged_try_that_records_settles_the_scope() {
         let pending = Arc::new(Pending::default());
-        let registration = pending.register(scope(1));
-        let task = tokio::spawn(async move {
-            // A pause far longer than the test: only the nudge ends it.
-            registration.pause(Duration::from_secs(3600)).await;
-            registration.tried(true);
-            registration
-        });
+        let task = tries_when_nudged(pending.register(scope(1)), true);
         assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
         drop(task.await.expect("join"));
         assert_eq!(pending.len(), 0);
@@ -237,12 +244,7 @@ mod tests {
     #[tokio::test]
     async fn a_nudged_try_that_fails_leaves_the_scope_unsettled() {
         let pending = Arc::new(Pending::default());
-        let registration = pending.register(scope(1));
-        let task = tokio::spawn(async move {
-            registration.pause(Duration::from_secs(3600)).await;
-            registration.tried(false);
-            registration
-        });
+        let task = tries_when_nudged(pending.register(scope(1)), false);
         assert!(!pending.settled(&scope(1), Duration::from_secs(10)).await);
         let registration = task.await.expect("join");
         assert_eq!(pending.len(), 1);
