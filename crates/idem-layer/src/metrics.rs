@@ -5,6 +5,13 @@
 //! | `idem_requests_total` | counter | `outcome`: executed, replayed, conflict, in_progress, released, takeover, fenced, cancelled, store_error, fail_open, rejected, unknown |
 //! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get, list, force_release |
 //! | `idem_replay_age_seconds` | histogram | |
+//! | `idem_outcomes_pending` | gauge | |
+//!
+//! `idem_outcomes_pending` counts the outcomes this process holds that a
+//! store error kept from being recorded yet (tried again in the
+//! background): above zero for longer than an outage, the store takes
+//! reservations but refuses completions; at a shutdown that cannot wait
+//! for them, they are lost with the process.
 //!
 //! Install any `metrics` recorder (the gateway uses the Prometheus
 //! exporter) to collect them; without one they cost next to nothing.
@@ -19,6 +26,8 @@ pub const REQUESTS_TOTAL: &str = "idem_requests_total";
 pub const STORE_DURATION: &str = "idem_store_duration_seconds";
 /// The name of the replay age histogram.
 pub const REPLAY_AGE: &str = "idem_replay_age_seconds";
+/// The name of the gauge of outcomes held for a background completion.
+pub const OUTCOMES_PENDING: &str = "idem_outcomes_pending";
 
 /// How a keyed request was answered, as counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,4 +125,10 @@ pub(crate) fn store_latency(op: StoreOp, elapsed: Duration) {
 
 pub(crate) fn replay_age(age: Duration) {
     metrics::histogram!(REPLAY_AGE).record(age.as_secs_f64());
+}
+
+/// An outcome held for a background completion (`1.0`), or no longer
+/// held (`-1.0`). Added, not set: the layers of a process share the gauge.
+pub(crate) fn outcomes_pending(change: f64) {
+    metrics::gauge!(OUTCOMES_PENDING).increment(change);
 }

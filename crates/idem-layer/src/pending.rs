@@ -87,6 +87,7 @@ impl Pending {
         let entry = Arc::new(Entry::default());
         self.lock().insert(scope, Arc::clone(&entry));
         self.count.fetch_add(1, Ordering::AcqRel);
+        crate::metrics::outcomes_pending(1.0);
         Registration {
             pending: Arc::clone(self),
             scope,
@@ -198,6 +199,7 @@ impl Drop for Registration {
             }
         }
         self.pending.count.fetch_sub(1, Ordering::AcqRel);
+        crate::metrics::outcomes_pending(-1.0);
         self.entry.tried.notify_waiters();
     }
 }
@@ -208,6 +210,34 @@ mod tests {
 
     fn scope(byte: u8) -> ScopeHash {
         ScopeHash::from_bytes([byte; 32])
+    }
+
+    #[tokio::test]
+    async fn the_gauge_counts_the_held_outcomes() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let _guard = metrics::set_default_local_recorder(&recorder);
+        let gauge = || {
+            snapshotter
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .find_map(|(key, _, _, value)| match value {
+                    DebugValue::Gauge(value)
+                        if key.key().name() == crate::metrics::OUTCOMES_PENDING =>
+                    {
+                        Some(value.into_inner())
+                    }
+                    _ => None,
+                })
+        };
+        let pending = Arc::new(Pending::default());
+        // Two held, one of them recorded since (the recorder's snapshot
+        // takes what was added since the last one: read once).
+        let (first, _second) = (pending.register(scope(1)), pending.register(scope(2)));
+        drop(first);
+        assert_eq!(gauge(), Some(1.0));
     }
 
     #[tokio::test]
