@@ -106,21 +106,65 @@ where
     Buffered::Complete { parts, body }
 }
 
+/// Where an attempt that runs on after its lease lapsed is listed (see
+/// [`pending`](crate::pending)): listed while its renewals fail past the
+/// lease, and kept listed until the attempt's outcome is recorded or
+/// handed on (the attempt drops it last).
+pub(crate) struct Lapse<'a> {
+    pending: &'a std::sync::Arc<crate::pending::Pending>,
+    listed: std::sync::Mutex<Option<crate::pending::Registration>>,
+}
+
+impl<'a> Lapse<'a> {
+    pub(crate) fn new(pending: &'a std::sync::Arc<crate::pending::Pending>) -> Self {
+        Self {
+            pending,
+            listed: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn set(&self, listed: Option<crate::pending::Registration>) {
+        // Poisoned only by a panic while set: the slot is used as it is.
+        let mut slot = self
+            .listed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *slot = listed;
+    }
+}
+
 /// Keeps the lease alive: renews it every third of its length; a failed
 /// renewal is retried promptly (every quarter period, at most 1 s) until
 /// the lease, as last renewed, would lapse. Returns when the lease is lost:
-/// fenced by a newer attempt or a cancellation, or lapsed because renewals
-/// kept failing.
-async fn keep_alive<S: Store>(config: &Config, store: &S, lease: &Lease) {
+/// fenced by a newer attempt or a cancellation, or (without `lapse`)
+/// lapsed because renewals kept failing. With `lapse`, a lease that lapsed
+/// that way is renewed on (backing off to two tries a second; the store
+/// renews a lapsed lease that nothing took over) while the attempt runs,
+/// which is listed meanwhile so that this layer's retries of it wait.
+async fn keep_alive<S: Store>(
+    config: &Config,
+    store: &S,
+    lease: &Lease,
+    lapse: Option<&Lapse<'_>>,
+) {
     let period = (lease.ttl / 3).max(Duration::from_millis(1));
     let retry = (period / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut held_until = deadline_after(lease.ttl);
     let mut next = deadline_after(period);
+    // Since when the lease has lapsed under this attempt, and the pause
+    // before the next renewal then.
+    let mut lapsed: Option<Duration> = None;
     loop {
         tokio::time::sleep_until(next).await;
         let sent = tokio::time::Instant::now();
         match store_call(config, StoreOp::Renew, store.renew(lease)).await {
             Ok(Renewal::Renewed) => {
+                if lapsed.take().is_some() {
+                    tracing::info!("the lapsed lease was renewed: nothing took it over");
+                    if let Some(lapse) = lapse {
+                        lapse.set(None);
+                    }
+                }
                 held_until = sent.checked_add(lease.ttl).unwrap_or(held_until);
                 next = sent.checked_add(period).unwrap_or(held_until);
             }
@@ -129,16 +173,36 @@ async fn keep_alive<S: Store>(config: &Config, store: &S, lease: &Lease) {
                 // worse. Its completion will be fenced and kept as late
                 // evidence.
                 tracing::warn!("lease lost while the attempt runs");
+                if let Some(lapse) = lapse {
+                    lapse.set(None);
+                }
                 return;
             }
             Err(error) => {
                 let now = tokio::time::Instant::now();
-                if now >= held_until {
+                if now < held_until {
+                    tracing::warn!(%error, "lease renewal failed; retrying");
+                    next = (now + retry).min(held_until);
+                    continue;
+                }
+                let Some(lapse) = lapse else {
                     tracing::error!(%error, "lease renewal failed until the lease lapsed");
                     return;
-                }
-                tracing::warn!(%error, "lease renewal failed; retrying");
-                next = (now + retry).min(held_until);
+                };
+                let pause = match lapsed {
+                    Some(pause) => (pause * 2).min(RECORD_LATER_PAUSE),
+                    None => {
+                        tracing::error!(
+                            %error,
+                            "lease renewal failed until the lease lapsed; the attempt runs on, \
+                             and its renewals go on until the store answers"
+                        );
+                        lapse.set(Some(lapse.pending.register_running(lease.scope)));
+                        retry
+                    }
+                };
+                lapsed = Some(pause);
+                next = now + pause;
             }
         }
     }
@@ -146,15 +210,18 @@ async fn keep_alive<S: Store>(config: &Config, store: &S, lease: &Lease) {
 
 /// Drives `work` to its end while the lease is kept alive beside it (both
 /// polled concurrently: a slow renewal never stalls the work).
+/// With `lapse`, a lease that lapses while the store is down is renewed
+/// on and the attempt listed meanwhile (see [`keep_alive`]).
 pub(crate) fn renewing<'a, S: Store, W: Future + 'a>(
     config: &'a Config,
     store: &'a S,
     lease: &'a Lease,
+    lapse: Option<&'a Lapse<'a>>,
     work: W,
 ) -> impl Future<Output = W::Output> + 'a {
     Renewing {
         work,
-        keeper: keep_alive(config, store, lease).fuse(),
+        keeper: keep_alive(config, store, lease, lapse).fuse(),
     }
 }
 
@@ -167,7 +234,7 @@ fn while_held<'a, S: Store, W: Future + 'a>(
 ) -> impl Future<Output = Option<W::Output>> + 'a {
     WhileHeld {
         work,
-        keeper: keep_alive(config, store, lease),
+        keeper: keep_alive(config, store, lease, None),
     }
 }
 
@@ -389,6 +456,9 @@ where
         let config = &*rt.config;
         let store = &*rt.store;
         let max_response = config.max_response;
+        // Lists the attempt if its lease lapses while it runs; dropped
+        // last, after its outcome was recorded or handed on.
+        let lapse = Lapse::new(&rt.pending);
         // Where a handler leaves a transaction to commit with the outcome,
         // on a store a handler's transaction can complete.
         let slot = store.completes_in_transactions().then(|| {
@@ -413,7 +483,7 @@ where
                 None => problem(ProblemCode::HandlerFailed, &detail, None),
             }
         };
-        let buffered = match renewing(config, store, &lease, work).await {
+        let buffered = match renewing(config, store, &lease, Some(&lapse), work).await {
             Ok(Ok(Produced::Answer(buffered))) => buffered,
             Ok(Ok(Produced::Unknown(response, unknown))) => {
                 m::count(Counted::Unknown);
@@ -572,7 +642,7 @@ async fn await_late<S: Store>(
         let response = late.await?;
         Some(buffer(response, max_response).await)
     });
-    let produced = match renewing(config, &*rt.store, &lease, answer).await {
+    let produced = match renewing(config, &*rt.store, &lease, None, answer).await {
         Ok(Some(buffered)) => outcome_of(buffered),
         Ok(None) | Err(_) => {
             tracing::warn!("no late answer came; the lease will lapse and a retry takes over");

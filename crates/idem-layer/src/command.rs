@@ -55,10 +55,10 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     IdempotencyLayer, InFlight,
-    attempt::{renewing, settle},
+    attempt::{Lapse, renewing, settle},
     fingerprint::{canonical_tokens, update_part},
     metrics::{self as m, Outcome as Counted, StoreOp},
-    runtime::{deadline_after, store_call},
+    runtime::{HeldHere, RUNNING_RETRY_AFTER, deadline_after, store_call},
 };
 
 /// The status a successful command's result is stored with.
@@ -249,7 +249,10 @@ impl<S: Store> IdempotencyLayer<S> {
             superseded,
         };
         let work = AssertUnwindSafe(action(context)).catch_unwind();
-        let produced = renewing(config, &*self.runtime.store, &lease, work).await;
+        // Lists the attempt if its lease lapses while it runs; dropped
+        // last, after its outcome was recorded or handed on.
+        let lapse = Lapse::new(&self.runtime.pending);
+        let produced = renewing(config, &*self.runtime.store, &lease, Some(&lapse), work).await;
         // The action ran: its result is recorded whatever happens to its
         // encoding. One that does not encode (a map with keys JSON cannot
         // name, a failing `Serialize`) is recorded without its value, so a
@@ -314,7 +317,20 @@ impl<S: Store> IdempotencyLayer<S> {
             InFlight::Reject => None,
         };
         loop {
-            self.runtime.outcome_recorded(request.scope.hash()).await?;
+            match self
+                .runtime
+                .outcome_recorded(request.scope.hash(), deadline)
+                .await
+            {
+                Ok(()) => {}
+                Err(HeldHere::Unrecorded(error)) => return Err(error),
+                Err(HeldHere::Running) => {
+                    m::count(Counted::InProgress);
+                    return Ok(Err(Err(CommandError::InProgress {
+                        retry_after: RUNNING_RETRY_AFTER,
+                    })));
+                }
+            }
             let reservation = store_call(config, StoreOp::Reserve, store.reserve(request)).await?;
             self.runtime.pending.store_answered();
             let answer = match reservation {

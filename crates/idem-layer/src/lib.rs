@@ -93,6 +93,13 @@
 //!   otherwise get a try of each per request), so a retry that
 //!   reaches another instance finds the outcome recorded unless it is
 //!   there within moments of the store's return.
+//! * Likewise an attempt that still runs when its lease lapses because
+//!   its renewals failed (the store was down): its renewals go on (backing
+//!   off to two a second; the store renews a lapsed lease that nothing
+//!   took over), and until its outcome is recorded or handed to the
+//!   background, a retry of it that reaches this layer is answered
+//!   `409 idempotency_in_progress` (or waits, in the in-flight wait mode),
+//!   never let take the lease over and run beside it.
 //! * A fenced attempt (taken over or cancelled while running) gets what the
 //!   record says now, whether it succeeded or failed; if the record is
 //!   vacant its own response.

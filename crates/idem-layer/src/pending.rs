@@ -15,6 +15,13 @@
 //! a store that comes back takes them before most retries arrive, also
 //! those that reach another instance.
 //!
+//! The same holds while an attempt still runs here whose lease lapsed
+//! because its renewals failed (the store was down): the store would let
+//! a retry take it over and run the action beside the running one. Such
+//! an attempt is listed as running until its outcome is recorded or handed
+//! to a background completion, and a reservation of its scope is answered
+//! as in progress (`409`, or a wait in the in-flight wait mode).
+//!
 //! Cost on the request path while nothing is pending: one atomic load.
 
 use std::{
@@ -61,9 +68,22 @@ impl Default for Pending {
     }
 }
 
-/// One background completion.
+/// What a reservation finds of its scope in this layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// Nothing (or an outcome just recorded): reserve as usual.
+    Nothing,
+    /// An attempt runs here whose lease lapsed while the store was down.
+    Running,
+    /// An outcome the store did not take, even when tried again now.
+    Unrecorded,
+}
+
+/// One background completion, or one running attempt whose lease lapsed.
 #[derive(Default)]
 struct Entry {
+    /// A running attempt (no outcome yet: nothing to try).
+    running: bool,
     /// A reservation of its scope wants a try now.
     nudge: Notify,
     /// A try ended (recorded or not), or the completion gave up.
@@ -81,13 +101,28 @@ pub(crate) struct Registration {
 }
 
 impl Pending {
-    /// Lists a background completion of `scope`. A newer one of the same
-    /// scope replaces an older one in the list (the older keeps trying).
+    /// Lists a background completion of `scope`. A newer entry of the
+    /// same scope replaces an older one in the list (the older keeps
+    /// trying).
     pub(crate) fn register(self: &Arc<Self>, scope: ScopeHash) -> Registration {
-        let entry = Arc::new(Entry::default());
+        self.enter(scope, false)
+    }
+
+    /// Lists an attempt of `scope` that runs on after its lease lapsed.
+    pub(crate) fn register_running(self: &Arc<Self>, scope: ScopeHash) -> Registration {
+        self.enter(scope, true)
+    }
+
+    fn enter(self: &Arc<Self>, scope: ScopeHash, running: bool) -> Registration {
+        let entry = Arc::new(Entry {
+            running,
+            ..Entry::default()
+        });
         self.lock().insert(scope, Arc::clone(&entry));
         self.count.fetch_add(1, Ordering::AcqRel);
-        crate::metrics::outcomes_pending(1.0);
+        if !running {
+            crate::metrics::outcomes_pending(1.0);
+        }
         Registration {
             pending: Arc::clone(self),
             scope,
@@ -110,25 +145,44 @@ impl Pending {
         self.count.load(Ordering::Acquire) > 0
     }
 
-    /// Before a reservation of `scope`: `true` when this layer holds no
-    /// unrecorded outcome of it, or the one it held was recorded by the
-    /// try this call asked for (within `bound`); `false` when the store
-    /// did not take it.
-    pub(crate) async fn settled(&self, scope: &ScopeHash, bound: Duration) -> bool {
+    /// Before a reservation of `scope`: what this layer holds of it. An
+    /// unrecorded outcome is tried at once, and this waits for that try
+    /// (within `bound`): [`Held::Nothing`] once it recorded.
+    pub(crate) async fn settled(&self, scope: &ScopeHash, bound: Duration) -> Held {
         if !self.any() {
-            return true;
+            return Held::Nothing;
         }
         let Some(entry) = self.lock().get(scope).cloned() else {
-            return true;
+            return Held::Nothing;
         };
         // Made before the nudge: a try that ends after it wakes it.
         let tried = entry.tried.notified();
         if entry.done.load(Ordering::Acquire) {
-            return true;
+            return Held::Nothing;
+        }
+        if entry.running {
+            return Held::Running;
         }
         entry.nudge.notify_one();
         let _ = tokio::time::timeout(bound, tried).await;
-        entry.done.load(Ordering::Acquire)
+        if entry.done.load(Ordering::Acquire) {
+            Held::Nothing
+        } else {
+            Held::Unrecorded
+        }
+    }
+
+    /// Waits, at most `bound`, until what this layer holds of `scope`
+    /// changes (a running attempt ended, or handed its outcome on).
+    pub(crate) async fn changed(&self, scope: &ScopeHash, bound: Duration) {
+        let Some(entry) = self.lock().get(scope).cloned() else {
+            return;
+        };
+        let tried = entry.tried.notified();
+        if entry.done.load(Ordering::Acquire) {
+            return;
+        }
+        let _ = tokio::time::timeout(bound, tried).await;
     }
 
     /// The store answered a reservation: pending completions try now
@@ -199,7 +253,9 @@ impl Drop for Registration {
             }
         }
         self.pending.count.fetch_sub(1, Ordering::AcqRel);
-        crate::metrics::outcomes_pending(-1.0);
+        if !self.entry.running {
+            crate::metrics::outcomes_pending(-1.0);
+        }
         self.entry.tried.notify_waiters();
     }
 }
@@ -241,11 +297,38 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_running_attempt_is_held_until_it_ends() {
+        let pending = Arc::new(Pending::default());
+        let running = pending.register_running(scope(1));
+        assert_eq!(
+            pending.settled(&scope(1), Duration::from_secs(10)).await,
+            Held::Running
+        );
+        let ended = tokio::spawn({
+            let pending = Arc::clone(&pending);
+            async move { pending.changed(&scope(1), Duration::from_secs(3600)).await }
+        });
+        tokio::task::yield_now().await;
+        drop(running);
+        ended.await.expect("join");
+        assert_eq!(
+            pending.settled(&scope(1), Duration::from_secs(10)).await,
+            Held::Nothing
+        );
+    }
+
+    #[tokio::test]
     async fn an_unlisted_scope_is_settled_at_once() {
         let pending = Arc::new(Pending::default());
-        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+        assert_eq!(
+            pending.settled(&scope(1), Duration::from_secs(10)).await,
+            Held::Nothing
+        );
         let _listed = pending.register(scope(2));
-        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+        assert_eq!(
+            pending.settled(&scope(1), Duration::from_secs(10)).await,
+            Held::Nothing
+        );
     }
 
     /// A background completion whose only try comes when nudged (its
@@ -265,7 +348,10 @@ mod tests {
     async fn a_nudged_try_that_records_settles_the_scope() {
         let pending = Arc::new(Pending::default());
         let task = tries_when_nudged(pending.register(scope(1)), true);
-        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+        assert_eq!(
+            pending.settled(&scope(1), Duration::from_secs(10)).await,
+            Held::Nothing
+        );
         drop(task.await.expect("join"));
         assert_eq!(pending.len(), 0);
         assert!(pending.lock().is_empty());
@@ -275,11 +361,17 @@ mod tests {
     async fn a_nudged_try_that_fails_leaves_the_scope_unsettled() {
         let pending = Arc::new(Pending::default());
         let task = tries_when_nudged(pending.register(scope(1)), false);
-        assert!(!pending.settled(&scope(1), Duration::from_secs(10)).await);
+        assert_eq!(
+            pending.settled(&scope(1), Duration::from_secs(10)).await,
+            Held::Unrecorded
+        );
         let registration = task.await.expect("join");
         assert_eq!(pending.len(), 1);
         drop(registration);
-        assert!(pending.settled(&scope(1), Duration::from_secs(10)).await);
+        assert_eq!(
+            pending.settled(&scope(1), Duration::from_secs(10)).await,
+            Held::Nothing
+        );
     }
 
     /// A pending completion paused for good, as a task.

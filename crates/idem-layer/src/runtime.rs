@@ -116,13 +116,33 @@ impl<S: Store> Runtime<S> {
     }
 }
 
+/// The `Retry-After` hint for a duplicate of an attempt that runs here
+/// past its lapsed lease (the lease says nothing of when it ends).
+pub(crate) const RUNNING_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Why a reservation of a scope waits for what this layer holds of it
+/// (see [`pending`](crate::pending)).
+pub(crate) enum HeldHere {
+    /// An attempt of it still runs here, its lease lapsed: in progress.
+    Running,
+    /// Its outcome is held here and the store did not take it: the store
+    /// is unavailable for this key.
+    Unrecorded(StoreError),
+}
+
 impl<S> Runtime<S> {
-    /// Before a reservation of `scope`: `Err` (the store unavailable)
-    /// when this layer holds an outcome of it that the store has not
-    /// taken yet, even when tried again now (see
-    /// [`pending`](crate::pending)). The action ran: fail-open does not
-    /// apply, and the retry that would take over waits for the record.
-    pub(crate) async fn outcome_recorded(&self, scope: &ScopeHash) -> Result<(), StoreError> {
+    /// Before a reservation of `scope`: `Err` when this layer holds an
+    /// attempt of it that still runs after its lease lapsed, or an outcome
+    /// of it that the store has not taken yet, even when tried again now
+    /// (see [`pending`](crate::pending)). Either way the action ran or
+    /// runs: fail-open does not apply, and the retry that the store would
+    /// let take over waits instead. A running attempt is waited for until
+    /// `deadline` (the in-flight wait mode's; `None`: not at all).
+    pub(crate) async fn outcome_recorded(
+        &self,
+        scope: &ScopeHash,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<(), HeldHere> {
         // One try of the completion: a store call, within its timeout. A
         // try that fails ends the wait at once; the floor is for a busy
         // machine that runs the try late.
@@ -131,12 +151,25 @@ impl<S> Runtime<S> {
             .store_timeout
             .saturating_mul(2)
             .max(Duration::from_secs(2));
-        if self.pending.settled(scope, bound).await {
-            return Ok(());
+        loop {
+            return match self.pending.settled(scope, bound).await {
+                crate::pending::Held::Nothing => Ok(()),
+                crate::pending::Held::Running => {
+                    let now = tokio::time::Instant::now();
+                    if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
+                        self.pending.changed(scope, deadline - now).await;
+                        continue;
+                    }
+                    Err(HeldHere::Running)
+                }
+                crate::pending::Held::Unrecorded => {
+                    Err(HeldHere::Unrecorded(StoreError::unavailable(
+                        "an earlier attempt with this key ran, and the store has not taken its \
+                         outcome yet",
+                    )))
+                }
+            };
         }
-        Err(StoreError::unavailable(
-            "an earlier attempt with this key ran, and the store has not taken its outcome yet",
-        ))
     }
 }
 

@@ -26,8 +26,8 @@ use crate::{
     normalize_path,
     problem::{ProblemCode, problem},
     runtime::{
-        Runtime, deadline_after, operation_name, store_call, store_unavailable, wait_bound,
-        wait_for_change, within,
+        HeldHere, RUNNING_RETRY_AFTER, Runtime, deadline_after, operation_name, store_call,
+        store_unavailable, wait_bound, wait_for_change, within,
     },
 };
 
@@ -382,10 +382,13 @@ where
                 // attempt it waits for may be this layer's). Boxed: the
                 // rare path's state stays out of every request's future.
                 if rt.pending.any()
-                    && let Err(error) =
-                        Box::pin(rt.outcome_recorded(self.reserve.scope.hash())).await
+                    && let Err(held) =
+                        Box::pin(rt.outcome_recorded(self.reserve.scope.hash(), deadline)).await
                 {
-                    return Ok(store_unavailable(&error));
+                    return Ok(match held {
+                        HeldHere::Unrecorded(error) => store_unavailable(&error),
+                        HeldHere::Running => in_progress(RUNNING_RETRY_AFTER),
+                    });
                 }
                 let reservation = match store_call(
                     config,

@@ -31,6 +31,9 @@ const FAIL_NEXT_COMPLETE: u8 = 3;
 /// takes reservations but not the outcome: the background completion
 /// cannot land while a retry can take over).
 const FAIL_COMPLETES: u8 = 4;
+/// Every `renew` fails; every other call is answered (a lease lapses
+/// under a running attempt while retries can reserve).
+const FAIL_RENEWS: u8 = 5;
 
 /// The memory store behind a switch that makes every call fail or hang,
 /// as a crashed or paused backend would.
@@ -42,6 +45,9 @@ struct Switched {
     /// bound) until `changes` wakes them.
     waiting: Arc<AtomicU8>,
     changes: Arc<tokio::sync::Notify>,
+    /// Renewals failed at or after this instant (see `FAIL_RENEWS`).
+    lapsed_at: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    failed_after_lapse: Arc<AtomicU8>,
 }
 
 impl Switched {
@@ -61,6 +67,13 @@ impl Store for Switched {
         self.inner.reserve(request).await
     }
     async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        if self.mode.load(Ordering::SeqCst) == FAIL_RENEWS {
+            let lapsed_at = *self.lapsed_at.lock().expect("lock");
+            if lapsed_at.is_some_and(|at| tokio::time::Instant::now() >= at) {
+                self.failed_after_lapse.fetch_add(1, Ordering::SeqCst);
+            }
+            return Err(StoreError::unavailable("connection reset"));
+        }
         self.gate().await?;
         self.inner.renew(lease).await
     }
@@ -110,7 +123,95 @@ fn switched() -> Switched {
         mode: Arc::new(AtomicU8::new(OK)),
         waiting: Arc::new(AtomicU8::new(0)),
         changes: Arc::new(tokio::sync::Notify::new()),
+        lapsed_at: Arc::default(),
+        failed_after_lapse: Arc::new(AtomicU8::new(0)),
     }
+}
+
+/// The attempt of `k` started (it waits at the gate) on a store whose
+/// renewals fail, and run on until its 600 ms lease lapsed under it: a
+/// renewal failed after the lease, as the attempt's keeper counts it from
+/// the handler's start (before this saw the handler), would have ended.
+/// The store would now let a retry take the lease over.
+async fn running_past_its_lease(
+    store: &Switched,
+    layer: &IdempotencyLayer<Switched>,
+    probe: &Probe,
+) -> tokio::task::JoinHandle<Answer> {
+    store.mode.store(FAIL_RENEWS, Ordering::SeqCst);
+    let first = tokio::spawn(send(&layer.layer(inner(probe)), order_at("/slow", "k")));
+    wait_calls(probe, 1).await;
+    let lapsed_at = tokio::time::Instant::now() + Duration::from_millis(600);
+    *store.lapsed_at.lock().expect("lock") = Some(lapsed_at);
+    wait_until(
+        Duration::from_secs(10),
+        "a renewal to fail after the lease",
+        async || store.failed_after_lapse.load(Ordering::SeqCst) > 0,
+    )
+    .await;
+    first
+}
+
+/// A retry of an attempt that still runs here after its lease lapsed (its
+/// renewals failed) is answered in progress, never let take it over; once
+/// the attempt ends, its outcome is recorded and replayed.
+#[tokio::test]
+async fn a_retry_of_an_attempt_running_past_its_lapsed_lease_is_in_progress() {
+    let store = switched();
+    let probe = Probe::default();
+    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let first = running_past_its_lease(&store, &layer, &probe).await;
+    let svc = layer.layer(inner(&probe));
+    // A retry that took the lease over would run the handler and wait at
+    // its gate: bounded, so that it fails instead.
+    let retry = tokio::time::timeout(Duration::from_secs(10), send(&svc, order_at("/slow", "k")))
+        .await
+        .expect("answered without running the handler");
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    assert_eq!(probe.calls(), 1, "the handler did not run again");
+    store.mode.store(OK, Ordering::SeqCst);
+    probe.open_gate(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(&svc, order_at("/slow", "k")).await;
+    assert!(replay.replayed(), "a replay, not a second run");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(probe.calls(), 1, "the handler ran once");
+}
+
+/// The same in the in-flight wait mode: the duplicate waits for the
+/// attempt running here and replays its outcome.
+#[tokio::test]
+async fn a_waiting_duplicate_of_an_attempt_running_past_its_lapsed_lease_replays_it() {
+    let store = switched();
+    let probe = Probe::default();
+    let layer = switched_layer(&store)
+        .lease(Duration::from_millis(600))
+        .in_flight(InFlight::Wait(Duration::from_secs(30)));
+    let first = running_past_its_lease(&store, &layer, &probe).await;
+    let duplicate = tokio::spawn(send(&layer.layer(inner(&probe)), order_at("/slow", "k")));
+    // The test runs on one thread: the duplicate goes as far as it can
+    // (to its wait) before the attempt is let go.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    store.mode.store(OK, Ordering::SeqCst);
+    probe.open_gate(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let duplicate = tokio::time::timeout(Duration::from_secs(10), duplicate)
+        .await
+        .expect("answered")
+        .expect("join");
+    assert!(
+        duplicate.replayed(),
+        "{:?} {:?}",
+        duplicate.status,
+        duplicate.code()
+    );
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(probe.calls(), 1, "the handler ran once");
 }
 
 #[tokio::test]
