@@ -558,3 +558,67 @@ async fn a_redelivery_waits_for_the_command_outcome_held_here() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the action ran once");
 }
+
+/// The same for a command: a redelivery while the action still runs past
+/// its lapsed lease gets `InProgress` (retry later), never a second run.
+#[tokio::test]
+async fn a_redelivery_of_a_command_running_past_its_lapsed_lease_is_in_progress() {
+    use idem_layer::{ActionError, Command, CommandError, Done};
+    let store = switched();
+    store.mode.store(FAIL_RENEWS, Ordering::SeqCst);
+    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let key = idem_core::IdempotencyKey::parse(b"charge-2").expect("key");
+    let command =
+        Command::new("shop", "charge", key, &serde_json::json!({"cents": 7})).expect("command");
+    let runs = Arc::new(AtomicU8::new(0));
+    let go = Arc::new(tokio::sync::Notify::new());
+    let charge = || {
+        let (runs, go) = (Arc::clone(&runs), Arc::clone(&go));
+        move |_ctx| async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            go.notified().await;
+            Ok::<_, ActionError<String>>(format!("receipt-{run}"))
+        }
+    };
+    let first = tokio::spawn({
+        let (layer, command, action) = (layer.clone(), command.clone(), charge());
+        async move { layer.run(&command, action).await }
+    });
+    wait_until(Duration::from_secs(10), "the action to start", async || {
+        runs.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let lapsed_at = tokio::time::Instant::now() + Duration::from_millis(600);
+    *store.lapsed_at.lock().expect("lock") = Some(lapsed_at);
+    wait_until(
+        Duration::from_secs(10),
+        "a renewal to fail after the lease",
+        async || store.failed_after_lapse.load(Ordering::SeqCst) > 0,
+    )
+    .await;
+    let again = tokio::time::timeout(Duration::from_secs(10), layer.run(&command, charge()))
+        .await
+        .expect("answered without running the action");
+    assert!(
+        matches!(again, Err(CommandError::InProgress { .. })),
+        "{again:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the action did not run again"
+    );
+    store.mode.store(OK, Ordering::SeqCst);
+    go.notify_waiters();
+    let first = first.await.expect("join");
+    assert!(
+        matches!(first, Ok(Done::Ran(ref receipt)) if receipt == "receipt-1"),
+        "{first:?}"
+    );
+    let replayed = layer.run(&command, charge()).await;
+    assert!(
+        matches!(replayed, Ok(Done::Replayed(ref receipt)) if receipt == "receipt-1"),
+        "{replayed:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the action ran once");
+}
