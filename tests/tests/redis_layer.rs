@@ -640,6 +640,65 @@ async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background()
     assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
 
+/// Redis killed (SIGKILL) while a request runs, and started again with
+/// its data only after the request's lease lapsed, the handler still
+/// running: a retry is answered in progress, never let take the lapsed
+/// lease over and run beside it; once the handler ends, its outcome is
+/// replayed. The handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_back_while_the_handler_runs_past_its_lease_never_runs_it_twice() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let Some(mut server) =
+        RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    else {
+        return;
+    };
+    let store = RedisStore::from_url(&server.url()).expect("store");
+    let app = app_of(
+        IdempotencyLayer::new(store)
+            .store_timeout(Duration::from_millis(300))
+            .lease(Duration::from_secs(1)),
+    );
+    let router = app.router.clone();
+    let first = tokio::spawn(async move { call(&router, "/slow", "k", "{}").await });
+    poll_until(
+        Duration::from_secs(10),
+        async || app.runs.load(Ordering::SeqCst),
+        |runs| *runs == 1,
+    )
+    .await;
+    server.kill();
+    // However long this takes, the lease (1 s, no renewal landing) has
+    // lapsed after it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    server.restart();
+    // A retry that ran the handler would wait at the gate: bounded, so
+    // that it fails instead.
+    let retry = poll_until(
+        Duration::from_secs(10),
+        async || {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                call(&app.router, "/slow", "k", "{}"),
+            )
+            .await
+            .expect("answered without running the handler")
+        },
+        |reply| reply.status != StatusCode::SERVICE_UNAVAILABLE,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(retry.code.as_deref(), Some("idempotency_in_progress"));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "not run beside it");
+    app.gate.add_permits(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = call(&app.router, "/slow", "k", "{}").await;
+    assert!(replay.replayed, "{:?} {:?}", replay.status, replay.code);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran once");
+}
+
 #[tokio::test]
 async fn script_flush_between_calls_is_survived() {
     let Some(server) = RedisServer::spawn() else {
