@@ -585,20 +585,13 @@ async fn killed_and_restarted_redis_is_reconnected_and_scripts_reloaded() {
     );
 }
 
-/// Redis killed (SIGKILL) while a request runs, and started again with
-/// its data (an append-only file synced on every write) only after the
-/// request's lease lapsed: its completion failed and is held in the
-/// background. The retries that come as Redis returns never take the
-/// lapsed lease over: they have the held outcome tried at once and get
-/// `503` until Redis takes it, then its replay. The handler ran once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background() {
+/// A request of `k` running its handler (it waits at the gate) on a
+/// Redis that keeps its data across a restart (an append-only file synced
+/// on every write), killed (SIGKILL) meanwhile; the layer's lease is 1 s.
+/// `None` without Redis (outside CI).
+async fn running_on_a_killed_redis() -> Option<(RedisServer, App, tokio::task::JoinHandle<Reply>)> {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    let Some(mut server) =
-        RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])
-    else {
-        return;
-    };
+    let mut server = RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])?;
     let store = RedisStore::from_url(&server.url()).expect("store");
     let app = app_of(
         IdempotencyLayer::new(store)
@@ -614,6 +607,20 @@ async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background()
     )
     .await;
     server.kill();
+    Some((server, app, first))
+}
+
+/// Redis killed (SIGKILL) while a request runs, and started again with
+/// its data (an append-only file synced on every write) only after the
+/// request's lease lapsed: its completion failed and is held in the
+/// background. The retries that come as Redis returns never take the
+/// lapsed lease over: they have the held outcome tried at once and get
+/// `503` until Redis takes it, then its replay. The handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background() {
+    let Some((mut server, app, first)) = running_on_a_killed_redis().await else {
+        return;
+    };
     app.gate.add_permits(1);
     let first = first.await.expect("join");
     assert_eq!(first.status, StatusCode::CREATED);
@@ -647,27 +654,9 @@ async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background()
 /// replayed. The handler ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_back_while_the_handler_runs_past_its_lease_never_runs_it_twice() {
-    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    let Some(mut server) =
-        RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])
-    else {
+    let Some((mut server, app, first)) = running_on_a_killed_redis().await else {
         return;
     };
-    let store = RedisStore::from_url(&server.url()).expect("store");
-    let app = app_of(
-        IdempotencyLayer::new(store)
-            .store_timeout(Duration::from_millis(300))
-            .lease(Duration::from_secs(1)),
-    );
-    let router = app.router.clone();
-    let first = tokio::spawn(async move { call(&router, "/slow", "k", "{}").await });
-    poll_until(
-        Duration::from_secs(10),
-        async || app.runs.load(Ordering::SeqCst),
-        |runs| *runs == 1,
-    )
-    .await;
-    server.kill();
     // However long this takes, the lease (1 s, no renewal landing) has
     // lapsed after it.
     tokio::time::sleep(Duration::from_millis(2500)).await;
