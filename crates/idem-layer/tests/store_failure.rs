@@ -117,6 +117,14 @@ fn switched_layer(store: &Switched) -> IdempotencyLayer<Switched> {
         .store_timeout(Duration::from_millis(200))
 }
 
+/// A switched store, a probe and a layer with a 600 ms lease: what the
+/// tests of lapsed leases start from.
+fn leased_600ms() -> (Switched, Probe, IdempotencyLayer<Switched>) {
+    let store = switched();
+    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    (store, Probe::default(), layer)
+}
+
 fn switched() -> Switched {
     Switched {
         inner: MemoryStore::new(),
@@ -157,9 +165,7 @@ async fn running_past_its_lease(
 /// the attempt ends, its outcome is recorded and replayed.
 #[tokio::test]
 async fn a_retry_of_an_attempt_running_past_its_lapsed_lease_is_in_progress() {
-    let store = switched();
-    let probe = Probe::default();
-    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let (store, probe, layer) = leased_600ms();
     let first = running_past_its_lease(&store, &layer, &probe).await;
     let svc = layer.layer(inner(&probe));
     // A retry that took the lease over would run the handler and wait at
@@ -184,11 +190,8 @@ async fn a_retry_of_an_attempt_running_past_its_lapsed_lease_is_in_progress() {
 /// attempt running here and replays its outcome.
 #[tokio::test]
 async fn a_waiting_duplicate_of_an_attempt_running_past_its_lapsed_lease_replays_it() {
-    let store = switched();
-    let probe = Probe::default();
-    let layer = switched_layer(&store)
-        .lease(Duration::from_millis(600))
-        .in_flight(InFlight::Wait(Duration::from_secs(30)));
+    let (store, probe, layer) = leased_600ms();
+    let layer = layer.in_flight(InFlight::Wait(Duration::from_secs(30)));
     let first = running_past_its_lease(&store, &layer, &probe).await;
     let duplicate = tokio::spawn(send(&layer.layer(inner(&probe)), order_at("/slow", "k")));
     // The test runs on one thread: the duplicate goes as far as it can
@@ -378,9 +381,7 @@ async fn a_failed_completion_is_recorded_in_the_background() {
 /// gave up when the lease lapsed, and the retry ran the handler again.)
 #[tokio::test]
 async fn the_background_completion_outlasts_a_lapsed_lease() {
-    let store = switched();
-    let probe = Probe::default();
-    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let (store, probe, layer) = leased_600ms();
     let first = lapsed_with_the_outcome_held(&store, &layer, &probe).await;
     store.mode.store(OK, Ordering::SeqCst);
     replayed_once_landed(&layer, &probe, &first).await;
@@ -415,9 +416,7 @@ async fn lapsed_with_the_outcome_held(
 /// completion's next try, has that try made at once and replays it.
 #[tokio::test]
 async fn a_retry_after_a_lapsed_lease_replays_the_outcome_held_here() {
-    let store = switched();
-    let probe = Probe::default();
-    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let (store, probe, layer) = leased_600ms();
     let first = lapsed_with_the_outcome_held(&store, &layer, &probe).await;
     store.mode.store(OK, Ordering::SeqCst);
     let retry = send(&layer.layer(inner(&probe)), order_at("/slow", "k")).await;
@@ -433,11 +432,8 @@ async fn a_retry_after_a_lapsed_lease_replays_the_outcome_held_here() {
 /// action ran. Once the outcome lands, the retry replays it.
 #[tokio::test]
 async fn a_retry_is_refused_while_the_outcome_held_here_is_not_recorded() {
-    let store = switched();
-    let probe = Probe::default();
-    let layer = switched_layer(&store)
-        .lease(Duration::from_millis(600))
-        .fail_open(true);
+    let (store, probe, layer) = leased_600ms();
+    let layer = layer.fail_open(true);
     let first = lapsed_with_the_outcome_held(&store, &layer, &probe).await;
     store.mode.store(FAIL_COMPLETES, Ordering::SeqCst);
     let svc = layer.layer(inner(&probe));
@@ -457,11 +453,8 @@ async fn a_retry_is_refused_while_the_outcome_held_here_is_not_recorded() {
 /// outcome held here is not recorded, instead of taking over.
 #[tokio::test]
 async fn a_waiting_duplicate_is_refused_while_the_outcome_held_here_is_not_recorded() {
-    let store = switched();
-    let probe = Probe::default();
-    let layer = switched_layer(&store)
-        .lease(Duration::from_millis(600))
-        .in_flight(InFlight::Wait(Duration::from_secs(60)));
+    let (store, probe, layer) = leased_600ms();
+    let layer = layer.in_flight(InFlight::Wait(Duration::from_secs(60)));
     let svc = layer.layer(inner(&probe));
     let first = tokio::spawn(send(&svc, order_at("/slow", "k")));
     wait_calls(&probe, 1).await;
