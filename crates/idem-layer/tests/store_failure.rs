@@ -136,6 +136,20 @@ fn switched() -> Switched {
     }
 }
 
+/// Waits until a renewal failed 600 ms or more after now: with the
+/// attempt seen started (its keeper counts the lease from the start,
+/// before), a 600 ms lease has lapsed under it by then.
+async fn renewal_failed_past_600ms(store: &Switched) {
+    let lapsed_at = tokio::time::Instant::now() + Duration::from_millis(600);
+    *store.lapsed_at.lock().expect("lock") = Some(lapsed_at);
+    wait_until(
+        Duration::from_secs(10),
+        "a renewal to fail after the lease",
+        async || store.failed_after_lapse.load(Ordering::SeqCst) > 0,
+    )
+    .await;
+}
+
 /// The attempt of `k` started (it waits at the gate) on a store whose
 /// renewals fail, and run on until its 600 ms lease lapsed under it: a
 /// renewal failed after the lease, as the attempt's keeper counts it from
@@ -149,14 +163,7 @@ async fn running_past_its_lease(
     store.mode.store(FAIL_RENEWS, Ordering::SeqCst);
     let first = tokio::spawn(send(&layer.layer(inner(probe)), order_at("/slow", "k")));
     wait_calls(probe, 1).await;
-    let lapsed_at = tokio::time::Instant::now() + Duration::from_millis(600);
-    *store.lapsed_at.lock().expect("lock") = Some(lapsed_at);
-    wait_until(
-        Duration::from_secs(10),
-        "a renewal to fail after the lease",
-        async || store.failed_after_lapse.load(Ordering::SeqCst) > 0,
-    )
-    .await;
+    renewal_failed_past_600ms(store).await;
     first
 }
 
@@ -581,14 +588,7 @@ async fn a_redelivery_of_a_command_running_past_its_lapsed_lease_is_in_progress(
         runs.load(Ordering::SeqCst) == 1
     })
     .await;
-    let lapsed_at = tokio::time::Instant::now() + Duration::from_millis(600);
-    *store.lapsed_at.lock().expect("lock") = Some(lapsed_at);
-    wait_until(
-        Duration::from_secs(10),
-        "a renewal to fail after the lease",
-        async || store.failed_after_lapse.load(Ordering::SeqCst) > 0,
-    )
-    .await;
+    renewal_failed_past_600ms(&store).await;
     let again = tokio::time::timeout(Duration::from_secs(10), layer.run(&command, charge()))
         .await
         .expect("answered without running the action");
