@@ -151,8 +151,8 @@ async fn keep_alive<S: Store>(
     let retry = (period / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut held_until = deadline_after(lease.ttl);
     let mut next = deadline_after(period);
-    // Since when the lease has lapsed under this attempt, and the pause
-    // before the next renewal then.
+    // Once the lease lapsed under the running attempt (its renewals
+    // failing): the pause before the next renewal.
     let mut lapsed: Option<Duration> = None;
     loop {
         tokio::time::sleep_until(next).await;
