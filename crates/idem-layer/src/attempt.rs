@@ -138,7 +138,8 @@ impl<'a> Lapse<'a> {
 /// the lease, as last renewed, would lapse. Returns when the lease is lost:
 /// fenced by a newer attempt or a cancellation, or (without `lapse`)
 /// lapsed because renewals kept failing. With `lapse`, a lease that lapsed
-/// that way is renewed on (backing off to two tries a second; the store
+/// that way is renewed on (backing off to two tries a second, and at once
+/// when the store answers one of the layer's reservations; the store
 /// renews a lapsed lease that nothing took over) while the attempt runs,
 /// which is listed meanwhile so that this layer's retries of it wait.
 async fn keep_alive<S: Store>(
@@ -155,7 +156,12 @@ async fn keep_alive<S: Store>(
     // failing): the pause before the next renewal.
     let mut lapsed: Option<Duration> = None;
     loop {
-        tokio::time::sleep_until(next).await;
+        match (lapsed, lapse) {
+            // Lapsed: the next renewal also as soon as the store answers
+            // one of this layer's reservations (it is back).
+            (Some(_), Some(lapse)) => lapse.pending.until_answered(next).await,
+            _ => tokio::time::sleep_until(next).await,
+        }
         let sent = tokio::time::Instant::now();
         match store_call(config, StoreOp::Renew, store.renew(lease)).await {
             Ok(Renewal::Renewed) => {

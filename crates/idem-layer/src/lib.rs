@@ -95,7 +95,8 @@
 //!   there within moments of the store's return.
 //! * Likewise an attempt that still runs when its lease lapses because
 //!   its renewals failed (the store was down): its renewals go on (backing
-//!   off to two a second; the store renews a lapsed lease that nothing
+//!   off to two a second, and at once when the store answers one of the
+//!   layer's reservations; the store renews a lapsed lease that nothing
 //!   took over), and until its outcome is recorded or handed to the
 //!   background, a retry of it that reaches this layer is answered
 //!   `409 idempotency_in_progress` (or waits, in the in-flight wait mode),

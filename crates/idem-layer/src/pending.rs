@@ -211,6 +211,17 @@ impl Pending {
         }
     }
 
+    /// Waits until `deadline`, or less: until the store answers a
+    /// reservation (see [`store_answered`](Self::store_answered)). What
+    /// an attempt whose lease lapsed waits with before its next renewal.
+    pub(crate) async fn until_answered(&self, deadline: tokio::time::Instant) {
+        let answered = self.answered.notified();
+        tokio::select! {
+            () = tokio::time::sleep_until(deadline) => {}
+            () = answered => {}
+        }
+    }
+
     /// How many completions are pending.
     #[cfg(test)]
     fn len(&self) -> usize {

@@ -48,6 +48,8 @@ struct Switched {
     /// Renewals failed at or after this instant (see `FAIL_RENEWS`).
     lapsed_at: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     failed_after_lapse: Arc<AtomicU8>,
+    /// Renewals answered.
+    renewed: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Switched {
@@ -75,7 +77,9 @@ impl Store for Switched {
             return Err(StoreError::unavailable("connection reset"));
         }
         self.gate().await?;
-        self.inner.renew(lease).await
+        let renewal = self.inner.renew(lease).await;
+        self.renewed.fetch_add(1, Ordering::SeqCst);
+        renewal
     }
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
         if self
@@ -133,6 +137,7 @@ fn switched() -> Switched {
         changes: Arc::new(tokio::sync::Notify::new()),
         lapsed_at: Arc::default(),
         failed_after_lapse: Arc::new(AtomicU8::new(0)),
+        renewed: Arc::default(),
     }
 }
 
@@ -614,4 +619,33 @@ async fn a_redelivery_of_a_command_running_past_its_lapsed_lease_is_in_progress(
         "{replayed:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the action ran once");
+}
+
+/// An attempt whose lease lapsed renews it as soon as the store answers
+/// one of the layer's reservations (the store is back), not after its
+/// pause: a retry that reaches another instance then finds the lease held
+/// again. (Paused time: "as soon as" is with the clock standing still.)
+#[tokio::test(start_paused = true)]
+async fn a_lapsed_lease_is_renewed_as_soon_as_the_store_answers_a_reservation() {
+    let (store, probe, layer) = leased_600ms();
+    let first = running_past_its_lease(&store, &layer, &probe).await;
+    // Long enough for the keeper's pause to have grown to its longest.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    store.mode.store(OK, Ordering::SeqCst);
+    let (renewed, at) = (
+        store.renewed.load(Ordering::SeqCst),
+        tokio::time::Instant::now(),
+    );
+    let other = send(&layer.layer(inner(&probe)), order_at("/orders", "other")).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(at.elapsed(), Duration::ZERO, "the clock stood still");
+    assert!(
+        store.renewed.load(Ordering::SeqCst) > renewed,
+        "renewed at once"
+    );
+    probe.open_gate(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::CREATED);
 }
