@@ -79,6 +79,45 @@ async fn a_retried_takeover_still_reports_the_superseded_attempt() {
     assert_eq!(cutter.cuts(), 1, "the reply was cut");
 }
 
+/// A takeover whose caller gave up before its reply came (the call timed
+/// out behind a paused server) is freed once the server answers, as the
+/// takeover found the record: its lease lapsed, not released. The attempt
+/// it superseded may have acted: a changed request still conflicts, and
+/// the same request takes over. (Released, the record took any payload,
+/// and the chaos soak saw a changed request run after a lost owner.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_takeover_is_not_released() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::from_url(&redis.url()).expect("store");
+    let short = request("abandoned-takeover", Duration::from_millis(200));
+    assert!(matches!(
+        store.reserve(&short).await.expect("reserve"),
+        Reservation::Acquired(_)
+    ));
+    // The lease is measured by Redis's clock: wait until it has lapsed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.pause();
+    let given_up = tokio::time::timeout(Duration::from_millis(200), store.reserve(&short)).await;
+    assert!(given_up.is_err(), "the takeover's caller gave up");
+    redis.resume();
+    tokio::time::timeout(Duration::from_secs(10), store.settled())
+        .await
+        .expect("the given-up takeover is freed");
+    let mut changed = short.clone();
+    changed.fingerprint = Fingerprint::from_bytes([9; 32]);
+    let answer = store.reserve(&changed).await.expect("reserve");
+    assert!(
+        matches!(answer, Reservation::Conflict),
+        "a changed request conflicts: {answer:?}"
+    );
+    match store.reserve(&short).await.expect("reserve") {
+        Reservation::TakenOver { lease, .. } => assert_eq!(lease.generation, 3),
+        other => panic!("the same request takes over: {other:?}"),
+    }
+}
+
 /// A new key's reservation, a completion and a release whose replies were
 /// lost are retried on a new connection and answer as the first call would
 /// have: the hot paths answer an integer and the retries a tagged table, and

@@ -367,6 +367,22 @@ pub fn abandon(
     {
         return false;
     }
+    // A takeover given up leaves the record as the takeover found it:
+    // processing, its lease lapsed, held by nobody. Released, it would
+    // take any payload, while the attempt it superseded may have acted:
+    // a changed request must still conflict, and the same one takes over.
+    let took_over = record.attempts.iter().any(|a| {
+        a.generation.saturating_add(1) == record.generation
+            && a.outcome == AttemptOutcome::Superseded
+    });
+    if took_over {
+        if let Some(record) = slot.as_mut() {
+            record.owner = None;
+            record.lease_expires_at_ms = now_ms;
+            record.updated_at_ms = now_ms;
+        }
+        return true;
+    }
     let lease = Lease {
         scope: record.scope,
         attempt,
@@ -425,6 +441,49 @@ mod tests {
     /// A given-up reservation is freed only while it still holds the
     /// record as its own: not under another token or attempt, not once
     /// completed, and only once.
+    #[test]
+    fn an_abandoned_takeover_leaves_the_lease_lapsed_not_released() {
+        let request = crate::test_support::request("k");
+        let mut slot = None;
+        let Reservation::Acquired(first) = reserve(
+            &mut slot,
+            &request,
+            1_000,
+            AttemptId::new(),
+            OwnerToken::new(),
+        ) else {
+            panic!("a new key is acquired");
+        };
+        let lapsed = 1_000 + super::millis(first.ttl) + 1;
+        let (attempt, token) = (AttemptId::new(), OwnerToken::new());
+        let Reservation::TakenOver { .. } = reserve(&mut slot, &request, lapsed, attempt, token)
+        else {
+            panic!("a lapsed lease is taken over");
+        };
+        assert!(abandon(&mut slot, attempt, token, lapsed + 1));
+        assert_eq!(
+            slot.as_ref().map(|r| r.state),
+            Some(RecordState::Processing),
+            "not released: the first attempt may have acted"
+        );
+        let mut changed = request.clone();
+        changed.fingerprint = crate::Fingerprint::from_bytes([9; 32]);
+        assert!(matches!(
+            reserve(
+                &mut slot,
+                &changed,
+                lapsed + 2,
+                AttemptId::new(),
+                OwnerToken::new()
+            ),
+            Reservation::Conflict
+        ));
+        assert!(matches!(
+            reserve(&mut slot, &request, lapsed + 2, AttemptId::new(), OwnerToken::new()),
+            Reservation::TakenOver { lease, .. } if lease.generation == 3
+        ));
+    }
+
     #[test]
     fn abandon_frees_only_its_own_running_reservation() {
         let request = crate::test_support::request("k");

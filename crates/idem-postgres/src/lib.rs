@@ -201,7 +201,9 @@ fn valid_table(name: &str) -> bool {
 /// order; an unfinished transaction is rolled back first). So a reservation
 /// held up behind a lock or a slow server never leaves an owner that nobody
 /// runs for a whole lease. Bounded by the lease, after which a takeover
-/// frees the key anyway.
+/// frees the key anyway. A given-up takeover is freed as it found the
+/// record, its lease lapsed, not released (`machine::abandon`): the attempt
+/// it superseded may have acted, so a changed request still conflicts.
 struct GivenUp {
     store: PgStore,
     conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
