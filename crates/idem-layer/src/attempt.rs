@@ -196,7 +196,7 @@ async fn keep_alive<S: Store>(
                     return;
                 };
                 let pause = match lapsed {
-                    Some(pause) => (pause * 2).min(RECORD_LATER_PAUSE),
+                    Some(pause) => lapsed_backoff(pause),
                     None => {
                         tracing::error!(
                             %error,
@@ -721,7 +721,7 @@ async fn record_later<S: Store>(
             Err(error) if tokio::time::Instant::now() + pause < deadline => {
                 tracing::debug!(%error, "recording the outcome failed again");
                 pending.pause(pause).await;
-                pause = (pause * 2).min(RECORD_LATER_PAUSE);
+                pause = lapsed_backoff(pause);
             }
             Err(error) => {
                 tracing::error!(
@@ -778,7 +778,10 @@ async fn completed<S: Store>(
     }
 }
 
-/// The longest pause between a lapsed attempt's tries to record its
-/// outcome: a store that comes back takes it within this, before most
-/// retries arrive.
-const RECORD_LATER_PAUSE: Duration = Duration::from_millis(500);
+/// The pause after `pause` between the tries of an attempt whose lease
+/// lapsed with the store down (its renewals, or the recording of its
+/// outcome): doubled, to at most 500 ms, so a store that comes back takes
+/// them within that, before most retries arrive.
+fn lapsed_backoff(pause: Duration) -> Duration {
+    (pause * 2).min(Duration::from_millis(500))
+}

@@ -58,7 +58,8 @@ use crate::{
     attempt::{Lapse, renewing, settle},
     fingerprint::{canonical_tokens, update_part},
     metrics::{self as m, Outcome as Counted, StoreOp},
-    runtime::{HeldHere, RUNNING_RETRY_AFTER, deadline_after, store_call},
+    pending::Held,
+    runtime::{RUNNING_RETRY_AFTER, deadline_after, store_call},
 };
 
 /// The status a successful command's result is stored with.
@@ -323,8 +324,8 @@ impl<S: Store> IdempotencyLayer<S> {
                 .await
             {
                 Ok(()) => {}
-                Err(HeldHere::Unrecorded(error)) => return Err(error),
-                Err(HeldHere::Running) => {
+                Err(Held::Unrecorded(error)) => return Err(error),
+                Err(Held::Running) => {
                     m::count(Counted::InProgress);
                     return Ok(Err(Err(CommandError::InProgress {
                         retry_after: RUNNING_RETRY_AFTER,

@@ -33,7 +33,7 @@ use std::{
     time::Duration,
 };
 
-use idem_core::ScopeHash;
+use idem_core::{ScopeHash, StoreError};
 use tokio::sync::Notify;
 
 /// The background completions of one layer (shared by its clones).
@@ -68,15 +68,15 @@ impl Default for Pending {
     }
 }
 
-/// What a reservation finds of its scope in this layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Why a reservation of a scope waits for what this layer holds of it.
+#[derive(Debug)]
 pub(crate) enum Held {
-    /// Nothing (or an outcome just recorded): reserve as usual.
-    Nothing,
-    /// An attempt runs here whose lease lapsed while the store was down.
+    /// An attempt runs here whose lease lapsed while the store was down:
+    /// in progress.
     Running,
-    /// An outcome the store did not take, even when tried again now.
-    Unrecorded,
+    /// An outcome the store did not take, even when tried again now: the
+    /// store is unavailable for this key.
+    Unrecorded(StoreError),
 }
 
 /// One background completion, or one running attempt whose lease lapsed.
@@ -145,31 +145,32 @@ impl Pending {
         self.count.load(Ordering::Acquire) > 0
     }
 
-    /// Before a reservation of `scope`: what this layer holds of it. An
-    /// unrecorded outcome is tried at once, and this waits for that try
-    /// (within `bound`): [`Held::Nothing`] once it recorded.
-    pub(crate) async fn settled(&self, scope: &ScopeHash, bound: Duration) -> Held {
+    /// Before a reservation of `scope`: `Err` with what this layer holds
+    /// of it. An unrecorded outcome is tried at once, and this waits for
+    /// that try (within `bound`): `Ok` once it recorded.
+    pub(crate) async fn settled(&self, scope: &ScopeHash, bound: Duration) -> Result<(), Held> {
         if !self.any() {
-            return Held::Nothing;
+            return Ok(());
         }
         let Some(entry) = self.lock().get(scope).cloned() else {
-            return Held::Nothing;
+            return Ok(());
         };
         // Made before the nudge: a try that ends after it wakes it.
         let tried = entry.tried.notified();
         if entry.done.load(Ordering::Acquire) {
-            return Held::Nothing;
+            return Ok(());
         }
         if entry.running {
-            return Held::Running;
+            return Err(Held::Running);
         }
         entry.nudge.notify_one();
         let _ = tokio::time::timeout(bound, tried).await;
         if entry.done.load(Ordering::Acquire) {
-            Held::Nothing
-        } else {
-            Held::Unrecorded
+            return Ok(());
         }
+        Err(Held::Unrecorded(StoreError::unavailable(
+            "an earlier attempt with this key ran, and the store has not taken its outcome yet",
+        )))
     }
 
     /// Waits, at most `bound`, until what this layer holds of `scope`
@@ -233,11 +234,10 @@ impl Registration {
     /// Waits `pause` before the next try, or less: until a reservation of
     /// the scope asks for a try, or the store answers one of any scope.
     pub(crate) async fn pause(&self, pause: Duration) {
-        let answered = self.pending.answered.notified();
+        let until = tokio::time::Instant::now() + pause;
         tokio::select! {
-            () = tokio::time::sleep(pause) => {}
+            () = self.pending.until_answered(until) => {}
             () = self.entry.nudge.notified() => {}
-            () = answered => {}
         }
     }
 
@@ -311,10 +311,10 @@ mod tests {
     async fn a_running_attempt_is_held_until_it_ends() {
         let pending = Arc::new(Pending::default());
         let running = pending.register_running(scope(1));
-        assert_eq!(
+        assert!(matches!(
             pending.settled(&scope(1), Duration::from_secs(10)).await,
-            Held::Running
-        );
+            Err(Held::Running)
+        ));
         let ended = tokio::spawn({
             let pending = Arc::clone(&pending);
             async move { pending.changed(&scope(1), Duration::from_secs(3600)).await }
@@ -322,23 +322,29 @@ mod tests {
         tokio::task::yield_now().await;
         drop(running);
         ended.await.expect("join");
-        assert_eq!(
-            pending.settled(&scope(1), Duration::from_secs(10)).await,
-            Held::Nothing
+        assert!(
+            pending
+                .settled(&scope(1), Duration::from_secs(10))
+                .await
+                .is_ok()
         );
     }
 
     #[tokio::test]
     async fn an_unlisted_scope_is_settled_at_once() {
         let pending = Arc::new(Pending::default());
-        assert_eq!(
-            pending.settled(&scope(1), Duration::from_secs(10)).await,
-            Held::Nothing
+        assert!(
+            pending
+                .settled(&scope(1), Duration::from_secs(10))
+                .await
+                .is_ok()
         );
         let _listed = pending.register(scope(2));
-        assert_eq!(
-            pending.settled(&scope(1), Duration::from_secs(10)).await,
-            Held::Nothing
+        assert!(
+            pending
+                .settled(&scope(1), Duration::from_secs(10))
+                .await
+                .is_ok()
         );
     }
 
@@ -359,9 +365,11 @@ mod tests {
     async fn a_nudged_try_that_records_settles_the_scope() {
         let pending = Arc::new(Pending::default());
         let task = tries_when_nudged(pending.register(scope(1)), true);
-        assert_eq!(
-            pending.settled(&scope(1), Duration::from_secs(10)).await,
-            Held::Nothing
+        assert!(
+            pending
+                .settled(&scope(1), Duration::from_secs(10))
+                .await
+                .is_ok()
         );
         drop(task.await.expect("join"));
         assert_eq!(pending.len(), 0);
@@ -372,16 +380,18 @@ mod tests {
     async fn a_nudged_try_that_fails_leaves_the_scope_unsettled() {
         let pending = Arc::new(Pending::default());
         let task = tries_when_nudged(pending.register(scope(1)), false);
-        assert_eq!(
+        assert!(matches!(
             pending.settled(&scope(1), Duration::from_secs(10)).await,
-            Held::Unrecorded
-        );
+            Err(Held::Unrecorded(_))
+        ));
         let registration = task.await.expect("join");
         assert_eq!(pending.len(), 1);
         drop(registration);
-        assert_eq!(
-            pending.settled(&scope(1), Duration::from_secs(10)).await,
-            Held::Nothing
+        assert!(
+            pending
+                .settled(&scope(1), Duration::from_secs(10))
+                .await
+                .is_ok()
         );
     }
 

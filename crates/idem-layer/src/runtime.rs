@@ -120,16 +120,6 @@ impl<S: Store> Runtime<S> {
 /// past its lapsed lease (the lease says nothing of when it ends).
 pub(crate) const RUNNING_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// Why a reservation of a scope waits for what this layer holds of it
-/// (see [`pending`](crate::pending)).
-pub(crate) enum HeldHere {
-    /// An attempt of it still runs here, its lease lapsed: in progress.
-    Running,
-    /// Its outcome is held here and the store did not take it: the store
-    /// is unavailable for this key.
-    Unrecorded(StoreError),
-}
-
 impl<S> Runtime<S> {
     /// Before a reservation of `scope`: `Err` when this layer holds an
     /// attempt of it that still runs after its lease lapsed, or an outcome
@@ -142,7 +132,7 @@ impl<S> Runtime<S> {
         &self,
         scope: &ScopeHash,
         deadline: Option<tokio::time::Instant>,
-    ) -> Result<(), HeldHere> {
+    ) -> Result<(), crate::pending::Held> {
         // One try of the completion: a store call, within its timeout. A
         // try that fails ends the wait at once; the floor is for a busy
         // machine that runs the try late.
@@ -153,21 +143,15 @@ impl<S> Runtime<S> {
             .max(Duration::from_secs(2));
         loop {
             return match self.pending.settled(scope, bound).await {
-                crate::pending::Held::Nothing => Ok(()),
-                crate::pending::Held::Running => {
+                Err(crate::pending::Held::Running) => {
                     let now = tokio::time::Instant::now();
                     if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
                         self.pending.changed(scope, deadline - now).await;
                         continue;
                     }
-                    Err(HeldHere::Running)
+                    Err(crate::pending::Held::Running)
                 }
-                crate::pending::Held::Unrecorded => {
-                    Err(HeldHere::Unrecorded(StoreError::unavailable(
-                        "an earlier attempt with this key ran, and the store has not taken its \
-                         outcome yet",
-                    )))
-                }
+                settled => settled,
             };
         }
     }

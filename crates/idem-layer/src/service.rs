@@ -24,9 +24,10 @@ use crate::{
     headers::read_key,
     metrics::{self as m, Outcome as Counted, StoreOp},
     normalize_path,
+    pending::Held,
     problem::{ProblemCode, problem},
     runtime::{
-        HeldHere, RUNNING_RETRY_AFTER, Runtime, deadline_after, operation_name, store_call,
+        RUNNING_RETRY_AFTER, Runtime, deadline_after, operation_name, store_call,
         store_unavailable, wait_bound, wait_for_change, within,
     },
 };
@@ -386,8 +387,8 @@ where
                         Box::pin(rt.outcome_recorded(self.reserve.scope.hash(), deadline)).await
                 {
                     return Ok(match held {
-                        HeldHere::Unrecorded(error) => store_unavailable(&error),
-                        HeldHere::Running => in_progress(RUNNING_RETRY_AFTER),
+                        Held::Unrecorded(error) => store_unavailable(&error),
+                        Held::Running => in_progress(RUNNING_RETRY_AFTER),
                     });
                 }
                 let reservation = match store_call(

@@ -13,16 +13,10 @@ if state == 'processing' and cur_id == ARGV[1] and owner == ARGV[2] then
   -- processing, its lease lapsed, held by nobody. Released, it would take
   -- any payload, while the attempt it superseded may have acted: a changed
   -- request must still conflict, and the same one takes over.
-  local gen, raw = unpack(redis.call('HMGET', record, 'gen', 'hist'))
-  gen = tonumber(gen)
-  if gen and gen > 1 and raw and raw ~= '' then
-    local hist = cjson.decode(raw)
-    local last = hist[#hist]
-    if last and last.generation == gen - 1 and last.outcome.kind == 'superseded' then
-      redis.call('HSET', record, 'owner', '', 'lease_until', ms(now))
-      rare().notify()
-      return {'released'}
-    end
+  if rare().superseded_by(tonumber(redis.call('HGET', record, 'gen'))) then
+    redis.call('HSET', record, 'owner', '', 'lease_until', ms(now))
+    rare().notify()
+    return {'released'}
   end
   redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
     'cur_outcome', 'released')

@@ -200,7 +200,22 @@ local function rare()
       end
     end
   end
+  -- The attempt that the current one (generation `gen`) took over, from
+  -- the history, or nil when the current one did not take over.
+  local function superseded_by(gen)
+    local raw = redis.call('HGET', record, 'hist')
+    if not gen or gen <= 1 or not raw or raw == '' then
+      return nil
+    end
+    local hist = cjson.decode(raw)
+    local last = hist[#hist]
+    if last and last.generation == gen - 1 and last.outcome.kind == 'superseded' then
+      return last
+    end
+    return nil
+  end
   return {
+    superseded_by = superseded_by,
     late_table = late_table,
     current_attempt = current_attempt,
     current = current,

@@ -145,13 +145,9 @@ if state == 'processing' then
   if cur_id == attempt_id and owner == token then
     -- A retry of this very reservation whose reply was lost: answer as the
     -- first call did, a takeover when it superseded an attempt.
-    local raw = redis.call('HGET', record, 'hist')
-    if gen > 1 and raw and raw ~= '' then
-      local hist = cjson.decode(raw)
-      local last = hist[#hist]
-      if last and last.generation == gen - 1 and last.outcome.kind == 'superseded' then
-        return {'taken_over', gen, cjson.encode(last)}
-      end
+    local superseded = rare().superseded_by(gen)
+    if superseded then
+      return {'taken_over', gen, cjson.encode(superseded)}
     end
     return {'acquired', gen}
   end
