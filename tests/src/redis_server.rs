@@ -135,9 +135,10 @@ impl RedisServer {
     fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
+            // A server with a password answers NOAUTH: it is up.
             if self
                 .command("PING")
-                .is_ok_and(|reply| reply.starts_with("+PONG"))
+                .is_ok_and(|reply| reply.starts_with("+PONG") || reply.starts_with("-NOAUTH"))
             {
                 return;
             }
