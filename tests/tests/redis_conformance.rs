@@ -23,23 +23,6 @@ mod single_node {
     idem_core::conformance_tests!(single);
 }
 
-/// A harness on a fresh single server whose store talks over redis-rs'
-/// multiplexed connections instead of its own.
-async fn single_redis_rs() -> Option<RealClock<RedisStore>> {
-    let server = RedisServer::spawn()?;
-    let store = RedisStore::builder(&server.url())
-        .direct_connections(false)
-        .build()
-        .expect("store");
-    Some(RealClock::new(store, server))
-}
-
-mod single_node_redis_rs {
-    use super::*;
-
-    idem_core::conformance_tests!(single_redis_rs);
-}
-
 /// A harness on a fresh single server whose store packs new records.
 async fn single_packed() -> Option<RealClock<RedisStore>> {
     let server = RedisServer::spawn()?;

@@ -1,7 +1,7 @@
-//! The store's own connection to a single node (`redis://`), on a real
-//! redis-server: its handshake (password, user, database), replies routed
-//! to their callers when many calls share the connection, and replies too
-//! large for one read.
+//! A single node's connection (`redis://`), on a real redis-server: its
+//! handshake (password, user, database from the URL), replies routed to
+//! their callers when many calls share the lane's one connection, replies
+//! too large for one read, and a server that went away.
 
 use std::time::Duration;
 
@@ -92,14 +92,11 @@ async fn concurrent_calls_and_large_replies_reach_their_callers() {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
-    for direct in [true, false] {
-        let store = RedisStore::builder(&server.url())
-            .direct_connections(direct)
-            .timeout(Duration::from_secs(20))
-            .build()
-            .expect("store");
-        every_caller_gets_its_own_reply(&store, 300).await;
-    }
+    let store = RedisStore::builder(&server.url())
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("store");
+    every_caller_gets_its_own_reply(&store, 300).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -115,19 +112,11 @@ async fn a_password_user_and_database_from_the_url_are_used() {
             .parse()
             .unwrap_or_else(|_| panic!("DBSIZE: {out:?}"))
     };
-    for (direct, url, db) in [
-        (true, format!("redis://:s3cret@127.0.0.1:{port}/3"), "3"),
-        (
-            true,
-            format!("redis://default:s3cret@127.0.0.1:{port}/5"),
-            "5",
-        ),
-        (false, format!("redis://:s3cret@127.0.0.1:{port}/7"), "7"),
+    for (url, db) in [
+        (format!("redis://:s3cret@127.0.0.1:{port}/3"), "3"),
+        (format!("redis://default:s3cret@127.0.0.1:{port}/5"), "5"),
     ] {
-        let store = RedisStore::builder(&url)
-            .direct_connections(direct)
-            .build()
-            .expect("store");
+        let store = RedisStore::from_url(&url).expect("store");
         let reserved = store.reserve(&request("auth", 1)).await;
         assert!(
             matches!(reserved, Ok(Reservation::Acquired(_))),
@@ -139,19 +128,13 @@ async fn a_password_user_and_database_from_the_url_are_used() {
 
     // A wrong password: every call fails as the store being unavailable,
     // and the server keeps nothing.
-    for direct in [true, false] {
-        let url = format!("redis://:wrong@127.0.0.1:{port}/2");
-        let store = RedisStore::builder(&url)
-            .direct_connections(direct)
-            .build()
-            .expect("store");
-        for _ in 0..2 {
-            let refused = store.reserve(&request("auth", 1)).await;
-            assert!(
-                matches!(refused, Err(StoreError::Unavailable(_))),
-                "direct {direct}: {refused:?}"
-            );
-        }
+    let store = RedisStore::from_url(&format!("redis://:wrong@127.0.0.1:{port}/2")).expect("store");
+    for _ in 0..2 {
+        let refused = store.reserve(&request("auth", 1)).await;
+        assert!(
+            matches!(refused, Err(StoreError::Unavailable(_))),
+            "{refused:?}"
+        );
     }
     assert_eq!(dbsize("2"), 0);
 }

@@ -92,11 +92,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .cloned()
                 .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
             // IDEM_LANES: the store's number of connections (default 1);
-            // IDEM_PACK=1: the store packs new records (pack_records);
-            // IDEM_DIRECT=0: redis-rs' connections instead of the store's
-            // own (direct_connections).
-            let mut builder = idem_redis::RedisStore::builder(&url)
-                .direct_connections(std::env::var("IDEM_DIRECT").map_or(true, |v| v != "0"));
+            // IDEM_PACK=1: the store packs new records (pack_records).
+            let mut builder = idem_redis::RedisStore::builder(&url);
             if let Some(lanes) = std::env::var("IDEM_LANES").ok().and_then(|n| n.parse().ok()) {
                 builder = builder.lanes(lanes);
             }

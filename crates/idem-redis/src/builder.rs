@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::{
     RedisStore,
-    connection::{Lane, Pool, Single},
+    connection::{Lane, Pool},
     limits,
     scripts::Scripts,
 };
@@ -39,7 +39,6 @@ pub struct RedisStoreBuilder {
     pub(crate) timeout: Duration,
     pub(crate) wait_replicas: Option<(usize, Duration)>,
     pub(crate) packed: bool,
-    pub(crate) direct: bool,
 }
 
 impl RedisStoreBuilder {
@@ -62,10 +61,8 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The most connections the pool of redis-rs' connections holds
-    /// (default 16; at least the number of lanes): clusters, TLS, RESP3 and
-    /// [`direct_connections(false)`](Self::direct_connections). The
-    /// store's own connections need no pool: each lane holds one.
+    /// The most connections the pool holds (default 16; at least the
+    /// number of lanes).
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
         self
@@ -115,25 +112,6 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Whether a single node reached over plain TCP (`redis://`) is
-    /// talked to over the store's own connections (default `true`), or
-    /// over redis-rs' multiplexed connections.
-    ///
-    /// Both pipeline any number of concurrent calls over each lane's one
-    /// connection and behave alike on failures (a broken connection is
-    /// replaced, its calls retried once). The store's own connection
-    /// writes each command straight into a buffer that one system call
-    /// sends, and parses the replies of RESP2 only: about 9,000 fewer app
-    /// instructions per new key and 4,000 per replay in process
-    /// (`bench/peer/inproc.sh`).
-    /// `rediss://` (TLS), `protocol=resp3` in the URL and clusters always
-    /// use redis-rs; so does this store with `false`, where
-    /// [`pool_size`](Self::pool_size) bounds its connections.
-    pub fn direct_connections(mut self, direct: bool) -> Self {
-        self.direct = direct;
-        self
-    }
-
     /// Builds the store. Connections are made lazily, on first use.
     pub fn build(self) -> Result<RedisStore, BuildError> {
         let invalid = |reason: &str| BuildError::InvalidUrl {
@@ -180,8 +158,6 @@ impl RedisStoreBuilder {
                 .create_pool(Some(Runtime::Tokio1))
                 .map_err(|e| BuildError::Pool(e.to_string()))?;
             Pool::Cluster(pool)
-        } else if let Some(direct) = self.direct_single()? {
-            direct
         } else if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
             // The store bounds each call itself (its timeout, plus the
             // wait for replicas that a `WAIT` spends on the server), so the
@@ -196,7 +172,7 @@ impl RedisStoreBuilder {
                 .runtime(Runtime::Tokio1)
                 .build()
                 .map_err(|e| BuildError::Pool(e.to_string()))?;
-            Pool::Single(Single::Multiplexed(pool))
+            Pool::Single(pool)
         } else {
             return Err(invalid(
                 "expected redis://, rediss://, redis+cluster:// or rediss+cluster://",
@@ -227,35 +203,5 @@ impl RedisStoreBuilder {
                 tracker
             },
         })
-    }
-
-    /// A single node's own connections, when the URL allows them: plain
-    /// TCP and RESP2, and the builder did not ask for redis-rs'.
-    fn direct_single(&self) -> Result<Option<Pool>, BuildError> {
-        use redis::IntoConnectionInfo;
-        if !self.direct || !self.url.starts_with("redis://") {
-            return Ok(None);
-        }
-        let info =
-            self.url
-                .as_str()
-                .into_connection_info()
-                .map_err(|error| BuildError::InvalidUrl {
-                    url: self.url.clone(),
-                    reason: error.to_string(),
-                })?;
-        let redis::ConnectionAddr::Tcp(host, port) = info.addr() else {
-            return Ok(None);
-        };
-        let settings = info.redis_settings();
-        if settings.protocol() != redis::ProtocolVersion::RESP2 {
-            return Ok(None);
-        }
-        Ok(Some(Pool::Single(Single::Direct {
-            host: host.clone(),
-            port: *port,
-            settings: settings.clone(),
-            connecting: tokio::sync::Mutex::new(()),
-        })))
     }
 }

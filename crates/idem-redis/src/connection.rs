@@ -4,71 +4,21 @@
 
 use std::time::Duration;
 
-use crate::{RedisStore, direct::DirectConnection, millis, record_key_pieces, unavailable};
+use crate::{RedisStore, millis, record_key_pieces, unavailable};
 
 use idem_core::{ScopeHash, StoreError};
 use redis::{ErrorKind, Script, ServerErrorKind, ToRedisArgs, Value};
 
 pub(crate) enum Pool {
-    Single(Single),
+    Single(deadpool_redis::Pool),
     Cluster(deadpool_redis::cluster::Pool),
-}
-
-/// Where a single node's connections come from.
-pub(crate) enum Single {
-    /// The store's own connections (`redis://`, RESP2; see
-    /// [`crate::direct`]), made one at a time.
-    Direct {
-        host: String,
-        port: u16,
-        settings: redis::RedisConnectionInfo,
-        connecting: tokio::sync::Mutex<()>,
-    },
-    /// redis-rs' multiplexed connections, from a pool (TLS, RESP3, or
-    /// when the builder asks for them).
-    Multiplexed(deadpool_redis::Pool),
 }
 
 /// A connection checked out of the pool for good, shared by cloning.
 #[derive(Clone)]
 pub(crate) enum Conn {
-    Single(SingleConn),
+    Single(redis::aio::MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),
-}
-
-/// A single node's connection, of either kind.
-#[derive(Clone)]
-pub(crate) enum SingleConn {
-    Direct(DirectConnection),
-    Multiplexed(redis::aio::MultiplexedConnection),
-}
-
-impl redis::aio::ConnectionLike for SingleConn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        match self {
-            Self::Direct(c) => c.req_packed_command(cmd),
-            Self::Multiplexed(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        match self {
-            Self::Direct(c) => c.req_packed_commands(pipeline, offset, count),
-            Self::Multiplexed(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Direct(c) => c.get_db(),
-            Self::Multiplexed(c) => c.get_db(),
-        }
-    }
 }
 
 /// A script call, written as one `EVALSHA` command straight into the
@@ -331,30 +281,12 @@ impl RedisStore {
     /// Takes a connection from the pool into `lane`.
     async fn new_connection(&self, lane: usize) -> Result<(usize, Conn), StoreError> {
         let conn = match &self.pool {
-            Pool::Single(Single::Direct {
-                host,
-                port,
-                settings,
-                connecting,
-            }) => {
-                // One connection is made at a time: when a server comes
-                // back, every call waiting for one takes the first.
-                let _one_at_a_time = connecting.lock().await;
-                if let Some(conn) = self.lanes[lane].lock().conn.clone() {
-                    return Ok((lane, conn));
-                }
-                Conn::Single(SingleConn::Direct(
-                    DirectConnection::connect(host, *port, settings)
-                        .await
-                        .map_err(unavailable)?,
-                ))
-            }
-            Pool::Single(Single::Multiplexed(pool)) => {
+            Pool::Single(pool) => {
                 // Made without a reply timeout: the store bounds each call
                 // itself (see the builder).
-                Conn::Single(SingleConn::Multiplexed(deadpool_redis::Connection::take(
+                Conn::Single(deadpool_redis::Connection::take(
                     pool.get().await.map_err(unavailable)?,
-                )))
+                ))
             }
             Pool::Cluster(pool) => Conn::Cluster(deadpool_redis::cluster::Connection::take(
                 pool.get().await.map_err(unavailable)?,

@@ -50,25 +50,18 @@
 //! * **Round trips.** A new key costs two round trips (reserve, complete),
 //!   plus one renewal per third of the lease for long handlers; a replay, a
 //!   conflict or an in-progress answer costs one.
-//! * **Pipelined connections.** Calls are spread over a few *lanes*
-//!   ([`RedisStoreBuilder::lanes`], default 1), and each lane's one
-//!   connection carries any number of concurrent calls, so a call costs no
-//!   round trip for checking a connection out. A single node over plain TCP
-//!   (`redis://`, RESP2) is talked to over the store's own connection
-//!   (`src/direct.rs`): a call writes its command into a buffer shared by
-//!   the lane, a writer task sends all that gathered in one system call, a
-//!   reader task hands each reply to the next caller in line; about 9,000
-//!   fewer app instructions per new key than redis-rs' multiplexed
-//!   connection ([`RedisStoreBuilder::direct_connections`]). TLS,
-//!   `protocol=resp3` and clusters use redis-rs' connections from a
-//!   `deadpool-redis` pool. On a single node, a lane whose connection
-//!   fails or times out is refilled on its next use (one connection is
-//!   made at a time). A cluster connection reconnects to a failed node by
-//!   itself and follows the slots to a promoted replica, so one node's
-//!   outage does not replace it (that would reconnect to every healthy
-//!   node): a cluster lane is replaced only after its calls have failed
-//!   for 5 s in a row, at most one lane a second.
-//! * **Timeouts.** Every call, including making a connection, is
+//! * **Pooled, multiplexed.** Connections come from a `deadpool-redis` pool
+//!   (which creates them and checks them with `PING`) and are held in a few
+//!   *lanes* ([`RedisStoreBuilder::lanes`], default 1): redis-rs multiplexes
+//!   concurrent calls on each lane's connection, so a call costs no extra
+//!   round trip for checking a connection out. On a single node, a lane
+//!   whose connection fails or times out is refilled from the pool on its
+//!   next use. A cluster connection reconnects to a failed node by itself
+//!   and follows the slots to a promoted replica, so one node's outage
+//!   does not replace it (that would reconnect to every healthy node): a
+//!   cluster lane is replaced only after its calls have failed for 5 s in a
+//!   row, at most one lane a second.
+//! * **Timeouts.** Every call, including waiting for a pooled connection, is
 //!   bounded by [`RedisStoreBuilder::timeout`] (default 1 s): a paused or
 //!   dead server becomes a [`StoreError`] within it.
 //!
@@ -119,7 +112,6 @@ mod builder;
 mod cluster;
 mod connection;
 mod decode;
-mod direct;
 mod limits;
 mod scripts;
 mod watch;
@@ -222,7 +214,6 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             wait_replicas: None,
             packed: false,
-            direct: true,
         }
     }
 

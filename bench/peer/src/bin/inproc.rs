@@ -55,12 +55,7 @@ fn main() {
             }
             "idem-redis" => {
                 let url = std::env::var("REDIS_URL").expect("REDIS_URL");
-                // IDEM_DIRECT=0: redis-rs' connections instead of the
-                // store's own.
-                let store = idem_redis::RedisStore::builder(&url)
-                    .direct_connections(std::env::var("IDEM_DIRECT").map_or(true, |v| v != "0"))
-                    .build()
-                    .unwrap();
+                let store = idem_redis::RedisStore::from_url(&url).unwrap();
                 router.layer(
                     idem_layer::IdempotencyLayer::new(store)
                         .tenant(formats::idem_tenant())
