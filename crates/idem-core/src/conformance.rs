@@ -423,6 +423,60 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
     ));
 }
 
+/// A release after a takeover frees the key for the same request only:
+/// the attempt the takeover superseded may have acted, so a changed
+/// request conflicts. The record stays processing with its lease lapsed
+/// and no owner; the same request takes it over at once (generation + 1),
+/// a retried release of that lease is answered as released, and the
+/// binding holds through later releases of the chain.
+pub async fn a_release_after_a_takeover_keeps_the_payload<H: Harness>(h: &H) {
+    let scope = fresh_scope("takeover-release");
+    let first = acquire(h, &scope, 1).await;
+    h.advance(h.lease() + Duration::from_millis(100)).await;
+    let Reservation::TakenOver { lease: second, .. } = reserve(h, &scope, 1).await else {
+        panic!("expected TakenOver");
+    };
+    assert_eq!(release(h, &second).await, Release::Released);
+    // Its reply lost, the release is sent again: still released.
+    assert_eq!(release(h, &second).await, Release::Released);
+    let record = get(h, scope.hash()).await.expect("record");
+    assert_eq!(record.state, RecordState::Processing);
+    assert_eq!(record.owner, None);
+    assert_eq!(record.fingerprint, fingerprint(1));
+    assert_eq!(record.attempts[0].id, first.attempt);
+    assert_eq!(record.attempts[0].outcome, AttemptOutcome::Superseded);
+    assert_eq!(record.attempts[1].outcome, AttemptOutcome::Released);
+    assert_eq!(record.attempts[1].late, None);
+    assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
+    let third = match reserve(h, &scope, 1).await {
+        Reservation::TakenOver { lease, superseded } => {
+            // The attempt of unknown outcome, not the released one.
+            assert_eq!(superseded.id, first.attempt);
+            assert_eq!(superseded.outcome, AttemptOutcome::Superseded);
+            lease
+        }
+        other => panic!("the same request takes over: {other:?}"),
+    };
+    assert_eq!(third.generation, 3);
+    // Later in the chain, the binding holds.
+    assert_eq!(release(h, &third).await, Release::Released);
+    assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
+    let fourth = match reserve(h, &scope, 1).await {
+        Reservation::TakenOver { lease, .. } => lease,
+        other => panic!("the same request takes over: {other:?}"),
+    };
+    let outcome = response(201, b"{\"order\":4}");
+    recorded(h, &fourth, &outcome).await;
+    match reserve(h, &scope, 1).await {
+        Reservation::Completed(replay) => assert_eq!(replay.outcome, outcome),
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    let record = get(h, scope.hash()).await.expect("record");
+    assert_eq!(record.generation, 4);
+    assert_eq!(record.attempts[1].outcome, AttemptOutcome::Released);
+    assert_eq!(record.attempts[2].outcome, AttemptOutcome::Released);
+}
+
 /// A completion or a release sent again by its own lease after the first
 /// was applied (its reply was lost to a timeout, and the layer retries it)
 /// is answered as the first was, and keeps no late evidence against its
@@ -712,6 +766,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     wrong_token_is_fenced(h).await;
     release_frees_key(h).await;
     a_write_whose_reply_was_lost_is_answered_again(h).await;
+    a_release_after_a_takeover_keeps_the_payload(h).await;
     cancel_processing_fences_completion(h).await;
     cancel_after_completion_reports_outcome(h).await;
     cancel_absent_is_not_found(h).await;
@@ -745,6 +800,7 @@ macro_rules! conformance_tests {
             wrong_token_is_fenced,
             release_frees_key,
             a_write_whose_reply_was_lost_is_answered_again,
+            a_release_after_a_takeover_keeps_the_payload,
             cancel_processing_fences_completion,
             cancel_after_completion_reports_outcome,
             cancel_absent_is_not_found,

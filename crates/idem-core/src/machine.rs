@@ -199,7 +199,12 @@ pub fn reserve_with(
             retry_after: Duration::from_millis(record.lease_expires_at_ms - now_ms),
         },
         RecordState::Processing => {
+            // A running attempt is superseded. One that already ended (a
+            // release after a takeover keeps the record processing, see
+            // `release`) is not: the attempt of unknown outcome reported
+            // is then the newest one superseded before it.
             let superseded = end_current_attempt(record, AttemptOutcome::Superseded, now_ms)
+                .or_else(|| newest_superseded(record).cloned())
                 .unwrap_or_else(|| Attempt {
                     id: AttemptId(uuid::Uuid::nil()),
                     generation: record.generation,
@@ -221,6 +226,21 @@ pub fn reserve_with(
         },
         RecordState::Cancelled => Reservation::Cancelled,
     }
+}
+
+/// The newest attempt the record keeps that was superseded while it ran.
+fn newest_superseded(record: &Record) -> Option<&Attempt> {
+    record
+        .attempts
+        .iter()
+        .rev()
+        .find(|a| a.outcome == AttemptOutcome::Superseded)
+}
+
+/// Whether an attempt in the record's history was superseded while it
+/// held the key: its outcome is unknown, it may have acted.
+fn holds_an_unknown_outcome(record: &Record) -> bool {
+    newest_superseded(record).is_some()
 }
 
 fn owns(slot: &Option<Record>, lease: &Lease, now_ms: u64) -> bool {
@@ -322,10 +342,18 @@ pub fn complete(
 
 /// Frees the key if the lease is still current; otherwise keeps late
 /// evidence on the attempt.
+///
+/// A record whose history holds a superseded attempt (its outcome unknown:
+/// it may have acted) is freed for the same request only: it stays
+/// processing, its lease lapsed and held by nobody, so the same request
+/// takes it over at once and a changed one conflicts. Released, it would
+/// take any payload after an attempt that may have run.
 pub fn release(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Release {
     expire(slot, now_ms);
     let released = |a: &AttemptOutcome| *a == AttemptOutcome::Released;
-    if already_written(slot, lease, RecordState::Released, released, now_ms) {
+    if already_written(slot, lease, RecordState::Released, released, now_ms)
+        || already_written(slot, lease, RecordState::Processing, released, now_ms)
+    {
         return Release::Released;
     }
     if !owns(slot, lease, now_ms) {
@@ -334,7 +362,11 @@ pub fn release(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Release
     }
     if let Some(record) = slot.as_mut() {
         end_current_attempt(record, AttemptOutcome::Released, now_ms);
-        record.state = RecordState::Released;
+        if holds_an_unknown_outcome(record) {
+            record.lease_expires_at_ms = now_ms;
+        } else {
+            record.state = RecordState::Released;
+        }
         record.owner = None;
         record.updated_at_ms = now_ms;
     }

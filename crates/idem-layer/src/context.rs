@@ -26,7 +26,9 @@ pub struct IdempotencyContext {
     pub attempt: AttemptId,
     /// This attempt's lease generation (1 for the first attempt).
     pub generation: u64,
-    /// The attempt this one took over from, whose outcome is unknown.
+    /// On a takeover, the attempt whose outcome is unknown: the one whose
+    /// lease lapsed, or, when a release after an earlier takeover left the
+    /// key to this same request, the newest attempt superseded before.
     pub superseded: Option<Attempt>,
 }
 

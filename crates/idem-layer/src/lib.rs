@@ -73,7 +73,12 @@
 //!   the unkeyed SHA-256 of earlier versions, so that an upgrade finds the
 //!   records written before it.
 //! * A released key (after a temporary failure) is free again for any
-//!   payload: the next request starts a new attempt.
+//!   payload: the next request starts a new attempt. Except after a
+//!   takeover: when an attempt in the record's kept history was superseded
+//!   while it ran (its outcome unknown, it may have acted), the release
+//!   frees the key for the same request only. The record stays
+//!   processing with its lease lapsed, so the retry takes it over at once
+//!   and a changed request gets `422 idempotency_conflict`.
 //! * If the outcome cannot be recorded because the store failed after the
 //!   handler ran, the client still gets the real response, and recording is
 //!   retried in the background, renewing the lease while it can. If the

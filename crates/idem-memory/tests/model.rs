@@ -55,6 +55,13 @@ struct ModelRecord {
     writer: Option<usize>,
     lease_until: u64,
     expires_at: u64,
+    /// Generations whose attempt was taken over while it ran (its outcome
+    /// unknown); the record's history keeps the newest
+    /// `ATTEMPT_HISTORY` generations.
+    superseded: Vec<u64>,
+    /// The current attempt ended by a release that kept the record
+    /// processing (an unknown outcome in its history).
+    ended: bool,
 }
 
 /// What the model expects a call to answer, reduced to comparable facts.
@@ -93,7 +100,7 @@ impl Model {
 
     fn reserve(&mut self, key: u8, fp: u8, lease_id: usize) -> Answer {
         let now = self.now;
-        let fresh = |generation| ModelRecord {
+        let fresh = |generation, superseded| ModelRecord {
             state: State::Processing,
             fp,
             generation,
@@ -101,21 +108,27 @@ impl Model {
             writer: None,
             lease_until: now + LEASE_MS,
             expires_at: now + RETENTION_MS,
+            superseded,
+            ended: false,
         };
         match self.live(key) {
             None => {
-                self.records.insert(key, fresh(1));
+                self.records.insert(key, fresh(1, Vec::new()));
                 Answer::Acquired(1)
             }
             Some(r) if r.state == State::Released => {
-                *r = fresh(r.generation + 1);
+                *r = fresh(r.generation + 1, std::mem::take(&mut r.superseded));
                 Answer::Acquired(r.generation)
             }
             Some(r) if r.fp != fp => Answer::Conflict,
             Some(r) => match r.state {
                 State::Processing if r.lease_until > now => Answer::InProgress(r.lease_until - now),
                 State::Processing => {
-                    *r = fresh(r.generation + 1);
+                    let mut superseded = std::mem::take(&mut r.superseded);
+                    if !r.ended {
+                        superseded.push(r.generation);
+                    }
+                    *r = fresh(r.generation + 1, superseded);
                     Answer::TakenOver(r.generation)
                 }
                 State::Completed(status) => Answer::Completed(status),
@@ -149,15 +162,27 @@ impl Model {
     }
 
     fn release(&mut self, key: u8, lease_id: usize) -> Answer {
-        if self
-            .live(key)
-            .is_some_and(|r| r.state == State::Released && r.writer == Some(lease_id))
-        {
+        if self.live(key).is_some_and(|r| {
+            (r.state == State::Released || r.state == State::Processing && r.ended)
+                && r.writer == Some(lease_id)
+        }) {
             return Answer::Released;
         }
+        let now = self.now;
         match self.owned(key, lease_id) {
             Some(r) => {
-                r.state = State::Released;
+                // An attempt of unknown outcome in the history: freed for
+                // the same request only (processing, its lease lapsed).
+                let generation = r.generation;
+                if r.superseded
+                    .iter()
+                    .any(|g| g + idem_core::ATTEMPT_HISTORY as u64 > generation)
+                {
+                    r.lease_until = now;
+                    r.ended = true;
+                } else {
+                    r.state = State::Released;
+                }
                 r.owner = None;
                 r.writer = Some(lease_id);
                 Answer::Released

@@ -214,7 +214,26 @@ local function rare()
     end
     return nil
   end
+  -- Whether an older attempt was superseded while it ran (its outcome
+  -- unknown: it may have acted); the history keeps the newest attempts.
+  -- The newest older attempt superseded while it ran (its outcome
+  -- unknown: it may have acted), or nil; the history keeps the newest
+  -- attempts.
+  local function newest_superseded()
+    local raw = redis.call('HGET', record, 'hist')
+    if not raw or raw == '' then
+      return nil
+    end
+    local hist = cjson.decode(raw)
+    for i = #hist, 1, -1 do
+      if hist[i].outcome and hist[i].outcome.kind == 'superseded' then
+        return hist[i]
+      end
+    end
+    return nil
+  end
   return {
+    newest_superseded = newest_superseded,
     superseded_by = superseded_by,
     late_table = late_table,
     current_attempt = current_attempt,

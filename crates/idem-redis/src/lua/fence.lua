@@ -16,7 +16,10 @@ local function fenced(outcome, status, state, n)
   if not live(state, expires) then
     return {'vacant'}
   end
-  if state == outcome and gen == ARGV[1] and cur_id == ARGV[3] and cur_outcome == outcome then
+  -- A release that kept the record processing (release.lua) ended its
+  -- attempt all the same.
+  local ended = state == outcome or (outcome == 'released' and state == 'processing')
+  if ended and gen == ARGV[1] and cur_id == ARGV[3] and cur_outcome == outcome then
     -- A retry of this very outcome whose reply was lost.
     if outcome == 'completed' then
       return {'recorded'}

@@ -3,9 +3,9 @@
 -- Answers the integer 1 on its hot path (released), else a table led by
 -- its kind (fence.lua).
 --@holder
-if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
-  -- The hot path: the caller holds the lease (the record is live, see
-  -- head.lua).
+if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] and gen == '1' then
+  -- The hot path: the caller holds the lease of a first attempt (the
+  -- record is live, see head.lua).
   local ended = ARGV[4]
   if n then
     redis.call('HSET', record, 'state', 'released', 'd', '::' .. ended)
@@ -20,5 +20,23 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
 end
 --@clock
 --@common
+if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
+  -- A later attempt's release (its record is expanded: a second attempt
+  -- expands a packed one). When an attempt of unknown outcome is in the
+  -- history (superseded while it ran: it may have acted), the key is
+  -- freed for the same request only: the record stays processing, its
+  -- lease lapsed and held by nobody, so the same request takes it over at
+  -- once and a changed one conflicts (machine::release likewise).
+  if rare().newest_superseded() then
+    redis.call('HSET', record, 'owner', '', 'lease_until', ms(now), 'cur_end', ARGV[4],
+      'cur_outcome', 'released')
+  else
+    redis.call('HSET', record, 'state', 'released', 'cur_end', ARGV[4], 'cur_outcome', 'released')
+  end
+  if watched and NOTIFY then
+    redis.call('PUBLISH', record .. ':c', '1')
+  end
+  return 1
+end
 --@fence
 return fenced('released', '', state, n)

@@ -126,8 +126,9 @@ local function archive()
 end
 
 expand()
-local found_fp, found_gen, lease_until, cur_id, owner, expires_at = unpack(redis.call('HMGET',
-  record, 'fp', 'gen', 'lease_until', 'cur_id', 'owner', 'expires'))
+local found_fp, found_gen, lease_until, cur_id, owner, expires_at, cur_outcome = unpack(
+  redis.call('HMGET', record, 'fp', 'gen', 'lease_until', 'cur_id', 'owner', 'expires',
+    'cur_outcome'))
 if not live(state, expires_at) then
   -- A key that outlived its expires field (the two are set together, so
   -- only a clock that jumped gets here): gone, and the key is new.
@@ -155,8 +156,17 @@ if state == 'processing' then
   if lease_left > 0 then
     return {'in_progress', lease_left}
   end
-  redis.call('HSET', record, 'cur_outcome', 'superseded', 'cur_end', now)
+  -- A running attempt is superseded. One a release already ended (see
+  -- release.lua) is archived as it ended, and the attempt of unknown
+  -- outcome reported is the newest one superseded before it.
+  local newest
+  if cur_outcome == 'released' then
+    newest = rare().newest_superseded()
+  else
+    redis.call('HSET', record, 'cur_outcome', 'superseded', 'cur_end', now)
+  end
   local superseded, hist = archive()
+  superseded = newest or superseded
   return {'taken_over', start(gen + 1, hist), cjson.encode(superseded)}
 end
 return {'cancelled'}
