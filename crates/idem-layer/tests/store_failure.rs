@@ -18,7 +18,7 @@ use idem_core::{
     Cancellation, Completion, Lease, Outcome, Record, Release, Renewal, Reservation,
     ReserveRequest, ScopeHash, Store, StoreError,
 };
-use idem_layer::{IdempotencyLayer, InFlight, TenantFromHeader};
+use idem_layer::{BoxError, IdempotencyLayer, InFlight, TenantFromHeader};
 use idem_memory::MemoryStore;
 use tower::Layer;
 
@@ -196,6 +196,59 @@ async fn a_retry_of_an_attempt_running_past_its_lapsed_lease_is_in_progress() {
     assert!(replay.replayed(), "a replay, not a second run");
     assert_eq!(replay.body, first.body);
     assert_eq!(probe.calls(), 1, "the handler ran once");
+}
+
+/// A takeover whose attempt fails temporarily frees the key for the same
+/// request only. The attempt it took over (still running at another
+/// instance, its renewals failing) may have acted: a changed request with
+/// the key gets 422 instead of running, and the same request runs again.
+#[tokio::test]
+async fn after_a_failed_takeover_a_changed_request_conflicts() {
+    let (store, probe, layer) = leased_600ms();
+    let first = running_past_its_lease(&store, &layer, &probe).await;
+    // Another instance: a layer of its own on the same store, whose
+    // handler answers 503 (a temporary failure: the key is released).
+    let failing = Probe::default();
+    let counted = failing.clone();
+    let unavailable: Inner = tower::util::BoxCloneSyncService::new(tower::service_fn(
+        move |_request: http::Request<http_body_util::Full<bytes::Bytes>>| {
+            let n = counted.calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                Ok::<_, BoxError>(
+                    http::Response::builder()
+                        .status(StatusCode::SERVICE_UNAVAILABLE)
+                        .body(http_body_util::Full::new(bytes::Bytes::from(format!(
+                            "down, run {n}"
+                        ))))
+                        .expect("response"),
+                )
+            }
+        },
+    ));
+    let other = switched_layer(&store).layer(unavailable);
+    let takeover = send(&other, order_at("/slow", "k")).await;
+    assert_eq!(takeover.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(failing.calls(), 1, "the retry took the lapsed lease over");
+    let changed = post("/slow")
+        .key("k")
+        .tenant("t1")
+        .json("{\"changed\":true}")
+        .build();
+    let changed = send(&other, changed).await;
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(changed.code().as_deref(), Some("idempotency_conflict"));
+    assert_eq!(failing.calls(), 1, "the changed request did not run");
+    let again = send(&other, order_at("/slow", "k")).await;
+    assert_eq!(again.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(failing.calls(), 2, "the same request runs again");
+    // The first attempt ends; its completion is fenced.
+    store.mode.store(OK, Ordering::SeqCst);
+    probe.open_gate(1);
+    tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the first attempt ends")
+        .expect("join");
+    assert_eq!(probe.calls(), 1);
 }
 
 /// The same in the in-flight wait mode: the duplicate waits for the
