@@ -328,15 +328,22 @@ pub async fn takeover_after_lease_expiry<H: Harness>(h: &H) {
     assert_eq!(record.attempts[1].outcome, AttemptOutcome::Running);
 }
 
+/// A first attempt of `scope` (fingerprint 1) whose lease lapsed, and the
+/// second attempt that took it over.
+async fn lapsed_and_taken_over<H: Harness>(h: &H, scope: &Scope) -> (crate::Lease, crate::Lease) {
+    let first = acquire(h, scope, 1).await;
+    h.advance(h.lease() + Duration::from_millis(100)).await;
+    let Reservation::TakenOver { lease: second, .. } = reserve(h, scope, 1).await else {
+        panic!("expected TakenOver");
+    };
+    (first, second)
+}
+
 /// A superseded attempt's complete, renew and release are fenced; its
 /// completion is late evidence and never the result.
 pub async fn superseded_writes_are_fenced<H: Harness>(h: &H) {
     let scope = fresh_scope("fenced");
-    let first = acquire(h, &scope, 1).await;
-    h.advance(h.lease() + Duration::from_millis(100)).await;
-    let Reservation::TakenOver { lease: second, .. } = reserve(h, &scope, 1).await else {
-        panic!("expected TakenOver");
-    };
+    let (first, second) = lapsed_and_taken_over(h, &scope).await;
     assert!(matches!(
         renew(h, &first).await,
         Renewal::Fenced(Current::Processing { .. })
@@ -431,11 +438,7 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
 /// binding holds through later releases of the chain.
 pub async fn a_release_after_a_takeover_keeps_the_payload<H: Harness>(h: &H) {
     let scope = fresh_scope("takeover-release");
-    let first = acquire(h, &scope, 1).await;
-    h.advance(h.lease() + Duration::from_millis(100)).await;
-    let Reservation::TakenOver { lease: second, .. } = reserve(h, &scope, 1).await else {
-        panic!("expected TakenOver");
-    };
+    let (first, second) = lapsed_and_taken_over(h, &scope).await;
     assert_eq!(release(h, &second).await, Release::Released);
     // Its reply lost, the release is sent again: still released.
     assert_eq!(release(h, &second).await, Release::Released);

@@ -403,10 +403,8 @@ pub fn abandon(
     // processing, its lease lapsed, held by nobody. Released, it would
     // take any payload, while the attempt it superseded may have acted:
     // a changed request must still conflict, and the same one takes over.
-    let took_over = record.attempts.iter().any(|a| {
-        a.generation.saturating_add(1) == record.generation
-            && a.outcome == AttemptOutcome::Superseded
-    });
+    let took_over = newest_superseded(record)
+        .is_some_and(|a| a.generation.saturating_add(1) == record.generation);
     if took_over {
         if let Some(record) = slot.as_mut() {
             record.owner = None;

@@ -200,22 +200,6 @@ local function rare()
       end
     end
   end
-  -- The attempt that the current one (generation `gen`) took over, from
-  -- the history, or nil when the current one did not take over.
-  local function superseded_by(gen)
-    local raw = redis.call('HGET', record, 'hist')
-    if not gen or gen <= 1 or not raw or raw == '' then
-      return nil
-    end
-    local hist = cjson.decode(raw)
-    local last = hist[#hist]
-    if last and last.generation == gen - 1 and last.outcome.kind == 'superseded' then
-      return last
-    end
-    return nil
-  end
-  -- Whether an older attempt was superseded while it ran (its outcome
-  -- unknown: it may have acted); the history keeps the newest attempts.
   -- The newest older attempt superseded while it ran (its outcome
   -- unknown: it may have acted), or nil; the history keeps the newest
   -- attempts.
@@ -229,6 +213,19 @@ local function rare()
       if hist[i].outcome and hist[i].outcome.kind == 'superseded' then
         return hist[i]
       end
+    end
+    return nil
+  end
+  -- The attempt that the current one (generation `gen`) took over, from
+  -- the history, or nil when the current one did not take over: the
+  -- newest superseded attempt, if it is the one just before.
+  local function superseded_by(gen)
+    if not gen or gen <= 1 then
+      return nil
+    end
+    local newest = newest_superseded()
+    if newest and newest.generation == gen - 1 then
+      return newest
     end
     return nil
   end

@@ -33,8 +33,8 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   else
     redis.call('HSET', record, 'state', 'released', 'cur_end', ARGV[4], 'cur_outcome', 'released')
   end
-  if watched and NOTIFY then
-    redis.call('PUBLISH', record .. ':c', '1')
+  if watched then
+    rare().notify()
   end
   return 1
 end
