@@ -76,8 +76,13 @@ impl MemoryStoreBuilder {
     }
 
     /// The most bytes the records may take, as the store estimates them
-    /// (stored bodies and headers, plus about half a kilobyte per record;
-    /// default 1 GiB). A new key beyond it is refused like a full store; a
+    /// (default 1 GiB): stored bodies and headers (64 bytes a header
+    /// besides its name and value), the tenant, operation and key, 72
+    /// bytes an attempt, and 640 bytes per record for the rest, at least
+    /// what the records take on the heap (a record of a UUID key and a
+    /// small JSON response with two headers takes about 940 bytes,
+    /// counting 16 bytes of allocator overhead per block; the estimate
+    /// says about 1,060). A new key beyond it is refused like a full store; a
     /// completion whose response would cross it is recorded without the
     /// response (its retries get `409 idempotency_response_not_stored`), so
     /// the action is never run twice and the bound holds. The check is made
@@ -157,11 +162,17 @@ struct Inner {
 const TENANT_SHARDS: usize = 16;
 
 /// What the store estimates one record takes besides its variable parts
-/// (the map entry, the box, the record, its attempt history).
-const RECORD_OVERHEAD: usize = 512;
+/// (its scope's texts, its attempts, its response): the boxed record, its
+/// share of the table and of the expiry heap (up to two entries, at
+/// twice their size while the heap grows), the blocks of a stored
+/// response, and a typical allocator's 16 bytes or so on each of its
+/// eight blocks. `tests/footprint.rs` counts what records ask of the
+/// allocator and holds the estimate above it.
+const RECORD_OVERHEAD: usize = 640;
 
-/// What the store estimates each stored header takes besides its bytes.
-const HEADER_OVERHEAD: usize = 48;
+/// What the store estimates each stored header takes besides its bytes
+/// (its entry in the response's header list).
+const HEADER_OVERHEAD: usize = 64;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct TenantCount {
@@ -192,7 +203,19 @@ fn weight_of(r: &Record) -> usize {
         + r.tenant.len()
         + r.operation.len()
         + r.key.len()
+        + r.attempts.capacity() * std::mem::size_of::<idem_core::Attempt>()
         + r.outcome.as_ref().map_or(0, outcome_weight)
+}
+
+/// The estimated bytes of the record a reservation makes: what the byte
+/// bound must have room for before it is made.
+fn new_weight(request: &ReserveRequest) -> usize {
+    let scope = &request.scope;
+    RECORD_OVERHEAD
+        + scope.tenant().len()
+        + scope.operation().len()
+        + scope.key().as_str().len()
+        + std::mem::size_of::<idem_core::Attempt>()
 }
 
 /// The estimated bytes of a slot.
@@ -264,13 +287,24 @@ impl std::fmt::Debug for Records {
     }
 }
 
+/// A scope's first eight bytes: what the table hashes, and what an entry
+/// of the expiry heap keeps of the scope.
+fn scope_prefix(scope: &ScopeHash) -> u64 {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&scope.as_bytes()[..8]);
+    u64::from_le_bytes(word)
+}
+
+/// The table's hash of a scope prefix, under the table's key.
+fn prefix_hash(hasher: &foldhash::quality::RandomState, prefix: u64) -> u64 {
+    use std::hash::BuildHasher;
+    hasher.hash_one(prefix)
+}
+
 /// The table's hash of a scope: its first eight bytes under the table's
 /// key.
 fn scope_hash(hasher: &foldhash::quality::RandomState, scope: &ScopeHash) -> u64 {
-    use std::hash::BuildHasher;
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&scope.as_bytes()[..8]);
-    hasher.hash_one(u64::from_le_bytes(word))
+    prefix_hash(hasher, scope_prefix(scope))
 }
 
 /// The scope a slot holds; an emptied slot (only ever the one being
@@ -304,6 +338,19 @@ impl Records {
         });
     }
 
+    /// Removes a record whose scope begins with `prefix` and that has
+    /// expired at `now_ms`, if there is one.
+    fn remove_expired(&mut self, prefix: u64, now_ms: u64) -> Option<Record> {
+        self.table
+            .find_entry(prefix_hash(&self.hasher, prefix), |slot| {
+                (**slot).as_ref().is_some_and(|record| {
+                    scope_prefix(&record.scope) == prefix && record.is_expired(now_ms)
+                })
+            })
+            .ok()
+            .and_then(|entry| *entry.remove().0)
+    }
+
     /// Removes the record of `scope`, or the emptied slot that held it.
     fn remove(&mut self, scope: &ScopeHash) -> Option<Box<Option<Record>>> {
         self.table
@@ -333,7 +380,14 @@ struct ShardState {
     /// Boxed, so that growing the map moves pointers, not records; an
     /// `Option` inside, so transitions run on the record in place.
     records: Records,
-    expiries: BinaryHeap<Reverse<(u64, ScopeHash)>>,
+    /// When records expire, earliest first, each with its scope's first
+    /// eight bytes (16 bytes an entry, not the 40 a whole scope takes):
+    /// an entry removes an expired record of that prefix, and which one
+    /// does not matter. Two scopes of one prefix (rare, or made on
+    /// purpose by a caller who can compute unkeyed scope hashes) are each
+    /// removed once expired, by either one's entry; an entry whose record
+    /// was renewed, completed anew or already removed finds none.
+    expiries: BinaryHeap<Reverse<(u64, u64)>>,
     waiters: Map<Arc<Notify>>,
 }
 
@@ -352,17 +406,13 @@ impl ShardState {
                 Some(Reverse((at, _))) if *at <= now_ms => {}
                 _ => break,
             }
-            let Some(Reverse((_, scope))) = self.expiries.pop() else {
+            let Some(Reverse((_, prefix))) = self.expiries.pop() else {
                 break;
             };
             popped += 1;
-            if self.record(&scope).is_some_and(|r| r.is_expired(now_ms)) {
-                if let Some(slot) = self.records.remove(&scope)
-                    && let Some(record) = slot.as_ref()
-                {
-                    gone(record);
-                }
-                self.wake(&scope);
+            if let Some(record) = self.records.remove_expired(prefix, now_ms) {
+                gone(&record);
+                self.wake(&record.scope);
                 removed += 1;
             }
         }
@@ -374,13 +424,16 @@ impl ShardState {
     /// twice as many entries as the shard has records it is rebuilt from
     /// the records: the heap stays bounded by the capacity, at an
     /// amortized constant cost per write.
-    fn push_expiry(&mut self, at_ms: u64, scope: ScopeHash) {
-        self.expiries.push(Reverse((at_ms, scope)));
+    fn push_expiry(&mut self, at_ms: u64, scope: &ScopeHash) {
+        self.expiries.push(Reverse((at_ms, scope_prefix(scope))));
         if self.expiries.len() > 2 * self.records.len() + 16 {
             self.expiries = self
                 .records
                 .values()
-                .filter_map(|slot| slot.as_ref().map(|r| Reverse((r.expires_at_ms, r.scope))))
+                .filter_map(|slot| {
+                    slot.as_ref()
+                        .map(|r| Reverse((r.expires_at_ms, scope_prefix(&r.scope))))
+                })
                 .collect();
         }
     }
@@ -494,10 +547,11 @@ impl MemoryStore {
     /// Takes a place for a new live record of `tenant`: in the capacity,
     /// within the byte bound, and in the tenant's quota, atomically
     /// against other reservations.
-    /// `tenant` is `None` when the store keeps no per-tenant counts.
-    fn take_place(&self, tenant: Option<u64>, now_ms: u64) -> Result<(), Refused> {
+    /// `tenant` is `None` when the store keeps no per-tenant counts;
+    /// `weight` is the estimate of the record the reservation makes.
+    fn take_place(&self, tenant: Option<u64>, weight: usize, now_ms: u64) -> Result<(), Refused> {
         let inner = &*self.inner;
-        if inner.bytes.load(Ordering::Relaxed) + RECORD_OVERHEAD > inner.max_bytes {
+        if inner.bytes.load(Ordering::Relaxed) + weight > inner.max_bytes {
             return Err(Refused::Full);
         }
         let capacity = inner.capacity;
@@ -572,7 +626,7 @@ impl MemoryStore {
     fn with_slot<T>(
         &self,
         scope: &ScopeHash,
-        reserving_for: Option<&str>,
+        reserving_for: Option<&ReserveRequest>,
         apply: impl FnOnce(&mut Option<Record>, u64) -> T,
     ) -> Result<T, Refused> {
         let now_ms = self.now_ms();
@@ -602,12 +656,12 @@ impl MemoryStore {
         let early = match (took, slot.as_ref(), reserving_for) {
             _ if !counted => None,
             (true, Some(record), _) => Some(self.tenant_key(&record.tenant)),
-            (true, None, Some(tenant)) => Some(self.tenant_key(tenant)),
+            (true, None, Some(request)) => Some(self.tenant_key(request.scope.tenant())),
             (false, Some(record), _) if leaving => Some(self.tenant_key(&record.tenant)),
             _ => None,
         };
-        if took {
-            self.take_place(early, now_ms)?;
+        if let (true, Some(request)) = (took, reserving_for) {
+            self.take_place(early, new_weight(request), now_ms)?;
         }
         let result = apply(slot, now_ms);
         let (after, after_weight, after_live) = (facts(slot), weight(slot), occupies(slot));
@@ -647,7 +701,7 @@ impl MemoryStore {
         if let Some((expires_at_ms, ..)) = after
             && before.map(|b| b.0) != Some(expires_at_ms)
         {
-            state.push_expiry(expires_at_ms, *scope);
+            state.push_expiry(expires_at_ms, scope);
         }
         Ok(result)
     }
@@ -738,13 +792,13 @@ impl MemoryStore {
 impl Store for MemoryStore {
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let scope = request.scope.hash();
-        let tenant = Some(request.scope.tenant());
+        let reserving = Some(request);
         // The ids are made under the slot's lock, and only when an attempt
         // starts (a replay makes none).
         let ids = || (AttemptId::new(), OwnerToken::new());
         let reserve =
             |slot: &mut Option<Record>, now| machine::reserve_with(slot, request, now, ids);
-        let refused = match self.with_slot(scope, tenant, reserve) {
+        let refused = match self.with_slot(scope, reserving, reserve) {
             Ok(reservation) => return Ok(reservation),
             Err(refused) => refused,
         };
@@ -752,7 +806,7 @@ impl Store for MemoryStore {
             // Make room from expired records, then try once more.
             self.sweep_all();
         }
-        self.with_slot(scope, tenant, reserve)
+        self.with_slot(scope, reserving, reserve)
             .map_err(|refused| match refused {
                 Refused::Full => StoreError::Full {
                     capacity: self.inner.capacity,
@@ -874,5 +928,109 @@ mod tests {
             })
             .collect();
         assert!(buckets.len() > 32, "{} buckets", buckets.len());
+    }
+
+    /// A record expiring at `expires_at_ms` under `scope`.
+    fn record_under(scope: [u8; 32], key: &str, expires_at_ms: u64) -> Record {
+        let request = ReserveRequest {
+            scope: idem_core::Scope::new(
+                "tenant",
+                "POST /orders",
+                idem_core::IdempotencyKey::parse(key.as_bytes()).expect("key"),
+            ),
+            fingerprint: idem_core::Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_secs(1),
+            retention: Duration::from_secs(1),
+        };
+        let mut slot = None;
+        let _ = machine::reserve(&mut slot, &request, 0, AttemptId::new(), OwnerToken::new());
+        let mut record = slot.expect("a record");
+        record.scope = ScopeHash::from_bytes(scope);
+        record.expires_at_ms = expires_at_ms;
+        record
+    }
+
+    /// An expiry heap entry keeps a scope's first eight bytes only: of two
+    /// records sharing them, each is removed once it has expired, by
+    /// either entry, and never before.
+    #[test]
+    fn records_sharing_a_scope_prefix_expire_each_in_its_time() {
+        let mut state = ShardState::default();
+        let (mut early, mut late) = ([9u8; 32], [9u8; 32]);
+        early[31] = 1;
+        late[31] = 2;
+        for record in [
+            record_under(early, "early", 100),
+            record_under(late, "late", 200),
+        ] {
+            let (at, scope) = (record.expires_at_ms, record.scope);
+            state.records.insert(record);
+            state.push_expiry(at, &scope);
+        }
+        let mut gone = Vec::new();
+        assert_eq!(state.sweep(150, 8, &mut |r| gone.push(r.key.clone())), 1);
+        assert_eq!(gone, ["early"]);
+        assert!(state.record(&ScopeHash::from_bytes(late)).is_some());
+        assert_eq!(state.sweep(250, 8, &mut |r| gone.push(r.key.clone())), 1);
+        assert_eq!(gone, ["early", "late"]);
+        assert_eq!(state.records.len(), 0);
+        // An entry whose record was renewed past it removes nothing.
+        state.records.insert(record_under(early, "early", 300));
+        state.push_expiry(50, &ScopeHash::from_bytes(early));
+        assert_eq!(state.sweep(120, 8, &mut |r| gone.push(r.key.clone())), 0);
+        assert_eq!(state.records.len(), 1);
+        state.records.remove(&ScopeHash::from_bytes(early));
+        // The later record's entry surfacing first (it was renewed past the
+        // other) removes the one that expired, not the live one.
+        for record in [
+            record_under(early, "early", 300),
+            record_under(late, "late", 100),
+        ] {
+            let (at, scope) = (record.expires_at_ms, record.scope);
+            state.records.insert(record);
+            state.push_expiry(at, &scope);
+        }
+        state.push_expiry(50, &ScopeHash::from_bytes(early));
+        gone.clear();
+        assert_eq!(state.sweep(120, 1, &mut |r| gone.push(r.key.clone())), 1);
+        assert_eq!(gone, ["late"]);
+        assert!(state.record(&ScopeHash::from_bytes(early)).is_some());
+    }
+
+    /// A stored header's estimate covers its entry in the header list.
+    #[test]
+    fn a_header_estimate_covers_its_entry() {
+        assert!(HEADER_OVERHEAD >= std::mem::size_of::<(idem_core::HeaderName, ::bytes::Bytes)>());
+    }
+
+    /// A new key needs room for its whole record in the byte bound (its
+    /// key, tenant and operation, its attempt), not only the fixed part:
+    /// the bound holds exactly.
+    #[tokio::test]
+    async fn a_new_key_needs_room_for_its_whole_record() {
+        let request = ReserveRequest {
+            scope: idem_core::Scope::new(
+                "a-tenant-of-some-length",
+                "POST /orders",
+                idem_core::IdempotencyKey::parse(b"a-key-of-some-length-too").expect("key"),
+            ),
+            fingerprint: idem_core::Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(60),
+        };
+        let needed = new_weight(&request);
+        assert!(needed > RECORD_OVERHEAD + 50);
+        let tight = MemoryStore::builder().max_bytes(needed - 1).build();
+        assert!(matches!(
+            tight.reserve(&request).await,
+            Err(StoreError::Full { .. })
+        ));
+        assert_eq!(tight.bytes(), 0);
+        let enough = MemoryStore::builder().max_bytes(needed).build();
+        assert!(matches!(
+            enough.reserve(&request).await,
+            Ok(Reservation::Acquired(_))
+        ));
+        assert_eq!(enough.bytes(), needed);
     }
 }

@@ -266,7 +266,7 @@ async fn the_byte_bound_holds_while_a_tenant_floods() {
                 idem_core::HeaderName::from_static("content-type"),
                 Bytes::from_static(b"text/plain"),
             )],
-            body: Bytes::from(vec![n; 10_000]),
+            body: Bytes::from(vec![n; 10_500]),
         })
     };
     let hour = Duration::from_secs(3600);
