@@ -480,6 +480,39 @@ pub async fn a_release_after_a_takeover_keeps_the_payload<H: Harness>(h: &H) {
     assert_eq!(record.attempts[2].outcome, AttemptOutcome::Released);
 }
 
+/// A duplicate waiting on a record is not left waiting when a release
+/// after a takeover frees the key (the record stays processing, held by
+/// nobody, for the same request to take over): whether it began waiting
+/// before the release or after, its wait ends long before its bound.
+pub async fn a_release_after_a_takeover_ends_waits<H: Harness>(h: &H) {
+    let scope = fresh_scope("takeover-release-wait");
+    let (_, second) = lapsed_and_taken_over(h, &scope).await;
+    let bound = Duration::from_secs(60);
+    let prompt = Duration::from_secs(10);
+    let waited = async {
+        let started = tokio::time::Instant::now();
+        h.store().changed(scope.hash(), bound).await;
+        started.elapsed()
+    };
+    let (waited, released) = tokio::join!(waited, release(h, &second));
+    assert_eq!(released, Release::Released);
+    assert!(
+        waited < prompt,
+        "a waiter slept {waited:?} past the release"
+    );
+    let started = tokio::time::Instant::now();
+    h.store().changed(scope.hash(), bound).await;
+    let waited = started.elapsed();
+    assert!(
+        waited < prompt,
+        "a waiter after the release slept {waited:?}"
+    );
+    let Reservation::TakenOver { lease, .. } = reserve(h, &scope, 1).await else {
+        panic!("the same request takes over");
+    };
+    assert_eq!(lease.generation, 3);
+}
+
 /// A completion or a release sent again by its own lease after the first
 /// was applied (its reply was lost to a timeout, and the layer retries it)
 /// is answered as the first was, and keeps no late evidence against its
@@ -770,6 +803,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     release_frees_key(h).await;
     a_write_whose_reply_was_lost_is_answered_again(h).await;
     a_release_after_a_takeover_keeps_the_payload(h).await;
+    a_release_after_a_takeover_ends_waits(h).await;
     cancel_processing_fences_completion(h).await;
     cancel_after_completion_reports_outcome(h).await;
     cancel_absent_is_not_found(h).await;
@@ -804,6 +838,7 @@ macro_rules! conformance_tests {
             release_frees_key,
             a_write_whose_reply_was_lost_is_answered_again,
             a_release_after_a_takeover_keeps_the_payload,
+            a_release_after_a_takeover_ends_waits,
             cancel_processing_fences_completion,
             cancel_after_completion_reports_outcome,
             cancel_absent_is_not_found,

@@ -632,11 +632,13 @@ impl MemoryStore {
         let now_ms = self.now_ms();
         let mut state = self.shard(scope).state.lock();
         state.sweep(now_ms, SWEEP_PER_WRITE, &mut |record| self.forget(record));
-        // (state, generation, expiry) before and after, to know whom to wake
-        // and whether the expiry heap needs a new entry.
+        // (expiry, state, generation, held) before and after, to know whom
+        // to wake and whether the expiry heap needs a new entry. A release
+        // after a takeover leaves the record processing but held by nobody:
+        // its waiters wake to take it over.
         let facts = |slot: &Option<Record>| {
             slot.as_ref()
-                .map(|r| (r.expires_at_ms, r.state, r.generation))
+                .map(|r| (r.expires_at_ms, r.state, r.generation, r.owner.is_some()))
         };
         let mut vacant = None;
         let (existed, slot): (bool, &mut Option<Record>) = match state.records.get_mut(scope) {

@@ -8,7 +8,9 @@
 //! (complete and release publish only for a marked record; cancel, abandon
 //! and force release always do): an outcome published before the
 //! subscription took effect is seen by that read, one published after it
-//! wakes the waiter. While it waits it costs Redis nothing. On a cluster
+//! wakes the waiter; a record processing but held by nobody (a release
+//! after a takeover left it for the same request to take over) ends the
+//! wait at once. While it waits it costs Redis nothing. On a cluster
 //! (where a plain `PUBLISH` would travel to every node) and whenever the
 //! subscriber connection cannot be had, waiters poll as the default
 //! [`Store::changed`](idem_core::Store::changed) does.
