@@ -8,6 +8,9 @@
 #
 #   bench/peer/kernel.sh bare|memory|idem-memory|redis|idem-redis [seconds]
 #
+# TOKIO_WORKER_THREADS=N sets the app's worker threads (read by its
+# `#[tokio::main]`): with one, the two cores' sharing with wrk shows.
+#
 # Needs wrk, curl, python3 (and redis-server for the Redis modes: a
 # private one on a free loopback port). Builds like run.sh; the IDEM_*
 # variables of run.sh apply.
