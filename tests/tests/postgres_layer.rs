@@ -358,6 +358,35 @@ async fn the_gateway_runs_on_postgres() {
     );
 }
 
+/// A layer on `store` with a one-minute lease and the given store
+/// timeout, the router of a handler that answers 201 with how many times
+/// it ran, and that count.
+fn counting(
+    store: &PgStore,
+    store_timeout: Duration,
+) -> (
+    IdempotencyLayer<PgStore>,
+    Router,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let layer = IdempotencyLayer::new(store.clone())
+        .tenant(TenantFromHeader::from_static("x-tenant-id"))
+        .store_timeout(store_timeout)
+        .lease(Duration::from_secs(60));
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("{{\"order\":{n}}}")) }
+            }),
+        )
+        .layer(layer.clone());
+    (layer, router, runs)
+}
+
 /// A reservation whose caller gave up before its answer (here the store
 /// timeout, behind a table lock) is freed once the statement has run,
 /// on the connection it went out on: the retry runs at once instead of
@@ -379,21 +408,7 @@ async fn a_given_up_reservation_is_freed_once_it_lands() {
         .build()
         .expect("store");
     store.migrate().await.expect("migrate");
-    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = Arc::clone(&runs);
-    let layer = IdempotencyLayer::new(store.clone())
-        .tenant(TenantFromHeader::from_static("x-tenant-id"))
-        .store_timeout(Duration::from_millis(300))
-        .lease(Duration::from_secs(60));
-    let router = Router::new()
-        .route(
-            "/orders",
-            post(move || {
-                let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-                async move { (StatusCode::CREATED, format!("{{\"order\":{n}}}")) }
-            }),
-        )
-        .layer(layer.clone());
+    let (layer, router, runs) = counting(&store, Duration::from_millis(300));
     let warm = call(&router, Some("warm-up"), &[]).await;
     assert_eq!(warm.status, StatusCode::CREATED);
     // Another session holds the table: the reservation's insert waits.
@@ -430,4 +445,97 @@ async fn a_given_up_reservation_is_freed_once_it_lands() {
     assert!(!retry.headers.contains_key("idempotent-replayed"));
     assert_eq!(retry.body, "{\"order\":2}");
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// A takeover whose caller gave up while its commit ran (here a deferred
+/// trigger holds that commit past the store timeout) lands, and is freed
+/// as it found the record: processing, its lease lapsed, held by nobody.
+/// The attempt it superseded (its owner died; it may have acted) keeps
+/// the key bound to its request: a changed request conflicts instead of
+/// running, and the same request takes the record over at once instead
+/// of meeting `409` for a whole lease.
+#[tokio::test]
+async fn a_given_up_takeover_is_freed_and_keeps_the_payload() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let store = PgStore::from_url(&server.database()).expect("store");
+    store.migrate().await.expect("migrate");
+    // A takeover's commit (the update to generation 2) takes 3 s, well
+    // past the store timeout (1 s, well past the statements before it).
+    for statement in [
+        "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$",
+        "CREATE CONSTRAINT TRIGGER slow_takeover AFTER UPDATE ON idem_records \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
+         WHEN (NEW.generation = 2 AND NEW.owner IS NOT NULL) EXECUTE FUNCTION slow_commit()",
+    ] {
+        sqlx::query(statement)
+            .execute(store.pool())
+            .await
+            .expect("trigger");
+    }
+    let (layer, router, runs) = counting(&store, Duration::from_secs(1));
+    // The first attempt of the request `call` sends: reserved with a short
+    // lease by an owner that died, after it may have acted.
+    let key = "given-up-takeover";
+    let parts = Request::post("/orders")
+        .body(())
+        .expect("request")
+        .into_parts()
+        .0;
+    let scope = idem_core::Scope::new(
+        "acme",
+        "POST /orders",
+        idem_core::IdempotencyKey::parse(key.as_bytes()).expect("key"),
+    );
+    let request = ReserveRequest {
+        scope: scope.clone(),
+        fingerprint: idem_layer::fingerprint::fingerprint(
+            "POST /orders",
+            &parts,
+            &[http::header::CONTENT_TYPE],
+            b"",
+        ),
+        lease: Duration::from_millis(200),
+        retention: Duration::from_secs(3600),
+    };
+    let Reservation::Acquired(first) = store.reserve(&request).await.expect("reserve") else {
+        panic!("a new key is acquired");
+    };
+    // The lease is measured by the database's clock: let it lapse.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let given_up = call(&router, Some(key), &[]).await;
+    assert_eq!(given_up.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        given_up.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // The commit lands; the store then frees the takeover it made.
+    assert_eq!(layer.drain(Duration::from_secs(20)).await, 0);
+    assert_eq!(store.background_tasks(), 0);
+    let record = store.get(scope.hash()).await.expect("get").expect("record");
+    assert_eq!(record.state, RecordState::Processing);
+    assert_eq!(record.generation, 2, "the takeover landed");
+    assert_eq!(record.owner, None, "and was freed");
+    assert_eq!(record.attempts[0].id, first.attempt);
+    assert_eq!(
+        record.attempts[0].outcome,
+        idem_core::AttemptOutcome::Superseded
+    );
+    // A changed request (another content type) does not run after an
+    // attempt that may have acted.
+    let changed = call(&router, Some(key), &[("content-type", "application/json")]).await;
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(changed.code().as_deref(), Some("idempotency_conflict"));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // The same request takes it over at once and runs.
+    let retry = call(&router, Some(key), &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.code());
+    assert_eq!(retry.body, "{\"order\":1}");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let record = store.get(scope.hash()).await.expect("get").expect("record");
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.generation, 3);
 }
