@@ -896,3 +896,56 @@ async fn a_duty_is_held_by_one_holder_at_a_time() {
     )
     .await;
 }
+
+/// A release after a takeover (release.lua's path for a later attempt)
+/// publishes to the record's waiters: one that marked the record before
+/// the release is woken at once, not at its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_takeover_wakes_a_marked_waiter() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = Arc::new(RedisStore::from_url(&server.url()).expect("store"));
+    let request = ReserveRequest {
+        scope: fresh_scope("takeover-release-wakes"),
+        fingerprint: fingerprint(7),
+        lease: Duration::from_millis(300),
+        retention: Duration::from_secs(30),
+    };
+    let Reservation::Acquired(_) = store.reserve(&request).await.expect("reserve") else {
+        panic!("expected Acquired");
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let Reservation::TakenOver { lease: second, .. } =
+        store.reserve(&request).await.expect("reserve")
+    else {
+        panic!("expected TakenOver");
+    };
+    let bound = Duration::from_secs(60);
+    let waiter = tokio::spawn({
+        let (store, scope) = (Arc::clone(&store), *request.scope.hash());
+        async move {
+            let started = Instant::now();
+            store.changed(&scope, bound).await;
+            started.elapsed()
+        }
+    });
+    wait_until(
+        Duration::from_secs(30),
+        "the waiter to mark the record",
+        async || server.cli(&["EVAL", MARKED, "0"]).trim() == "1",
+    )
+    .await;
+    let before = server.command_stats();
+    assert_eq!(
+        store.release(&second).await.expect("release"),
+        idem_core::Release::Released
+    );
+    let waited = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter was woken")
+        .expect("join");
+    assert!(waited < Duration::from_secs(10), "woken after {waited:?}");
+    let after = server.command_stats();
+    assert_eq!(calls_between(&before, &after, "publish"), 1);
+}
