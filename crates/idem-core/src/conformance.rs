@@ -644,6 +644,33 @@ pub async fn attempt_history_is_bounded<H: Harness>(h: &H) {
     assert_eq!(record.attempts[0].generation, 4);
 }
 
+/// The binding of a key to its request after a takeover outlasts the
+/// attempt history: however many attempts of the same request fail and
+/// release after it, the attempt of unknown outcome stays in the history
+/// and a changed request still conflicts.
+pub async fn the_binding_outlasts_the_attempt_history<H: Harness>(h: &H) {
+    let scope = fresh_scope("long-chain");
+    let (first, mut lease) = lapsed_and_taken_over(h, &scope).await;
+    for _ in 0..ATTEMPT_HISTORY + 2 {
+        assert_eq!(release(h, &lease).await, Release::Released);
+        assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
+        lease = match reserve(h, &scope, 1).await {
+            Reservation::TakenOver { lease, superseded } => {
+                assert_eq!(superseded.id, first.attempt);
+                lease
+            }
+            other => panic!("the same request takes over: {other:?}"),
+        };
+    }
+    let record = get(h, scope.hash()).await.expect("record");
+    assert_eq!(record.generation, (ATTEMPT_HISTORY + 4) as u64);
+    assert_eq!(record.attempts.len(), ATTEMPT_HISTORY);
+    assert_eq!(record.attempts[0].id, first.attempt);
+    assert_eq!(record.attempts[0].outcome, AttemptOutcome::Superseded);
+    assert_eq!(record.attempts[1].outcome, AttemptOutcome::Released);
+    assert_eq!(record.attempts.last().map(|a| a.id), Some(lease.attempt));
+}
+
 /// Two tenants with the same key and operation never see each other.
 pub async fn tenants_are_isolated<H: Harness>(h: &H) {
     let a = fresh_scope("shared-key");
@@ -810,6 +837,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     cancel_released_is_not_found(h).await;
     expiry_after_retention(h).await;
     attempt_history_is_bounded(h).await;
+    the_binding_outlasts_the_attempt_history(h).await;
     tenants_are_isolated(h).await;
     force_release_frees_a_stuck_key(h).await;
     list_finds_a_tenants_records(h).await;
@@ -845,6 +873,7 @@ macro_rules! conformance_tests {
             cancel_released_is_not_found,
             expiry_after_retention,
             attempt_history_is_bounded,
+            the_binding_outlasts_the_attempt_history,
             tenants_are_isolated,
             force_release_frees_a_stuck_key,
             list_finds_a_tenants_records

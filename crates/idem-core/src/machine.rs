@@ -56,11 +56,18 @@ fn replay(record: &Record, outcome: &Outcome, now_ms: u64) -> Replay {
     }
 }
 
+/// Adds an attempt, dropping the oldest beyond [`ATTEMPT_HISTORY`] but
+/// never the newest attempt of unknown outcome (superseded while it ran):
+/// it binds the key to its request for as long as the record lives (see
+/// [`release`]), however many attempts fail after it.
 fn push_attempt(record: &mut Record, attempt: Attempt) {
     record.attempts.push(attempt);
-    if record.attempts.len() > ATTEMPT_HISTORY {
-        let excess = record.attempts.len() - ATTEMPT_HISTORY;
-        record.attempts.drain(..excess);
+    while record.attempts.len() > ATTEMPT_HISTORY {
+        let pinned = record
+            .attempts
+            .iter()
+            .rposition(|a| a.outcome == AttemptOutcome::Superseded);
+        record.attempts.remove(usize::from(pinned == Some(0)));
     }
 }
 

@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Fingerprint, ScopeHash};
 
-/// How many attempts a record keeps; older ones are dropped, newest kept.
+/// How many attempts a record keeps; older ones are dropped, newest kept,
+/// except the newest attempt of unknown outcome (superseded while it ran),
+/// which stays while the record lives: it binds the key to its request.
 pub const ATTEMPT_HISTORY: usize = 8;
 
 /// Identifies one execution attempt (a UUIDv7, so ids sort by start time).

@@ -56,8 +56,8 @@ struct ModelRecord {
     lease_until: u64,
     expires_at: u64,
     /// Generations whose attempt was taken over while it ran (its outcome
-    /// unknown); the record's history keeps the newest
-    /// `ATTEMPT_HISTORY` generations.
+    /// unknown); the record's history keeps the newest of them whatever
+    /// else it drops.
     superseded: Vec<u64>,
     /// The current attempt ended by a release that kept the record
     /// processing (an unknown outcome in its history).
@@ -173,11 +173,7 @@ impl Model {
             Some(r) => {
                 // An attempt of unknown outcome in the history: freed for
                 // the same request only (processing, its lease lapsed).
-                let generation = r.generation;
-                if r.superseded
-                    .iter()
-                    .any(|g| g + idem_core::ATTEMPT_HISTORY as u64 > generation)
-                {
+                if !r.superseded.is_empty() {
                     r.lease_until = now;
                     r.ended = true;
                 } else {

@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS idem_records (
     header_names        text[],
     header_values       bytea[],
     body                bytea,
-    attempts            jsonb NOT NULL      -- newest 8 attempts, oldest first
+    attempts            jsonb NOT NULL      -- newest 8 attempts, oldest first (the newest superseded one always kept)
 );
 
 -- The sweep deletes expired records in expiry order.
