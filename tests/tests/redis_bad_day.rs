@@ -98,24 +98,80 @@ async fn an_abandoned_takeover_is_not_released() {
     ));
     // The lease is measured by Redis's clock: wait until it has lapsed.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    give_up_a_reservation(&redis, &store, &short).await;
+    let (lease, _) = still_bound(&store, &short).await;
+    assert_eq!(lease.generation, 3);
+}
+
+/// Reserves `request` behind a paused server, gives up after 200 ms, and
+/// waits until the store has freed what landed once the server is back.
+async fn give_up_a_reservation(redis: &RedisServer, store: &RedisStore, request: &ReserveRequest) {
     redis.pause();
-    let given_up = tokio::time::timeout(Duration::from_millis(200), store.reserve(&short)).await;
-    assert!(given_up.is_err(), "the takeover's caller gave up");
+    let given_up = tokio::time::timeout(Duration::from_millis(200), store.reserve(request)).await;
+    assert!(given_up.is_err(), "the reservation's caller gave up");
     redis.resume();
     tokio::time::timeout(Duration::from_secs(10), store.settled())
         .await
-        .expect("the given-up takeover is freed");
-    let mut changed = short.clone();
+        .expect("the given-up reservation is freed");
+}
+
+/// The record of `request` is bound to it: a changed request conflicts,
+/// and `request` takes it over (its lease and the superseded attempt).
+async fn still_bound(
+    store: &RedisStore,
+    request: &ReserveRequest,
+) -> (idem_core::Lease, idem_core::Attempt) {
+    let mut changed = request.clone();
     changed.fingerprint = Fingerprint::from_bytes([9; 32]);
     let answer = store.reserve(&changed).await.expect("reserve");
     assert!(
         matches!(answer, Reservation::Conflict),
         "a changed request conflicts: {answer:?}"
     );
-    match store.reserve(&short).await.expect("reserve") {
-        Reservation::TakenOver { lease, .. } => assert_eq!(lease.generation, 3),
+    match store.reserve(request).await.expect("reserve") {
+        Reservation::TakenOver { lease, superseded } => (lease, superseded),
         other => panic!("the same request takes over: {other:?}"),
     }
+}
+
+/// The same for a later attempt of the chain: after a takeover's attempt
+/// was released (the record stays processing, bound to its request), the
+/// same request's next reservation is given up behind a paused server.
+/// Freed, the record stays bound: a changed request still conflicts (the
+/// first attempt may have acted), and the same request takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_reservation_after_a_released_takeover_keeps_the_binding() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::from_url(&redis.url()).expect("store");
+    let short = request("abandoned-after-release", Duration::from_millis(200));
+    let Reservation::Acquired(first) = store.reserve(&short).await.expect("reserve") else {
+        panic!("a new key is acquired");
+    };
+    // The lease is measured by Redis's clock: wait until it has lapsed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let Reservation::TakenOver { lease: second, .. } =
+        store.reserve(&short).await.expect("reserve")
+    else {
+        panic!("the lapsed lease is taken over");
+    };
+    assert_eq!(
+        store.release(&second).await.expect("release"),
+        idem_core::Release::Released
+    );
+    give_up_a_reservation(&redis, &store, &short).await;
+    let record = store
+        .get(short.scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.generation, 3, "the given-up reservation landed");
+    assert_eq!(record.state, idem_core::RecordState::Processing);
+    assert_eq!(record.owner, None);
+    let (lease, superseded) = still_bound(&store, &short).await;
+    assert_eq!(lease.generation, 4);
+    assert_eq!(superseded.id, first.attempt);
 }
 
 /// A new key's reservation, a completion and a release whose replies were

@@ -472,8 +472,23 @@ pub fn force_release(slot: &mut Option<Record>, now_ms: u64) -> ForceRelease {
 
 #[cfg(test)]
 mod tests {
-    use super::{abandon, complete, reserve};
-    use crate::{AttemptId, AttemptOutcome, Outcome, OwnerToken, RecordState, Reservation};
+    use super::{abandon, complete, release, reserve};
+    use crate::{
+        AttemptId, AttemptOutcome, Outcome, OwnerToken, RecordState, Release, Reservation,
+    };
+
+    /// Reserves `request` anew at 1,000 ms: the time its lease has lapsed.
+    fn lapsed_first_attempt(
+        slot: &mut Option<crate::Record>,
+        request: &crate::ReserveRequest,
+    ) -> u64 {
+        let Reservation::Acquired(first) =
+            reserve(slot, request, 1_000, AttemptId::new(), OwnerToken::new())
+        else {
+            panic!("a new key is acquired");
+        };
+        1_000 + super::millis(first.ttl) + 1
+    }
 
     /// A given-up reservation is freed only while it still holds the
     /// record as its own: not under another token or attempt, not once
@@ -482,16 +497,7 @@ mod tests {
     fn an_abandoned_takeover_leaves_the_lease_lapsed_not_released() {
         let request = crate::test_support::request("k");
         let mut slot = None;
-        let Reservation::Acquired(first) = reserve(
-            &mut slot,
-            &request,
-            1_000,
-            AttemptId::new(),
-            OwnerToken::new(),
-        ) else {
-            panic!("a new key is acquired");
-        };
-        let lapsed = 1_000 + super::millis(first.ttl) + 1;
+        let lapsed = lapsed_first_attempt(&mut slot, &request);
         let (attempt, token) = (AttemptId::new(), OwnerToken::new());
         let Reservation::TakenOver { .. } = reserve(&mut slot, &request, lapsed, attempt, token)
         else {
@@ -503,21 +509,57 @@ mod tests {
             Some(RecordState::Processing),
             "not released: the first attempt may have acted"
         );
-        let mut changed = request.clone();
-        changed.fingerprint = crate::Fingerprint::from_bytes([9; 32]);
-        assert!(matches!(
-            reserve(
-                &mut slot,
-                &changed,
-                lapsed + 2,
-                AttemptId::new(),
-                OwnerToken::new()
-            ),
-            Reservation::Conflict
-        ));
+        assert_changed_conflicts(&mut slot, &request, lapsed + 2);
         assert!(matches!(
             reserve(&mut slot, &request, lapsed + 2, AttemptId::new(), OwnerToken::new()),
             Reservation::TakenOver { lease, .. } if lease.generation == 3
+        ));
+    }
+
+    /// A later attempt of a bound chain (after a takeover's attempt was
+    /// released), given up, is freed as its release would be: the record
+    /// stays processing and bound to its request.
+    #[test]
+    fn an_abandoned_later_attempt_of_a_bound_record_stays_bound() {
+        let request = crate::test_support::request("k");
+        let mut slot = None;
+        let lapsed = lapsed_first_attempt(&mut slot, &request);
+        let Reservation::TakenOver { lease: second, .. } = reserve(
+            &mut slot,
+            &request,
+            lapsed,
+            AttemptId::new(),
+            OwnerToken::new(),
+        ) else {
+            panic!("a lapsed lease is taken over");
+        };
+        assert_eq!(release(&mut slot, &second, lapsed + 1), Release::Released);
+        let (attempt, token) = (AttemptId::new(), OwnerToken::new());
+        let Reservation::TakenOver { lease: third, .. } =
+            reserve(&mut slot, &request, lapsed + 2, attempt, token)
+        else {
+            panic!("the same request takes over");
+        };
+        assert_eq!(third.generation, 3);
+        assert!(abandon(&mut slot, attempt, token, lapsed + 3));
+        assert_eq!(
+            slot.as_ref().map(|r| r.state),
+            Some(RecordState::Processing)
+        );
+        assert_changed_conflicts(&mut slot, &request, lapsed + 4);
+    }
+
+    /// A changed `request` (another fingerprint) conflicts at `now_ms`.
+    fn assert_changed_conflicts(
+        slot: &mut Option<crate::Record>,
+        request: &crate::ReserveRequest,
+        now_ms: u64,
+    ) {
+        let mut changed = request.clone();
+        changed.fingerprint = crate::Fingerprint::from_bytes([9; 32]);
+        assert!(matches!(
+            reserve(slot, &changed, now_ms, AttemptId::new(), OwnerToken::new()),
+            Reservation::Conflict
         ));
     }
 
