@@ -767,10 +767,12 @@ impl MemoryStore {
     }
 
     /// Whether a new key would be refused for want of room right now (the
-    /// capacity or the byte bound is reached), before expired records are
-    /// swept. For health checks and gauges.
+    /// capacity is reached, or the byte bound has no room for the smallest
+    /// record), before expired records are swept. For health checks and
+    /// gauges.
     pub fn is_full(&self) -> bool {
-        self.len() >= self.inner.capacity || self.bytes() + RECORD_OVERHEAD > self.inner.max_bytes
+        let smallest = RECORD_OVERHEAD + std::mem::size_of::<idem_core::Attempt>();
+        self.len() >= self.inner.capacity || self.bytes() + smallest > self.inner.max_bytes
     }
 
     /// Registers interest in a scope whose lease is live, under the shard
@@ -1028,11 +1030,23 @@ mod tests {
             Err(StoreError::Full { .. })
         ));
         assert_eq!(tight.bytes(), 0);
+        assert!(!tight.is_full(), "a smaller key would fit");
         let enough = MemoryStore::builder().max_bytes(needed).build();
         assert!(matches!(
             enough.reserve(&request).await,
             Ok(Reservation::Acquired(_))
         ));
         assert_eq!(enough.bytes(), needed);
+        assert!(enough.is_full(), "no room for even the smallest record");
+        // Room for the fixed part of a record but not for its attempt:
+        // full, as a new key would be refused.
+        let almost = MemoryStore::builder()
+            .max_bytes(needed + RECORD_OVERHEAD + 1)
+            .build();
+        assert!(matches!(
+            almost.reserve(&request).await,
+            Ok(Reservation::Acquired(_))
+        ));
+        assert!(almost.is_full());
     }
 }
