@@ -18,15 +18,8 @@ if state == 'processing' and cur_id == ARGV[1] and owner == ARGV[2] then
     rare().notify()
     return {'released'}
   end
-  -- Otherwise as its release would (release.lua): with an attempt of
-  -- unknown outcome in the history, freed for the same request only.
-  if rare().newest_superseded() then
-    redis.call('HSET', record, 'owner', '', 'lease_until', ms(now), 'cur_end', now,
-      'cur_outcome', 'released')
-  else
-    redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', now,
-      'cur_outcome', 'released')
-  end
+  -- Otherwise as its release would (release.lua).
+  rare().release_current(now)
   rare().notify()
   return {'released'}
 end

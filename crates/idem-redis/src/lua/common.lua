@@ -200,21 +200,41 @@ local function rare()
       end
     end
   end
-  -- The newest older attempt superseded while it ran (its outcome
-  -- unknown: it may have acted), or nil; the history keeps the newest
-  -- attempts.
+  -- Where in a decoded history the newest attempt superseded while it
+  -- ran is (its outcome unknown: it may have acted), or nil. The history
+  -- keeps it whatever else it drops (reserve.lua's archive).
+  local function superseded_at(hist)
+    for i = #hist, 1, -1 do
+      if hist[i].outcome and hist[i].outcome.kind == 'superseded' then
+        return i
+      end
+    end
+    return nil
+  end
+  -- The newest older attempt superseded while it ran, or nil.
   local function newest_superseded()
     local raw = redis.call('HGET', record, 'hist')
     if not raw or raw == '' then
       return nil
     end
     local hist = cjson.decode(raw)
-    for i = #hist, 1, -1 do
-      if hist[i].outcome and hist[i].outcome.kind == 'superseded' then
-        return hist[i]
-      end
+    local at = superseded_at(hist)
+    return at and hist[at]
+  end
+  -- Ends the current attempt as released at `ended` (a later attempt's
+  -- release, a given-up reservation): with an attempt of unknown outcome
+  -- in the history the key is freed for the same request only (the
+  -- record stays processing, its lease lapsed and held by nobody, so the
+  -- same request takes it over at once and a changed one conflicts), else
+  -- released (machine::release likewise).
+  local function release_current(ended)
+    if newest_superseded() then
+      redis.call('HSET', record, 'owner', '', 'lease_until', ms(now), 'cur_end', ended,
+        'cur_outcome', 'released')
+    else
+      redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', ended,
+        'cur_outcome', 'released')
     end
-    return nil
   end
   -- The attempt that the current one (generation `gen`) took over, from
   -- the history, or nil when the current one did not take over: the
@@ -230,7 +250,9 @@ local function rare()
     return nil
   end
   return {
+    superseded_at = superseded_at,
     newest_superseded = newest_superseded,
+    release_current = release_current,
     superseded_by = superseded_by,
     late_table = late_table,
     current_attempt = current_attempt,

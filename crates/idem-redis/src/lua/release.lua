@@ -22,17 +22,9 @@ end
 --@common
 if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
   -- A later attempt's release (its record is expanded: a second attempt
-  -- expands a packed one). When an attempt of unknown outcome is in the
-  -- history (superseded while it ran: it may have acted), the key is
-  -- freed for the same request only: the record stays processing, its
-  -- lease lapsed and held by nobody, so the same request takes it over at
-  -- once and a changed one conflicts (machine::release likewise).
-  if rare().newest_superseded() then
-    redis.call('HSET', record, 'owner', '', 'lease_until', ms(now), 'cur_end', ARGV[4],
-      'cur_outcome', 'released')
-  else
-    redis.call('HSET', record, 'state', 'released', 'cur_end', ARGV[4], 'cur_outcome', 'released')
-  end
+  -- expands a packed one), for the same request only when an attempt of
+  -- unknown outcome is in the history.
+  rare().release_current(ARGV[4])
   if watched then
     rare().notify()
   end

@@ -119,14 +119,7 @@ local function archive()
     -- The oldest goes, but never the newest attempt of unknown outcome
     -- (superseded while it ran): it binds the key to its request
     -- (machine.rs, push_attempt).
-    local pinned
-    for i = #hist, 1, -1 do
-      if hist[i].outcome and hist[i].outcome.kind == 'superseded' then
-        pinned = i
-        break
-      end
-    end
-    if pinned == 1 then
+    if rare().superseded_at(hist) == 1 then
       table.remove(hist, 2)
     else
       table.remove(hist, 1)
