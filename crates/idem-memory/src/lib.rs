@@ -197,25 +197,29 @@ fn outcome_weight(outcome: &Outcome) -> usize {
     }
 }
 
+/// The estimated bytes of a record without its response: the fixed
+/// part, its scope's texts (`texts` bytes) and room for `attempts`
+/// attempts.
+fn base_weight(texts: usize, attempts: usize) -> usize {
+    RECORD_OVERHEAD + texts + attempts * std::mem::size_of::<idem_core::Attempt>()
+}
+
 /// The estimated bytes of a record.
 fn weight_of(r: &Record) -> usize {
-    RECORD_OVERHEAD
-        + r.tenant.len()
-        + r.operation.len()
-        + r.key.len()
-        + r.attempts.capacity() * std::mem::size_of::<idem_core::Attempt>()
-        + r.outcome.as_ref().map_or(0, outcome_weight)
+    base_weight(
+        r.tenant.len() + r.operation.len() + r.key.len(),
+        r.attempts.capacity(),
+    ) + r.outcome.as_ref().map_or(0, outcome_weight)
 }
 
 /// The estimated bytes of the record a reservation makes: what the byte
 /// bound must have room for before it is made.
 fn new_weight(request: &ReserveRequest) -> usize {
     let scope = &request.scope;
-    RECORD_OVERHEAD
-        + scope.tenant().len()
-        + scope.operation().len()
-        + scope.key().as_str().len()
-        + std::mem::size_of::<idem_core::Attempt>()
+    base_weight(
+        scope.tenant().len() + scope.operation().len() + scope.key().as_str().len(),
+        1,
+    )
 }
 
 /// The estimated bytes of a slot.
@@ -771,8 +775,7 @@ impl MemoryStore {
     /// record), before expired records are swept. For health checks and
     /// gauges.
     pub fn is_full(&self) -> bool {
-        let smallest = RECORD_OVERHEAD + std::mem::size_of::<idem_core::Attempt>();
-        self.len() >= self.inner.capacity || self.bytes() + smallest > self.inner.max_bytes
+        self.len() >= self.inner.capacity || self.bytes() + base_weight(0, 1) > self.inner.max_bytes
     }
 
     /// Registers interest in a scope whose lease is live, under the shard
@@ -934,18 +937,23 @@ mod tests {
         assert!(buckets.len() > 32, "{} buckets", buckets.len());
     }
 
-    /// A record expiring at `expires_at_ms` under `scope`.
-    fn record_under(scope: [u8; 32], key: &str, expires_at_ms: u64) -> Record {
-        let request = ReserveRequest {
+    /// A reservation of `key` for `tenant`.
+    fn request(tenant: &str, key: &str) -> ReserveRequest {
+        ReserveRequest {
             scope: idem_core::Scope::new(
-                "tenant",
+                tenant,
                 "POST /orders",
                 idem_core::IdempotencyKey::parse(key.as_bytes()).expect("key"),
             ),
             fingerprint: idem_core::Fingerprint::from_bytes([1; 32]),
-            lease: Duration::from_secs(1),
-            retention: Duration::from_secs(1),
-        };
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(60),
+        }
+    }
+
+    /// A record expiring at `expires_at_ms` under `scope`.
+    fn record_under(scope: [u8; 32], key: &str, expires_at_ms: u64) -> Record {
+        let request = request("tenant", key);
         let mut slot = None;
         let _ = machine::reserve(&mut slot, &request, 0, AttemptId::new(), OwnerToken::new());
         let mut record = slot.expect("a record");
@@ -1012,16 +1020,7 @@ mod tests {
     /// the bound holds exactly.
     #[tokio::test]
     async fn a_new_key_needs_room_for_its_whole_record() {
-        let request = ReserveRequest {
-            scope: idem_core::Scope::new(
-                "a-tenant-of-some-length",
-                "POST /orders",
-                idem_core::IdempotencyKey::parse(b"a-key-of-some-length-too").expect("key"),
-            ),
-            fingerprint: idem_core::Fingerprint::from_bytes([1; 32]),
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(60),
-        };
+        let request = request("a-tenant-of-some-length", "a-key-of-some-length-too");
         let needed = new_weight(&request);
         assert!(needed > RECORD_OVERHEAD + 50);
         let tight = MemoryStore::builder().max_bytes(needed - 1).build();
