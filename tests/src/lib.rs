@@ -344,3 +344,36 @@ where
         );
     }
 }
+
+/// Reserves `request` as a new key on `store`, then waits until its lease
+/// has lapsed by the store's clock (the lease and 100 ms more: the wait is
+/// on the server's time, not on a condition the test could see). Answers
+/// the first attempt's lease.
+pub async fn reserve_and_let_lapse<S: idem_core::Store>(
+    store: &S,
+    request: &idem_core::ReserveRequest,
+) -> idem_core::Lease {
+    let idem_core::Reservation::Acquired(first) = store.reserve(request).await.expect("reserve")
+    else {
+        panic!("a new key is acquired");
+    };
+    tokio::time::sleep(request.lease + std::time::Duration::from_millis(100)).await;
+    first
+}
+
+/// [`reserve_and_let_lapse`], then the same request takes the lapsed lease
+/// over: the first lease, the second, and the attempt it superseded.
+pub async fn lapsed_and_taken_over<S: idem_core::Store>(
+    store: &S,
+    request: &idem_core::ReserveRequest,
+) -> (idem_core::Lease, idem_core::Lease, idem_core::Attempt) {
+    let first = reserve_and_let_lapse(store, request).await;
+    let idem_core::Reservation::TakenOver {
+        lease: second,
+        superseded,
+    } = store.reserve(request).await.expect("reserve")
+    else {
+        panic!("the lapsed lease is taken over");
+    };
+    (first, second, superseded)
+}

@@ -12,7 +12,8 @@ use idem_core::{
 };
 use idem_redis::RedisStore;
 use idem_tests::{
-    TestServer, client, cutter::ReplyCutter, redis_server::RedisServer, send, upstream::Upstream,
+    TestServer, client, cutter::ReplyCutter, lapsed_and_taken_over, redis_server::RedisServer,
+    reserve_and_let_lapse, send, upstream::Upstream,
 };
 
 fn request(key: &str, lease: Duration) -> ReserveRequest {
@@ -61,12 +62,7 @@ async fn a_retried_takeover_still_reports_the_superseded_attempt() {
     };
     let (store, cutter) = store_behind_cutter(&redis).await;
     let short = request("lost-takeover", Duration::from_millis(200));
-    let first = match store.reserve(&short).await.expect("reserve") {
-        Reservation::Acquired(lease) => lease,
-        other => panic!("unexpected {other:?}"),
-    };
-    // The lease is measured by Redis's clock: wait until it has lapsed.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = reserve_and_let_lapse(&store, &short).await;
     cutter.cut_next_reply();
     match store.reserve(&short).await.expect("reserve after the cut") {
         Reservation::TakenOver { lease, superseded } => {
@@ -92,12 +88,7 @@ async fn an_abandoned_takeover_is_not_released() {
     };
     let store = RedisStore::from_url(&redis.url()).expect("store");
     let short = request("abandoned-takeover", Duration::from_millis(200));
-    assert!(matches!(
-        store.reserve(&short).await.expect("reserve"),
-        Reservation::Acquired(_)
-    ));
-    // The lease is measured by Redis's clock: wait until it has lapsed.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    reserve_and_let_lapse(&store, &short).await;
     give_up_a_reservation(&redis, &store, &short).await;
     let (lease, _) = still_bound(&store, &short).await;
     assert_eq!(lease.generation, 3);
@@ -146,16 +137,7 @@ async fn an_abandoned_reservation_after_a_released_takeover_keeps_the_binding() 
     };
     let store = RedisStore::from_url(&redis.url()).expect("store");
     let short = request("abandoned-after-release", Duration::from_millis(200));
-    let Reservation::Acquired(first) = store.reserve(&short).await.expect("reserve") else {
-        panic!("a new key is acquired");
-    };
-    // The lease is measured by Redis's clock: wait until it has lapsed.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let Reservation::TakenOver { lease: second, .. } =
-        store.reserve(&short).await.expect("reserve")
-    else {
-        panic!("the lapsed lease is taken over");
-    };
+    let (first, second, _) = lapsed_and_taken_over(&store, &short).await;
     assert_eq!(
         store.release(&second).await.expect("release"),
         idem_core::Release::Released

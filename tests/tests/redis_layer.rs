@@ -21,7 +21,7 @@ use idem_core::{
 use idem_layer::{IdempotencyLayer, InFlight, TenantFromHeader};
 use idem_redis::RedisStore;
 use idem_tests::{
-    poll_until,
+    lapsed_and_taken_over, poll_until,
     redis_server::{RedisServer, calls_between},
     wait_until,
 };
@@ -724,17 +724,7 @@ async fn lease_taken_over_while_the_first_owner_runs() {
         lease: Duration::from_millis(300),
         retention: Duration::from_secs(30),
     };
-    let Reservation::Acquired(first) = store.reserve(&request).await.expect("reserve") else {
-        panic!("expected Acquired");
-    };
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let Reservation::TakenOver {
-        lease: second,
-        superseded,
-    } = store.reserve(&request).await.expect("reserve")
-    else {
-        panic!("expected TakenOver");
-    };
+    let (first, second, superseded) = lapsed_and_taken_over(&store, &request).await;
     assert_eq!(superseded.id, first.attempt);
     assert_eq!(second.generation, 2);
     assert_eq!(
@@ -912,15 +902,7 @@ async fn a_release_after_a_takeover_wakes_a_marked_waiter() {
         lease: Duration::from_millis(300),
         retention: Duration::from_secs(30),
     };
-    let Reservation::Acquired(_) = store.reserve(&request).await.expect("reserve") else {
-        panic!("expected Acquired");
-    };
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let Reservation::TakenOver { lease: second, .. } =
-        store.reserve(&request).await.expect("reserve")
-    else {
-        panic!("expected TakenOver");
-    };
+    let (_, second, _) = lapsed_and_taken_over(&*store, &request).await;
     let bound = Duration::from_secs(60);
     let waiter = tokio::spawn({
         let (store, scope) = (Arc::clone(&store), *request.scope.hash());
