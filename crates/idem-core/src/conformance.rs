@@ -430,6 +430,29 @@ pub async fn release_frees_key<H: Harness>(h: &H) {
     ));
 }
 
+/// Releases `lease` of a record bound to its request (fingerprint 1) by
+/// an earlier takeover of `first`: a changed request then conflicts, and
+/// the same request takes the record over, told of `first` as the
+/// attempt of unknown outcome. Answers the new lease.
+async fn release_and_take_over_again<H: Harness>(
+    h: &H,
+    scope: &Scope,
+    lease: &crate::Lease,
+    first: &crate::Lease,
+) -> crate::Lease {
+    assert_eq!(release(h, lease).await, Release::Released);
+    assert_eq!(reserve(h, scope, 2).await, Reservation::Conflict);
+    match reserve(h, scope, 1).await {
+        Reservation::TakenOver { lease, superseded } => {
+            // The attempt of unknown outcome, not the released one.
+            assert_eq!(superseded.id, first.attempt);
+            assert_eq!(superseded.outcome, AttemptOutcome::Superseded);
+            lease
+        }
+        other => panic!("the same request takes over: {other:?}"),
+    }
+}
+
 /// A release after a takeover frees the key for the same request only:
 /// the attempt the takeover superseded may have acted, so a changed
 /// request conflicts. The record stays processing with its lease lapsed
@@ -462,12 +485,7 @@ pub async fn a_release_after_a_takeover_keeps_the_payload<H: Harness>(h: &H) {
     };
     assert_eq!(third.generation, 3);
     // Later in the chain, the binding holds.
-    assert_eq!(release(h, &third).await, Release::Released);
-    assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
-    let fourth = match reserve(h, &scope, 1).await {
-        Reservation::TakenOver { lease, .. } => lease,
-        other => panic!("the same request takes over: {other:?}"),
-    };
+    let fourth = release_and_take_over_again(h, &scope, &third, &first).await;
     let outcome = response(201, b"{\"order\":4}");
     recorded(h, &fourth, &outcome).await;
     match reserve(h, &scope, 1).await {
@@ -652,15 +670,7 @@ pub async fn the_binding_outlasts_the_attempt_history<H: Harness>(h: &H) {
     let scope = fresh_scope("long-chain");
     let (first, mut lease) = lapsed_and_taken_over(h, &scope).await;
     for _ in 0..ATTEMPT_HISTORY + 2 {
-        assert_eq!(release(h, &lease).await, Release::Released);
-        assert_eq!(reserve(h, &scope, 2).await, Reservation::Conflict);
-        lease = match reserve(h, &scope, 1).await {
-            Reservation::TakenOver { lease, superseded } => {
-                assert_eq!(superseded.id, first.attempt);
-                lease
-            }
-            other => panic!("the same request takes over: {other:?}"),
-        };
+        lease = release_and_take_over_again(h, &scope, &lease, &first).await;
     }
     let record = get(h, scope.hash()).await.expect("record");
     assert_eq!(record.generation, (ATTEMPT_HISTORY + 4) as u64);
