@@ -19,6 +19,14 @@
 //! hashed forms, with a secret key shared by every instance (a plain
 //! SHA-256 of a short password is reversible by a dictionary).
 //!
+//! The hashing extractors ([`TenantFromAuthorization`] in each form and
+//! [`TenantFromHeader::hashed`]) hash a caller's credential once per
+//! thread, not once per request: each thread keeps the last four values
+//! it hashed (of at most 512 bytes each) with their tenants, found again
+//! only by the same bytes under the same key. Those few values stay in the
+//! process's memory until newer ones replace them, as the requests that
+//! carried them did while they were served.
+//!
 //! ```
 //! use http::request::Parts;
 //! use idem_layer::{IdempotencyLayer, TenantFromHeader};
@@ -70,23 +78,64 @@ pub enum TenantHash {
 const BLAKE3_TENANT_CONTEXT: &str = "idem 2026-12-01 tenant hash key v1";
 
 /// How credential-derived tenants are hashed: plain SHA-256, HMAC-SHA256
-/// or keyed BLAKE3 under a secret.
+/// or keyed BLAKE3 under a secret. A keyed form carries the number of its
+/// key ([`next_key_number`]): the thread's [`RecentTenants`] keep a tenant
+/// for the key that made it only.
 #[derive(Clone)]
 enum Hashing {
     Plain,
     /// HMAC-SHA256 keyed once: each tenant clones the keyed state, so the
     /// key's two padding blocks are not hashed again per request.
-    Keyed(Hmac<Sha256>),
+    Keyed(Hmac<Sha256>, u64),
     /// BLAKE3's keyed mode under this key.
-    Blake3([u8; 32]),
+    Blake3([u8; 32], u64),
+}
+
+/// A number for a key just prepared, never given to another (0 is the
+/// plain form's, which has no key).
+fn next_key_number() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// How many values each thread keeps with their tenants.
+const RECENT_KEPT: usize = 4;
+
+/// The longest value kept: a longer one is hashed every time.
+const RECENT_VALUE_MAX: usize = 512;
+
+/// One value a thread hashed lately, and its tenant.
+struct Recent {
+    /// The number of the hashing's key (0: plain).
+    key: u64,
+    prefix: &'static str,
+    value: Box<[u8]>,
+    tenant: String,
+}
+
+/// The values a thread hashed lately, the oldest replaced first: a caller
+/// sends the same credential with request after request, and its tenant
+/// is then hashed once per thread, not once per request.
+struct RecentTenants {
+    entries: [Option<Recent>; RECENT_KEPT],
+    next: usize,
+}
+
+thread_local! {
+    static RECENT: std::cell::RefCell<RecentTenants> = const {
+        std::cell::RefCell::new(RecentTenants {
+            entries: [const { None }; RECENT_KEPT],
+            next: 0,
+        })
+    };
 }
 
 impl std::fmt::Debug for Hashing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Hashing::Plain => "Plain",
-            Hashing::Keyed(_) => "Keyed(<secret>)",
-            Hashing::Blake3(_) => "Blake3(<secret>)",
+            Hashing::Keyed(..) => "Keyed(<secret>)",
+            Hashing::Blake3(..) => "Blake3(<secret>)",
         })
     }
 }
@@ -99,14 +148,54 @@ impl Hashing {
     fn keyed_as(hash: TenantHash, secret: &[u8]) -> Self {
         match hash {
             TenantHash::HmacSha256 => match <Hmac<Sha256> as Mac>::new_from_slice(secret) {
-                Ok(mac) => Hashing::Keyed(mac),
+                Ok(mac) => Hashing::Keyed(mac, next_key_number()),
                 // HMAC takes keys of every length: not reached.
                 Err(_) => Hashing::Plain,
             },
-            TenantHash::Blake3 => {
-                Hashing::Blake3(blake3::derive_key(BLAKE3_TENANT_CONTEXT, secret))
-            }
+            TenantHash::Blake3 => Hashing::Blake3(
+                blake3::derive_key(BLAKE3_TENANT_CONTEXT, secret),
+                next_key_number(),
+            ),
         }
+    }
+
+    /// The number of this hashing's key (0: plain, which has none).
+    fn key_number(&self) -> u64 {
+        match self {
+            Hashing::Plain => 0,
+            Hashing::Keyed(_, number) | Hashing::Blake3(_, number) => *number,
+        }
+    }
+
+    /// The tenant `make` makes of the raw `value` under `prefix`, taken
+    /// from the thread's recent tenants when this hashing's key made it
+    /// from the same bytes lately. `make` must be a function of the value,
+    /// the prefix and this hashing only.
+    fn recent(&self, prefix: &'static str, value: &[u8], make: impl FnOnce() -> String) -> String {
+        let key = self.key_number();
+        let found = RECENT.with_borrow(|recent| {
+            recent.entries.iter().flatten().find_map(|entry| {
+                (entry.key == key && entry.prefix == prefix && *entry.value == *value)
+                    .then(|| entry.tenant.clone())
+            })
+        });
+        if let Some(tenant) = found {
+            return tenant;
+        }
+        let tenant = make();
+        if value.len() <= RECENT_VALUE_MAX {
+            RECENT.with_borrow_mut(|recent| {
+                let at = recent.next;
+                recent.next = (at + 1) % RECENT_KEPT;
+                recent.entries[at] = Some(Recent {
+                    key,
+                    prefix,
+                    value: value.into(),
+                    tenant: tenant.clone(),
+                });
+            });
+        }
+        tenant
     }
 
     /// `prefix` + the hex digest of `value`.
@@ -122,12 +211,12 @@ impl Hashing {
                 pieces.iter().for_each(|piece| hasher.update(piece));
                 hasher.finalize().into()
             }
-            Hashing::Keyed(keyed) => {
+            Hashing::Keyed(keyed, _) => {
                 let mut mac = keyed.clone();
                 pieces.iter().for_each(|piece| mac.update(piece));
                 mac.finalize().into_bytes().into()
             }
-            Hashing::Blake3(key) => {
+            Hashing::Blake3(key, _) => {
                 // Short pieces (a typical credential) are joined on the
                 // stack and hashed in one call: each `update` has a fixed
                 // cost of its own.
@@ -294,7 +383,9 @@ impl TenantExtractor for TenantFromHeader {
         }
         Some(match &self.hashing {
             None => value.to_owned(),
-            Some(hashing) => hashing.tenant("hdr:", value.as_bytes()),
+            Some(hashing) => hashing.recent("hdr:", value.as_bytes(), || {
+                hashing.tenant("hdr:", value.as_bytes())
+            }),
         })
     }
 }
@@ -354,6 +445,11 @@ fn authorization_tenant(parts: &Parts, hashing: &Hashing) -> Option<String> {
     if value.is_empty() {
         return None;
     }
+    Some(hashing.recent("auth:", value, || normalized_tenant(value, hashing)))
+}
+
+/// [`authorization_tenant`] of a trimmed, non-empty value.
+fn normalized_tenant(value: &[u8], hashing: &Hashing) -> String {
     let split = value
         .iter()
         .position(|b| b.is_ascii_whitespace())
@@ -375,7 +471,7 @@ fn authorization_tenant(parts: &Parts, hashing: &Hashing) -> Option<String> {
         }
     };
     let separator: &[u8] = if rest.is_empty() { b"" } else { b" " };
-    Some(hashing.tenant_of_pieces("auth:", &[scheme, separator, rest]))
+    hashing.tenant_of_pieces("auth:", &[scheme, separator, rest])
 }
 
 impl TenantExtractor for TenantFromAuthorization {
@@ -531,6 +627,90 @@ mod tests {
                 "{len}"
             );
         }
+    }
+
+    /// The thread's recent tenants answer as hashing would: for each form,
+    /// a value seen before gives its own tenant again, also after other
+    /// values pushed it out, and only under the key that made it (two
+    /// extractors keyed apart, or one key used by a header and by
+    /// `Authorization` with the same bytes, each get their own).
+    #[test]
+    fn recent_tenants_answer_as_hashing_does() {
+        let forms = [
+            Hashing::Plain,
+            Hashing::keyed(b"one secret"),
+            Hashing::keyed(b"another secret"),
+            Hashing::keyed_as(TenantHash::Blake3, b"one secret"),
+            Hashing::keyed_as(TenantHash::Blake3, b"another secret"),
+        ];
+        let values: Vec<String> = (0..2 * RECENT_KEPT)
+            .map(|n| format!("Bearer t{n}"))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        // Each value under every form in turn (the one before kept the
+        // same bytes), twice in a row (the second found kept).
+        for round in 0..2 {
+            for value in &values {
+                for hashing in &forms {
+                    let bare = value.strip_prefix("Bearer ").expect("a bearer value");
+                    let expected =
+                        hashing.tenant_of_pieces("auth:", &[b"bearer", b" ", bare.as_bytes()]);
+                    for _ in 0..2 {
+                        assert_eq!(
+                            tenant_of(value, hashing).as_deref(),
+                            Some(expected.as_str()),
+                            "{value} in round {round}"
+                        );
+                    }
+                    seen.insert(expected);
+                }
+            }
+        }
+        // Every form and value made a tenant of its own.
+        assert_eq!(seen.len(), forms.len() * values.len());
+
+        // One key, the same bytes, two prefixes.
+        let hashing = Hashing::keyed(b"shared");
+        let header = TenantFromHeader {
+            name: HeaderName::from_static("x-api-key"),
+            hashing: Some(hashing.clone()),
+        };
+        let authorization = TenantFromKeyedAuthorization {
+            hashing: hashing.clone(),
+        };
+        for _ in 0..2 {
+            assert_eq!(
+                header.tenant(&head("x-api-key", "abc")),
+                Some(hashing.tenant("hdr:", b"abc"))
+            );
+            assert_eq!(
+                authorization.tenant(&head("authorization", "abc")),
+                Some(hashing.tenant("auth:", b"abc"))
+            );
+        }
+    }
+
+    /// A value longer than [`RECENT_VALUE_MAX`] is hashed every time and
+    /// never kept; a shorter one is kept after its first use.
+    #[test]
+    fn long_values_are_not_kept() {
+        let hashing = Hashing::keyed(b"kept or not");
+        let kept = |value: &[u8]| {
+            RECENT.with_borrow(|recent| {
+                recent
+                    .entries
+                    .iter()
+                    .flatten()
+                    .any(|entry| entry.key == hashing.key_number() && *entry.value == *value)
+            })
+        };
+        let long = format!("Bearer {}", "x".repeat(RECENT_VALUE_MAX));
+        let short = "Bearer short";
+        for value in [long.as_str(), short] {
+            assert!(tenant_of(value, &hashing).is_some());
+        }
+        assert!(!kept(long.as_bytes()));
+        assert!(kept(short.as_bytes()));
     }
 
     #[test]
