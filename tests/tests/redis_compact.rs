@@ -469,7 +469,7 @@ async fn a_tenants_listing_reads_no_other_tenants_record() {
         let mut keys: Vec<&str> = mine.iter().map(|r| r.key.as_str()).collect();
         keys.sort_unstable();
         assert_eq!(keys, ["mine", "older"], "packed {packed}");
-        assert!(mine.iter().all(|r| r.tenant == hashed));
+        assert!(mine.iter().all(|r| *r.tenant == *hashed));
         assert!(
             filtered < 16 * 1024,
             "a tenant's listing read another tenant's responses: {filtered} bytes (packed {packed})"

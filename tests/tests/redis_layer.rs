@@ -755,7 +755,7 @@ async fn lease_taken_over_while_the_first_owner_runs() {
         Some(LateEvidence::Completed { status: 201, .. })
     ));
     // Stored binary-safe, readable as a record.
-    assert_eq!(record.tenant, request.scope.tenant());
+    assert_eq!(&*record.tenant, request.scope.tenant());
 }
 
 #[tokio::test]

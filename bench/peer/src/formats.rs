@@ -34,6 +34,13 @@ impl idem_layer::TenantExtractor for IdemTenant {
             Self::Keyed(keyed) => keyed.tenant(parts),
         }
     }
+
+    fn shared_tenant(&self, parts: &axum::http::request::Parts) -> Option<std::sync::Arc<str>> {
+        match self {
+            Self::Plain(plain) => plain.shared_tenant(parts),
+            Self::Keyed(keyed) => keyed.shared_tenant(parts),
+        }
+    }
 }
 
 pub fn idem_tenant() -> IdemTenant {

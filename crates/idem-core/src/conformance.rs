@@ -178,8 +178,8 @@ pub async fn reserve_new_acquires<H: Harness>(h: &H) {
     let record = get(h, scope.hash()).await.expect("record exists");
     assert_eq!(record.state, RecordState::Processing);
     assert_eq!(record.generation, 1);
-    assert_eq!(record.tenant, scope.tenant());
-    assert_eq!(record.operation, scope.operation());
+    assert_eq!(&*record.tenant, scope.tenant());
+    assert_eq!(&*record.operation, scope.operation());
     assert_eq!(record.key, "new");
     assert_eq!(record.fingerprint, fingerprint(1));
     assert_eq!(record.attempts.len(), 1);
@@ -783,7 +783,7 @@ pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
     };
     let all = h.store().list(&query(None, false)).await.expect("list");
     assert_eq!(all.len(), 3, "{all:?}");
-    assert!(all.iter().all(|r| r.tenant == tenant));
+    assert!(all.iter().all(|r| *r.tenant == *tenant));
     let processing = h
         .store()
         .list(&query(Some(RecordState::Processing), false))

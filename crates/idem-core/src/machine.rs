@@ -124,8 +124,8 @@ impl Start<'_> {
         let (lease_ms, retention_ms) = (millis(request.lease), millis(request.retention));
         Record {
             scope: *request.scope.hash(),
-            tenant: request.scope.tenant().to_owned(),
-            operation: request.scope.operation().to_owned(),
+            tenant: request.scope.shared_tenant().clone(),
+            operation: request.scope.shared_operation().clone(),
             key: request.scope.key().as_str().to_owned(),
             fingerprint: request.fingerprint,
             state: RecordState::Processing,

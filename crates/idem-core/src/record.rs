@@ -265,10 +265,13 @@ pub struct Attempt {
 pub struct Record {
     /// The scope hash the record is stored under.
     pub scope: ScopeHash,
-    /// The tenant part of the scope, kept for inspection.
-    pub tenant: String,
-    /// The operation part of the scope, kept for inspection.
-    pub operation: String,
+    /// The tenant part of the scope, kept for inspection (shared with the
+    /// scope it came from, and in a memory store with the tenant's other
+    /// records).
+    pub tenant: std::sync::Arc<str>,
+    /// The operation part of the scope, kept for inspection (shared as
+    /// the tenant is).
+    pub operation: std::sync::Arc<str>,
     /// The key part of the scope, kept for inspection.
     pub key: String,
     /// The fingerprint of the request that reserved the record.

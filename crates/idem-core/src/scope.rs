@@ -1,6 +1,6 @@
 //! Scopes and the hashes stores index records by.
 
-use std::fmt;
+use std::{fmt, sync::Arc};
 
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
@@ -13,8 +13,8 @@ use crate::IdempotencyKey;
 /// the route. Stores index records by [`Scope::hash`], never by the raw parts.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Scope {
-    tenant: String,
-    operation: String,
+    tenant: Arc<str>,
+    operation: Arc<str>,
     key: IdempotencyKey,
     hash: ScopeHash,
 }
@@ -22,8 +22,8 @@ pub struct Scope {
 impl Scope {
     /// Builds a scope and computes its unkeyed hash ([`ScopeHash::of`]).
     pub fn new(
-        tenant: impl Into<String>,
-        operation: impl Into<String>,
+        tenant: impl Into<Arc<str>>,
+        operation: impl Into<Arc<str>>,
         key: IdempotencyKey,
     ) -> Self {
         Self::hashed(None, tenant, operation, key)
@@ -36,20 +36,21 @@ impl Scope {
     /// store must hash alike.
     pub fn hashed(
         secret: Option<&ScopeSecret>,
-        tenant: impl Into<String>,
-        operation: impl Into<String>,
+        tenant: impl Into<Arc<str>>,
+        operation: impl Into<Arc<str>>,
         key: IdempotencyKey,
     ) -> Self {
         Self::hashed_as(ScopeFormat::Sha256, secret, tenant, operation, key)
     }
 
     /// Builds a scope and computes its hash in `format`, keyed under
-    /// `secret` when there is one (see [`ScopeFormat`]).
+    /// `secret` when there is one (see [`ScopeFormat`]). The tenant and
+    /// operation may be given as `Arc<str>` to share them without a copy.
     pub fn hashed_as(
         format: ScopeFormat,
         secret: Option<&ScopeSecret>,
-        tenant: impl Into<String>,
-        operation: impl Into<String>,
+        tenant: impl Into<Arc<str>>,
+        operation: impl Into<Arc<str>>,
         key: IdempotencyKey,
     ) -> Self {
         let tenant = tenant.into();
@@ -70,6 +71,17 @@ impl Scope {
 
     /// The operation part (`"POST /orders"`).
     pub fn operation(&self) -> &str {
+        &self.operation
+    }
+
+    /// The tenant part, to share (a clone is a reference count, not a
+    /// copy: a record and the handler's context keep it so).
+    pub fn shared_tenant(&self) -> &Arc<str> {
+        &self.tenant
+    }
+
+    /// The operation part, to share as [`shared_tenant`](Self::shared_tenant).
+    pub fn shared_operation(&self) -> &Arc<str> {
         &self.operation
     }
 

@@ -163,7 +163,7 @@ impl RecordQuery {
             now_ms.saturating_sub(record.created_at_ms) >= age
         });
         !record.is_expired(now_ms)
-            && self.tenant.as_ref().is_none_or(|t| *t == record.tenant)
+            && self.tenant.as_ref().is_none_or(|t| **t == *record.tenant)
             && self.state.is_none_or(|s| s == record.state)
             && older
             && (!self.lapsed

@@ -95,7 +95,7 @@ impl Command {
         update_part(&mut hasher, &canonical);
         let fingerprint = Fingerprint::from_bytes(hasher.finalize().into());
         Ok(Self::with_fingerprint(
-            Scope::new(tenant, operation, key),
+            Scope::new(tenant.into(), operation, key),
             fingerprint,
         ))
     }

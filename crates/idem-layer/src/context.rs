@@ -1,5 +1,7 @@
 //! What the handler learns about its idempotent execution.
 
+use std::sync::Arc;
+
 use idem_core::{Attempt, AttemptId, Fingerprint, IdempotencyKey, ScopeHash};
 
 /// Put in the request extensions of every request the layer executes.
@@ -14,10 +16,10 @@ use idem_core::{Attempt, AttemptId, Fingerprint, IdempotencyKey, ScopeHash};
 pub struct IdempotencyContext {
     /// The idempotency key.
     pub key: IdempotencyKey,
-    /// The tenant the record is scoped to.
-    pub tenant: String,
-    /// The operation (`"POST /orders"`).
-    pub operation: String,
+    /// The tenant the record is scoped to (shared with the record).
+    pub tenant: Arc<str>,
+    /// The operation (`"POST /orders"`, shared as the tenant is).
+    pub operation: Arc<str>,
     /// The scope hash (safe to log).
     pub scope: ScopeHash,
     /// The request fingerprint.

@@ -305,7 +305,7 @@ impl<S: Store> RecordsService<S> {
             return Err((ProblemCode::AdminRequired, detail.to_owned()));
         }
         match self.rt.config.tenant_of(parts) {
-            Some(tenant) => Ok(Some(tenant)),
+            Some(tenant) => Ok(Some(tenant.to_string())),
             None if self.rt.config.admin_token.is_some()
                 && parts.headers.contains_key(ADMIN_TOKEN) =>
             {

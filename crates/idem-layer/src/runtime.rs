@@ -309,10 +309,10 @@ pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBod
 impl Config {
     /// The caller's tenant: the extractor's, or the anonymous tenant when
     /// allowed; `None` when the caller is not identified.
-    pub(crate) fn tenant_of(&self, parts: &Parts) -> Option<String> {
-        match self.tenant.tenant(parts) {
+    pub(crate) fn tenant_of(&self, parts: &Parts) -> Option<Arc<str>> {
+        match self.tenant.shared_tenant(parts) {
             Some(tenant) => Some(tenant),
-            None if self.allow_anonymous => Some(ANONYMOUS_TENANT.to_owned()),
+            None if self.allow_anonymous => Some(ANONYMOUS_TENANT.into()),
             None => None,
         }
     }
@@ -327,4 +327,75 @@ pub(crate) fn operation_name(method: &str, route: &str) -> String {
     name.push(' ');
     name.push_str(route);
     name
+}
+
+/// How many operations each thread keeps named.
+const RECENT_OPERATIONS: usize = 8;
+
+thread_local! {
+    /// The operations a thread named lately, the oldest replaced first: a
+    /// service has a few routes, and their names are shared, not made
+    /// again for every request.
+    static OPERATIONS: std::cell::RefCell<([Option<Arc<str>>; RECENT_OPERATIONS], usize)> =
+        const { std::cell::RefCell::new(([const { None }; RECENT_OPERATIONS], 0)) };
+}
+
+/// [`operation_name`] as shared text, from the thread's recent operations
+/// when it named this one lately.
+pub(crate) fn shared_operation_name(method: &str, route: &str) -> Arc<str> {
+    let names = |name: &str| {
+        name.len() == method.len() + 1 + route.len()
+            && name.as_bytes()[method.len()] == b' '
+            && name.starts_with(method)
+            && name.ends_with(route)
+    };
+    let found = OPERATIONS
+        .with_borrow(|(recent, _)| recent.iter().flatten().find(|name| names(name)).cloned());
+    if let Some(name) = found {
+        return name;
+    }
+    let name: Arc<str> = operation_name(method, route).into();
+    OPERATIONS.with_borrow_mut(|(recent, next)| {
+        recent[*next] = Some(Arc::clone(&name));
+        *next = (*next + 1) % RECENT_OPERATIONS;
+    });
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RECENT_OPERATIONS, operation_name, shared_operation_name};
+
+    /// The shared name of an operation is its name, whether the thread
+    /// named it lately or not: routes of one length, methods of one
+    /// length, and more operations than a thread keeps, each named in
+    /// turn, twice.
+    #[test]
+    fn shared_operation_names_are_the_names() {
+        let mut operations = vec![
+            ("POST", "/ab"),
+            ("POST", "/cd"),
+            ("PUTS", "/ab"),
+            ("PUT", "/abc"),
+            ("PUT", "/ab c"),
+            ("POST", "/"),
+            ("DELETE", "/orders/{id}"),
+        ];
+        operations.extend((0..RECENT_OPERATIONS).map(|n| {
+            (
+                "PATCH",
+                ["/a", "/b", "/c", "/d", "/e", "/f", "/g", "/h"][n % 8],
+            )
+        }));
+        for _ in 0..2 {
+            for &(method, route) in &operations {
+                for _ in 0..2 {
+                    assert_eq!(
+                        &*shared_operation_name(method, route),
+                        operation_name(method, route)
+                    );
+                }
+            }
+        }
+    }
 }

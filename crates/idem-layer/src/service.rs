@@ -27,7 +27,7 @@ use crate::{
     pending::Held,
     problem::{ProblemCode, problem},
     runtime::{
-        RUNNING_RETRY_AFTER, Runtime, deadline_after, operation_name, store_call,
+        RUNNING_RETRY_AFTER, Runtime, deadline_after, shared_operation_name, store_call,
         store_unavailable, wait_bound, wait_for_change, within,
     },
 };
@@ -147,12 +147,12 @@ where
 
 /// The operation: the method and axum's route template when there is one,
 /// else the (already normalized) path.
-fn operation(parts: &Parts) -> String {
+fn operation(parts: &Parts) -> Arc<str> {
     #[cfg(feature = "axum")]
     if let Some(path) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return operation_name(parts.method.as_str(), path.as_str());
+        return shared_operation_name(parts.method.as_str(), path.as_str());
     }
-    operation_name(parts.method.as_str(), parts.uri.path())
+    shared_operation_name(parts.method.as_str(), parts.uri.path())
 }
 
 /// Puts the request's path in normal form (see [`normalize_path`]), so
@@ -479,8 +479,8 @@ where
             let scope = &reserve.scope;
             parts.extensions.insert(IdempotencyContext {
                 key: scope.key().clone(),
-                tenant: scope.tenant().to_owned(),
-                operation: scope.operation().to_owned(),
+                tenant: Arc::clone(scope.shared_tenant()),
+                operation: Arc::clone(scope.shared_operation()),
                 scope: *scope.hash(),
                 fingerprint: reserve.fingerprint,
                 attempt: lease.attempt,

@@ -43,7 +43,7 @@
 //! });
 //! ```
 
-use std::fmt::Display;
+use std::{fmt::Display, sync::Arc};
 
 use hmac::{Hmac, Mac};
 use http::{HeaderName, request::Parts};
@@ -110,7 +110,7 @@ struct Recent {
     key: u64,
     prefix: &'static str,
     value: Box<[u8]>,
-    tenant: String,
+    tenant: Arc<str>,
 }
 
 /// The values a thread hashed lately, the oldest replaced first: a caller
@@ -171,7 +171,12 @@ impl Hashing {
     /// from the thread's recent tenants when this hashing's key made it
     /// from the same bytes lately. `make` must be a function of the value,
     /// the prefix and this hashing only.
-    fn recent(&self, prefix: &'static str, value: &[u8], make: impl FnOnce() -> String) -> String {
+    fn recent(
+        &self,
+        prefix: &'static str,
+        value: &[u8],
+        make: impl FnOnce() -> String,
+    ) -> Arc<str> {
         let key = self.key_number();
         let found = RECENT.with_borrow(|recent| {
             recent.entries.iter().flatten().find_map(|entry| {
@@ -182,7 +187,7 @@ impl Hashing {
         if let Some(tenant) = found {
             return tenant;
         }
-        let tenant = make();
+        let tenant: Arc<str> = make().into();
         if value.len() <= RECENT_VALUE_MAX {
             RECENT.with_borrow_mut(|recent| {
                 let at = recent.next;
@@ -278,6 +283,14 @@ pub const ANONYMOUS_TENANT: &str = "\0anonymous";
 pub trait TenantExtractor: Send + Sync + 'static {
     /// The tenant of the request, if the caller is identified.
     fn tenant(&self, parts: &Parts) -> Option<String>;
+
+    /// [`tenant`](Self::tenant) as shared text, which is what the layer
+    /// asks for: the scope, the record and the handler's context share it.
+    /// The default wraps `tenant`'s answer; the built-in extractors answer
+    /// a caller's repeated credential without a copy.
+    fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
+        self.tenant(parts).map(Arc::from)
+    }
 }
 
 impl<F> TenantExtractor for F
@@ -377,12 +390,16 @@ impl TenantFromHeader {
 
 impl TenantExtractor for TenantFromHeader {
     fn tenant(&self, parts: &Parts) -> Option<String> {
+        self.shared_tenant(parts).map(|tenant| tenant.to_string())
+    }
+
+    fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
         let value = parts.headers.get(&self.name)?.to_str().ok()?.trim();
         if value.is_empty() {
             return None;
         }
         Some(match &self.hashing {
-            None => value.to_owned(),
+            None => value.into(),
             Some(hashing) => hashing.recent("hdr:", value.as_bytes(), || {
                 hashing.tenant("hdr:", value.as_bytes())
             }),
@@ -436,7 +453,7 @@ pub struct TenantFromKeyedAuthorization {
 /// The tenant of the `Authorization` value, hashed as `hashing` says: the
 /// hash of `scheme credentials` with the scheme lowercased and one space
 /// between, fed to the hash in its pieces (no copy of the value is made).
-fn authorization_tenant(parts: &Parts, hashing: &Hashing) -> Option<String> {
+fn authorization_tenant(parts: &Parts, hashing: &Hashing) -> Option<Arc<str>> {
     let value = parts
         .headers
         .get(http::header::AUTHORIZATION)?
@@ -476,12 +493,20 @@ fn normalized_tenant(value: &[u8], hashing: &Hashing) -> String {
 
 impl TenantExtractor for TenantFromAuthorization {
     fn tenant(&self, parts: &Parts) -> Option<String> {
+        self.shared_tenant(parts).map(|tenant| tenant.to_string())
+    }
+
+    fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
         authorization_tenant(parts, &Hashing::Plain)
     }
 }
 
 impl TenantExtractor for TenantFromKeyedAuthorization {
     fn tenant(&self, parts: &Parts) -> Option<String> {
+        self.shared_tenant(parts).map(|tenant| tenant.to_string())
+    }
+
+    fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
         authorization_tenant(parts, &self.hashing)
     }
 }
@@ -512,6 +537,7 @@ mod tests {
     /// The tenant of this `Authorization` value under `hashing`.
     fn tenant_of(value: &str, hashing: &Hashing) -> Option<String> {
         authorization_tenant(&head("authorization", value), hashing)
+            .map(|tenant| tenant.to_string())
     }
 
     /// Keyed tenants are HMAC-SHA256 exactly (RFC 4231, cases 1 and 6: a

@@ -127,7 +127,7 @@ async fn a_hashed_header_tenant_keeps_no_secret() {
         .await
         .expect("get")
         .expect("record");
-    assert_eq!(record.tenant, tenant);
+    assert_eq!(&*record.tenant, tenant.as_str());
     let shown = send(
         &app,
         Request::get("/records?method=POST&path=/payments&key=h-1")
@@ -291,4 +291,47 @@ async fn problems_leak_nothing_and_can_be_shaped() {
         &absent.body[..],
         b"{\"error\":\"idempotency_record_not_found\"}"
     );
+}
+
+/// One caller's records share its tenant's text, and one route's its
+/// operation's, with the handler's context: a record of the memory store
+/// keeps no copy of either. Another caller's records hold their own.
+#[tokio::test]
+async fn records_of_one_caller_share_its_tenant_and_operation() {
+    let store = MemoryStore::new();
+    let secret = b"a deployment secret of 32 bytes.".to_vec();
+    let layer =
+        IdempotencyLayer::new(store.clone()).tenant(TenantFromAuthorization::keyed(secret.clone()));
+    let app = app(layer);
+    let mut records = Vec::new();
+    for (key, caller) in [
+        ("s-1", "Bearer one"),
+        ("s-2", "Bearer one"),
+        ("s-3", "Bearer two"),
+    ] {
+        let answer = send(
+            &app,
+            request("/payments", Some(key), &[("authorization", caller)]),
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::OK);
+        let credential = caller.to_ascii_lowercase();
+        let tenant = idem_layer::tenant::keyed_tenant(&secret, "auth:", credential.as_bytes());
+        let body = String::from_utf8_lossy(&answer.body).into_owned();
+        assert!(body.ends_with(&format!("tenant={tenant}")), "{body}");
+        let scope = Scope::new(
+            tenant,
+            "POST /payments",
+            IdempotencyKey::parse(key.as_bytes()).expect("key"),
+        );
+        let record = store.get(scope.hash()).await.expect("get").expect("record");
+        records.push(record);
+    }
+    let [one, again, two] = &records[..] else {
+        unreachable!("three records")
+    };
+    assert!(std::sync::Arc::ptr_eq(&one.tenant, &again.tenant));
+    assert!(std::sync::Arc::ptr_eq(&one.operation, &again.operation));
+    assert!(std::sync::Arc::ptr_eq(&one.operation, &two.operation));
+    assert_ne!(one.tenant, two.tenant);
 }

@@ -108,8 +108,8 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
     let generation: i64 = get(row, "generation")?;
     Ok(Record {
         scope: ScopeHash::from_bytes(hash32(&scope, "scope")?),
-        tenant: get(row, "tenant")?,
-        operation: get(row, "operation")?,
+        tenant: get::<String>(row, "tenant")?.into(),
+        operation: get::<String>(row, "operation")?.into(),
         key: get(row, "key")?,
         fingerprint: Fingerprint::from_bytes(hash32(&fingerprint, "fingerprint")?),
         state,
@@ -173,8 +173,8 @@ pub(crate) fn bind_record<'q>(
         .map_err(|error| corrupt(format!("attempts: {error}")))?;
     Ok(query
         .bind(record.scope.as_bytes().to_vec())
-        .bind(record.tenant.clone())
-        .bind(record.operation.clone())
+        .bind(record.tenant.to_string())
+        .bind(record.operation.to_string())
         .bind(record.key.clone())
         .bind(record.fingerprint.as_bytes().to_vec())
         .bind(record.state.as_str())

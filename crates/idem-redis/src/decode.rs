@@ -487,8 +487,8 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
     let times = times(&fields, state)?;
     Ok(Record {
         scope,
-        tenant: decode_tenant(&fields)?,
-        operation: text(field("op")?)?,
+        tenant: decode_tenant(&fields)?.into(),
+        operation: text(field("op")?)?.into(),
         key: text(field("key")?)?,
         fingerprint: Fingerprint::from_hex(&text(field("fp")?)?)
             .ok_or_else(|| corrupt("fingerprint"))?,

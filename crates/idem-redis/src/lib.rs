@@ -930,7 +930,7 @@ mod tests {
             fields.push((field, value));
             let record =
                 decode_record(ScopeHash::from_bytes([1; 32]), &pairs(&fields)).expect("decodes");
-            assert_eq!(record.tenant, hashed);
+            assert_eq!(&*record.tenant, hashed.as_str());
             // Anything else is kept as it is: upper-case hex, short hashes,
             // a bare hash.
             for other in [
