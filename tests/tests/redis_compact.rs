@@ -384,7 +384,7 @@ async fn a_listing_of_processing_records_reads_no_completed_response() {
         .await
         .expect("list");
     let filtered = bytes_sent(&redis) - before;
-    let keys: Vec<&str> = processing.iter().map(|r| r.key.as_str()).collect();
+    let keys: Vec<&str> = processing.iter().map(|r| &*r.key).collect();
     assert_eq!(keys, ["running"]);
 
     let before = bytes_sent(&redis);
@@ -466,7 +466,7 @@ async fn a_tenants_listing_reads_no_other_tenants_record() {
         let before = bytes_sent(&redis);
         let mine = store.list(&query(&hashed)).await.expect("list");
         let filtered = bytes_sent(&redis) - before;
-        let mut keys: Vec<&str> = mine.iter().map(|r| r.key.as_str()).collect();
+        let mut keys: Vec<&str> = mine.iter().map(|r| &*r.key).collect();
         keys.sort_unstable();
         assert_eq!(keys, ["mine", "older"], "packed {packed}");
         assert!(mine.iter().all(|r| *r.tenant == *hashed));

@@ -180,7 +180,7 @@ pub async fn reserve_new_acquires<H: Harness>(h: &H) {
     assert_eq!(record.generation, 1);
     assert_eq!(&*record.tenant, scope.tenant());
     assert_eq!(&*record.operation, scope.operation());
-    assert_eq!(record.key, "new");
+    assert_eq!(&*record.key, "new");
     assert_eq!(record.fingerprint, fingerprint(1));
     assert_eq!(record.attempts.len(), 1);
     assert_eq!(record.attempts[0].id, lease.attempt);
@@ -789,7 +789,7 @@ pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
         .list(&query(Some(RecordState::Processing), false))
         .await
         .expect("list");
-    let keys: Vec<&str> = processing.iter().map(|r| r.key.as_str()).collect();
+    let keys: Vec<&str> = processing.iter().map(|r| &*r.key).collect();
     assert_eq!(keys, ["first", "second"], "oldest first");
     assert!(
         h.store()
@@ -806,7 +806,7 @@ pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
         ..query(None, false)
     };
     let oldest = h.store().list(&limited).await.expect("list");
-    let keys: Vec<&str> = oldest.iter().map(|r| r.key.as_str()).collect();
+    let keys: Vec<&str> = oldest.iter().map(|r| &*r.key).collect();
     assert_eq!(keys, ["first"], "the limit keeps the oldest");
     let two_processing = RecordQuery {
         limit: 2,
@@ -818,7 +818,7 @@ pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
         .await
         .expect("list")
         .into_iter()
-        .map(|r| r.key)
+        .map(|r| r.key.to_string())
         .collect();
     assert_eq!(keys, ["first", "second"]);
 }

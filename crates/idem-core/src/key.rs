@@ -34,6 +34,12 @@ pub enum KeyError {
 pub struct IdempotencyKey(std::sync::Arc<str>);
 
 impl IdempotencyKey {
+    /// The key's text, to share (a clone is a reference count: a
+    /// record keeps it so).
+    pub fn shared(&self) -> &std::sync::Arc<str> {
+        &self.0
+    }
+
     /// The longest key accepted, in characters, after unquoting.
     pub const MAX_LEN: usize = 255;
 

@@ -126,7 +126,7 @@ impl Start<'_> {
             scope: *request.scope.hash(),
             tenant: request.scope.shared_tenant().clone(),
             operation: request.scope.shared_operation().clone(),
-            key: request.scope.key().as_str().to_owned(),
+            key: request.scope.key().shared().clone(),
             fingerprint: request.fingerprint,
             state: RecordState::Processing,
             generation: 1,

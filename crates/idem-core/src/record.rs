@@ -272,8 +272,9 @@ pub struct Record {
     /// The operation part of the scope, kept for inspection (shared as
     /// the tenant is).
     pub operation: std::sync::Arc<str>,
-    /// The key part of the scope, kept for inspection.
-    pub key: String,
+    /// The key part of the scope, kept for inspection (shared with the
+    /// scope's key).
+    pub key: std::sync::Arc<str>,
     /// The fingerprint of the request that reserved the record.
     pub fingerprint: Fingerprint,
     /// The current state.

@@ -620,7 +620,7 @@ mod tests {
         let kept: Vec<(u64, String)> = oldest
             .into_oldest_first()
             .into_iter()
-            .map(|r| (r.created_at_ms, r.key))
+            .map(|r| (r.created_at_ms, r.key.to_string()))
             .collect();
         assert_eq!(kept, expected);
         let mut none = OldestRecords::new(0);
@@ -637,7 +637,7 @@ mod tests {
             oldest
                 .into_oldest_first()
                 .into_iter()
-                .map(|r| r.key)
+                .map(|r| r.key.to_string())
                 .collect()
         };
         let mut oldest = OldestRecords::new(3);

@@ -980,16 +980,25 @@ mod tests {
             state.push_expiry(at, &scope);
         }
         let mut gone = Vec::new();
-        assert_eq!(state.sweep(150, 8, &mut |r| gone.push(r.key.clone())), 1);
+        assert_eq!(
+            state.sweep(150, 8, &mut |r| gone.push(r.key.to_string())),
+            1
+        );
         assert_eq!(gone, ["early"]);
         assert!(state.record(&ScopeHash::from_bytes(late)).is_some());
-        assert_eq!(state.sweep(250, 8, &mut |r| gone.push(r.key.clone())), 1);
+        assert_eq!(
+            state.sweep(250, 8, &mut |r| gone.push(r.key.to_string())),
+            1
+        );
         assert_eq!(gone, ["early", "late"]);
         assert_eq!(state.records.len(), 0);
         // An entry whose record was renewed past it removes nothing.
         state.records.insert(record_under(early, "early", 300));
         state.push_expiry(50, &ScopeHash::from_bytes(early));
-        assert_eq!(state.sweep(120, 8, &mut |r| gone.push(r.key.clone())), 0);
+        assert_eq!(
+            state.sweep(120, 8, &mut |r| gone.push(r.key.to_string())),
+            0
+        );
         assert_eq!(state.records.len(), 1);
         state.records.remove(&ScopeHash::from_bytes(early));
         // The later record's entry surfacing first (it was renewed past the
@@ -1004,7 +1013,10 @@ mod tests {
         }
         state.push_expiry(50, &ScopeHash::from_bytes(early));
         gone.clear();
-        assert_eq!(state.sweep(120, 1, &mut |r| gone.push(r.key.clone())), 1);
+        assert_eq!(
+            state.sweep(120, 1, &mut |r| gone.push(r.key.to_string())),
+            1
+        );
         assert_eq!(gone, ["late"]);
         assert!(state.record(&ScopeHash::from_bytes(early)).is_some());
     }

@@ -110,7 +110,7 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
         scope: ScopeHash::from_bytes(hash32(&scope, "scope")?),
         tenant: get::<String>(row, "tenant")?.into(),
         operation: get::<String>(row, "operation")?.into(),
-        key: get(row, "key")?,
+        key: get::<String>(row, "key")?.into(),
         fingerprint: Fingerprint::from_bytes(hash32(&fingerprint, "fingerprint")?),
         state,
         generation: unms(generation),
@@ -175,7 +175,7 @@ pub(crate) fn bind_record<'q>(
         .bind(record.scope.as_bytes().to_vec())
         .bind(record.tenant.to_string())
         .bind(record.operation.to_string())
-        .bind(record.key.clone())
+        .bind(record.key.to_string())
         .bind(record.fingerprint.as_bytes().to_vec())
         .bind(record.state.as_str())
         .bind(ms(record.generation))

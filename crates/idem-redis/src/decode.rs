@@ -489,7 +489,7 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
         scope,
         tenant: decode_tenant(&fields)?.into(),
         operation: text(field("op")?)?.into(),
-        key: text(field("key")?)?,
+        key: text(field("key")?)?.into(),
         fingerprint: Fingerprint::from_hex(&text(field("fp")?)?)
             .ok_or_else(|| corrupt("fingerprint"))?,
         state,
