@@ -10,6 +10,9 @@
 #
 # TOKIO_WORKER_THREADS=N sets the app's worker threads (read by its
 # `#[tokio::main]`): with one, the two cores' sharing with wrk shows.
+# SPIN_NS=N makes the handler busy its thread N ns per request (every
+# mode): `SPIN_NS=7000 bench/peer/kernel.sh bare` against `bare` shows
+# what spending more user CPU per request costs in the kernel here.
 #
 # Needs wrk, curl, python3 (and redis-server for the Redis modes: a
 # private one on a free loopback port). Builds like run.sh; the IDEM_*

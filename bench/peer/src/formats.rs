@@ -47,7 +47,10 @@ pub fn idem_tenant() -> IdemTenant {
     use idem_layer::{TenantFromAuthorization, TenantHash};
     let secret = b"a bench secret of 32 bytes......".to_vec();
     match std::env::var("IDEM_TENANT").as_deref() {
-        Ok("blake3") => IdemTenant::Keyed(TenantFromAuthorization::keyed_as(TenantHash::Blake3, secret)),
+        Ok("blake3") => IdemTenant::Keyed(TenantFromAuthorization::keyed_as(
+            TenantHash::Blake3,
+            secret,
+        )),
         Ok("hmac") => IdemTenant::Keyed(TenantFromAuthorization::keyed(secret)),
         _ => IdemTenant::Plain(TenantFromAuthorization),
     }

@@ -15,14 +15,14 @@
 
 mod formats;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use axum::Router;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use axum::Router;
 use bytes::Bytes;
 use idempotent::memory::MemoryStore;
 use idempotent::middleware::IdempotencyLayer;
@@ -31,10 +31,19 @@ use idempotent::valkey::ValkeyStore;
 #[derive(Clone, Default)]
 struct AppState {
     runs: Arc<AtomicU64>,
+    spin: Option<std::time::Duration>,
 }
 
 async fn create_order(State(state): State<AppState>, body: Bytes) -> impl IntoResponse {
     let id = state.runs.fetch_add(1, Ordering::Relaxed) + 1;
+    // SPIN_NS: the handler busies its thread this long, to see what a
+    // server that spends more CPU per request pays in the kernel here.
+    if let Some(spin) = state.spin {
+        let until = std::time::Instant::now() + spin;
+        while std::time::Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
     let json = format!("{{\"id\":\"{id}\",\"len\":{}}}", body.len());
     (
         StatusCode::CREATED,
@@ -57,7 +66,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let port: u16 = args[1].parse()?;
     let mode = args[2].as_str();
 
-    let state = AppState::default();
+    let state = AppState {
+        spin: std::env::var("SPIN_NS")
+            .ok()
+            .and_then(|ns| ns.parse().ok())
+            .map(std::time::Duration::from_nanos),
+        ..AppState::default()
+    };
     let router = Router::new()
         .route("/orders", post(create_order))
         .route("/count", get(count))
@@ -75,15 +90,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .get(3)
                 .cloned()
                 .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
-            let store = ValkeyStore::with_url(url).prefix("peerbench").try_build().await?;
+            let store = ValkeyStore::with_url(url)
+                .prefix("peerbench")
+                .try_build()
+                .await?;
             store.ping().await?;
             router.layer(IdempotencyLayer::new(store).require_key(true))
         }
         "idem-memory" => router.layer(
             idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                 .tenant(formats::idem_tenant())
-                    .fingerprint_format(formats::idem_fingerprint())
-                    .scope_format(formats::idem_scope())
+                .fingerprint_format(formats::idem_fingerprint())
+                .scope_format(formats::idem_scope())
                 .require_key(true),
         ),
         "idem-redis" => {
@@ -94,7 +112,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             // IDEM_LANES: the store's number of connections (default 1);
             // IDEM_PACK=1: the store packs new records (pack_records).
             let mut builder = idem_redis::RedisStore::builder(&url);
-            if let Some(lanes) = std::env::var("IDEM_LANES").ok().and_then(|n| n.parse().ok()) {
+            if let Some(lanes) = std::env::var("IDEM_LANES")
+                .ok()
+                .and_then(|n| n.parse().ok())
+            {
                 builder = builder.lanes(lanes);
             }
             if std::env::var("IDEM_PACK").is_ok_and(|v| v == "1") {
