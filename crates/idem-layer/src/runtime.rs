@@ -349,13 +349,18 @@ pub(crate) fn shared_operation_name(method: &str, route: &str) -> Arc<str> {
             && name.starts_with(method)
             && name.ends_with(route)
     };
-    let found = OPERATIONS
-        .with_borrow(|(recent, _)| recent.iter().flatten().find(|name| names(name)).cloned());
-    if let Some(name) = found {
+    // A thread past its thread-locals' end (a future dropped while the
+    // thread exits) names the operation anew.
+    let found = OPERATIONS.try_with(|recent| {
+        let (recent, _) = &*recent.borrow();
+        recent.iter().flatten().find(|name| names(name)).cloned()
+    });
+    if let Ok(Some(name)) = found {
         return name;
     }
     let name: Arc<str> = operation_name(method, route).into();
-    OPERATIONS.with_borrow_mut(|(recent, next)| {
+    let _ = OPERATIONS.try_with(|recent| {
+        let (recent, next) = &mut *recent.borrow_mut();
         recent[*next] = Some(Arc::clone(&name));
         *next = (*next + 1) % RECENT_OPERATIONS;
     });

@@ -178,18 +178,21 @@ impl Hashing {
         make: impl FnOnce() -> String,
     ) -> Arc<str> {
         let key = self.key_number();
-        let found = RECENT.with_borrow(|recent| {
-            recent.entries.iter().flatten().find_map(|entry| {
+        // A thread past its thread-locals' end (a future dropped while the
+        // thread exits) hashes every time.
+        let found = RECENT.try_with(|recent| {
+            recent.borrow().entries.iter().flatten().find_map(|entry| {
                 (entry.key == key && entry.prefix == prefix && *entry.value == *value)
                     .then(|| entry.tenant.clone())
             })
         });
-        if let Some(tenant) = found {
+        if let Ok(Some(tenant)) = found {
             return tenant;
         }
         let tenant: Arc<str> = make().into();
         if value.len() <= RECENT_VALUE_MAX {
-            RECENT.with_borrow_mut(|recent| {
+            let _ = RECENT.try_with(|recent| {
+                let recent = &mut *recent.borrow_mut();
                 let at = recent.next;
                 recent.next = (at + 1) % RECENT_KEPT;
                 recent.entries[at] = Some(Recent {
