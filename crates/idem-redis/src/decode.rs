@@ -129,21 +129,27 @@ pub(crate) struct TenantForm<'a> {
 
 impl<'a> TenantForm<'a> {
     pub(crate) fn of(tenant: &'a str) -> Self {
-        // Lower-case hex digits only: an upper-case digit would not read
-        // back as written.
-        fn nibble(digit: u8) -> Option<u8> {
-            match digit {
-                b'0'..=b'9' => Some(digit - b'0'),
-                b'a'..=b'f' => Some(digit - b'a' + 10),
-                _ => None,
+        /// Each byte's value as a lower-case hex digit, or 0x10 when it is
+        /// none: an upper-case digit would not read back as written.
+        const NIBBLES: [u8; 256] = {
+            let mut table = [0x10u8; 256];
+            let mut digit = 0;
+            while digit < 16 {
+                table[b"0123456789abcdef"[digit] as usize] = digit as u8;
+                digit += 1;
             }
-        }
+            table
+        };
+        // Every pair looked up without a branch; one check at the end.
         fn decode(hex: &[u8]) -> Option<[u8; 32]> {
             let mut hash = [0u8; 32];
+            let mut seen = 0u8;
             for (byte, pair) in hash.iter_mut().zip(hex.chunks_exact(2)) {
-                *byte = nibble(pair[0])? << 4 | nibble(pair[1])?;
+                let (high, low) = (NIBBLES[usize::from(pair[0])], NIBBLES[usize::from(pair[1])]);
+                seen |= high | low;
+                *byte = high << 4 | low;
             }
-            Some(hash)
+            (seen < 0x10).then_some(hash)
         }
         let bytes = tenant.as_bytes();
         if let Some(split) = bytes.len().checked_sub(64) {

@@ -933,12 +933,27 @@ mod tests {
             assert_eq!(&*record.tenant, hashed.as_str());
             // Anything else is kept as it is: upper-case hex, short hashes,
             // a bare hash.
+            // Each byte next to a digit range ('/', ':', '`', 'g', 'F'),
+            // and a byte past ASCII, spoils a hash wherever it is.
+            let spoiled = ["/", ":", "`", "g", "F", "\u{e9}"]
+                .into_iter()
+                .flat_map(|bad| {
+                    [0, 31, 63].map(|at| {
+                        let mut hex: Vec<String> =
+                            "0f".repeat(32).chars().map(String::from).collect();
+                        hex[at] = bad.to_owned();
+                        format!("auth:{}", hex.concat())
+                    })
+                });
             for other in [
                 format!("auth:{}", "0F".repeat(32)),
                 format!("auth:{}", "0f".repeat(31)),
                 "0f".repeat(32),
                 "t1".to_owned(),
-            ] {
+            ]
+            .into_iter()
+            .chain(spoiled)
+            {
                 let (field, value) = encode_tenant(&other);
                 if field == "tenant_bin" {
                     assert_eq!(other, "0f".repeat(32));
