@@ -84,8 +84,26 @@ impl<'s> Invocation<'s> {
         self
     }
 
-    /// Appends one argument made of `pieces`, one after the other.
+    /// Appends one argument made of `pieces`, one after the other: joined
+    /// on the stack when short (a record's key, a tenant), so the command
+    /// takes them in one piece.
     pub(crate) fn pieces(&mut self, pieces: &[&[u8]]) -> &mut Self {
+        let mut joined = [0u8; 256];
+        let mut at = 0;
+        for piece in pieces {
+            match joined.get_mut(at..at + piece.len()) {
+                Some(room) => room.copy_from_slice(piece),
+                None => return self.written_pieces(pieces),
+            }
+            at += piece.len();
+        }
+        self.cmd.arg(&joined[..at]);
+        self
+    }
+
+    /// [`pieces`](Self::pieces) written through the command's writer.
+    #[cold]
+    fn written_pieces(&mut self, pieces: &[&[u8]]) -> &mut Self {
         self.write_arg(|out| {
             for piece in pieces {
                 out.write_all(piece)?;
@@ -505,5 +523,23 @@ mod tests {
         let taken = spare();
         drop(large);
         assert_eq!(spare(), taken);
+    }
+
+    /// Pieces make one argument whatever their length: short ones joined
+    /// on the stack, up to and past its size, and long ones written
+    /// through the command's writer.
+    #[test]
+    fn pieces_make_one_argument_at_every_length() {
+        let script = Script::new("return 1");
+        for total in [0, 1, 100, 255, 256, 257, 300, 4096] {
+            let text: Vec<u8> = (0..total).map(|n| b'a' + (n % 26) as u8).collect();
+            let third = total / 3;
+            let pieces = [&text[..third], &text[third..2 * third], &text[2 * third..]];
+            let mut invocation = Invocation::new(&script, &["k"]);
+            invocation.pieces(&pieces).arg("after");
+            let written = args(&invocation);
+            assert_eq!(written[4], text, "{total}");
+            assert_eq!(written[5], b"after", "{total}");
+        }
     }
 }
