@@ -159,6 +159,7 @@ pub mod metrics;
 mod path;
 mod pending;
 pub mod problem;
+mod recent;
 pub mod records;
 mod runtime;
 mod service;

@@ -14,6 +14,7 @@ use crate::{
     config::Config,
     metrics::{self as m, Outcome as Counted, StoreOp},
     problem::{ProblemCode, problem},
+    recent::Recent,
     tenant::ANONYMOUS_TENANT,
 };
 
@@ -336,8 +337,8 @@ thread_local! {
     /// The operations a thread named lately, the oldest replaced first: a
     /// service has a few routes, and their names are shared, not made
     /// again for every request.
-    static OPERATIONS: std::cell::RefCell<([Option<Arc<str>>; RECENT_OPERATIONS], usize)> =
-        const { std::cell::RefCell::new(([const { None }; RECENT_OPERATIONS], 0)) };
+    static OPERATIONS: std::cell::RefCell<Recent<Arc<str>, RECENT_OPERATIONS>> =
+        const { std::cell::RefCell::new(Recent::new()) };
 }
 
 /// [`operation_name`] as shared text, from the thread's recent operations
@@ -351,19 +352,13 @@ pub(crate) fn shared_operation_name(method: &str, route: &str) -> Arc<str> {
     };
     // A thread past its thread-locals' end (a future dropped while the
     // thread exits) names the operation anew.
-    let found = OPERATIONS.try_with(|recent| {
-        let (recent, _) = &*recent.borrow();
-        recent.iter().flatten().find(|name| names(name)).cloned()
-    });
+    let found =
+        OPERATIONS.try_with(|recent| recent.borrow().iter().find(|name| names(name)).cloned());
     if let Ok(Some(name)) = found {
         return name;
     }
     let name: Arc<str> = operation_name(method, route).into();
-    let _ = OPERATIONS.try_with(|recent| {
-        let (recent, next) = &mut *recent.borrow_mut();
-        recent[*next] = Some(Arc::clone(&name));
-        *next = (*next + 1) % RECENT_OPERATIONS;
-    });
+    let _ = OPERATIONS.try_with(|recent| recent.borrow_mut().push(Arc::clone(&name)));
     name
 }
 

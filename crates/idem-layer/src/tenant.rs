@@ -45,6 +45,8 @@
 
 use std::{fmt::Display, sync::Arc};
 
+use crate::recent::Recent;
+
 use hmac::{Hmac, Mac};
 use http::{HeaderName, request::Parts};
 use sha2::{Digest, Sha256};
@@ -79,8 +81,8 @@ const BLAKE3_TENANT_CONTEXT: &str = "idem 2026-12-01 tenant hash key v1";
 
 /// How credential-derived tenants are hashed: plain SHA-256, HMAC-SHA256
 /// or keyed BLAKE3 under a secret. A keyed form carries the number of its
-/// key ([`next_key_number`]): the thread's [`RecentTenants`] keep a tenant
-/// for the key that made it only.
+/// key ([`next_key_number`]): the thread's [`RECENT`] tenants are found
+/// again under the key that made them only.
 #[derive(Clone)]
 enum Hashing {
     Plain,
@@ -105,7 +107,7 @@ const RECENT_KEPT: usize = 4;
 const RECENT_VALUE_MAX: usize = 512;
 
 /// One value a thread hashed lately, and its tenant.
-struct Recent {
+struct RecentTenant {
     /// The number of the hashing's key (0: plain).
     key: u64,
     prefix: &'static str,
@@ -113,21 +115,12 @@ struct Recent {
     tenant: Arc<str>,
 }
 
-/// The values a thread hashed lately, the oldest replaced first: a caller
-/// sends the same credential with request after request, and its tenant
-/// is then hashed once per thread, not once per request.
-struct RecentTenants {
-    entries: [Option<Recent>; RECENT_KEPT],
-    next: usize,
-}
-
 thread_local! {
-    static RECENT: std::cell::RefCell<RecentTenants> = const {
-        std::cell::RefCell::new(RecentTenants {
-            entries: [const { None }; RECENT_KEPT],
-            next: 0,
-        })
-    };
+    /// The values a thread hashed lately: a caller sends the same
+    /// credential with request after request, and its tenant is then
+    /// hashed once per thread, not once per request.
+    static RECENT: std::cell::RefCell<Recent<RecentTenant, RECENT_KEPT>> =
+        const { std::cell::RefCell::new(Recent::new()) };
 }
 
 impl std::fmt::Debug for Hashing {
@@ -181,7 +174,7 @@ impl Hashing {
         // A thread past its thread-locals' end (a future dropped while the
         // thread exits) hashes every time.
         let found = RECENT.try_with(|recent| {
-            recent.borrow().entries.iter().flatten().find_map(|entry| {
+            recent.borrow().iter().find_map(|entry| {
                 (entry.key == key && entry.prefix == prefix && *entry.value == *value)
                     .then(|| entry.tenant.clone())
             })
@@ -192,10 +185,7 @@ impl Hashing {
         let tenant: Arc<str> = make().into();
         if value.len() <= RECENT_VALUE_MAX {
             let _ = RECENT.try_with(|recent| {
-                let recent = &mut *recent.borrow_mut();
-                let at = recent.next;
-                recent.next = (at + 1) % RECENT_KEPT;
-                recent.entries[at] = Some(Recent {
+                recent.borrow_mut().push(RecentTenant {
                     key,
                     prefix,
                     value: value.into(),
@@ -727,9 +717,7 @@ mod tests {
         let kept = |value: &[u8]| {
             RECENT.with_borrow(|recent| {
                 recent
-                    .entries
                     .iter()
-                    .flatten()
                     .any(|entry| entry.key == hashing.key_number() && *entry.value == *value)
             })
         };
