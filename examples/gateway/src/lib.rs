@@ -372,6 +372,9 @@ fn prometheus() -> &'static PrometheusHandle {
         // Another recorder may already be installed (tests); then the
         // handle renders what this one sees: nothing.
         let _ = metrics::set_global_recorder(recorder);
+        // The recorder stays for the process: the layer's metrics are
+        // registered with it once, not looked up per request.
+        idem_layer::metrics::register_handles();
         // Histogram samples are drained into their buckets on a scrape or
         // by upkeep; without upkeep, a gateway nobody scrapes would keep
         // every sample (about 27 bytes a keyed request).
