@@ -329,7 +329,8 @@ impl Proxy {
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(generation));
             // One spelling of the key for every attempt, whatever the
             // client sent (`abc` and `"abc"` name the same key).
-            if let Ok(key) = HeaderValue::from_str(&key) {
+            // The spelling's own buffer becomes the value (no copy).
+            if let Ok(key) = HeaderValue::from_maybe_shared(bytes::Bytes::from(key)) {
                 headers.insert(IDEMPOTENCY_KEY, key);
             }
         }
