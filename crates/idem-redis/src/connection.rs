@@ -32,6 +32,9 @@ pub(crate) enum Conn {
 pub(crate) struct Invocation<'s> {
     script: &'s Script,
     cmd: redis::Cmd,
+    /// The bytes of the call's keys and arguments (what follows `EVALSHA`,
+    /// the script's hash and the number of keys).
+    bytes: usize,
 }
 
 thread_local! {
@@ -55,7 +58,7 @@ impl<'s> Invocation<'s> {
     pub(crate) fn new(script: &'s Script, keys: &[&str]) -> Self {
         let mut invocation = Self::of(script, keys.len());
         for key in keys {
-            invocation.cmd.arg(*key);
+            invocation.arg(*key);
         }
         invocation
     }
@@ -75,12 +78,19 @@ impl<'s> Invocation<'s> {
             .with(|spare| spare.borrow_mut().pop())
             .unwrap_or_else(|| redis::Cmd::with_capacity(16, 256));
         cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
-        Self { script, cmd }
+        Self {
+            script,
+            cmd,
+            bytes: 0,
+        }
     }
 
     /// Appends an argument.
     pub(crate) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
-        self.cmd.arg(arg);
+        arg.write_redis_args(&mut Counting {
+            cmd: &mut self.cmd,
+            bytes: &mut self.bytes,
+        });
         self
     }
 
@@ -97,6 +107,7 @@ impl<'s> Invocation<'s> {
             }
             at += piece.len();
         }
+        self.bytes += at;
         self.cmd.arg(&joined[..at]);
         self
     }
@@ -119,7 +130,10 @@ impl<'s> Invocation<'s> {
         write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
     ) -> &mut Self {
         use redis::RedisWrite;
-        let mut out = self.cmd.writer_for_next_arg();
+        let mut out = Counted {
+            inner: self.cmd.writer_for_next_arg(),
+            bytes: &mut self.bytes,
+        };
         let _ = write(&mut out);
         drop(out);
         self
@@ -162,17 +176,59 @@ impl<'s> Invocation<'s> {
     }
 }
 
+/// A command's writer that counts the bytes of the arguments written
+/// through it (kept in [`Invocation::bytes`] as they are written, instead
+/// of summed over every argument when the call ends).
+struct Counting<'c> {
+    cmd: &'c mut redis::Cmd,
+    bytes: &'c mut usize,
+}
+
+impl redis::RedisWrite for Counting<'_> {
+    fn write_arg(&mut self, arg: &[u8]) {
+        *self.bytes += arg.len();
+        self.cmd.write_arg(arg);
+    }
+
+    fn write_arg_fmt(&mut self, arg: impl std::fmt::Display) {
+        use std::io::Write;
+        let mut out = self.writer_for_next_arg();
+        let _ = write!(out, "{arg}");
+    }
+
+    fn writer_for_next_arg(&mut self) -> impl std::io::Write + '_ {
+        Counted {
+            inner: self.cmd.writer_for_next_arg(),
+            bytes: &mut *self.bytes,
+        }
+    }
+
+    fn reserve_space_for_args(&mut self, additional: impl IntoIterator<Item = usize>) {
+        self.cmd.reserve_space_for_args(additional);
+    }
+}
+
+/// An argument's writer that adds what it writes to a count.
+struct Counted<'b, W> {
+    inner: W,
+    bytes: &'b mut usize,
+}
+
+impl<W: std::io::Write> std::io::Write for Counted<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let written = self.inner.write(buf)?;
+        *self.bytes += written;
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 impl Drop for Invocation<'_> {
     fn drop(&mut self) {
-        let bytes: usize = self
-            .cmd
-            .args_iter()
-            .map(|arg| match arg {
-                redis::Arg::Simple(arg) => arg.len(),
-                _ => 0,
-            })
-            .sum();
-        if bytes > SPARE_COMMAND_BYTES {
+        if self.bytes > SPARE_COMMAND_BYTES {
             return;
         }
         let mut cmd = std::mem::take(&mut self.cmd);
@@ -326,16 +382,16 @@ impl RedisStore {
         invocation: Invocation<'_>,
         wait: bool,
     ) -> Result<(Value, Option<usize>), StoreError> {
-        self.run_on(invocation, wait, &mut None).await
+        self.run_on(invocation, wait, None).await
     }
 
-    /// [`run`](Self::run), telling in `used` the connection the script was
-    /// last sent on (as soon as it is sent).
+    /// [`run`](Self::run), telling in `used`, when given, the connection
+    /// the script was last sent on (as soon as it is sent).
     pub(crate) async fn run_on(
         &self,
         invocation: Invocation<'_>,
         wait: bool,
-        used: &mut Option<Conn>,
+        mut used: Option<&mut Option<Conn>>,
     ) -> Result<(Value, Option<usize>), StoreError> {
         let bound = self.call_bound();
         let mut lane = None;
@@ -344,7 +400,9 @@ impl RedisStore {
             loop {
                 let (index, mut conn) = self.connection().await?;
                 lane = Some(index);
-                *used = Some(conn.clone());
+                if let Some(used) = used.as_deref_mut() {
+                    *used = Some(conn.clone());
+                }
                 match self.invoke(&invocation, &mut conn, wait).await {
                     Err(error) if connection_broken(&error) => {
                         if matches!(self.pool, Pool::Single(_)) {
@@ -517,12 +575,45 @@ mod tests {
         );
         drop(second);
         assert_eq!(spare(), before + 1);
-        // A call that carried a large body leaves nothing behind.
-        let mut large = Invocation::new(&script, &["k"]);
-        large.arg(vec![0u8; SPARE_COMMAND_BYTES + 1]);
+        // A call that carried a large body leaves nothing behind, however
+        // its arguments were written: one large argument, several that
+        // add up, long pieces, a writer, an integer past the rest.
+        let half = SPARE_COMMAND_BYTES / 2;
+        let big = vec![b'x'; SPARE_COMMAND_BYTES + 1];
+        let writes: [&dyn Fn(&mut Invocation<'_>); 6] = [
+            &|call| {
+                call.arg(&big[..]);
+            },
+            &|call| {
+                call.arg(&big[..half]).arg(&big[..half]).arg("1");
+            },
+            &|call| {
+                call.pieces(&[&big[..half], &big[..half + 1]]);
+            },
+            &|call| {
+                call.write_arg(|out| out.write_all(&big));
+            },
+            &|call| {
+                call.arg(&big[..SPARE_COMMAND_BYTES - 1]).arg(7u8);
+            },
+            &|call| {
+                call.arg(&big[..SPARE_COMMAND_BYTES - 100])
+                    .pieces(&[&big[..100], b"y"]);
+            },
+        ];
+        for (case, write) in writes.iter().enumerate() {
+            let mut large = Invocation::new(&script, &["k"]);
+            write(&mut large);
+            let taken = spare();
+            drop(large);
+            assert_eq!(spare(), taken, "case {case}");
+        }
+        // At the bound (the key's byte counted) it is kept.
+        let mut bound = Invocation::new(&script, &["k"]);
+        bound.arg(&big[..SPARE_COMMAND_BYTES - 2]).arg(7u8);
         let taken = spare();
-        drop(large);
-        assert_eq!(spare(), taken);
+        drop(bound);
+        assert_eq!(spare(), taken + 1);
     }
 
     /// Pieces make one argument whatever their length: short ones joined

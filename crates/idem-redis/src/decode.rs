@@ -127,7 +127,47 @@ pub(crate) struct TenantForm<'a> {
     hash: Option<[u8; 32]>,
 }
 
+/// A tenant text and its hash's bytes, when it ends in one.
+type EncodedTenant = (std::sync::Arc<str>, Option<[u8; 32]>);
+
+thread_local! {
+    /// The tenant this thread encoded last, kept alive, with its hash's
+    /// bytes: one caller's requests share one tenant text (the layer's
+    /// extractors hand out one `Arc` per caller), so its hex is decoded
+    /// once per run of that caller's requests on the thread, not per
+    /// request. Holding the `Arc` keeps its text from being freed and
+    /// replaced, so the same pointer means the same text.
+    static LAST_TENANT: std::cell::RefCell<Option<EncodedTenant>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 impl<'a> TenantForm<'a> {
+    /// [`of`](Self::of) for a shared tenant text: the hash of the text this
+    /// thread encoded last is reused when `tenant` is that very text.
+    pub(crate) fn of_shared(tenant: &'a std::sync::Arc<str>) -> Self {
+        let reused = LAST_TENANT
+            .try_with(|last| match &*last.borrow() {
+                Some((text, hash)) if std::sync::Arc::ptr_eq(text, tenant) => Some(*hash),
+                _ => None,
+            })
+            .ok()
+            .flatten();
+        if let Some(hash) = reused {
+            let bytes = tenant.as_bytes();
+            let text = match hash {
+                Some(_) => &bytes[..bytes.len() - 64],
+                None => bytes,
+            };
+            return Self { text, hash };
+        }
+        let form = Self::of(tenant);
+        // A thread past its thread-locals' end keeps nothing.
+        let _ = LAST_TENANT.try_with(|last| {
+            *last.borrow_mut() = Some((std::sync::Arc::clone(tenant), form.hash));
+        });
+        form
+    }
+
     pub(crate) fn of(tenant: &'a str) -> Self {
         /// Each byte's value as a lower-case hex digit, or 0x10 when it is
         /// none: an upper-case digit would not read back as written.

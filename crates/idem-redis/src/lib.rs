@@ -491,7 +491,7 @@ impl Store for RedisStore {
             within: request.lease,
         };
         let invocation = {
-            let tenant = TenantForm::of(request.scope.tenant());
+            let tenant = TenantForm::of_shared(request.scope.shared_tenant());
             let script = if tenant.field() == "tenant_bin" {
                 &self.scripts.reserve_bin
             } else {
@@ -510,7 +510,11 @@ impl Store for RedisStore {
             invocation
         };
         let (reply, acked) = self
-            .run_on(invocation, self.wait_replicas.is_some(), &mut guard.conn)
+            .run_on(
+                invocation,
+                self.wait_replicas.is_some(),
+                Some(&mut guard.conn),
+            )
             .await?;
         let (attempt, token) = (AttemptId(guard.attempt), OwnerToken(guard.token));
         let lease = |generation: u64| Lease {
@@ -960,6 +964,38 @@ mod tests {
                     assert_eq!(value.len(), 32);
                 } else {
                     assert_eq!(value, other.as_bytes());
+                }
+            }
+        }
+
+        /// A shared tenant encodes as its text does, whether its hash is
+        /// decoded or reused: switching between tenants, hashed or not,
+        /// and between copies of one text.
+        #[test]
+        fn shared_tenants_encode_as_their_text_does() {
+            let texts = [
+                format!("auth:{}", "0f".repeat(32)),
+                format!("auth:{}", "a1".repeat(32)),
+                format!("jwt:{}", "0f".repeat(32)),
+                "t1".to_owned(),
+                "0f".repeat(32),
+                format!("auth:{}", "0F".repeat(32)),
+            ];
+            let shared: Vec<std::sync::Arc<str>> = texts
+                .iter()
+                .map(|t| std::sync::Arc::from(t.as_str()))
+                .collect();
+            let copies: Vec<std::sync::Arc<str>> = texts
+                .iter()
+                .map(|t| std::sync::Arc::from(t.as_str()))
+                .collect();
+            let order = [0, 0, 1, 0, 2, 2, 3, 0, 4, 5, 5, 1, 3, 3, 4, 0];
+            for (step, &i) in order.iter().enumerate() {
+                for tenant in [&shared[i], &copies[i], &shared[i]] {
+                    let form = TenantForm::of_shared(tenant);
+                    let expected = TenantForm::of(&texts[i]);
+                    assert_eq!(form.field(), expected.field(), "step {step}");
+                    assert_eq!(form.pieces(), expected.pieces(), "step {step}");
                 }
             }
         }
