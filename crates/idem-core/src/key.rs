@@ -97,9 +97,11 @@ impl IdempotencyKey {
     pub fn to_sf_string(&self) -> String {
         let mut out = String::with_capacity(self.0.len() + 2);
         out.push('"');
-        // Copied a run at a time between the characters to escape.
+        // Copied a run at a time between the characters to escape (both
+        // ASCII: a byte search finds them).
+        let escaped = |b: &u8| matches!(b, b'"' | b'\\');
         let mut rest: &str = &self.0;
-        while let Some(at) = rest.find(['"', '\\']) {
+        while let Some(at) = rest.as_bytes().iter().position(escaped) {
             out.push_str(&rest[..at]);
             out.push('\\');
             out.push_str(&rest[at..=at]);

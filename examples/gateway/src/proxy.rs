@@ -302,12 +302,25 @@ impl Proxy {
 
     /// The upstream's URL for a request's path and query.
     fn upstream_uri(&self, request: &Request<Body>) -> Result<Uri, http::Error> {
-        let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
-        Uri::builder()
-            .scheme(self.0.upstream.scheme_str().unwrap_or("http"))
-            .authority(self.0.upstream.authority().map_or("", |a| a.as_str()))
-            .path_and_query(path)
-            .build()
+        // Put together from parts already parsed (their clones share the
+        // bytes): nothing is parsed again per request.
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(
+            self.0
+                .upstream
+                .scheme()
+                .cloned()
+                .unwrap_or(http::uri::Scheme::HTTP),
+        );
+        parts.authority = self.0.upstream.authority().cloned();
+        parts.path_and_query = Some(
+            request
+                .uri()
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+        );
+        Ok(Uri::from_parts(parts)?)
     }
 
     /// The headers the upstream gets: no hop-by-hop ones, who the client
@@ -438,6 +451,37 @@ impl tower::Service<Request<Body>> for Proxy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The upstream's scheme and authority with the request's path and
+    /// query, whatever form the request's target took.
+    #[test]
+    fn the_upstream_url_takes_the_requests_path_and_query() {
+        let tls = tls_config(None).expect("tls");
+        for (upstream, target, expected) in [
+            ("http://127.0.0.1:9", "/orders", "http://127.0.0.1:9/orders"),
+            (
+                "http://127.0.0.1:9/base",
+                "/orders/7?x=1&y=%20",
+                "http://127.0.0.1:9/orders/7?x=1&y=%20",
+            ),
+            (
+                "https://api.example:8443",
+                "http://client.example/a/b?c",
+                "https://api.example:8443/a/b?c",
+            ),
+            ("127.0.0.1:9", "/", "http://127.0.0.1:9/"),
+            ("http://[::1]:9", "http://client.example", "http://[::1]:9/"),
+        ] {
+            let proxy = Proxy::new(
+                upstream.parse().expect("upstream"),
+                Duration::from_secs(1),
+                tls.clone(),
+            );
+            let request = Request::get(target).body(Body::empty()).expect("request");
+            let uri = proxy.upstream_uri(&request).expect("uri");
+            assert_eq!(uri.to_string(), expected, "{upstream} {target}");
+        }
+    }
 
     /// A message without hop-by-hop fields is left as it is; each one is
     /// removed wherever it is, and so is every field `Connection` names,
