@@ -17,7 +17,7 @@ use axum::{
     extract::{Request, State},
     http::{HeaderName, Method, StatusCode, Uri},
     middleware::{self, Next},
-    response::{IntoResponse, Response},
+    response::Response,
     routing::get,
 };
 use clap::{ArgAction, Parser};
@@ -1106,13 +1106,35 @@ fn router<S: Store>(
         .route("/metrics", get(move || async move { metrics.render() }))
         .route_service(&records_path, layer.records_service())
         .fallback_service(protected)
-        .layer(middleware::from_fn_with_state(jwt, tenant_from_jwt))
         .layer(middleware::from_fn_with_state(
-            ConnectionGuard(std::sync::Arc::new(protected_headers)),
-            refuse_connection_naming,
-        ))
-        .layer(middleware::from_fn_with_state(LogState, log_request));
+            Front {
+                guard: ConnectionGuard(std::sync::Arc::new(protected_headers)),
+                jwt,
+            },
+            front,
+        ));
     Ok((router, drain))
+}
+
+/// What the gateway does in front of every route, in this order: the log
+/// line ([`log_request`]), the `Connection` check
+/// ([`refuse_connection_naming`]) and the JWT tenant ([`tenant_from_jwt`]).
+/// One middleware, not three: each layer of axum's middleware clones and
+/// boxes the services behind it on every request.
+#[derive(Clone)]
+struct Front {
+    guard: ConnectionGuard,
+    jwt: Option<JwtState>,
+}
+
+async fn front(State(front): State<Front>, request: Request, next: Next) -> Response {
+    log_request(request, |request| async move {
+        refuse_connection_naming(&front.guard, request, |request| {
+            tenant_from_jwt(front.jwt.as_ref(), request, next)
+        })
+        .await
+    })
+    .await
 }
 
 /// What the JWT tenant middleware needs.
@@ -1130,11 +1152,7 @@ struct JwtState {
 /// fails verification is `401 idempotency_tenant_invalid`, never a tenant
 /// of its own. Without `Authorization` the layer decides (401 or the
 /// anonymous tenant).
-async fn tenant_from_jwt(
-    State(state): State<Option<JwtState>>,
-    mut request: Request,
-    next: Next,
-) -> Response {
+async fn tenant_from_jwt(state: Option<&JwtState>, mut request: Request, next: Next) -> Response {
     let Some(state) = state else {
         return next.run(request).await;
     };
@@ -1178,10 +1196,10 @@ struct ConnectionGuard(std::sync::Arc<Vec<HeaderName>>);
 /// gateway would strip them after the layer used them: the upstream would
 /// get an anonymous, keyless request. Such a request is refused with
 /// `400 connection_header_invalid`.
-async fn refuse_connection_naming(
-    State(guard): State<ConnectionGuard>,
+async fn refuse_connection_naming<F: Future<Output = Response>>(
+    guard: &ConnectionGuard,
     request: Request,
-    next: Next,
+    next: impl FnOnce(Request) -> F,
 ) -> Response {
     let names_protected =
         proxy::connection_names(request.headers()).any(|name| guard.0.contains(&name));
@@ -1194,22 +1212,24 @@ async fn refuse_connection_naming(
              Idempotency-Attempt or the tenant header",
         );
     }
-    next.run(request).await
+    next(request).await
 }
-
-#[derive(Clone, Copy)]
-struct LogState;
 
 /// One log line per request: method, path, status, idempotency outcome and
 /// latency. Never the raw key.
-async fn log_request(State(_): State<LogState>, request: Request, next: Next) -> Response {
+async fn log_request<F: Future<Output = Response>>(
+    request: Request,
+    next: impl FnOnce(Request) -> F,
+) -> Response {
     let started = std::time::Instant::now();
     let method = request.method().clone();
     let path = request.uri().path().to_owned();
     let keyed = request.headers().contains_key(idem_layer::IDEMPOTENCY_KEY);
-    let response = next.run(request).await;
+    let response = next(request).await;
     let outcome = if let Some(code) = response.extensions().get::<ProblemCode>() {
         code.as_str()
+    } else if let Some(GatewayCode(code)) = response.extensions().get::<GatewayCode>() {
+        code
     } else if response
         .headers()
         .contains_key(idem_layer::IDEMPOTENT_REPLAYED)
@@ -1228,11 +1248,22 @@ async fn log_request(State(_): State<LogState>, request: Request, next: Next) ->
         latency_ms = started.elapsed().as_secs_f64() * 1000.0,
         "request"
     );
-    response.into_response()
+    response
 }
 
+/// The problem `code` of an answer the gateway gave itself (a refused
+/// `Connection`, an unverified token, an unreachable upstream): what its
+/// log line names as the request's outcome.
+#[derive(Clone, Copy)]
+struct GatewayCode(&'static str);
+
 /// A response body for the gateway's own answers.
-pub(crate) fn problem(status: StatusCode, code: &str, title: &str, detail: &str) -> Response<Body> {
+pub(crate) fn problem(
+    status: StatusCode,
+    code: &'static str,
+    title: &str,
+    detail: &str,
+) -> Response<Body> {
     let mut response = Response::new(Body::from(idem_layer::problem_document(
         status, code, title, detail,
     )));
@@ -1241,6 +1272,7 @@ pub(crate) fn problem(status: StatusCode, code: &str, title: &str, detail: &str)
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static(idem_layer::PROBLEM_JSON),
     );
+    response.extensions_mut().insert(GatewayCode(code));
     response
 }
 

@@ -801,6 +801,97 @@ async fn a_full_memory_store_says_so() {
     assert_eq!(upstream.runs(), 3);
 }
 
+/// One log line per request, naming its outcome: executed, replayed, the
+/// layer's problem code, passed through, and the gateway's own refusal of
+/// a `Connection` that names the key (before the layer sees it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_request_logs_one_line_with_its_outcome() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let log = Log::new("outcomes");
+    let gateway = Process::spawn(
+        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0", "--upstream", &upstream_url])
+            .env("RUST_LOG", "info")
+            .stderr(log.file()),
+    );
+    let http = client();
+    let order = |key: &str, body: &'static [u8]| {
+        Request::post(format!("http://{}/orders", gateway.addr))
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(body)))
+            .expect("request")
+    };
+    let statuses = [
+        send(&http, order("log-1", b"{\"a\":1}")).await.status,
+        send(&http, order("log-1", b"{\"a\":1}")).await.status,
+        send(&http, order("log-1", b"{\"a\":2}")).await.status,
+        send(
+            &http,
+            Request::get(format!("http://{}/healthz", gateway.addr))
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await
+        .status,
+        send(&http, {
+            let mut refused = order("log-2", b"{}");
+            refused.headers_mut().insert(
+                "connection",
+                http::HeaderValue::from_static("idempotency-key"),
+            );
+            refused
+        })
+        .await
+        .status,
+    ];
+    assert_eq!(statuses.map(|s| s.as_u16()), [201, 201, 422, 200, 400]);
+    let expected = [
+        ("POST", "/orders", 201, "executed"),
+        ("POST", "/orders", 201, "replayed"),
+        ("POST", "/orders", 422, "idempotency_conflict"),
+        ("GET", "/healthz", 200, "passthrough"),
+        ("POST", "/orders", 400, "connection_header_invalid"),
+    ];
+    // The log's request lines, without the terminal's colour codes.
+    let requests = |text: &str| -> Vec<String> {
+        let plain = text
+            .split('\u{1b}')
+            .map(|part| match part.strip_prefix('[') {
+                Some(code) => code.split_once('m').map_or(code, |(_, rest)| rest),
+                None => part,
+            })
+            .collect::<String>();
+        plain
+            .lines()
+            .filter(|line| line.contains("idem_gateway: request "))
+            .map(str::to_owned)
+            .collect()
+    };
+    let text = poll_until(
+        Duration::from_secs(20),
+        async || log.text(),
+        |text| requests(text).len() >= expected.len(),
+    )
+    .await;
+    let lines = requests(&text);
+    assert_eq!(lines.len(), expected.len(), "{text}");
+    for (line, (method, path, status, outcome)) in lines.iter().zip(expected) {
+        for field in [
+            format!("method={method} "),
+            format!("path=\"{path}\" "),
+            format!("status={status} "),
+            format!("outcome=\"{outcome}\" "),
+        ] {
+            assert!(line.contains(&field), "{field} missing from {line}");
+        }
+    }
+    assert_eq!(upstream.runs(), 1);
+}
+
 /// Many tenants flood the memory store with a 64 KiB byte bound: new keys
 /// beyond it are refused (503), what was accepted still replays, and the
 /// store's own count of its bytes never passes the bound.
