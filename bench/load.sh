@@ -27,9 +27,16 @@ target=${5:-app}
 cd "$(dirname "$0")/.."
 . bench/prologue.sh
 
+# Free ports, chosen now: a fixed port can be some connection's ephemeral
+# port after a heavy run, and a server that cannot bind would leave the
+# bench measuring refusals.
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+layered_port=$(free_port)
+bare_port=$(free_port)
+upstream_port=$(free_port)
 store_url=memory
 if [ "$store" = redis ]; then
-  redis_port=38379
+  redis_port=$(free_port)
   redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
     --dir "$work" --logfile "$work/redis.log" &
   for _ in $(seq 50); do
@@ -40,22 +47,34 @@ if [ "$store" = redis ]; then
 fi
 if [ "$target" = gateway ]; then
   # One bare upstream; two gateways in front of it, identical but for the methods.
-  IDEM_LISTEN=127.0.0.1:38082 IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+  IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
   # One caller sends every request: no tenant quota, room for every record.
-  RUST_LOG=warn "$gateway" --listen 127.0.0.1:38080 --upstream http://127.0.0.1:38082 \
+  RUST_LOG=warn "$gateway" --listen 127.0.0.1:$layered_port --upstream http://127.0.0.1:$upstream_port \
     --store "$store_url" --memory-tenant-quota 0 --memory-capacity 10000000 \
     --memory-max-bytes 16GiB ${LAYERED_FLAGS:-} >"$work/layered.log" 2>&1 &
-  RUST_LOG=warn "$gateway" --listen 127.0.0.1:38081 --upstream http://127.0.0.1:38082 \
+  RUST_LOG=warn "$gateway" --listen 127.0.0.1:$bare_port --upstream http://127.0.0.1:$upstream_port \
     --methods PUT >"$work/bare.log" 2>&1 &
 else
-  IDEM_LISTEN=127.0.0.1:38080 IDEM_LAYER=on IDEM_STORE="$store_url" "$bin" >"$work/layered.log" 2>&1 &
-  IDEM_LISTEN=127.0.0.1:38081 IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &
+  IDEM_LISTEN=127.0.0.1:$layered_port IDEM_LAYER=on IDEM_STORE="$store_url" "$bin" >"$work/layered.log" 2>&1 &
+  IDEM_LISTEN=127.0.0.1:$bare_port IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &
 fi
-for port in 38080 38081; do
+for port in $layered_port $bare_port; do
   for _ in $(seq 50); do
     curl -s -o /dev/null "http://127.0.0.1:$port/orders/0" && break
     sleep 0.1
   done
+done
+# One order through each before measuring: a server or upstream that did
+# not come up would otherwise be measured answering errors.
+for port in $layered_port $bare_port; do
+  status=$(curl -s -o /dev/null -w '%{http_code}' -X POST "http://127.0.0.1:$port/orders" \
+    -H 'Authorization: Bearer bench' -H "Idempotency-Key: check-$port-$$" \
+    -H 'Content-Type: application/json' -d '{"sku":"check","qty":1}')
+  if [ "$status" != 201 ]; then
+    echo "the server on port $port answered $status to an order; see its log:" >&2
+    cat "$work"/*.log >&2
+    exit 1
+  fi
 done
 
 
@@ -67,8 +86,8 @@ printf '%-6s %12s %10s %12s %10s %8s %10s\n' round bare_rps bare_p99 layer_rps l
 ratios=()
 records=0
 for round in $(seq "$rounds"); do
-  read -r brps bp99 berr < <(run 38081)
-  read -r lrps lp99 lerr < <(run 38080)
+  read -r brps bp99 berr < <(run "$bare_port")
+  read -r lrps lp99 lerr < <(run "$layered_port")
   records=$((records + ${lrps%.*} * seconds))
   ratio=$(awk -v a="$lrps" -v b="$brps" 'BEGIN { printf "%.3f", a / b }')
   ratios+=("$ratio")
