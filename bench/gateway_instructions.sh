@@ -18,18 +18,10 @@ store=${1:-memory}
 seconds=${2:-15}
 cd "$(dirname "$0")/.."
 . bench/prologue.sh
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 
 store_url=memory
 if [ "$store" = redis ]; then
-  redis_port=$(free_port)
-  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
-    --dir "$work" --logfile "$work/redis.log" &
-  for _ in $(seq 50); do
-    redis-cli -p "$redis_port" ping 2>/dev/null | grep -q PONG && break
-    sleep 0.1
-  done
-  store_url="redis://127.0.0.1:$redis_port"
+  private_redis
 fi
 upstream_port=$(free_port)
 IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &

@@ -27,23 +27,12 @@ target=${5:-app}
 cd "$(dirname "$0")/.."
 . bench/prologue.sh
 
-# Free ports, chosen now: a fixed port can be some connection's ephemeral
-# port after a heavy run, and a server that cannot bind would leave the
-# bench measuring refusals.
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 layered_port=$(free_port)
 bare_port=$(free_port)
 upstream_port=$(free_port)
 store_url=memory
 if [ "$store" = redis ]; then
-  redis_port=$(free_port)
-  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
-    --dir "$work" --logfile "$work/redis.log" &
-  for _ in $(seq 50); do
-    redis-cli -p "$redis_port" ping 2>/dev/null | grep -q PONG && break
-    sleep 0.1
-  done
-  store_url="redis://127.0.0.1:$redis_port"
+  private_redis
 fi
 if [ "$target" = gateway ]; then
   # One bare upstream; two gateways in front of it, identical but for the methods.

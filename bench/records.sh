@@ -26,18 +26,13 @@ expiring=${3:-200000}
 cd "$(dirname "$0")/.."
 . bench/prologue.sh
 
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$1/orders/0" && return 0; sleep 0.05; done; echo "port $1 did not open" >&2; exit 1; }
 rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
 store_url=memory
 redis_port=
 if [ "$store" = redis ]; then
-  redis_port=$(free_port)
-  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
-    --dir "$work" --logfile "$work/redis.log" &
-  for _ in $(seq 50); do redis-cli -p "$redis_port" ping 2>/dev/null | grep -q PONG && break; sleep 0.1; done
-  store_url="redis://127.0.0.1:$redis_port"
+  private_redis
 fi
 pg_port=
 if [ "$store" = postgres ]; then
