@@ -6,10 +6,7 @@
 mod common;
 
 use common::*;
-use metrics_util::{
-    MetricKind,
-    debugging::{DebugValue, DebuggingRecorder},
-};
+use metrics_util::debugging::DebuggingRecorder;
 
 #[tokio::test]
 async fn registered_handles_record_into_the_recorder_they_were_registered_with() {
@@ -30,44 +27,26 @@ async fn registered_handles_record_into_the_recorder_they_were_registered_with()
     send(&svc, keyed("/status/503", "x")).await;
 
     let snapshot = snapshotter.snapshot().into_vec();
-    let counted = |outcome: &str| -> u64 {
-        snapshot
-            .iter()
-            .filter(|(key, ..)| {
-                key.kind() == MetricKind::Counter
-                    && key.key().name() == "idem_requests_total"
-                    && key
-                        .key()
-                        .labels()
-                        .any(|l| l.key() == "outcome" && l.value() == outcome)
-            })
-            .map(|(.., value)| match value {
-                DebugValue::Counter(n) => *n,
-                _ => 0,
-            })
-            .sum()
-    };
-    assert_eq!(counted("executed"), 1);
-    assert_eq!(counted("replayed"), 1);
-    assert_eq!(counted("conflict"), 1);
-    assert_eq!(counted("released"), 1);
-    let samples = |name: &str, op: Option<&str>| -> usize {
-        snapshot
-            .iter()
-            .filter(|(key, ..)| {
-                key.key().name() == name
-                    && op.is_none_or(|op| key.key().labels().any(|l| l.value() == op))
-            })
-            .map(|(.., value)| match value {
-                DebugValue::Histogram(values) => values.len(),
-                _ => 0,
-            })
-            .sum()
-    };
+    assert_eq!(outcome_count(&snapshot, "executed"), 1);
+    assert_eq!(outcome_count(&snapshot, "replayed"), 1);
+    assert_eq!(outcome_count(&snapshot, "conflict"), 1);
+    assert_eq!(outcome_count(&snapshot, "released"), 1);
     // Four requests; the conflict reserves twice (its record is tried in
     // the other fingerprint format too).
-    assert_eq!(samples("idem_store_duration_seconds", Some("reserve")), 5);
-    assert_eq!(samples("idem_store_duration_seconds", Some("complete")), 1);
-    assert_eq!(samples("idem_store_duration_seconds", Some("release")), 1);
-    assert_eq!(samples("idem_replay_age_seconds", None), 1);
+    assert_eq!(
+        histogram_samples(&snapshot, "idem_store_duration_seconds", Some("reserve")),
+        5
+    );
+    assert_eq!(
+        histogram_samples(&snapshot, "idem_store_duration_seconds", Some("complete")),
+        1
+    );
+    assert_eq!(
+        histogram_samples(&snapshot, "idem_store_duration_seconds", Some("release")),
+        1
+    );
+    assert_eq!(
+        histogram_samples(&snapshot, "idem_replay_age_seconds", None),
+        1
+    );
 }

@@ -328,3 +328,46 @@ pub async fn wait_calls(probe: &Probe, n: usize) {
         );
     }
 }
+
+/// What a [`metrics_util::debugging::DebuggingRecorder`] snapshot holds.
+pub type Snapshot = [(
+    metrics_util::CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    metrics_util::debugging::DebugValue,
+)];
+
+/// How many keyed requests the snapshot counts with `outcome`.
+pub fn outcome_count(snapshot: &Snapshot, outcome: &str) -> u64 {
+    snapshot
+        .iter()
+        .filter(|(key, ..)| {
+            key.kind() == metrics_util::MetricKind::Counter
+                && key.key().name() == "idem_requests_total"
+                && key
+                    .key()
+                    .labels()
+                    .any(|l| l.key() == "outcome" && l.value() == outcome)
+        })
+        .map(|(.., value)| match value {
+            metrics_util::debugging::DebugValue::Counter(n) => *n,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// How many samples the snapshot's histograms named `name` hold (with a
+/// label of value `label`, when given).
+pub fn histogram_samples(snapshot: &Snapshot, name: &str, label: Option<&str>) -> usize {
+    snapshot
+        .iter()
+        .filter(|(key, ..)| {
+            key.key().name() == name
+                && label.is_none_or(|label| key.key().labels().any(|l| l.value() == label))
+        })
+        .map(|(.., value)| match value {
+            metrics_util::debugging::DebugValue::Histogram(values) => values.len(),
+            _ => 0,
+        })
+        .sum()
+}
