@@ -259,7 +259,7 @@ where
             retention: config.retention,
         };
         let keyed = Keyed {
-            rt: rt.clone(),
+            rt,
             inner,
             parts,
             body,
