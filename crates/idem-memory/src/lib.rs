@@ -334,10 +334,17 @@ impl Records {
             .map(|slot| &mut **slot)
     }
 
+    #[cfg(test)]
     fn insert(&mut self, record: Record) {
+        self.insert_slot(Box::new(Some(record)));
+    }
+
+    /// Adds a slot that holds a record.
+    fn insert_slot(&mut self, slot: Box<Option<Record>>) {
         let Self { table, hasher } = self;
+        let Some(record) = &*slot else { return };
         let hash = scope_hash(hasher, &record.scope);
-        table.insert_unique(hash, Box::new(Some(record)), |slot| {
+        table.insert_unique(hash, slot, |slot| {
             slot_scope(slot).map_or(0, |scope| scope_hash(hasher, scope))
         });
     }
@@ -644,10 +651,12 @@ impl MemoryStore {
             slot.as_ref()
                 .map(|r| (r.expires_at_ms, r.state, r.generation, r.owner.is_some()))
         };
-        let mut vacant = None;
+        // A vacant scope's record is made in the box the table keeps (the
+        // record is not moved into it afterwards).
+        let mut vacant: Option<Box<Option<Record>>> = None;
         let (existed, slot): (bool, &mut Option<Record>) = match state.records.get_mut(scope) {
             Some(slot) => (true, slot),
-            None => (false, &mut vacant),
+            None => (false, vacant.insert(Box::new(None))),
         };
         let (before, before_weight, before_live) = (facts(slot), weight(slot), occupies(slot));
         let took = reserving_for.is_some() && !before_live;
@@ -696,9 +705,7 @@ impl MemoryStore {
             (true, _) if after.is_none() => {
                 state.records.remove(scope);
             }
-            (false, Some(record)) => {
-                state.records.insert(record);
-            }
+            (false, Some(slot)) if slot.is_some() => state.records.insert_slot(slot),
             _ => {}
         }
         if before != after {
