@@ -254,8 +254,9 @@ impl Plain<'_> {
         let count_at = out.len();
         out.extend_from_slice(&[0; 8]);
         let first = out.len();
-        // Each member's key (in the body) and tokens (in `out`).
-        let mut members = [(0usize, 0usize, 0usize, 0usize); Self::MEMBERS];
+        // Each member's key (in the body) and tokens (in `out`), as 32-bit
+        // offsets (a text whose offsets do not fit goes to serde_json).
+        let mut members = [(0u32, 0u32, 0u32, 0u32); Self::MEMBERS];
         let mut count = 0;
         let mut sorted = true;
         self.skip_whitespace();
@@ -284,6 +285,7 @@ impl Plain<'_> {
                 }
                 if count > 0 {
                     let (at, len, ..) = members[count - 1];
+                    let (at, len) = (at as usize, len as usize);
                     let previous = &self.body[at..at + len];
                     match previous.cmp(&self.body[key_at..key_at + key_len]) {
                         std::cmp::Ordering::Less => {}
@@ -292,7 +294,16 @@ impl Plain<'_> {
                         std::cmp::Ordering::Greater => sorted = false,
                     }
                 }
-                members[count] = (key_at, key_len, tokens_at, out.len());
+                let offsets = (key_at, key_len, tokens_at, out.len());
+                let (Ok(key_at), Ok(key_len), Ok(tokens_at), Ok(tokens_end)) = (
+                    u32::try_from(offsets.0),
+                    u32::try_from(offsets.1),
+                    u32::try_from(offsets.2),
+                    u32::try_from(offsets.3),
+                ) else {
+                    return false;
+                };
+                members[count] = (key_at, key_len, tokens_at, tokens_end);
                 count += 1;
                 match self.after_item(b'}') {
                     Some(true) => {}
@@ -305,7 +316,9 @@ impl Plain<'_> {
         if !sorted {
             let members = &mut members[..count];
             let body = self.body;
-            let key = |&(at, len, ..): &(usize, usize, usize, usize)| &body[at..at + len];
+            let key = |&(at, len, ..): &(u32, u32, u32, u32)| {
+                &body[at as usize..at as usize + len as usize]
+            };
             members.sort_unstable_by(|a, b| key(a).cmp(key(b)));
             if members
                 .windows(2)
@@ -330,7 +343,7 @@ impl Plain<'_> {
             };
             out.truncate(first);
             for &(_, _, start, end) in members.iter() {
-                out.extend_from_slice(&written[start - first..end - first]);
+                out.extend_from_slice(&written[start as usize - first..end as usize - first]);
             }
         }
         true
