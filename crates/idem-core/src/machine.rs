@@ -118,7 +118,9 @@ impl Start<'_> {
         }
     }
 
-    /// A new record, its first attempt running.
+    /// A new record, its first attempt running. Inlined, so that the
+    /// record is written where it is kept rather than moved there.
+    #[inline(always)]
     fn record(&self) -> Record {
         let (request, now_ms) = (self.request, self.now_ms);
         let (lease_ms, retention_ms) = (millis(request.lease), millis(request.retention));
