@@ -1,4 +1,4 @@
-# Sourced by profile.sh and kernel.sh: builds peerbench and starts it in
+# Sourced by profile.sh, kernel.sh and served.sh: builds peerbench and starts it in
 # one mode on a free loopback port, with a private redis-server for the
 # Redis modes, and stops both when the script exits.
 #
@@ -16,6 +16,7 @@ SPID=
 cleanup() {
   [ -n "$SPID" ] && { kill -INT "$SPID" 2>/dev/null || true; wait "$SPID" 2>/dev/null || true; }
   [ -n "$RPORT" ] && { redis-cli -p "$RPORT" shutdown nosave >/dev/null 2>&1 || true; }
+  return 0
 }
 trap cleanup EXIT
 serve() {  # serve MODE NAME
@@ -28,6 +29,11 @@ serve() {  # serve MODE NAME
     for _ in $(seq 50); do redis-cli -p "$RPORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
     args+=("redis://127.0.0.1:$RPORT");;
   esac
-  "$WORK/target/release/peerbench" "$APORT" "${args[@]}" 2>/dev/null & SPID=$!
-  for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$APORT/count" && break; sleep 0.05; done
+  # SERVE_UNDER: words to start the server under (served.sh: valgrind),
+  # which also gives it longer to come up.
+  # shellcheck disable=SC2086 # SERVE_UNDER is words
+  ${SERVE_UNDER:-} "$WORK/target/release/peerbench" "$APORT" "${args[@]}" 2>/dev/null & SPID=$!
+  for _ in $(seq 600); do curl -s -o /dev/null "http://127.0.0.1:$APORT/count" && return 0; sleep 0.05; done
+  echo "peerbench ($mode) did not answer" >&2
+  return 1
 }
