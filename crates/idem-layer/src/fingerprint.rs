@@ -284,9 +284,7 @@ impl Plain<'_> {
                     return false;
                 }
                 if count > 0 {
-                    let (at, len, ..) = members[count - 1];
-                    let (at, len) = (at as usize, len as usize);
-                    let previous = &self.body[at..at + len];
+                    let previous = member_key(self.body, &members[count - 1]);
                     match previous.cmp(&self.body[key_at..key_at + key_len]) {
                         std::cmp::Ordering::Less => {}
                         // A repeated key: serde_json's path refuses it.
@@ -294,16 +292,17 @@ impl Plain<'_> {
                         std::cmp::Ordering::Greater => sorted = false,
                     }
                 }
-                let offsets = (key_at, key_len, tokens_at, out.len());
-                let (Ok(key_at), Ok(key_len), Ok(tokens_at), Ok(tokens_end)) = (
-                    u32::try_from(offsets.0),
-                    u32::try_from(offsets.1),
-                    u32::try_from(offsets.2),
-                    u32::try_from(offsets.3),
-                ) else {
+                // Every offset is within the body or `out`: if both lengths
+                // fit in 32 bits, so do the offsets.
+                if u32::try_from(out.len().max(self.body.len())).is_err() {
                     return false;
-                };
-                members[count] = (key_at, key_len, tokens_at, tokens_end);
+                }
+                members[count] = (
+                    key_at as u32,
+                    key_len as u32,
+                    tokens_at as u32,
+                    out.len() as u32,
+                );
                 count += 1;
                 match self.after_item(b'}') {
                     Some(true) => {}
@@ -316,9 +315,7 @@ impl Plain<'_> {
         if !sorted {
             let members = &mut members[..count];
             let body = self.body;
-            let key = |&(at, len, ..): &(u32, u32, u32, u32)| {
-                &body[at as usize..at as usize + len as usize]
-            };
+            let key = |member: &Member| member_key(body, member);
             members.sort_unstable_by(|a, b| key(a).cmp(key(b)));
             if members
                 .windows(2)
@@ -348,6 +345,15 @@ impl Plain<'_> {
         }
         true
     }
+}
+
+/// An object member as [`Plain`] notes it: its key's offset and length in
+/// the body, and where its tokens begin and end in the output.
+type Member = (u32, u32, u32, u32);
+
+/// A member's key, from the body.
+fn member_key<'b>(body: &'b [u8], &(at, len, ..): &Member) -> &'b [u8] {
+    &body[at as usize..at as usize + len as usize]
 }
 
 /// [`canonical_tokens_into`] through serde_json's parser, for every text.

@@ -339,7 +339,7 @@ impl Records {
         self.insert_slot(Box::new(Some(record)));
     }
 
-    /// Adds a slot that holds a record.
+    /// Adds a slot that holds a record; an empty one is dropped.
     fn insert_slot(&mut self, slot: Box<Option<Record>>) {
         let Self { table, hasher } = self;
         let Some(record) = &*slot else { return };
@@ -705,7 +705,7 @@ impl MemoryStore {
             (true, _) if after.is_none() => {
                 state.records.remove(scope);
             }
-            (false, Some(slot)) if slot.is_some() => state.records.insert_slot(slot),
+            (false, Some(slot)) => state.records.insert_slot(slot),
             _ => {}
         }
         if before != after {
