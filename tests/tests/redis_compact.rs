@@ -542,4 +542,145 @@ async fn a_listing_reads_past_a_hundred_thousand_keys() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+    // Counted inside Redis, past the same 100,000 other keys (one of them
+    // a string as long as a record key, which the count skips).
+    redis.cli(&["SET", &format!("idem:{{{}}}", "f".repeat(64)), "1"]);
+    assert_eq!(store.count_lapsed(10_000).await.expect("count"), STUCK);
+    assert_eq!(
+        store.count_lapsed(500).await.expect("count"),
+        500,
+        "counted up to its limit"
+    );
+}
+
+/// The lapsed-records count, made inside Redis, counts what a listing of
+/// lapsed records finds: processing records past their lease, in the
+/// packed layout and the expanded one (a packed record that was renewed
+/// is expanded), and not a live lease, a completed record or a released
+/// one; each store only its own prefix. A record whose lease lapsed and
+/// whose retry took it over holds a live lease again and is not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
+    use idem_core::{
+        Fingerprint, IdempotencyKey, Outcome, RecordQuery, Renewal, Reservation, ReserveRequest,
+        Scope, Store, StoredResponse,
+    };
+    use std::time::Duration;
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let stores = [false, true].map(|packed| {
+        let store = idem_redis::RedisStore::builder(&redis.url())
+            .prefix(format!("c{}:", u8::from(packed)))
+            .pack_records(packed)
+            .build()
+            .expect("store");
+        (packed, store)
+    });
+    let request = |key: &str, lease: Duration| ReserveRequest {
+        scope: Scope::new(
+            "tenant",
+            "POST /orders",
+            IdempotencyKey::parse(key.as_bytes()).expect("key"),
+        ),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease,
+        retention: Duration::from_secs(600),
+    };
+    let short = Duration::from_millis(50);
+    for (packed, store) in &stores {
+        let reserve = async |key: &str, lease: Duration| match store
+            .reserve(&request(key, lease))
+            .await
+            .expect("reserve")
+        {
+            Reservation::Acquired(lease) => lease,
+            other => panic!("expected Acquired, got {other:?} (packed {packed})"),
+        };
+        let _live = reserve("live", Duration::from_secs(60)).await;
+        let _ = reserve("lapsed-1", short).await;
+        let _ = reserve("lapsed-2", short).await;
+        let renewed = reserve("renewed", short).await;
+        assert!(matches!(
+            store.renew(&renewed).await.expect("renew"),
+            Renewal::Renewed
+        ));
+        let done = reserve("done", short).await;
+        let outcome = Outcome::Stored(StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: Bytes::from_static(b"ok"),
+        });
+        let _ = store.complete(&done, &outcome).await.expect("complete");
+        let released = reserve("released", short).await;
+        let _ = store.release(&released).await.expect("release");
+        // Lapsed, then taken over by its retry: a live lease again.
+        let _ = reserve("retried", short).await;
+        // Which layout each record is in: a packed store's new record is
+        // packed (n), a renewed one expanded (lease_until).
+        let fields = |key: &str| {
+            let hash = request(key, short).scope.hash().to_hex();
+            field_names(&redis, &format!("c{}:{{{hash}}}", u8::from(*packed)))
+        };
+        for (key, packed_layout) in [("lapsed-1", *packed), ("renewed", false)] {
+            let names = fields(key);
+            assert_eq!(
+                names.iter().any(|n| n == "n"),
+                packed_layout,
+                "{key}: {names:?}"
+            );
+            assert_eq!(
+                !names.iter().any(|n| n == "lease_until"),
+                packed_layout,
+                "{key}: {names:?}"
+            );
+        }
+    }
+    let lapsed = RecordQuery {
+        lapsed: true,
+        limit: 100,
+        ..RecordQuery::default()
+    };
+    // The short leases lapse 50 ms after their reservations, by Redis' clock.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    for (packed, store) in &stores {
+        loop {
+            let found = store.list(&lapsed).await.expect("list").len();
+            if found == 4 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the listing found {found} of 4 lapsed records (packed {packed})"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let taken_over = store
+            .reserve(&request("retried", Duration::from_secs(60)))
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(taken_over, Reservation::TakenOver { .. }),
+            "{taken_over:?} (packed {packed})"
+        );
+        let mut keys: Vec<String> = store
+            .list(&lapsed)
+            .await
+            .expect("list")
+            .iter()
+            .map(|record| record.key.to_string())
+            .collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["lapsed-1", "lapsed-2", "renewed"], "packed {packed}");
+        assert_eq!(
+            store.count_lapsed(100).await.expect("count"),
+            3,
+            "packed {packed}"
+        );
+        assert_eq!(
+            store.count_lapsed(2).await.expect("count"),
+            2,
+            "packed {packed}"
+        );
+    }
 }

@@ -382,6 +382,20 @@ pub trait Store: Send + Sync + 'static {
         )))
     }
 
+    /// How many live records are processing with their lease lapsed
+    /// (stuck: what a [`RecordQuery`] with `lapsed` lists), counting no
+    /// further than `limit`. The gateway's `idem_records_lapsed` gauge.
+    /// The default lists them; a store that can count without reading
+    /// each record out overrides it (Redis counts inside the server).
+    fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {
+        let query = RecordQuery {
+            lapsed: true,
+            limit,
+            ..RecordQuery::default()
+        };
+        async move { self.list(&query).await.map(|records| records.len()) }
+    }
+
     /// Releases a processing record whatever its lease (an operator
     /// freeing a stuck key): the attempt is kept as released by an
     /// operator, and its later writes are fenced. The default answers that
@@ -557,6 +571,10 @@ impl<S: Store> Store for std::sync::Arc<S> {
         scope: &ScopeHash,
     ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send {
         (**self).force_release(scope)
+    }
+
+    fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {
+        (**self).count_lapsed(limit)
     }
 
     fn claim_identity(

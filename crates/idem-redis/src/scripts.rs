@@ -76,6 +76,8 @@ pub(crate) struct Scripts {
     pub(crate) force_release: Script,
     /// Marks a record as waited on and reads its state (no prologue).
     pub(crate) watch: Script,
+    /// Counts the lapsed records of a `SCAN` page (no prologue).
+    pub(crate) count_lapsed: Script,
 }
 
 impl Scripts {
@@ -93,6 +95,7 @@ impl Scripts {
             abandon: std::sync::Arc::new(script("abandon")),
             force_release: script("force_release"),
             watch: Script::new(include_str!("lua/watch.lua")),
+            count_lapsed: Script::new(include_str!("lua/count_lapsed.lua")),
         }
     }
 }

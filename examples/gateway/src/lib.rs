@@ -318,7 +318,7 @@ const LAPSED_EVERY: Duration = Duration::from_secs(5);
 
 /// The gauge's sweep runs at most one part in this many of the time: a
 /// sweep that took longer than `LAPSED_EVERY / LAPSED_IDLE_PARTS` (a Redis
-/// store reads every record it holds) waits this many times its own
+/// store looks at every record key) waits this many times its own
 /// length before the next.
 const LAPSED_IDLE_PARTS: u32 = 50;
 
@@ -326,6 +326,9 @@ const LAPSED_IDLE_PARTS: u32 = 50;
 /// every record it holds to count them); a count that fails or takes
 /// longer is logged and the gauge keeps its last value.
 const LAPSED_COUNT_BOUND: Duration = Duration::from_secs(30);
+
+/// The gauge of lapsed records counts no further than this.
+const LAPSED_COUNTED: usize = 10_000;
 
 /// The wait before the next sweep of lapsed records, after one that took
 /// `took`.
@@ -963,7 +966,7 @@ const LAPSED_CLAIM_SLACK: Duration = Duration::from_secs(15);
 /// Keeps `idem_records_lapsed` (processing records past their lease, with
 /// no retry yet: stuck, for an operator) up to date. Of the gateways
 /// sharing a store, the one that holds the chore counts them (a Redis
-/// store reads every record it holds to find them) and the others show
+/// store looks at every record key to find them) and the others show
 /// 0, so the gauge's sum or maximum over a fleet is the store's count.
 fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
     tokio::spawn(async move {
@@ -1006,14 +1009,9 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
 /// count.
 async fn count_lapsed<S: Store>(store: &S) -> Duration {
     let bound = LAPSED_COUNT_BOUND;
-    let stuck = idem_core::RecordQuery {
-        lapsed: true,
-        limit: 10_000,
-        ..Default::default()
-    };
     let started = tokio::time::Instant::now();
-    match tokio::time::timeout(bound, store.list(&stuck)).await {
-        Ok(Ok(records)) => metrics::gauge!("idem_records_lapsed").set(records.len() as f64),
+    match tokio::time::timeout(bound, store.count_lapsed(LAPSED_COUNTED)).await {
+        Ok(Ok(lapsed)) => metrics::gauge!("idem_records_lapsed").set(lapsed as f64),
         Ok(Err(error)) => tracing::warn!(
             %error,
             "could not count the lapsed records; idem_records_lapsed keeps its last value"
