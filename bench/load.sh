@@ -74,6 +74,10 @@ run() { # port -> "rps p99ms errors"
 printf '%-6s %12s %10s %12s %10s %8s %10s\n' round bare_rps bare_p99 layer_rps layer_p99 ratio records
 ratios=()
 records=0
+# Redis' own CPU (user and system, seconds), read from INFO: only the
+# layered gateway talks to it.
+redis_cpu() { redis-cli -p "$redis_port" info cpu | awk -F: '/^used_cpu_(sys|user):/ { s += $2 } END { print s }'; }
+[ "$store" = redis ] && redis_cpu_start=$(redis_cpu)
 for round in $(seq "$rounds"); do
   read -r brps bp99 berr < <(run "$bare_port")
   read -r lrps lp99 lerr < <(run "$layered_port")
@@ -87,4 +91,8 @@ median=$(printf '%s\n' "${ratios[@]}" | sort -n | awk '{ v[NR] = $1 } END { if (
 echo "target: $target, store: $store; median layered/bare throughput ratio: $median (records: approximate records in the layered store)"
 if [ "$store" = redis ]; then
   redis-cli -p "$redis_port" info commandstats | awk -F'[:,=]' '/cmdstat_evalsha/ { printf "redis: %s EVALSHA, %.1f us per call, %.1f us per new key\n", $3, $7, 2 * $7 }'
+  # usec_per_call is the call's wall time inside Redis (a preempted Redis
+  # counts the pause); INFO cpu is the CPU Redis used, its network included.
+  awk -v a="$redis_cpu_start" -v b="$(redis_cpu)" -v n="$records" \
+    'BEGIN { printf "redis CPU (INFO cpu): %.1f us per layered request\n", (b - a) * 1e6 / n }'
 fi
