@@ -25,6 +25,13 @@
 //!   about 15 % fewer Redis instructions and 15 to 30 % fewer bytes per
 //!   record. Every store of this version reads both layouts; turn packing
 //!   on once no instance of an earlier version shares the Redis.
+//! * **Compact headers** ([`RedisStoreBuilder::compact_headers`], off by
+//!   default): a stored response's headers with one byte of length per
+//!   name and value instead of four, so a typical API response's headers
+//!   (`content-type`, `location`) fit the compact hash and the response
+//!   stays in the record, without a key of its own. Every store of this
+//!   version reads both forms; turn it on once no instance of an earlier
+//!   version shares the Redis.
 //! * **Waiting without polling.** With
 //!   the layer's `InFlight::Wait` a duplicate waits for
 //!   the running request's outcome. On a single node, the scripts that
@@ -141,6 +148,9 @@ pub struct RedisStore {
     scripts: Scripts,
     limit_scripts: limits::LimitScripts,
     prefix: String,
+    /// Whether completions write headers in the compact form
+    /// ([`RedisStoreBuilder::compact_headers`]).
+    compact_headers: bool,
     timeout: Duration,
     wait_replicas: Option<(usize, Duration)>,
     /// Waiting duplicates woken by the scripts' notifications.
@@ -220,6 +230,7 @@ impl RedisStore {
             timeout: Duration::from_secs(1),
             wait_replicas: None,
             packed: false,
+            compact_headers: false,
         }
     }
 
@@ -570,7 +581,7 @@ impl Store for RedisStore {
             Outcome::Stored(response) => {
                 invocation
                     .write_arg(|out| write!(out, "{}:1", response.status))
-                    .write_arg(|out| write_headers(out, &response.headers))
+                    .write_arg(|out| write_headers(out, &response.headers, self.compact_headers))
                     .arg(response.body.as_ref());
             }
             Outcome::NotStored { status } => {
@@ -769,6 +780,53 @@ mod tests {
             headers
         );
         assert!(decode_headers(b"\x00\x00\x00\x09abc").is_err());
+    }
+
+    /// The compact form: one byte of length for a name or value shorter
+    /// than 255 bytes, 255 and four bytes for a longer one; led by its
+    /// marker, which the four-byte form never begins with. A truncated
+    /// compact field is refused.
+    #[test]
+    fn compact_headers_round_trip_and_are_shorter() {
+        let long = Bytes::from(vec![b'v'; 300]);
+        let headers = vec![
+            (
+                HeaderName::from_static("content-type"),
+                Bytes::from_static(b"application/json"),
+            ),
+            (
+                HeaderName::from_static("location"),
+                Bytes::from_static(b"/orders/100001"),
+            ),
+            (HeaderName::from_static("x-long"), long),
+            (HeaderName::from_static("empty"), Bytes::new()),
+        ];
+        let compact = encode_headers_as(&headers, true);
+        assert_eq!(compact[0], decode::COMPACT_HEADERS);
+        assert_eq!(compact[1..14], *b"\x0ccontent-type");
+        assert_eq!(decode_headers(&compact).expect("decode"), headers);
+        // 300 bytes: 255, then the length in four bytes.
+        let at = compact
+            .windows(7)
+            .position(|w| w == b"\x06x-long")
+            .expect("x-long")
+            + 7;
+        assert_eq!(compact[at..at + 5], [255, 0, 0, 1, 44]);
+        let four_byte = encode_headers(&headers);
+        assert_eq!(four_byte[0], 0);
+        assert_eq!(four_byte.len() - compact.len(), 8 * 3 - 1 - 4);
+        // The two headers of a typical API response: 55 bytes, not 66.
+        assert_eq!(encode_headers_as(&headers[..2], true).len(), 55);
+        assert_eq!(encode_headers(&headers[..2]).len(), 66);
+        assert!(encode_headers_as(&[], true).is_empty());
+        for cut in 1..compact.len() {
+            if let Ok(decoded) = decode_headers(&compact[..cut]) {
+                // Cut between two headers: a prefix of them.
+                assert_eq!(decoded[..], headers[..decoded.len()], "cut at {cut}");
+            }
+        }
+        assert!(decode_headers(b"\x01\x05abc").is_err());
+        assert!(decode_headers(b"\x01\xff\x00\x00").is_err());
     }
 
     /// A stored name that is no header name is left out of the replay;
@@ -1150,7 +1208,8 @@ mod tests {
                     .into_iter()
                     .map(|(n, v)| (HeaderName::from_bytes(n.as_bytes()).expect("a token"), Bytes::from(v)))
                     .collect();
-                prop_assert_eq!(decode_headers(&encode_headers(&headers)).expect("decode"), headers);
+                prop_assert_eq!(&decode_headers(&encode_headers(&headers)).expect("decode"), &headers);
+                prop_assert_eq!(&decode_headers(&encode_headers_as(&headers, true)).expect("decode"), &headers);
             }
 
             /// A replay's answer, cut anywhere or with any prefix, is

@@ -139,6 +139,9 @@ pub struct Config {
     /// Write new keys' records on Redis packed: fewer fields, about 15 % fewer Redis instructions per new key and its completion. Turn on once every gateway sharing the Redis runs this version (earlier versions cannot read packed records); turning it off is safe at any time.
     #[arg(long, env = "IDEM_REDIS_PACK_RECORDS", action = ArgAction::SetTrue)]
     pub redis_pack_records: bool,
+    /// Write stored responses' headers on Redis in the compact form (one byte of length per name and value instead of four): a typical API response then stays in its record instead of a key of its own, one SET fewer per completion and one key fewer per record. Turn on once every gateway sharing the Redis runs this version (earlier versions cannot replay such records); turning it off is safe at any time.
+    #[arg(long, env = "IDEM_REDIS_COMPACT_HEADERS", action = ArgAction::SetTrue)]
+    pub redis_compact_headers: bool,
     /// Write request fingerprints with BLAKE3 instead of SHA-256: about an eighth of the hashing instructions on CPUs without SHA extensions. Every gateway of this version reads both formats, whatever it writes; earlier versions read only SHA-256 and answer 422 to a retry whose record is in BLAKE3, so turn it on once every gateway sharing the store runs this version. Always on with the memory store.
     #[arg(long, env = "IDEM_BLAKE3_FINGERPRINTS", action = ArgAction::SetTrue)]
     pub blake3_fingerprints: bool,
@@ -427,6 +430,7 @@ pub async fn run(
     for (set, flag) in [
         (config.wait_for_replicas > 0, "--wait-for-replicas"),
         (config.redis_pack_records, "--redis-pack-records"),
+        (config.redis_compact_headers, "--redis-compact-headers"),
     ] {
         if set && !on_redis {
             return Err(StartError::Setting(format!("{flag} needs a Redis store")));
@@ -544,7 +548,8 @@ async fn store_router(
     }
     let mut builder = RedisStore::builder(&config.store)
         .timeout(config.store_timeout)
-        .pack_records(config.redis_pack_records);
+        .pack_records(config.redis_pack_records)
+        .compact_headers(config.redis_compact_headers);
     if config.wait_for_replicas > 0 {
         builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
     }

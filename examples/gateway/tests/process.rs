@@ -367,7 +367,11 @@ fn invalid_flags_are_one_line_errors_not_panics() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
     // Redis settings without Redis (the default store is memory).
-    for flag in ["--redis-pack-records", "--wait-for-replicas=1"] {
+    for flag in [
+        "--redis-pack-records",
+        "--redis-compact-headers",
+        "--wait-for-replicas=1",
+    ] {
         let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .args([flag, "--listen", "127.0.0.1:0"])
             .output()
