@@ -66,6 +66,21 @@ impl RedisStore {
         })
     }
 
+    /// The `SCAN … MATCH` pattern of the store's record keys: the prefix
+    /// with the pattern's special characters escaped (a prefix such as
+    /// `app[1]:` matches only itself), then `{*}`.
+    pub(crate) fn record_pattern(&self) -> String {
+        let mut pattern = String::with_capacity(self.prefix.len() + 4);
+        for c in self.prefix.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                pattern.push('\\');
+            }
+            pattern.push(c);
+        }
+        pattern.push_str("{*}");
+        pattern
+    }
+
     /// The scopes of every record, a `SCAN` page at a time (of each node;
     /// on a cluster, of each master), however many there are: the pages
     /// are read as the stream is, so a listing holds one page of keys at
@@ -81,7 +96,7 @@ impl RedisStore {
             nodes: Vec<Option<Address>>,
             cursor: u64,
         }
-        let pattern = format!("{}{{*}}", self.prefix);
+        let pattern = self.record_pattern();
         futures_util::stream::try_unfold(None, move |walk: Option<Walk>| {
             let pattern = pattern.clone();
             async move {

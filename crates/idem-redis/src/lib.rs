@@ -686,7 +686,7 @@ impl Store for RedisStore {
 
     /// Counted inside Redis on a single node: `SCAN` pages of record keys,
     /// each read by `count_lapsed.lua` where it lives, so a record's fields
-    /// never cross the network and the count costs Redis about a tenth of
+    /// never cross the network and the count costs Redis about a third of
     /// reading each record out (see the README's lapsed-records gauge). A
     /// key `SCAN` names twice (a table Redis resized during the count) is
     /// counted twice. On a cluster (whose scripts may touch only the keys
@@ -700,7 +700,7 @@ impl Store for RedisStore {
             };
             return self.list(&query).await.map(|records| records.len());
         }
-        let pattern = format!("{}{{*}}", self.prefix);
+        let pattern = self.record_pattern();
         let key_length = self.prefix.len() + 66;
         let (mut cursor, mut count) = (0u64, 0usize);
         loop {
