@@ -1,5 +1,6 @@
 //! Chaos soak: 64 concurrent clients, a pool of keys with many duplicates
-//! and some changed payloads, two gateway processes on one Redis, gateways
+//! and some changed payloads, two gateway processes on one Redis (one
+//! writing packed records with compact headers, one neither), gateways
 //! killed (SIGKILL) or stopped (SIGTERM) and restarted, Redis paused and
 //! resumed, and one upstream execution in 30 slower than the gateways'
 //! upstream timeout (an unknown outcome: 504, the key kept, the late
@@ -226,7 +227,18 @@ async fn chaos_soak() {
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    let gateways = [Gateway::start(&args), Gateway::start(&args)];
+    // The second gateway writes packed records with compact headers, the
+    // first the expanded layout with four-byte headers: each replays and
+    // takes over the other's records throughout.
+    let compact: Vec<String> = args
+        .iter()
+        .cloned()
+        .chain([
+            "--redis-pack-records".to_owned(),
+            "--redis-compact-headers".to_owned(),
+        ])
+        .collect();
+    let gateways = [Gateway::start(&args), Gateway::start(&compact)];
     let ports = [Arc::clone(&gateways[0].port), Arc::clone(&gateways[1].port)];
     let gateways = Arc::new(Mutex::new(gateways));
 
