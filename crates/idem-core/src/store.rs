@@ -386,7 +386,8 @@ pub trait Store: Send + Sync + 'static {
     /// (stuck: what a [`RecordQuery`] with `lapsed` lists), counting no
     /// further than `limit`. The gateway's `idem_records_lapsed` gauge.
     /// The default lists them; a store that can count without reading
-    /// each record out overrides it (Redis counts inside the server).
+    /// each record out overrides it (a single Redis node counts inside the
+    /// server).
     fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {
         let query = RecordQuery {
             lapsed: true,
