@@ -58,6 +58,21 @@ fn memory_usage(redis: &RedisServer, key: &str) -> u64 {
     usage.trim().parse().unwrap_or(0)
 }
 
+/// A reservation of `key` by the tenant named "tenant" for `POST /orders`
+/// (a fixed fingerprint, 10 minutes' retention), its lease `lease`.
+fn reserve_request(key: &str, lease: std::time::Duration) -> idem_core::ReserveRequest {
+    idem_core::ReserveRequest {
+        scope: idem_core::Scope::new(
+            "tenant",
+            "POST /orders",
+            idem_core::IdempotencyKey::parse(key.as_bytes()).expect("key"),
+        ),
+        fingerprint: idem_core::Fingerprint::from_bytes([7; 32]),
+        lease,
+        retention: std::time::Duration::from_secs(600),
+    }
+}
+
 /// A gateway on `redis` in front of the upstream, and its first order
 /// under `key`, answered 201.
 async fn one_order(
@@ -340,25 +355,13 @@ fn bytes_sent(redis: &RedisServer) -> u64 {
 /// carries all their responses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listing_of_processing_records_reads_no_completed_response() {
-    use idem_core::{
-        Fingerprint, IdempotencyKey, Outcome, RecordQuery, RecordState, Reservation,
-        ReserveRequest, Scope, Store, StoredResponse,
-    };
+    use idem_core::{Outcome, RecordQuery, RecordState, Reservation, Store, StoredResponse};
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
     let store = idem_redis::RedisStore::from_url(&redis.url()).expect("store");
     let reserve = |key: String| {
-        let request = ReserveRequest {
-            scope: Scope::new(
-                "tenant",
-                "POST /orders",
-                IdempotencyKey::parse(key.as_bytes()).expect("key"),
-            ),
-            fingerprint: Fingerprint::from_bytes([7; 32]),
-            lease: std::time::Duration::from_secs(30),
-            retention: std::time::Duration::from_secs(600),
-        };
+        let request = reserve_request(&key, std::time::Duration::from_secs(30));
         let store = &store;
         async move {
             match store.reserve(&request).await.expect("reserve") {
@@ -502,9 +505,7 @@ async fn a_tenants_listing_reads_no_other_tenants_record() {
 /// large store showed some of its stuck records, or none.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listing_reads_past_a_hundred_thousand_keys() {
-    use idem_core::{
-        Fingerprint, IdempotencyKey, RecordQuery, Reservation, ReserveRequest, Scope, Store,
-    };
+    use idem_core::{RecordQuery, Reservation, Store};
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
@@ -520,24 +521,11 @@ async fn a_listing_reads_past_a_hundred_thousand_keys() {
     let store = idem_redis::RedisStore::from_url(&redis.url()).expect("store");
     const STUCK: usize = 2_000;
     for n in 0..STUCK {
-        let request = ReserveRequest {
-            scope: Scope::new(
-                "tenant",
-                "POST /orders",
-                IdempotencyKey::parse(format!("stuck-{n}").as_bytes()).expect("key"),
-            ),
-            fingerprint: Fingerprint::from_bytes([7; 32]),
-            lease: std::time::Duration::from_millis(20),
-            retention: std::time::Duration::from_secs(600),
-        };
+        let request = reserve_request(&format!("stuck-{n}"), std::time::Duration::from_millis(20));
         let reserved = store.reserve(&request).await.expect("reserve");
         assert!(matches!(reserved, Reservation::Acquired(_)), "{reserved:?}");
     }
-    let lapsed = RecordQuery {
-        lapsed: true,
-        limit: 10_000,
-        ..RecordQuery::default()
-    };
+    let lapsed = RecordQuery::stuck(10_000);
     // The leases lapse 20 ms after their reservations, by Redis' clock.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
@@ -570,10 +558,7 @@ async fn a_listing_reads_past_a_hundred_thousand_keys() {
 /// whose retry took it over holds a live lease again and is not counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
-    use idem_core::{
-        Fingerprint, IdempotencyKey, Outcome, RecordQuery, Renewal, Reservation, ReserveRequest,
-        Scope, Store, StoredResponse,
-    };
+    use idem_core::{Outcome, RecordQuery, Renewal, Reservation, Store, StoredResponse};
     use std::time::Duration;
     let Some(redis) = RedisServer::spawn() else {
         return;
@@ -589,16 +574,7 @@ async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
             .expect("store");
         (packed, store)
     });
-    let request = |key: &str, lease: Duration| ReserveRequest {
-        scope: Scope::new(
-            "tenant",
-            "POST /orders",
-            IdempotencyKey::parse(key.as_bytes()).expect("key"),
-        ),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease,
-        retention: Duration::from_secs(600),
-    };
+    let request = reserve_request;
     let short = Duration::from_millis(50);
     for (packed, store) in &stores {
         let reserve = async |key: &str, lease: Duration| match store
@@ -648,11 +624,7 @@ async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
             );
         }
     }
-    let lapsed = RecordQuery {
-        lapsed: true,
-        limit: 100,
-        ..RecordQuery::default()
-    };
+    let lapsed = RecordQuery::stuck(100);
     // The short leases lapse 50 ms after their reservations, by Redis' clock.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     for (packed, store) in &stores {
@@ -707,10 +679,7 @@ async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
 /// record of the four-byte form exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compact_headers_keep_an_api_response_in_its_record() {
-    use idem_core::{
-        Fingerprint, IdempotencyKey, Outcome, Reservation, ReserveRequest, Scope, Store,
-        StoredResponse,
-    };
+    use idem_core::{Outcome, Reservation, Store, StoredResponse};
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
@@ -722,16 +691,7 @@ async fn compact_headers_keep_an_api_response_in_its_record() {
             .expect("store")
     };
     let stores = [("compact", store(true)), ("four-byte", store(false))];
-    let request = |key: &str| ReserveRequest {
-        scope: Scope::new(
-            "tenant",
-            "POST /orders",
-            IdempotencyKey::parse(key.as_bytes()).expect("key"),
-        ),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: std::time::Duration::from_secs(30),
-        retention: std::time::Duration::from_secs(600),
-    };
+    let request = |key: &str| reserve_request(key, std::time::Duration::from_secs(30));
     let response = |n: u32| {
         Outcome::Stored(StoredResponse {
             status: 201,

@@ -156,6 +156,16 @@ pub struct RecordQuery {
 }
 
 impl RecordQuery {
+    /// Every tenant's processing records whose lease lapsed (stuck), at
+    /// most `limit`: what [`Store::count_lapsed`] counts.
+    pub fn stuck(limit: usize) -> Self {
+        Self {
+            lapsed: true,
+            limit,
+            ..Self::default()
+        }
+    }
+
     /// Whether `record` is one the query asks for, at `now_ms`.
     pub fn matches(&self, record: &Record, now_ms: u64) -> bool {
         let older = self.older_than.is_none_or(|age| {
@@ -389,11 +399,7 @@ pub trait Store: Send + Sync + 'static {
     /// each record out overrides it (a single Redis node counts inside the
     /// server).
     fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {
-        let query = RecordQuery {
-            lapsed: true,
-            limit,
-            ..RecordQuery::default()
-        };
+        let query = RecordQuery::stuck(limit);
         async move { self.list(&query).await.map(|records| records.len()) }
     }
 

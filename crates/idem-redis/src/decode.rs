@@ -293,11 +293,12 @@ pub(crate) fn write_headers(
             let length = u32::try_from(part.len()).unwrap_or(u32::MAX);
             match u8::try_from(length) {
                 Ok(short) if compact && short < u8::MAX => out.write_all(&[short])?,
-                _ if compact => {
-                    out.write_all(&[u8::MAX])?;
+                _ => {
+                    if compact {
+                        out.write_all(&[u8::MAX])?;
+                    }
                     out.write_all(&length.to_be_bytes())?;
                 }
-                _ => out.write_all(&length.to_be_bytes())?,
             }
             out.write_all(part)?;
         }

@@ -693,15 +693,14 @@ impl Store for RedisStore {
     /// they name) the lapsed records are listed and counted.
     async fn count_lapsed(&self, limit: usize) -> Result<usize, StoreError> {
         if matches!(self.pool, Pool::Cluster(_)) {
-            let query = RecordQuery {
-                lapsed: true,
-                limit,
-                ..RecordQuery::default()
-            };
-            return self.list(&query).await.map(|records| records.len());
+            let listed = self.list(&RecordQuery::stuck(limit)).await?;
+            return Ok(listed.len());
         }
         let pattern = self.record_pattern();
-        let key_length = self.prefix.len() + 66;
+        let key_length: usize = record_key_pieces(&self.prefix, &[0; 64])
+            .iter()
+            .map(|piece| piece.len())
+            .sum();
         let (mut cursor, mut count) = (0u64, 0usize);
         loop {
             let mut invocation = Invocation::new(&self.scripts.count_lapsed, &[]);
