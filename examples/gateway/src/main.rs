@@ -55,7 +55,12 @@ async fn shutdown_signal() {
 }
 
 /// mimalloc: its per-thread heaps free memory allocated on another worker
-/// thread without taking a lock, where glibc's arenas contend.
+/// thread without taking a lock, where glibc's arenas contend. Built
+/// without transparent huge pages (`no_thp`): a memory store grows with
+/// every new key, and each fresh 2 MiB huge page is zeroed whole by the
+/// page fault of the request that first touches it (a stall of hundreds
+/// of microseconds on one request, and on a VM 3 to 4 µs per request on
+/// average against under 1 µs with 4 KiB pages; `bench/HISTORY.md`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
