@@ -273,7 +273,11 @@ type Map<V> = HashMap<ScopeHash, V, BuildHasherDefault<ScopeHasher>>;
 /// One shard's records, found by a keyed hash of their scope hash.
 #[derive(Default)]
 struct Records {
-    table: hashbrown::HashTable<Box<Option<Record>>>,
+    /// Each slot beside its scope's hash under the table's key: growing
+    /// the table rehashes from the hashes it keeps, without reading every
+    /// record (one cache miss each on a large store), and a lookup reads
+    /// a record only when the whole hash matches.
+    table: hashbrown::HashTable<Slot>,
     /// Keyed at random per table: a caller who can compute scope hashes
     /// (they are unkeyed unless the layer has a scope secret) still cannot
     /// pick keys whose records share one bucket and lengthen every lookup
@@ -311,6 +315,14 @@ fn scope_hash(hasher: &foldhash::quality::RandomState, scope: &ScopeHash) -> u64
     prefix_hash(hasher, scope_prefix(scope))
 }
 
+/// A record's place in the table: the table's hash of its scope and the
+/// box that holds it.
+#[derive(Debug)]
+struct Slot {
+    hash: u64,
+    record: Box<Option<Record>>,
+}
+
 /// The scope a slot holds; an emptied slot (only ever the one being
 /// changed, under the shard's lock) holds none.
 fn slot_scope(slot: &Option<Record>) -> Option<&ScopeHash> {
@@ -319,19 +331,21 @@ fn slot_scope(slot: &Option<Record>) -> Option<&ScopeHash> {
 
 impl Records {
     fn get(&self, scope: &ScopeHash) -> Option<&Option<Record>> {
+        let hash = scope_hash(&self.hasher, scope);
         self.table
-            .find(scope_hash(&self.hasher, scope), |slot| {
-                slot_scope(slot) == Some(scope)
+            .find(hash, |slot| {
+                slot.hash == hash && slot_scope(&slot.record) == Some(scope)
             })
-            .map(|slot| &**slot)
+            .map(|slot| &*slot.record)
     }
 
     fn get_mut(&mut self, scope: &ScopeHash) -> Option<&mut Option<Record>> {
+        let hash = scope_hash(&self.hasher, scope);
         self.table
-            .find_mut(scope_hash(&self.hasher, scope), |slot| {
-                slot_scope(slot) == Some(scope)
+            .find_mut(hash, |slot| {
+                slot.hash == hash && slot_scope(&slot.record) == Some(scope)
             })
-            .map(|slot| &mut **slot)
+            .map(|slot| &mut *slot.record)
     }
 
     #[cfg(test)]
@@ -340,36 +354,37 @@ impl Records {
     }
 
     /// Adds a slot that holds a record; an empty one is dropped.
-    fn insert_slot(&mut self, slot: Box<Option<Record>>) {
-        let Self { table, hasher } = self;
-        let Some(record) = &*slot else { return };
-        let hash = scope_hash(hasher, &record.scope);
-        table.insert_unique(hash, slot, |slot| {
-            slot_scope(slot).map_or(0, |scope| scope_hash(hasher, scope))
-        });
+    fn insert_slot(&mut self, record: Box<Option<Record>>) {
+        let Some(held) = &*record else { return };
+        let hash = scope_hash(&self.hasher, &held.scope);
+        self.table
+            .insert_unique(hash, Slot { hash, record }, |slot| slot.hash);
     }
 
     /// Removes a record whose scope begins with `prefix` and that has
     /// expired at `now_ms`, if there is one.
     fn remove_expired(&mut self, prefix: u64, now_ms: u64) -> Option<Record> {
+        let hash = prefix_hash(&self.hasher, prefix);
         self.table
-            .find_entry(prefix_hash(&self.hasher, prefix), |slot| {
-                (**slot).as_ref().is_some_and(|record| {
-                    scope_prefix(&record.scope) == prefix && record.is_expired(now_ms)
-                })
+            .find_entry(hash, |slot| {
+                slot.hash == hash
+                    && (*slot.record).as_ref().is_some_and(|record| {
+                        scope_prefix(&record.scope) == prefix && record.is_expired(now_ms)
+                    })
             })
             .ok()
-            .and_then(|entry| *entry.remove().0)
+            .and_then(|entry| *entry.remove().0.record)
     }
 
     /// Removes the record of `scope`, or the emptied slot that held it.
     fn remove(&mut self, scope: &ScopeHash) -> Option<Box<Option<Record>>> {
+        let hash = scope_hash(&self.hasher, scope);
         self.table
-            .find_entry(scope_hash(&self.hasher, scope), |slot| {
-                slot_scope(slot).is_none_or(|held| held == scope)
+            .find_entry(hash, |slot| {
+                slot.hash == hash && slot_scope(&slot.record).is_none_or(|held| held == scope)
             })
             .ok()
-            .map(|entry| entry.remove().0)
+            .map(|entry| entry.remove().0.record)
     }
 
     fn len(&self) -> usize {
@@ -377,7 +392,7 @@ impl Records {
     }
 
     fn values(&self) -> impl Iterator<Item = &Option<Record>> {
-        self.table.iter().map(|slot| &**slot)
+        self.table.iter().map(|slot| &*slot.record)
     }
 }
 

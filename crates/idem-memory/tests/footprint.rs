@@ -110,7 +110,8 @@ async fn the_byte_estimate_covers_what_records_take_on_the_heap() {
     );
     // What this shape of record took when its key, tenant and operation
     // were shared with the request (731); 811 when the record copied
-    // the three texts, 890 with 40-byte expiry heap entries.
+    // the three texts, 890 with 40-byte expiry heap entries; 745 since
+    // the table keeps each record's hash beside its box.
     assert!(asked <= 760, "a record asks {asked} bytes of the allocator");
 
     // Records still in flight (reserved, no response yet) are covered too,
