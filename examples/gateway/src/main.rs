@@ -61,6 +61,8 @@ async fn shutdown_signal() {
 /// page fault of the request that first touches it (a stall of hundreds
 /// of microseconds on one request, and on a VM 3 to 4 µs per request on
 /// average against under 1 µs with 4 KiB pages; `bench/HISTORY.md`).
+/// Where the kernel uses huge pages unasked (its setting is `always`),
+/// `MIMALLOC_ALLOW_THP=0` in the environment turns them off.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
