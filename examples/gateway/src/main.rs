@@ -58,9 +58,9 @@ async fn shutdown_signal() {
 /// thread without taking a lock, where glibc's arenas contend. Built
 /// without transparent huge pages (`no_thp`): a memory store grows with
 /// every new key, and each fresh 2 MiB huge page is zeroed whole by the
-/// page fault of the request that first touches it (a stall of hundreds
-/// of microseconds on one request, and on a VM 3 to 4 µs per request on
-/// average against under 1 µs with 4 KiB pages; `bench/HISTORY.md`).
+/// page fault of the request that first touches it (sampled on a VM:
+/// about 200 µs for that request, 3 to 4 µs per request on average
+/// against under 1 µs with 4 KiB pages; `bench/HISTORY.md`).
 /// Where the kernel uses huge pages unasked (its setting is `always`),
 /// `MIMALLOC_ALLOW_THP=0` in the environment turns them off.
 #[global_allocator]
