@@ -27,16 +27,11 @@ upstream_port=$(free_port)
 IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
 
 count() { # mode -> "instructions-per-request requests"
-  local mode=$1 port flags
+  local mode=$1 port
   port=$(free_port)
-  if [ "$mode" = layered ]; then
-    flags="--store $store_url --memory-tenant-quota 0 --memory-capacity 10000000 --memory-max-bytes 16GiB ${LAYERED_FLAGS:-}"
-  else
-    flags="--methods PUT"
-  fi
-  # shellcheck disable=SC2086 # flags are words
+  # shellcheck disable=SC2046 # the flags are words
   RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$work/cg.$mode.%p" "$gateway" \
-    --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$upstream_port" $flags \
+    --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$upstream_port" $(gateway_flags "$mode") \
     >"$work/$mode.log" 2>&1 &
   local pid=$!
   for _ in $(seq 300); do

@@ -30,14 +30,9 @@ fi
 upstream_port=$(free_port)
 port=$(free_port)
 IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
-if [ "$mode" = layered ]; then
-  flags="--store $store_url --memory-tenant-quota 0 --memory-capacity 10000000 --memory-max-bytes 16GiB ${LAYERED_FLAGS:-}"
-else
-  flags="--methods PUT"
-fi
-# shellcheck disable=SC2086 # flags are words
+# shellcheck disable=SC2046 # the flags are words
 RUST_LOG=warn "$gateway" --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$upstream_port" \
-  $flags >"$work/gateway.log" 2>&1 &
+  $(gateway_flags "$mode") >"$work/gateway.log" 2>&1 &
 pid=$!
 for _ in $(seq 100); do
   curl -s -o /dev/null "http://127.0.0.1:$port/orders/0" && break

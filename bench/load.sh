@@ -37,12 +37,12 @@ fi
 if [ "$target" = gateway ]; then
   # One bare upstream; two gateways in front of it, identical but for the methods.
   IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
-  # One caller sends every request: no tenant quota, room for every record.
+  # shellcheck disable=SC2046 # the flags are words
   RUST_LOG=warn "$gateway" --listen 127.0.0.1:$layered_port --upstream http://127.0.0.1:$upstream_port \
-    --store "$store_url" --memory-tenant-quota 0 --memory-capacity 10000000 \
-    --memory-max-bytes 16GiB ${LAYERED_FLAGS:-} >"$work/layered.log" 2>&1 &
+    $(gateway_flags layered) >"$work/layered.log" 2>&1 &
+  # shellcheck disable=SC2046 # the flags are words
   RUST_LOG=warn "$gateway" --listen 127.0.0.1:$bare_port --upstream http://127.0.0.1:$upstream_port \
-    --methods PUT >"$work/bare.log" 2>&1 &
+    $(gateway_flags pass) >"$work/bare.log" 2>&1 &
 else
   IDEM_LISTEN=127.0.0.1:$layered_port IDEM_LAYER=on IDEM_STORE="$store_url" "$bin" >"$work/layered.log" 2>&1 &
   IDEM_LISTEN=127.0.0.1:$bare_port IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &

@@ -1,7 +1,8 @@
-# Sourced by bench/load.sh, bench/records.sh and bench/gateway_instructions.sh
-# from the repository root: checks for wrk, builds the release binaries they
-# start, makes a work directory removed (with every background job killed)
-# on exit, and gives them free_port and private_redis.
+# Sourced by bench/load.sh, bench/records.sh, bench/gateway_instructions.sh
+# and bench/gateway_profile.sh from the repository root: checks for wrk,
+# builds the release binaries they start, makes a work directory removed
+# (with every background job killed) on exit, and gives them free_port,
+# private_redis and gateway_flags.
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 cargo build --release -q -p axum-orders -p idem-gateway
 bin=target/release/axum-orders
@@ -28,4 +29,16 @@ private_redis() {
     sleep 0.1
   done
   store_url="redis://127.0.0.1:$redis_port"
+}
+
+# The gateway's flags as the benches start it (prints words, to be used
+# unquoted): `layered` is the layer on `$store_url` for one caller (no
+# tenant quota, room for every record), then LAYERED_FLAGS; anything else
+# passes every POST straight through (`--methods PUT`).
+gateway_flags() {
+  if [ "$1" = layered ]; then
+    echo "--store $store_url --memory-tenant-quota 0 --memory-capacity 10000000 --memory-max-bytes 16GiB ${LAYERED_FLAGS:-}"
+  else
+    echo "--methods PUT"
+  fi
 }

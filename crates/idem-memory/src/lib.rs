@@ -317,7 +317,6 @@ fn scope_hash(hasher: &foldhash::quality::RandomState, scope: &ScopeHash) -> u64
 
 /// A record's place in the table: the table's hash of its scope and the
 /// box that holds it.
-#[derive(Debug)]
 struct Slot {
     hash: u64,
     record: Box<Option<Record>>,
