@@ -1081,4 +1081,39 @@ mod tests {
         ));
         assert!(almost.is_full());
     }
+
+    /// A transition that finds its record expired (before the bounded
+    /// sweep of a write got to it) removes the record's slot from the
+    /// shard's table: the emptied slot is not left behind as an entry of
+    /// its own, and the scope can be reserved again.
+    #[tokio::test(start_paused = true)]
+    async fn an_expired_record_leaves_no_slot_behind() {
+        let store = MemoryStore::builder().shards(1).build();
+        let slots =
+            |store: &MemoryStore| -> usize { store.inner.shards[0].state.lock().records.len() };
+        // More records expire before the last one than a write sweeps.
+        for n in 0..SWEEP_PER_WRITE * 2 {
+            let earlier = request("tenant", &format!("earlier-{n}"));
+            assert!(matches!(
+                store.reserve(&earlier).await,
+                Ok(Reservation::Acquired(_))
+            ));
+        }
+        tokio::time::advance(Duration::from_millis(5)).await;
+        let last = request("tenant", "last");
+        let Ok(Reservation::Acquired(lease)) = store.reserve(&last).await else {
+            panic!("a new key was not acquired");
+        };
+        assert_eq!(slots(&store), SWEEP_PER_WRITE * 2 + 1);
+        tokio::time::advance(last.retention + Duration::from_secs(1)).await;
+        // The release's sweep removes the earliest expired records; the
+        // release itself finds the last one expired and empties its slot.
+        store.release(&lease).await.expect("release");
+        assert_eq!(slots(&store), SWEEP_PER_WRITE);
+        assert!(store.get(last.scope.hash()).await.expect("get").is_none());
+        assert!(matches!(
+            store.reserve(&last).await,
+            Ok(Reservation::Acquired(_))
+        ));
+    }
 }
