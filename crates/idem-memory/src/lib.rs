@@ -1108,7 +1108,8 @@ mod tests {
         tokio::time::advance(last.retention + Duration::from_secs(1)).await;
         // The release's sweep removes the earliest expired records; the
         // release itself finds the last one expired and empties its slot.
-        store.release(&lease).await.expect("release");
+        let released = store.release(&lease).await.expect("release");
+        assert!(matches!(released, Release::Fenced(_)), "{released:?}");
         assert_eq!(slots(&store), SWEEP_PER_WRITE);
         assert!(store.get(last.scope.hash()).await.expect("get").is_none());
         assert!(matches!(
