@@ -672,10 +672,25 @@ async fn settings_from_the_environment_take_effect() {
         request("POST", "/slow", Some("wait-1"), Some("a")),
     ));
     upstream.wait_runs(before + 1).await;
+    let metrics = async || {
+        let get = Request::get(format!("http://{}/metrics", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        String::from_utf8_lossy(&send(&http, get).await.body).into_owned()
+    };
+    let reserves = reserve_count(&metrics().await);
     let duplicate = tokio::spawn(send(
         &http,
         request("POST", "/slow", Some("wait-1"), Some("a")),
     ));
+    // The duplicate has found the first attempt in flight once its
+    // reservation is counted; without wait mode it is answered 409 at once.
+    wait_until(
+        Duration::from_secs(20),
+        "the duplicate's reservation",
+        async || reserve_count(&metrics().await) > reserves,
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!duplicate.is_finished(), "the duplicate waits (no 409)");
     upstream.gate.add_permits(1);
@@ -714,6 +729,14 @@ async fn settings_from_the_environment_take_effect() {
     let log = log.text();
     assert!(log.contains("/orders") && log.contains("201"), "{log}");
     assert!(!log.contains(secret), "the key leaked into the log:\n{log}");
+}
+
+/// How many reservations the gateway's `/metrics` text counts.
+fn reserve_count(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("idem_store_duration_seconds_count{op=\"reserve\"} "))
+        .map_or(0, |count| count.trim().parse().expect("a count"))
 }
 
 /// Every flag of `--help` is bound to its `IDEM_*` variable (upper snake
