@@ -170,3 +170,30 @@ async fn a_restarted_server_is_reconnected_to() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A reservation given up on a connection that dropped (its server was
+/// killed) leaves no task retrying on that connection, which can never
+/// carry the abandon script: what waits for the store's background work
+/// (a gateway's shutdown) is not held for the reservation's lease while
+/// the server is down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_given_up_on_a_dropped_connection_holds_nothing() {
+    let Some(mut server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("store");
+    let before = store.reserve(&request("open", 1)).await;
+    assert!(matches!(before, Ok(Reservation::Acquired(_))), "{before:?}");
+    server.kill();
+    // The lease is 30 s: a task retrying until it ends would outlast the
+    // wait below.
+    let down = store.reserve(&request("given-up", 1)).await;
+    assert!(matches!(down, Err(StoreError::Unavailable(_))), "{down:?}");
+    tokio::time::timeout(Duration::from_secs(10), store.settled())
+        .await
+        .expect("no task retries on the dropped connection");
+    assert_eq!(store.background_tasks(), 0);
+}

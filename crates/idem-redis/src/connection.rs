@@ -475,7 +475,8 @@ impl RedisStore {
 /// after the reservation (one connection's commands run in order), so a
 /// reservation queued behind a paused server never leaves an owner that
 /// nobody runs. Retried until the server answers, for at most a lease
-/// (after which a takeover frees the key anyway).
+/// (after which a takeover frees the key anyway), and not at all once a
+/// single server's connection has dropped (nothing is sent on it again).
 pub(crate) struct Abandon<'s> {
     /// The store: its abandon script, its key prefix and its tasks that
     /// free given-up reservations
@@ -512,7 +513,18 @@ impl Drop for Abandon<'_> {
                     invocation.uuid(&attempt).uuid(&token);
                     let sent = invocation.invoke(&mut conn).await;
                     match sent {
-                        Ok(_) => return,
+                        Ok(_) => return true,
+                        // A single server's multiplexed connection that
+                        // dropped never carries a command again (it does
+                        // not reconnect): retrying on it cannot free the
+                        // reservation, and would only hold a shutdown that
+                        // waits for this task until the lease ends.
+                        Err(error)
+                            if matches!(conn, Conn::Single(_)) && error.is_connection_dropped() =>
+                        {
+                            tracing::debug!(%error, "the given-up reservation's connection is gone");
+                            return false;
+                        }
                         Err(error) => {
                             tracing::debug!(%error, "abandoning a given-up reservation failed; retrying");
                             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -520,7 +532,7 @@ impl Drop for Abandon<'_> {
                     }
                 }
             };
-            if tokio::time::timeout(within, abandon).await.is_err() {
+            if !tokio::time::timeout(within, abandon).await.unwrap_or(false) {
                 tracing::warn!("a given-up reservation could not be freed; its lease will lapse");
             }
         };
