@@ -1,4 +1,6 @@
-//! The capacity holds under concurrency, and the expiry heap stays bounded.
+//! The capacity holds under concurrency, the expiry heap stays bounded,
+//! and reading every record leaves the thread to other requests between
+//! shards.
 
 use std::{
     sync::{
@@ -301,4 +303,33 @@ async fn the_byte_bound_holds_while_a_tenant_floods() {
     assert!(not_stored > 0, "no response was recorded without its bytes");
     assert!(refused > 0, "no new key was refused at the bound");
     assert!(store.is_full());
+}
+
+/// Reading every record (a listing, or the count of lapsed records a
+/// gateway keeps every 5 s) lets the thread's other tasks run between
+/// shards: a full store takes tens of milliseconds to read, which would
+/// otherwise hold up every request queued on that thread. On one thread,
+/// a task that counts its turns gets one after each shard.
+#[tokio::test(flavor = "current_thread")]
+async fn reading_every_record_lets_other_tasks_run_between_shards() {
+    let store = MemoryStore::builder().shards(8).build();
+    for n in 0..64 {
+        let reserved = store.reserve(&request(0, n)).await.expect("reserve");
+        assert!(matches!(reserved, Reservation::Acquired(_)));
+    }
+    let turns = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&turns);
+    let ticker = tokio::spawn(async move {
+        loop {
+            counter.fetch_add(1, Ordering::Relaxed);
+            tokio::task::yield_now().await;
+        }
+    });
+    assert_eq!(store.count_lapsed(10).await.expect("count"), 0);
+    let during = turns.load(Ordering::Relaxed);
+    ticker.abort();
+    assert!(
+        during >= 7,
+        "the other task ran {during} times while 8 shards were read"
+    );
 }
