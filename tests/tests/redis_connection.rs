@@ -139,13 +139,10 @@ async fn a_password_user_and_database_from_the_url_are_used() {
     assert_eq!(dbsize("2"), 0);
 }
 
-/// A connection whose server went away fails its calls as unavailable,
-/// and the store connects again once the server is back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_server_is_reconnected_to() {
-    let Some(mut server) = RedisServer::spawn() else {
-        return;
-    };
+/// A store connected to `server`, which is then killed: a reservation
+/// (30 s lease) fails as unavailable, not as a timeout, since the closed
+/// connection fails the call at once and so does the retry on a new one.
+async fn store_whose_server_went_away(server: &mut RedisServer) -> RedisStore {
     let store = RedisStore::builder(&server.url())
         .timeout(Duration::from_secs(2))
         .build()
@@ -153,10 +150,19 @@ async fn a_restarted_server_is_reconnected_to() {
     let before = store.reserve(&request("before", 1)).await;
     assert!(matches!(before, Ok(Reservation::Acquired(_))), "{before:?}");
     server.kill();
-    // The closed connection fails the call at once, and so does the
-    // retry on a new one: unavailable, not a timeout.
     let down = store.reserve(&request("down", 1)).await;
     assert!(matches!(down, Err(StoreError::Unavailable(_))), "{down:?}");
+    store
+}
+
+/// A connection whose server went away fails its calls as unavailable,
+/// and the store connects again once the server is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_is_reconnected_to() {
+    let Some(mut server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = store_whose_server_went_away(&mut server).await;
     server.restart();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
@@ -181,17 +187,9 @@ async fn a_reservation_given_up_on_a_dropped_connection_holds_nothing() {
     let Some(mut server) = RedisServer::spawn() else {
         return;
     };
-    let store = RedisStore::builder(&server.url())
-        .timeout(Duration::from_secs(2))
-        .build()
-        .expect("store");
-    let before = store.reserve(&request("open", 1)).await;
-    assert!(matches!(before, Ok(Reservation::Acquired(_))), "{before:?}");
-    server.kill();
-    // The lease is 30 s: a task retrying until it ends would outlast the
-    // wait below.
-    let down = store.reserve(&request("given-up", 1)).await;
-    assert!(matches!(down, Err(StoreError::Unavailable(_))), "{down:?}");
+    // The given-up reservation's lease is 30 s: a task retrying until it
+    // ends would outlast the wait below.
+    let store = store_whose_server_went_away(&mut server).await;
     tokio::time::timeout(Duration::from_secs(10), store.settled())
         .await
         .expect("no task retries on the dropped connection");

@@ -25,6 +25,13 @@ struct Process {
 }
 
 impl Process {
+    /// A GET of the gateway's `/metrics`.
+    fn metrics_request(&self) -> Request<Full<Bytes>> {
+        Request::get(format!("http://{}/metrics", self.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request")
+    }
+
     /// Starts the binary and waits for the line that says where it listens.
     fn start(args: &[&str]) -> Self {
         Self::spawn(
@@ -673,10 +680,7 @@ async fn settings_from_the_environment_take_effect() {
     ));
     upstream.wait_runs(before + 1).await;
     let metrics = async || {
-        let get = Request::get(format!("http://{}/metrics", gateway.addr))
-            .body(Full::new(Bytes::new()))
-            .expect("request");
-        String::from_utf8_lossy(&send(&http, get).await.body).into_owned()
+        String::from_utf8_lossy(&send(&http, gateway.metrics_request()).await.body).into_owned()
     };
     let reserves = reserve_count(&metrics().await);
     let duplicate = tokio::spawn(send(
@@ -705,13 +709,7 @@ async fn settings_from_the_environment_take_effect() {
     let open = send(&http, request("POST", "/orders", Some("open-1"), Some("a"))).await;
     assert_eq!(open.status, StatusCode::CREATED);
     assert_eq!(upstream.runs(), runs + 1);
-    let metrics = send(
-        &http,
-        Request::get(format!("http://{}/metrics", gateway.addr))
-            .body(Full::new(Bytes::new()))
-            .expect("request"),
-    )
-    .await;
+    let metrics = send(&http, gateway.metrics_request()).await;
     let text = String::from_utf8_lossy(&metrics.body).into_owned();
     for expected in [
         "idem_requests_total{outcome=\"fail_open\"} 1",
@@ -731,11 +729,17 @@ async fn settings_from_the_environment_take_effect() {
     assert!(!log.contains(secret), "the key leaked into the log:\n{log}");
 }
 
-/// How many reservations the gateway's `/metrics` text counts.
-fn reserve_count(metrics: &str) -> u64 {
+/// The value of the sample `name` (its labels included, as written) in
+/// a `/metrics` text.
+fn sample<'a>(metrics: &'a str, name: &str) -> Option<&'a str> {
     metrics
         .lines()
-        .find_map(|line| line.strip_prefix("idem_store_duration_seconds_count{op=\"reserve\"} "))
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+}
+
+/// How many reservations the gateway's `/metrics` text counts.
+fn reserve_count(metrics: &str) -> u64 {
+    sample(metrics, "idem_store_duration_seconds_count{op=\"reserve\"}")
         .map_or(0, |count| count.trim().parse().expect("a count"))
 }
 
@@ -954,20 +958,16 @@ async fn the_memory_byte_bound_holds_while_tenants_flood() {
             "tenant-{n} lost its record"
         );
     }
-    let metrics = || {
-        Request::get(format!("http://{}/metrics", gateway.addr))
-            .body(Full::new(Bytes::new()))
-            .expect("request")
-    };
     let gauge = |text: &String| {
-        text.lines()
-            .find_map(|line| line.strip_prefix("idem_store_bytes "))
+        sample(text, "idem_store_bytes")
             .and_then(|v| v.trim().parse::<f64>().ok())
             .filter(|bytes| *bytes > 0.0)
     };
     let text = poll_until(
         Duration::from_secs(20),
-        async || String::from_utf8_lossy(&send(&http, metrics()).await.body).into_owned(),
+        async || {
+            String::from_utf8_lossy(&send(&http, gateway.metrics_request()).await.body).into_owned()
+        },
         |text| gauge(text).is_some(),
     )
     .await;
@@ -1267,13 +1267,9 @@ async fn one_gateway_of_a_fleet_counts_the_lapsed_records() {
     let gateways = [Process::start(&args), Process::start(&args)];
     let http = client();
     let lapsed = async |gateway: &Process| {
-        let metrics = Request::get(format!("http://{}/metrics", gateway.addr))
-            .body(Full::new(Bytes::new()))
-            .expect("request");
-        let text = String::from_utf8_lossy(&send(&http, metrics).await.body).into_owned();
-        text.lines()
-            .find_map(|line| line.strip_prefix("idem_records_lapsed "))
-            .map(str::to_owned)
+        let text = String::from_utf8_lossy(&send(&http, gateway.metrics_request()).await.body)
+            .into_owned();
+        sample(&text, "idem_records_lapsed").map(str::to_owned)
     };
     let both = poll_until(
         Duration::from_secs(20),
