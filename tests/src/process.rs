@@ -54,6 +54,16 @@ impl Spawned {
         }
     }
 
+    /// The `host:port` of the first `http://` address in its banner.
+    pub fn address(&self) -> String {
+        self.banner
+            .split("http://")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {:?}", self.banner))
+            .to_owned()
+    }
+
     /// Waits (at most 30 s) for a stderr line containing `what`.
     pub fn wait_for_line(&self, what: &str) {
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -28,13 +28,7 @@ impl Orders {
                 .env("IDEM_LEASE", LEASE)
                 .env("ORDERS_TEST_HOOKS", "1"),
         );
-        let addr = process
-            .banner
-            .split("http://")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no address in {:?}", process.banner))
-            .to_owned();
+        let addr = process.address();
         Self { process, addr }
     }
 

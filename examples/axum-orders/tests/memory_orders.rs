@@ -1,0 +1,76 @@
+//! The in-memory orders API through the real `axum-orders` process over
+//! loopback: every created order reads back with the exact bytes it was
+//! created with, whichever of the maps its id falls in.
+
+use std::process::Command;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use idem_tests::{client, process::Spawned, send};
+
+/// More orders than the API has maps, so that every map holds some and
+/// most hold two or three.
+const ORDERS: u64 = 150;
+
+fn start(layer: &str) -> (Spawned, String) {
+    let process = Spawned::start(
+        Command::new(env!("CARGO_BIN_EXE_axum-orders"))
+            .env("IDEM_LISTEN", "127.0.0.1:0")
+            .env("IDEM_LAYER", layer),
+    );
+    let addr = process.address();
+    (process, addr)
+}
+
+fn get(addr: &str, id: u64) -> Request<Full<Bytes>> {
+    Request::get(format!("http://{addr}/orders/{id}"))
+        .body(Full::default())
+        .expect("request")
+}
+
+/// Orders created with and without the layer read back byte for byte;
+/// ids that were never given are 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_order_reads_back_as_it_was_created() {
+    for layer in ["off", "on"] {
+        let (_process, addr) = start(layer);
+        let client = client();
+        let mut created = Vec::new();
+        for n in 1..=ORDERS {
+            let body = format!("{{\"sku\":\"book-{n}\",\"qty\":{n}}}");
+            let request = Request::post(format!("http://{addr}/orders"))
+                .header("idempotency-key", format!("order-{n}"))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .expect("request");
+            let reply = send(&client, request).await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{layer}: {reply:?}");
+            assert_eq!(
+                reply.body,
+                format!("{{\"id\":{n},\"order\":{{\"qty\":{n},\"sku\":\"book-{n}\"}}}}"),
+                "{layer}"
+            );
+            assert_eq!(
+                reply.header("location"),
+                Some(format!("/orders/{n}").as_str()),
+                "{layer}"
+            );
+            created.push(reply.body);
+        }
+        for (id, body) in (1..).zip(&created) {
+            let reply = send(&client, get(&addr, id)).await;
+            assert_eq!(reply.status, StatusCode::OK, "{layer}: order {id}");
+            assert_eq!(&reply.body, body, "{layer}: order {id}");
+            assert_eq!(
+                reply.header("content-type"),
+                Some("application/json"),
+                "{layer}: order {id}"
+            );
+        }
+        for id in [0, ORDERS + 1, u64::MAX] {
+            let reply = send(&client, get(&addr, id)).await;
+            assert_eq!(reply.status, StatusCode::NOT_FOUND, "{layer}: order {id}");
+        }
+    }
+}
