@@ -19,12 +19,8 @@ seconds=${2:-15}
 cd "$(dirname "$0")/.."
 . bench/prologue.sh
 
-store_url=memory
-if [ "$store" = redis ]; then
-  private_redis
-fi
-upstream_port=$(free_port)
-IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+use_store "$store"
+start_upstream
 
 count() { # mode -> "instructions-per-request requests"
   local mode=$1 port

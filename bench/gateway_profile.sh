@@ -23,21 +23,14 @@ cd "$(dirname "$0")/.."
 . bench/prologue.sh
 command -v perf >/dev/null || { echo "perf is not installed" >&2; exit 1; }
 
-store_url=memory
-if [ "$store" = redis ]; then
-  private_redis
-fi
-upstream_port=$(free_port)
+use_store "$store"
+start_upstream
 port=$(free_port)
-IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
 # shellcheck disable=SC2046 # the flags are words
 RUST_LOG=warn "$gateway" --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$upstream_port" \
   $(gateway_flags "$mode") >"$work/gateway.log" 2>&1 &
 pid=$!
-for _ in $(seq 100); do
-  curl -s -o /dev/null "http://127.0.0.1:$port/orders/0" && break
-  sleep 0.1
-done
+wait_served "$port"
 wrk -t2 -c64 -d2s -s bench/fresh_keys.lua "http://127.0.0.1:$port" -- warm >/dev/null
 # CPU ticks (user + system) and minor faults of the gateway so far.
 usage() { awk '{print $14 + $15, $10}' "/proc/$pid/stat"; }

@@ -29,14 +29,10 @@ cd "$(dirname "$0")/.."
 
 layered_port=$(free_port)
 bare_port=$(free_port)
-upstream_port=$(free_port)
-store_url=memory
-if [ "$store" = redis ]; then
-  private_redis
-fi
+use_store "$store"
 if [ "$target" = gateway ]; then
   # One bare upstream; two gateways in front of it, identical but for the methods.
-  IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+  start_upstream
   # shellcheck disable=SC2046 # the flags are words
   RUST_LOG=warn "$gateway" --listen 127.0.0.1:$layered_port --upstream http://127.0.0.1:$upstream_port \
     $(gateway_flags layered) >"$work/layered.log" 2>&1 &
@@ -48,24 +44,11 @@ else
   IDEM_LISTEN=127.0.0.1:$bare_port IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &
 fi
 for port in $layered_port $bare_port; do
-  for _ in $(seq 50); do
-    curl -s -o /dev/null "http://127.0.0.1:$port/orders/0" && break
-    sleep 0.1
-  done
+  wait_served "$port"
 done
-# One order through each before measuring: a server or upstream that did
-# not come up would otherwise be measured answering errors.
 for port in $layered_port $bare_port; do
-  status=$(curl -s -o /dev/null -w '%{http_code}' -X POST "http://127.0.0.1:$port/orders" \
-    -H 'Authorization: Bearer bench' -H "Idempotency-Key: check-$port-$$" \
-    -H 'Content-Type: application/json' -d '{"sku":"check","qty":1}')
-  if [ "$status" != 201 ]; then
-    echo "the server on port $port answered $status to an order; see its log:" >&2
-    cat "$work"/*.log >&2
-    exit 1
-  fi
+  check_order "$port"
 done
-
 
 run() { # port -> "rps p99ms errors"
   wrk -t2 -c"$connections" -d"${seconds}s" --latency -s bench/fresh_keys.lua "http://127.0.0.1:$1" | awk '/^RESULT/ {print $3, $4, $5}'

@@ -1,5 +1,6 @@
-# Sourced by bench/load.sh, bench/records.sh, bench/gateway_instructions.sh
-# and bench/gateway_profile.sh from the repository root: checks for wrk,
+# Sourced by bench/load.sh, bench/records.sh, bench/fill.sh,
+# bench/gateway_instructions.sh and bench/gateway_profile.sh from the
+# repository root: checks for wrk,
 # builds the release binaries they start, makes a work directory removed
 # (with every background job killed) on exit, and gives them free_port,
 # private_redis and gateway_flags.
@@ -29,6 +30,46 @@ private_redis() {
     sleep 0.1
   done
   store_url="redis://127.0.0.1:$redis_port"
+}
+
+# The layered gateway's store: `memory`, or `redis` (a private
+# redis-server, see private_redis). Sets store_url.
+use_store() {
+  store_url=memory
+  if [ "$1" = redis ]; then
+    private_redis
+  fi
+}
+
+# Starts a bare axum-orders upstream on a free port (a job, stopped on
+# exit): sets upstream_port and upstream_pid.
+start_upstream() {
+  upstream_port=$(free_port)
+  IDEM_LISTEN=127.0.0.1:$upstream_port IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+  upstream_pid=$!
+}
+
+# Waits (at most about 10 s) until the server on port $1 answers.
+wait_served() {
+  for _ in $(seq 100); do
+    curl -s -o /dev/null "http://127.0.0.1:$1/orders/0" && return 0
+    sleep 0.1
+  done
+}
+
+# One order through the server on port $1 before measuring: a server or
+# upstream that did not come up would otherwise be measured answering
+# errors. Exits with the servers' logs unless it is created.
+check_order() {
+  local status
+  status=$(curl -s -o /dev/null -w '%{http_code}' -X POST "http://127.0.0.1:$1/orders" \
+    -H 'Authorization: Bearer bench' -H "Idempotency-Key: check-$1-$$" \
+    -H 'Content-Type: application/json' -d '{"sku":"check","qty":1}')
+  if [ "$status" != 201 ]; then
+    echo "the server on port $1 answered $status to an order; see its log:" >&2
+    cat "$work"/*.log >&2
+    exit 1
+  fi
 }
 
 # The gateway's flags as the benches start it (prints words, to be used
