@@ -36,7 +36,8 @@ def sample():
             time.sleep(0.1)
 
 
-threading.Thread(target=sample, daemon=True).start()
+sampler = threading.Thread(target=sample)
+sampler.start()
 connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 n = 0
 with open(out, "w") as f:
@@ -58,3 +59,4 @@ with open(out, "w") as f:
         took = time.monotonic() - started
         f.write(f"{started:.4f} {1000 * took:.2f} {status}\n")
         time.sleep(max(0.0, 0.02 - took))
+sampler.join()
