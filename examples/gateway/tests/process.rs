@@ -25,11 +25,12 @@ struct Process {
 }
 
 impl Process {
-    /// A GET of the gateway's `/metrics`.
-    fn metrics_request(&self) -> Request<Full<Bytes>> {
-        Request::get(format!("http://{}/metrics", self.addr))
+    /// The text of the gateway's `/metrics`.
+    async fn metrics(&self) -> String {
+        let request = Request::get(format!("http://{}/metrics", self.addr))
             .body(Full::new(Bytes::new()))
-            .expect("request")
+            .expect("request");
+        String::from_utf8_lossy(&send(&client(), request).await.body).into_owned()
     }
 
     /// Starts the binary and waits for the line that says where it listens.
@@ -679,10 +680,7 @@ async fn settings_from_the_environment_take_effect() {
         request("POST", "/slow", Some("wait-1"), Some("a")),
     ));
     upstream.wait_runs(before + 1).await;
-    let metrics = async || {
-        String::from_utf8_lossy(&send(&http, gateway.metrics_request()).await.body).into_owned()
-    };
-    let reserves = reserve_count(&metrics().await);
+    let reserves = reserve_count(&gateway.metrics().await);
     let duplicate = tokio::spawn(send(
         &http,
         request("POST", "/slow", Some("wait-1"), Some("a")),
@@ -692,7 +690,7 @@ async fn settings_from_the_environment_take_effect() {
     wait_until(
         Duration::from_secs(20),
         "the duplicate's reservation",
-        async || reserve_count(&metrics().await) > reserves,
+        async || reserve_count(&gateway.metrics().await) > reserves,
     )
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -709,8 +707,7 @@ async fn settings_from_the_environment_take_effect() {
     let open = send(&http, request("POST", "/orders", Some("open-1"), Some("a"))).await;
     assert_eq!(open.status, StatusCode::CREATED);
     assert_eq!(upstream.runs(), runs + 1);
-    let metrics = send(&http, gateway.metrics_request()).await;
-    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    let text = gateway.metrics().await;
     for expected in [
         "idem_requests_total{outcome=\"fail_open\"} 1",
         "idem_requests_total{outcome=\"executed\"}",
@@ -965,9 +962,7 @@ async fn the_memory_byte_bound_holds_while_tenants_flood() {
     };
     let text = poll_until(
         Duration::from_secs(20),
-        async || {
-            String::from_utf8_lossy(&send(&http, gateway.metrics_request()).await.body).into_owned()
-        },
+        async || gateway.metrics().await,
         |text| gauge(text).is_some(),
     )
     .await;
@@ -1265,11 +1260,8 @@ async fn one_gateway_of_a_fleet_counts_the_lapsed_records() {
         SECRET,
     ];
     let gateways = [Process::start(&args), Process::start(&args)];
-    let http = client();
     let lapsed = async |gateway: &Process| {
-        let text = String::from_utf8_lossy(&send(&http, gateway.metrics_request()).await.body)
-            .into_owned();
-        sample(&text, "idem_records_lapsed").map(str::to_owned)
+        sample(&gateway.metrics().await, "idem_records_lapsed").map(str::to_owned)
     };
     let both = poll_until(
         Duration::from_secs(20),
