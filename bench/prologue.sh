@@ -1,9 +1,9 @@
 # Sourced by bench/load.sh, bench/records.sh, bench/fill.sh,
 # bench/gateway_instructions.sh and bench/gateway_profile.sh from the
-# repository root: checks for wrk,
-# builds the release binaries they start, makes a work directory removed
-# (with every background job killed) on exit, and gives them free_port,
-# private_redis and gateway_flags.
+# repository root: checks for wrk, builds the release binaries they start,
+# makes a work directory removed (with every background job killed) on
+# exit, and gives them free_port, private_redis, use_store, start_upstream,
+# wait_served, check_order and gateway_flags.
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 cargo build --release -q -p axum-orders -p idem-gateway
 bin=target/release/axum-orders

@@ -5,6 +5,7 @@
 
 use std::{
     collections::HashMap,
+    hash::{BuildHasher, RandomState},
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -21,7 +22,7 @@ use axum::{
 };
 use serde_json::{Value, json};
 
-/// How many maps the orders are spread over, by id. One map of every
+/// How many maps the orders are spread over. One map of every
 /// order would, each time it grows, rehash all of them under its lock:
 /// near a million orders that held every request for about 300 ms (the
 /// stalls the gateway benchmarks saw, `bench/HISTORY.md`). A shard grows
@@ -33,6 +34,8 @@ struct Orders {
     next_id: Arc<AtomicU64>,
     /// Each order's JSON as it was answered, by id, in the shard of its id.
     shards: Arc<[Mutex<HashMap<u64, Bytes>>]>,
+    /// What picks an id's shard (see [`Orders::shard`]).
+    spread: RandomState,
 }
 
 impl Default for Orders {
@@ -40,24 +43,20 @@ impl Default for Orders {
         Self {
             next_id: Arc::default(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            spread: RandomState::new(),
         }
     }
 }
 
 impl Orders {
-    /// The map of order `id`: chosen by a mix of the id (splitmix64's
-    /// finalizer), not by the id itself. Ids are sequential, so `id % 64`
-    /// would fill the maps in exact step and all of them would grow
-    /// within 64 orders of each other; mixed, their sizes differ by a few
-    /// dozen near a million orders, and their growths spread over
-    /// thousands of orders.
+    /// The map of order `id`: chosen by a hash of the id, not by the id
+    /// itself. Ids are sequential, so `id % 64` would fill the maps in
+    /// exact step and all of them would grow within 64 orders of each
+    /// other; hashed, their sizes differ by a few dozen near a million
+    /// orders, and their growths spread over thousands of orders.
     fn shard(&self, id: u64) -> &Mutex<HashMap<u64, Bytes>> {
-        let mut mixed = id;
-        mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        mixed ^= mixed >> 31;
         // The remainder is below SHARDS, so it fits a usize.
-        &self.shards[(mixed % SHARDS as u64) as usize]
+        &self.shards[(self.spread.hash_one(id) % SHARDS as u64) as usize]
     }
 }
 
