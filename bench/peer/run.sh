@@ -7,7 +7,9 @@
 #
 # Prints, per mode: req/s, p50/p99, and CPU microseconds per request of the
 # app process and of redis-server (CPU per request is far steadier than req/s
-# on a shared machine), Redis commands per request, and the ratios to bare.
+# on a shared machine), Redis commands per request, the ratios of the medians
+# to bare, and paired ratios (each round's idem run against its neighbour in
+# the same round: the peer on Redis, bare in memory), median and range.
 # Needs wrk, redis-server, redis-cli, curl, python3. Starts its own
 # redis-server on a free loopback port and stops it at the end. Builds in
 # $IDEM/target/peer-bench (the peer declares rust-version 1.98 and builds on
@@ -122,6 +124,26 @@ for mode in ("bare", "memory", "idem-memory", "redis", "idem-redis"):
 for mode in ("memory", "idem-memory", "redis", "idem-redis"):
     print(f"median ratio {mode}/bare: rps {med[mode][0]/med['bare'][0]:.3f}  "
           f"p50 {med[mode][1]/med['bare'][1]:.2f}x  p99 {med[mode][2]/med['bare'][2]:.2f}x")
+# Paired ratios: each round's run against its neighbour of the same round
+# (idem on Redis against the peer's run just before it; a memory mode
+# against the round's first bare run), so the hour's drift between rounds
+# cancels; the median over rounds and the range.
+by = {}
+for r in rows:
+    by.setdefault((r[0], r[1]), r)
+def paired(name, num, den, field):
+    ratios = [by[(n, num)][field] / by[(n, den)][field]
+              for n in sorted({r[0] for r in rows})
+              if (n, num) in by and (n, den) in by and by[(n, den)][field] > 0]
+    if ratios:
+        print(f"paired {name}: median {statistics.median(ratios):.3f}, "
+              f"rounds {min(ratios):.3f} to {max(ratios):.3f} (n={len(ratios)})")
+paired("idem-redis/redis req/s", "idem-redis", "redis", 2)
+paired("idem-redis/redis app CPU", "idem-redis", "redis", 7)
+paired("idem-redis/redis Redis CPU", "idem-redis", "redis", 8)
+paired("idem-memory/bare req/s", "idem-memory", "bare", 2)
+paired("idem-memory/bare app CPU", "idem-memory", "bare", 7)
+paired("memory/bare req/s", "memory", "bare", 2)
 PY
 
 # ---- Redis commands per request (1000 sequential new keys, then 1000 replays) ----
