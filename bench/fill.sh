@@ -24,10 +24,7 @@ cd "$(dirname "$0")/.."
 use_store "$store"
 start_upstream
 layered_port=$(free_port)
-# shellcheck disable=SC2046 # the flags are words
-RUST_LOG=warn "$gateway" --listen 127.0.0.1:$layered_port --upstream http://127.0.0.1:$upstream_port \
-  $(gateway_flags layered) >"$work/layered.log" 2>&1 &
-gateway_pid=$!
+start_gateway "$layered_port" layered layered
 wait_served "$layered_port"
 check_order "$layered_port"
 

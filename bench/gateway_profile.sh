@@ -26,15 +26,12 @@ command -v perf >/dev/null || { echo "perf is not installed" >&2; exit 1; }
 use_store "$store"
 start_upstream
 port=$(free_port)
-# shellcheck disable=SC2046 # the flags are words
-RUST_LOG=warn "$gateway" --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$upstream_port" \
-  $(gateway_flags "$mode") >"$work/gateway.log" 2>&1 &
-pid=$!
+start_gateway "$port" "$mode" gateway
 wait_served "$port"
 wrk -t2 -c64 -d2s -s bench/fresh_keys.lua "http://127.0.0.1:$port" -- warm >/dev/null
 # CPU ticks (user + system) and minor faults of the gateway so far.
-usage() { awk '{print $14 + $15, $10}' "/proc/$pid/stat"; }
-perf record -q -e cpu-clock -F 999 -p "$pid" -o "$work/gateway.data" 2>/dev/null & perf_pid=$!
+usage() { awk '{print $14 + $15, $10}' "/proc/$gateway_pid/stat"; }
+perf record -q -e cpu-clock -F 999 -p "$gateway_pid" -o "$work/gateway.data" 2>/dev/null & perf_pid=$!
 read -r ticks0 faults0 < <(usage)
 answered=$(wrk -t2 -c64 -d"${seconds}s" -s bench/fresh_keys.lua "http://127.0.0.1:$port" -- profile \
   | awk '/^RESULT/ {print $2}')

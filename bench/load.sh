@@ -33,12 +33,8 @@ use_store "$store"
 if [ "$target" = gateway ]; then
   # One bare upstream; two gateways in front of it, identical but for the methods.
   start_upstream
-  # shellcheck disable=SC2046 # the flags are words
-  RUST_LOG=warn "$gateway" --listen 127.0.0.1:$layered_port --upstream http://127.0.0.1:$upstream_port \
-    $(gateway_flags layered) >"$work/layered.log" 2>&1 &
-  # shellcheck disable=SC2046 # the flags are words
-  RUST_LOG=warn "$gateway" --listen 127.0.0.1:$bare_port --upstream http://127.0.0.1:$upstream_port \
-    $(gateway_flags pass) >"$work/bare.log" 2>&1 &
+  start_gateway "$layered_port" layered layered
+  start_gateway "$bare_port" pass bare
 else
   IDEM_LISTEN=127.0.0.1:$layered_port IDEM_LAYER=on IDEM_STORE="$store_url" "$bin" >"$work/layered.log" 2>&1 &
   IDEM_LISTEN=127.0.0.1:$bare_port IDEM_LAYER=off "$bin" >"$work/bare.log" 2>&1 &

@@ -3,7 +3,7 @@
 # repository root: checks for wrk, builds the release binaries they start,
 # makes a work directory removed (with every background job killed) on
 # exit, and gives them free_port, private_redis, use_store, start_upstream,
-# wait_served, check_order and gateway_flags.
+# start_gateway, wait_served, check_order and gateway_flags.
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 cargo build --release -q -p axum-orders -p idem-gateway
 bin=target/release/axum-orders
@@ -49,12 +49,26 @@ start_upstream() {
   upstream_pid=$!
 }
 
-# Waits (at most about 10 s) until the server on port $1 answers.
+# Waits (at most about 10 s) until the server on port $1 answers; exits
+# with the servers' logs if it never does.
 wait_served() {
   for _ in $(seq 100); do
     curl -s -o /dev/null "http://127.0.0.1:$1/orders/0" && return 0
     sleep 0.1
   done
+  echo "nothing answered on port $1; see the logs:" >&2
+  cat "$work"/*.log >&2
+  exit 1
+}
+
+# Starts a gateway on port $1 in front of the upstream (start_upstream),
+# with gateway_flags $2 (`layered` or `pass`), logging to $work/$3.log (a
+# job, stopped on exit): sets gateway_pid.
+start_gateway() {
+  # shellcheck disable=SC2046 # the flags are words
+  RUST_LOG=warn "$gateway" --listen "127.0.0.1:$1" --upstream "http://127.0.0.1:$upstream_port" \
+    $(gateway_flags "$2") >"$work/$3.log" 2>&1 &
+  gateway_pid=$!
 }
 
 # One order through the server on port $1 before measuring: a server or

@@ -26,14 +26,10 @@ expiring=${3:-200000}
 cd "$(dirname "$0")/.."
 . bench/prologue.sh
 
-wait_port() { for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$1/orders/0" && return 0; sleep 0.05; done; echo "port $1 did not open" >&2; exit 1; }
 rss_kb() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
-store_url=memory
 redis_port=
-if [ "$store" = redis ]; then
-  private_redis
-fi
+use_store "$store"
 pg_port=
 if [ "$store" = postgres ]; then
   pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
@@ -52,15 +48,15 @@ pg_bytes() { "$pg_bin/psql" -h 127.0.0.1 -p "$pg_port" -U postgres -tAc \
   "SELECT COALESCE(pg_total_relation_size(to_regclass('idem_records')), 0)" postgres; }
 used_memory() { redis-cli -p "$redis_port" info memory | tr -d '\r' | awk -F: '/^used_memory:/ {print $2}'; }
 
-up=$(free_port); protected=$(free_port); bare=$(free_port)
-IDEM_LISTEN=127.0.0.1:$up IDEM_LAYER=off "$bin" >"$work/upstream.log" 2>&1 &
+start_upstream
+up=$upstream_port; protected=$(free_port); bare=$(free_port)
 memory_flags=(--memory-capacity $((records * 2)) --memory-tenant-quota 0 --memory-max-bytes 16GiB)
 RUST_LOG=warn "$gateway" --listen 127.0.0.1:$protected --upstream http://127.0.0.1:$up \
   --store "$store_url" "${memory_flags[@]}" --tenant-secret bench-secret-of-32-bytes-or-more-0001 \
   >"$work/protected.log" 2>&1 & protected_pid=$!
 RUST_LOG=warn "$gateway" --listen 127.0.0.1:$bare --upstream http://127.0.0.1:$up \
   --methods PUT >"$work/bare.log" 2>&1 & bare_pid=$!
-wait_port "$up"; wait_port "$protected"; wait_port "$bare"
+wait_served "$up"; wait_served "$protected"; wait_served "$bare"
 
 # Fresh-key POSTs over 64 connections for a while; prints
 # "requests rps p99ms errors".
@@ -99,7 +95,7 @@ protected=$(free_port)
 RUST_LOG=warn "$gateway" --listen 127.0.0.1:$protected --upstream http://127.0.0.1:$up \
   --store "$store_url" --retention 20s --lease 5s "${memory_flags[@]}" \
   --tenant-secret bench-secret-of-32-bytes-or-more-0001 >"$work/expiring.log" 2>&1 & protected_pid=$!
-wait_port "$protected"
+wait_served "$protected"
 started=$(date +%s)
 filled=0
 while [ "$filled" -lt "$expiring" ]; do
