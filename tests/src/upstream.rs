@@ -24,6 +24,8 @@ pub struct Seen {
     pub key: Option<String>,
     /// The `Idempotency-Attempt` it received.
     pub attempt: Option<String>,
+    /// The `x-idem-admin-token` it received (a gateway never forwards it).
+    pub admin_token: Option<String>,
 }
 
 /// The upstream's shared state.
@@ -83,6 +85,7 @@ impl Upstream {
             path,
             key: text("idempotency-key"),
             attempt: text("idempotency-attempt"),
+            admin_token: text("x-idem-admin-token"),
         };
         if let Ok(mut all) = self.seen.lock() {
             all.push(seen);
@@ -96,11 +99,14 @@ impl Upstream {
     /// * `POST /orders`: 201, `Location`, `Set-Cookie`, a body naming the run.
     /// * `POST /status/{code}`: that status.
     /// * `POST /slow`: waits for a gate permit, then 201.
+    /// * any other request: 201, a body naming the path as received and
+    ///   the run.
     pub fn router(&self) -> Router {
         Router::new()
             .route("/orders", post(orders))
             .route("/status/{code}", post(status))
             .route("/slow", post(slow))
+            .fallback(any_path)
             .with_state(self.clone())
     }
 }
@@ -140,4 +146,14 @@ async fn slow(State(up): State<Upstream>, headers: HeaderMap) -> impl IntoRespon
         permit.forget();
     }
     (StatusCode::CREATED, format!("slow run {n}"))
+}
+
+async fn any_path(
+    State(up): State<Upstream>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+) -> impl IntoResponse {
+    let path = uri.path().to_owned();
+    let n = up.record(path.clone(), &headers);
+    (StatusCode::CREATED, format!("{path} run {n}"))
 }

@@ -411,6 +411,114 @@ async fn proxy_headers_are_the_gateways_own() {
     );
 }
 
+/// An upstream that answers `101 Switching Protocols` to a keyed POST that
+/// asked for no upgrade: the request reached it, so the outcome is
+/// unknown: the client gets `502 upstream_answer_invalid` (not a bare 101),
+/// the key is kept, and the retry gets 409 instead of a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unasked_101_keeps_the_key() {
+    let (upstream, count) = raw_upstream(
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n",
+    )
+    .await;
+    let gateway = start(idem_tests::gateway_config(upstream, &[])).await;
+    let first = post(gateway, "/orders", "switch-1").await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{first:?}");
+    assert_eq!(first.code().as_deref(), Some("upstream_answer_invalid"));
+    for _ in 0..2 {
+        let retry = post(gateway, "/orders", "switch-1").await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+        assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    }
+    assert_eq!(count.load(Ordering::SeqCst), 1, "the upstream ran once");
+}
+
+/// Sends `head` and `body` as they are over a new connection and reads
+/// the answer to its end: its status and body.
+async fn raw_request(addr: SocketAddr, head: &[u8], body: &[u8]) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(head).await.expect("write head");
+    stream.write_all(body).await.expect("write body");
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut answer)).await;
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text
+        .get(9..12)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// One key sent to `/orders/é` as raw UTF-8 and then to `/orders/%C3%A9`
+/// names one operation: the second replays, and the upstream ran once,
+/// given the percent-encoded path (it ran twice: two scopes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_utf8_in_the_path_is_one_operation_with_its_escapes() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    let mut head = b"POST /orders/".to_vec();
+    head.extend_from_slice("é".as_bytes());
+    head.extend_from_slice(
+        b" HTTP/1.1\r\nHost: gateway\r\nIdempotency-Key: utf8-1\r\n\
+          Authorization: Bearer alice\r\nContent-Type: application/json\r\n\
+          Content-Length: 2\r\nConnection: close\r\n\r\n",
+    );
+    let (status, body) = raw_request(gateway.addr, &head, b"{}").await;
+    assert_eq!(status, 201, "{body}");
+    let escaped = post(gateway.addr, "/orders/%C3%A9", "utf8-1").await;
+    assert_eq!(escaped.status, StatusCode::CREATED, "{escaped:?}");
+    assert!(escaped.replayed(), "one operation, replayed");
+    assert_eq!(&escaped.body[..], body.as_bytes());
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].path, "/orders/%C3%A9", "forwarded escaped");
+}
+
+/// The records API's admin credential is the gateway's own: it never
+/// reaches the upstream, on a keyed or unkeyed POST, a GET or a mistyped
+/// records path; `Authorization` still does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_never_reaches_the_upstream() {
+    const ADMIN: &str = "admin token of sixteen bytes or more";
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &["--records-admin-token", ADMIN]).await;
+    let with_token = |method: Method, path: &str, key: Option<&str>| {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", gateway.addr))
+            .header("authorization", "Bearer alice")
+            .header("x-idem-admin-token", ADMIN)
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            builder = builder.header("idempotency-key", key);
+        }
+        builder
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let http = client();
+    for request in [
+        with_token(Method::POST, "/orders", Some("admin-1")),
+        with_token(Method::POST, "/orders", None),
+        with_token(Method::GET, "/anything", None),
+        with_token(Method::POST, "/_idempotency/recordz", Some("admin-2")),
+    ] {
+        let answer = send(&http, request).await;
+        assert!(answer.status.is_success(), "{answer:?}");
+    }
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 4, "{seen:?}");
+    for seen in &seen {
+        assert_eq!(seen.admin_token, None, "{seen:?}");
+    }
+}
+
 /// Durations no clock can hold are refused when the flags are read.
 #[test]
 fn absurd_durations_are_refused_at_start() {

@@ -358,6 +358,36 @@ async fn the_gateway_runs_on_postgres() {
     );
 }
 
+/// `--allow-anonymous` on PostgreSQL: keyed requests without credentials
+/// share the anonymous tenant (which starts with a NUL byte, so no header
+/// names it), stored, replayed and listed like any other (they were
+/// answered 503: PostgreSQL's `text` refused the NUL).
+#[tokio::test]
+async fn the_anonymous_tenant_works_on_postgres() {
+    use idem_tests::{TestServer, start_gateway, upstream::Upstream};
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&origin, &["--store", &url, "--allow-anonymous"]).await;
+    let post = || {
+        Request::post(format!("http://{}/orders", gateway.addr))
+            .header("idempotency-key", "anon-1")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let first = idem_tests::send(&idem_tests::client(), post()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let second = idem_tests::send(&idem_tests::client(), post()).await;
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(upstream.runs(), 1);
+}
+
 /// A layer on `store` with a one-minute lease and the given store
 /// timeout, the router of a handler that answers 201 with how many times
 /// it ran, and that count.

@@ -828,6 +828,42 @@ pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
     assert_eq!(keys, ["first", "second"]);
 }
 
+/// A tenant may hold any character, NUL included (the layer's anonymous
+/// tenant starts with one, so no header value can name it): it is stored,
+/// replayed, read back and listed as it is, on every store.
+pub async fn any_tenant_text_is_stored<H: Harness>(h: &H) {
+    let id = uuid::Uuid::new_v4();
+    for tenant in [format!("\0anonymous-{id}"), format!("%00%25\0\\{id}")] {
+        let scope = Scope::new(
+            tenant.clone(),
+            "POST /orders",
+            IdempotencyKey::parse(b"any-tenant").expect("key"),
+        );
+        let lease = acquire(h, &scope, 1).await;
+        let outcome = response(201, b"anonymous");
+        recorded(h, &lease, &outcome).await;
+        match reserve(h, &scope, 1).await {
+            Reservation::Completed(replay) => assert_eq!(replay.outcome, outcome),
+            other => panic!("expected Completed, got {other:?}"),
+        }
+        let record = get(h, scope.hash()).await.expect("record");
+        assert_eq!(*record.tenant, *tenant);
+        let listed = h
+            .store()
+            .list(&RecordQuery {
+                tenant: Some(tenant.clone()),
+                state: None,
+                older_than: None,
+                lapsed: false,
+                limit: 10,
+            })
+            .await
+            .expect("list");
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!(*listed[0].tenant, *tenant);
+    }
+}
+
 /// Runs every check in turn on one harness (for stores that are costly to
 /// set up, like a cluster). Use a multi-thread runtime.
 pub async fn run_all<H: Harness>(harness: Arc<H>) {
@@ -856,6 +892,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     tenants_are_isolated(h).await;
     force_release_frees_a_stuck_key(h).await;
     list_finds_a_tenants_records(h).await;
+    any_tenant_text_is_stored(h).await;
     concurrent_reserve_acquires_once(Arc::clone(&harness)).await;
 }
 
@@ -891,7 +928,8 @@ macro_rules! conformance_tests {
             the_binding_outlasts_the_attempt_history,
             tenants_are_isolated,
             force_release_frees_a_stuck_key,
-            list_finds_a_tenants_records
+            list_finds_a_tenants_records,
+            any_tenant_text_is_stored
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn concurrent_reserve_acquires_once() {

@@ -382,6 +382,24 @@ pub fn release(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Release
     Release::Released
 }
 
+/// The lease a store that (re)started at `started_ms` grants the record's
+/// owner (SPEC section 8): a processing record's lease counts as running
+/// until at least a lease after the start, so that an owner which held an
+/// outcome (or kept running) while the store was down can record it, or
+/// renew, before anyone takes over. A store that can tell when it started
+/// (Redis' uptime and replication id, PostgreSQL's postmaster start and
+/// timeline) applies it before every transition; applying it twice changes
+/// nothing.
+pub fn lease_after_start(slot: &mut Option<Record>, started_ms: u64) {
+    if let Some(record) = slot.as_mut()
+        && record.state == RecordState::Processing
+        && record.owner.is_some()
+    {
+        let floor = started_ms.saturating_add(record.lease_ms);
+        record.lease_expires_at_ms = record.lease_expires_at_ms.max(floor);
+    }
+}
+
 /// Frees a reservation whose caller gave up before its answer came (the
 /// call was dropped after the store had applied it): nobody runs that
 /// attempt, so the key must not stay taken for a whole lease. Only while
@@ -490,6 +508,54 @@ mod tests {
             panic!("a new key is acquired");
         };
         1_000 + super::millis(first.ttl) + 1
+    }
+
+    /// After a store start, a lapsed lease counts as running until a lease
+    /// after the start: the owner renews it, a retry in between is in
+    /// progress; applied twice it changes nothing; a record nobody owns
+    /// (an abandoned takeover) gets no grace.
+    #[test]
+    fn a_lease_runs_a_lease_past_the_stores_start() {
+        let request = crate::test_support::request("k");
+        let mut slot = None;
+        let Reservation::Acquired(first) = reserve(
+            &mut slot,
+            &request,
+            1_000,
+            AttemptId::new(),
+            OwnerToken::new(),
+        ) else {
+            panic!("a new key is acquired");
+        };
+        let lease_ms = super::millis(first.ttl);
+        let started = 1_000 + 3 * lease_ms;
+        super::lease_after_start(&mut slot, started);
+        super::lease_after_start(&mut slot, started);
+        assert_eq!(
+            slot.as_ref().map(|r| r.lease_expires_at_ms),
+            Some(started + lease_ms)
+        );
+        assert!(matches!(
+            reserve(
+                &mut slot,
+                &request,
+                started + lease_ms - 1,
+                AttemptId::new(),
+                OwnerToken::new()
+            ),
+            Reservation::InProgress { .. }
+        ));
+        assert!(matches!(
+            super::renew(&mut slot, &first, started + 1),
+            crate::Renewal::Renewed
+        ));
+        let mut unowned = slot.clone();
+        if let Some(record) = unowned.as_mut() {
+            record.owner = None;
+            record.lease_expires_at_ms = 5;
+        }
+        super::lease_after_start(&mut unowned, started);
+        assert_eq!(unowned.map(|r| r.lease_expires_at_ms), Some(5));
     }
 
     /// A given-up reservation is freed only while it still holds the

@@ -477,6 +477,12 @@ where
             if let Some(unknown) = response.extensions_mut().remove::<UnknownOutcome>() {
                 return Ok(Produced::Unknown(response, unknown));
             }
+            // An informational status is no final answer to the request:
+            // the handler acted (or may have), so the key is kept as for
+            // an unknown outcome, never released.
+            if response.status().is_informational() {
+                return Ok(Produced::Unknown(response, UnknownOutcome::new()));
+            }
             Ok(Produced::Answer(buffer(response, max_response).await))
         })
         .catch_unwind();

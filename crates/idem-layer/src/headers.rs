@@ -36,5 +36,7 @@ pub(crate) fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, Ke
     IdempotencyKey::parse(value.as_bytes()).map(Some)
 }
 
-/// The request header that carries the records API's admin credential.
-pub(crate) const ADMIN_TOKEN: HeaderName = HeaderName::from_static("x-idem-admin-token");
+/// The request header that carries the records API's admin credential. A
+/// proxy in front of an upstream removes it before forwarding: the
+/// credential is the proxy's own.
+pub const ADMIN_TOKEN: HeaderName = HeaderName::from_static("x-idem-admin-token");

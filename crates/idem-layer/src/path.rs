@@ -23,6 +23,16 @@ fn hex_value(byte: u8) -> Option<u8> {
     }
 }
 
+/// Appends `byte` as an upper-case percent escape.
+fn push_escape(out: &mut Vec<u8>, byte: u8) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    out.extend_from_slice(&[
+        b'%',
+        HEX[usize::from(byte >> 4)],
+        HEX[usize::from(byte & 15)],
+    ]);
+}
+
 /// Whether the path is already in normal form (the common case, checked
 /// without allocating).
 fn is_normal(path: &[u8]) -> bool {
@@ -34,6 +44,8 @@ fn is_normal(path: &[u8]) -> bool {
         match byte {
             b'/' if previous == b'/' => return false,
             b'%' => return false,
+            // A raw non-ASCII byte is written as its escape.
+            0x80.. => return false,
             b'.' if previous == b'/' => {
                 // "/." followed by "/", "./" or the end is a dot segment.
                 let rest = &path[i + 1..];
@@ -59,7 +71,9 @@ fn is_normal(path: &[u8]) -> bool {
 ///   point (normalizing it again changes nothing);
 /// * repeated slashes are merged (`//a///b` is `/a/b`);
 /// * dot segments are removed (`/a/./b/../c` is `/a/c`; never above `/`);
-/// * an empty path is `/`.
+/// * an empty path is `/`;
+/// * raw non-ASCII bytes are percent-encoded (`/orders/é` is
+///   `/orders/%C3%A9`), so both spellings are one operation.
 ///
 /// A trailing slash is kept (`/orders/` stays a different path), as servers
 /// commonly route it differently.
@@ -95,6 +109,10 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
             // escape, so that no later character can complete it into
             // another (`%%616` is `%25a6`, never `%a6` and then `%A6`).
             decoded.extend_from_slice(b"%25");
+        } else if byte >= 0x80 {
+            // Raw UTF-8 (`/orders/é`) names what its escapes name
+            // (`/orders/%C3%A9`): one operation, forwarded escaped.
+            push_escape(&mut decoded, byte);
         } else {
             decoded.push(byte);
         }
@@ -117,8 +135,7 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     let mut out = String::with_capacity(decoded.len() + 1);
     for segment in &segments {
         out.push('/');
-        // Every byte is ASCII or part of the original UTF-8 text, and
-        // segments split at ASCII '/' only.
+        // Every byte is ASCII: non-ASCII bytes were escaped above.
         out.push_str(&String::from_utf8_lossy(segment));
     }
     if out.is_empty() || (trailing && !segments.is_empty()) {
@@ -175,6 +192,7 @@ mod tests {
         fn normalizing_twice_changes_nothing(path in "[/.%2Ee61FfAa9z~é-]{0,20}") {
             let once = normalize_path(&path).into_owned();
             prop_assert!(once.starts_with('/'), "{:?} -> {:?}", path, once);
+            prop_assert!(once.is_ascii(), "{:?} -> {:?}", path, once);
             let twice = normalize_path(&once).into_owned();
             prop_assert_eq!(&twice, &once, "{:?}", path);
         }
@@ -195,6 +213,9 @@ mod tests {
             ("/a%2fb", "/a%2Fb"),
             ("/a%2Fb", "/a%2Fb"),
             ("/orders/", "/orders/"),
+            ("/orders/é", "/orders/%C3%A9"),
+            ("/orders/%c3%a9", "/orders/%C3%A9"),
+            ("/caf\u{e9}//x", "/caf%C3%A9/x"),
             ("/orders/.", "/orders/"),
             ("/orders/x/..", "/orders/"),
             ("/", "/"),

@@ -220,6 +220,37 @@ async fn unknown_outcome_without_an_answer_lapses_to_a_takeover() {
     assert_eq!(record.generation, 2, "the takeover has the next generation");
 }
 
+/// A handler that answers a final informational status (`101` that was not
+/// asked for) gave no final answer: the outcome is unknown, the key is kept
+/// (a retry gets 409, the handler does not run again), never released.
+#[tokio::test(start_paused = true)]
+async fn an_informational_answer_keeps_the_key() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&calls);
+    let layer = layer(&store).lease(Duration::from_secs(2));
+    let service = layer.layer(tower::service_fn(move |_: Request<Full<Bytes>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let mut response = Response::new(Full::new(Bytes::new()));
+            *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            Ok::<_, BoxError>(response)
+        }
+    }));
+    let first = send(&service, order("info-1", "{}")).await;
+    assert_eq!(first.status, StatusCode::SWITCHING_PROTOCOLS);
+    let retry = send(&service, order("info-1", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "not released");
+    assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let record = store
+        .get(idem_core::Scope::new("t1", "POST /orders", key("info-1")).hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.state, idem_core::RecordState::Processing);
+}
+
 fn key(k: &str) -> idem_core::IdempotencyKey {
     idem_core::IdempotencyKey::parse(k.as_bytes()).expect("key")
 }

@@ -614,7 +614,7 @@ impl PgStore {
         for _ in 0..RESERVE_TRIES {
             let found = sqlx::query(&self.inner.sql.reserve)
                 .bind(scope.as_bytes().to_vec())
-                .bind(request.scope.tenant())
+                .bind(row::stored_tenant(request.scope.tenant()))
                 .bind(request.scope.operation())
                 .bind(request.scope.key().as_str())
                 .bind(request.fingerprint.as_bytes().to_vec())
@@ -847,7 +847,7 @@ impl Store for PgStore {
             row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
         });
         let rows = sqlx::query(&self.inner.sql.list)
-            .bind(query.tenant.as_deref())
+            .bind(query.tenant.as_deref().map(row::stored_tenant))
             .bind(query.state.map(|state| state.as_str()))
             .bind(older)
             .bind(query.lapsed)

@@ -32,6 +32,25 @@ pub(crate) fn placeholders() -> String {
         .join(", ")
 }
 
+/// A tenant as the `text` column holds it. PostgreSQL's `text` refuses
+/// NUL, which a tenant may hold (the layer's anonymous tenant starts with
+/// one, so that no header value can name it): `%` and NUL are written as
+/// `%25` and `%00`, and every other tenant is stored as it is.
+pub(crate) fn stored_tenant(tenant: &str) -> std::borrow::Cow<'_, str> {
+    if !tenant.contains(['%', '\0']) {
+        return std::borrow::Cow::Borrowed(tenant);
+    }
+    std::borrow::Cow::Owned(tenant.replace('%', "%25").replace('\0', "%00"))
+}
+
+/// The tenant a `text` column holds, as [`stored_tenant`] wrote it.
+pub(crate) fn read_tenant(stored: &str) -> String {
+    if !stored.contains('%') {
+        return stored.to_owned();
+    }
+    stored.replace("%00", "\0").replace("%25", "%")
+}
+
 /// Milliseconds as stored (`bigint`), saturating.
 pub(crate) fn ms(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -108,7 +127,7 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record, StoreError> {
     let generation: i64 = get(row, "generation")?;
     Ok(Record {
         scope: ScopeHash::from_bytes(hash32(&scope, "scope")?),
-        tenant: get::<String>(row, "tenant")?.into(),
+        tenant: read_tenant(&get::<String>(row, "tenant")?).into(),
         operation: get::<String>(row, "operation")?.into(),
         key: get::<String>(row, "key")?.into(),
         fingerprint: Fingerprint::from_bytes(hash32(&fingerprint, "fingerprint")?),
@@ -173,7 +192,7 @@ pub(crate) fn bind_record<'q>(
         .map_err(|error| corrupt(format!("attempts: {error}")))?;
     Ok(query
         .bind(record.scope.as_bytes().to_vec())
-        .bind(record.tenant.to_string())
+        .bind(stored_tenant(&record.tenant).into_owned())
         .bind(record.operation.to_string())
         .bind(record.key.to_string())
         .bind(record.fingerprint.as_bytes().to_vec())
@@ -193,4 +212,31 @@ pub(crate) fn bind_record<'q>(
         .bind(values)
         .bind(body)
         .bind(attempts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{read_tenant, stored_tenant};
+
+    #[test]
+    fn tenants_with_nul_are_stored_without_it_and_read_back() {
+        for tenant in [
+            "alice",
+            "\0anonymous",
+            "%",
+            "%00",
+            "%25",
+            "a%\0b\0%2500",
+            "",
+            "\0",
+        ] {
+            let stored = stored_tenant(tenant);
+            assert!(!stored.contains('\0'), "{tenant:?} -> {stored:?}");
+            assert_eq!(read_tenant(&stored), tenant);
+        }
+        assert!(matches!(
+            stored_tenant("alice"),
+            std::borrow::Cow::Borrowed("alice")
+        ));
+    }
 }

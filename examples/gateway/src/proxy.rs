@@ -14,7 +14,7 @@ use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
-use idem_layer::{HOP_BY_HOP, IDEMPOTENCY_KEY, IdempotencyContext, UnknownOutcome};
+use idem_layer::{ADMIN_TOKEN, HOP_BY_HOP, IDEMPOTENCY_KEY, IdempotencyContext, UnknownOutcome};
 
 /// The header that tells the upstream which attempt of a key this is.
 pub const IDEMPOTENCY_ATTEMPT: HeaderName =
@@ -344,6 +344,8 @@ impl Proxy {
         add_forwarded(headers, self.0.forwarded, peer, host.as_deref());
         // The gateway owns the attempt header: a client's is never passed on.
         headers.remove(IDEMPOTENCY_ATTEMPT);
+        // The records API's admin credential is the gateway's own.
+        headers.remove(ADMIN_TOKEN);
         if let Some((generation, key)) = protected {
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(generation));
             // One spelling of the key for every attempt, whatever the
@@ -381,6 +383,25 @@ impl Proxy {
         *request.version_mut() = http::Version::HTTP_11;
         let mut pending = Box::pin(self.0.client.request(request));
         match tokio::time::timeout(self.0.timeout, &mut pending).await {
+            Ok(Ok(response)) if response.status().is_informational() => {
+                // The gateway asks for no upgrade (`Upgrade` is hop-by-hop
+                // and never forwarded): a `101` or any other final 1xx is
+                // no answer to the request, which reached the upstream.
+                // The outcome is unknown: the key is kept, never released.
+                let status = response.status().as_u16();
+                tracing::warn!(status, "upstream answered with an informational status");
+                let detail = format!(
+                    "the upstream answered {status}, which is no final answer to this request"
+                );
+                let mut response = crate::problem(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_answer_invalid",
+                    "Bad gateway",
+                    &detail,
+                );
+                response.extensions_mut().insert(UnknownOutcome::new());
+                response
+            }
             Ok(Ok(response)) => upstream_response(response, stall),
             Ok(Err(error)) if error.is_connect() => {
                 // Provably never reached the upstream: the key may be
