@@ -647,6 +647,63 @@ async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background()
     assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
 
+/// Two layers on one Redis (an append-only file synced on every write),
+/// lease 2 s. Layer A's handler answers while Redis is down (SIGKILL) and
+/// Redis stays down past the lease: A holds the outcome. The first retry,
+/// sent to layer B as Redis comes back, must not take the lapsed lease
+/// over (the handler ran, A holds its answer): a lease counts as running
+/// until a lease after Redis started, A records its outcome meanwhile, and
+/// B replays it. B's handler never runs (it ran as attempt 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_layer_after_a_restart_replays_the_outcome_the_first_held() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let Some(mut server) =
+        RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    else {
+        return;
+    };
+    let lease = Duration::from_secs(2);
+    let layer = |server: &RedisServer| {
+        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
+            .store_timeout(Duration::from_millis(300))
+            .lease(lease)
+    };
+    let (a, b) = (app_of(layer(&server)), app_of(layer(&server)));
+    b.gate.add_permits(10);
+    let router = a.router.clone();
+    let first = tokio::spawn(async move { call(&router, "/slow", "k", "{}").await });
+    poll_until(
+        Duration::from_secs(10),
+        async || a.runs.load(Ordering::SeqCst),
+        |runs| *runs == 1,
+    )
+    .await;
+    server.kill();
+    a.gate.add_permits(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(a.layer.background_tasks(), 1, "A holds the outcome");
+    // However long this takes, the lease has lapsed after it.
+    tokio::time::sleep(lease + Duration::from_millis(1500)).await;
+    server.restart();
+    let retry = poll_until(
+        Duration::from_secs(20),
+        async || call(&b.router, "/slow", "k", "{}").await,
+        |reply| {
+            !matches!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT
+            )
+        },
+    )
+    .await;
+    assert_eq!(b.runs.load(Ordering::SeqCst), 0, "B never ran the handler");
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.code);
+    assert!(retry.replayed, "a replay of A's outcome");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(a.runs.load(Ordering::SeqCst), 1);
+}
+
 /// Redis killed (SIGKILL) while a request runs, and started again with
 /// its data only after the request's lease lapsed, the handler still
 /// running: a retry is answered in progress, never let take the lapsed

@@ -74,6 +74,11 @@ pub const SCHEMA: &str = include_str!("../sql/idem_records.sql");
 /// The database's clock, in milliseconds since the epoch.
 const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
+/// When the server started, in the same milliseconds: after a restart a
+/// lease counts as running until at least a lease after it
+/// (`machine::lease_after_start`).
+const STARTED_MS: &str = "(extract(epoch FROM pg_postmaster_start_time()) * 1000)::bigint";
+
 /// How many times a reservation retries when its row vanished (swept)
 /// between two statements.
 const RESERVE_TRIES: usize = 5;
@@ -128,7 +133,8 @@ impl Sql {
                      'started_at_ms', t.now, 'ended_at_ms', NULL, \
                      'outcome', jsonb_build_object('kind', 'running'), 'late', NULL)) \
                    FROM t ON CONFLICT (scope) DO NOTHING RETURNING 1) \
-                 SELECT t.now AS now_ms, (SELECT count(*) FROM ins) AS inserted, {selected} \
+                 SELECT t.now AS now_ms, {STARTED_MS} AS started_ms, \
+                   (SELECT count(*) FROM ins) AS inserted, {selected} \
                  FROM t LEFT JOIN {table} r ON r.scope = $1"
             ),
             complete: format!(
@@ -152,7 +158,8 @@ impl Sql {
                  FROM t WHERE {fence} RETURNING 1"
             ),
             lock: format!(
-                "SELECT {NOW_MS} AS now_ms, {selected} FROM {table} r WHERE r.scope = $1 FOR UPDATE"
+                "SELECT {NOW_MS} AS now_ms, {STARTED_MS} AS started_ms, {selected} \
+                 FROM {table} r WHERE r.scope = $1 FOR UPDATE"
             ),
             read: format!(
                 "SELECT {NOW_MS} AS now_ms, {selected} FROM {table} r WHERE r.scope = $1"
@@ -182,6 +189,12 @@ impl Sql {
             ),
         }
     }
+}
+
+/// The server's start, as a row of the reserve or lock statement holds it.
+fn started_ms(row: &sqlx::postgres::PgRow) -> Result<u64, StoreError> {
+    let started: i64 = row.try_get("started_ms").map_err(failed)?;
+    Ok(u64::try_from(started).unwrap_or(0))
 }
 
 fn valid_table(name: &str) -> bool {
@@ -641,6 +654,7 @@ impl PgStore {
                 // lease, a cancellation) come from the row just read.
                 let now: i64 = found.try_get("now_ms").map_err(failed)?;
                 let mut slot = Some(row::decode(&found)?);
+                machine::lease_after_start(&mut slot, started_ms(&found)?);
                 let now_ms = u64::try_from(now).unwrap_or(0);
                 match machine::reserve(&mut slot, request, now_ms, attempt, token) {
                     Reservation::Acquired(_) | Reservation::TakenOver { .. } => {}
@@ -695,6 +709,7 @@ impl PgStore {
         let now: i64 = found.try_get("now_ms").map_err(failed)?;
         let before = row::decode(&found)?;
         let mut slot = Some(before.clone());
+        machine::lease_after_start(&mut slot, started_ms(&found)?);
         let answer = apply(&mut slot, u64::try_from(now).unwrap_or(0));
         match &slot {
             Some(record) if *record == before => {}

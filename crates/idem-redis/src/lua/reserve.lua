@@ -160,6 +160,16 @@ if state == 'processing' then
     return {'acquired', gen}
   end
   local lease_left = tonumber(lease_until) - now
+  if lease_left <= 0 and owner and owner ~= '' then
+    -- After a restart of this server (its uptime, per shard), a lease
+    -- runs until at least a lease after the start (machine.rs,
+    -- lease_after_start): an owner that held an outcome, or kept running,
+    -- while Redis was down records it, or renews, before anyone takes
+    -- over. Whole seconds of uptime put the start no earlier than it was.
+    local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
+    local started = now - tonumber(uptime or '0') * 1000
+    lease_left = started + tonumber(redis.call('HGET', record, 'lease_ms') or '0') - now
+  end
   if lease_left > 0 then
     return {'in_progress', lease_left}
   end
