@@ -21,6 +21,7 @@ pub struct ReplyCutter {
     /// Where clients connect.
     pub addr: SocketAddr,
     armed: Arc<AtomicBool>,
+    refusing: Arc<AtomicBool>,
     cuts: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -31,11 +32,18 @@ impl ReplyCutter {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let armed = Arc::new(AtomicBool::new(false));
+        let refusing = Arc::new(AtomicBool::new(false));
         let cuts = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn({
             let (armed, cuts) = (Arc::clone(&armed), Arc::clone(&cuts));
+            let refusing = Arc::clone(&refusing);
             async move {
                 while let Ok((client, _)) = listener.accept().await {
+                    if refusing.load(Ordering::SeqCst) {
+                        // Closed at once: a server that cannot be reached.
+                        drop(client);
+                        continue;
+                    }
                     let Ok(server) = TcpStream::connect(target).await else {
                         continue;
                     };
@@ -46,6 +54,7 @@ impl ReplyCutter {
         Self {
             addr,
             armed,
+            refusing,
             cuts,
             task,
         }
@@ -58,6 +67,12 @@ impl ReplyCutter {
     /// answer would be cut instead of the call's).
     pub fn cut_next_reply(&self) {
         self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// While `refuse`, new connections are closed as soon as they are
+    /// accepted (the connections already made go on).
+    pub fn refuse_new_connections(&self, refuse: bool) {
+        self.refusing.store(refuse, Ordering::SeqCst);
     }
 
     /// How many replies were cut.

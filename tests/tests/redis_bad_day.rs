@@ -8,7 +8,8 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use idem_core::{
-    Cancellation, Fingerprint, IdempotencyKey, Reservation, ReserveRequest, Scope, Store,
+    Cancellation, Fingerprint, IdempotencyKey, RecordState, Reservation, ReserveRequest, Scope,
+    Store,
 };
 use idem_redis::RedisStore;
 use idem_tests::{
@@ -73,6 +74,49 @@ async fn a_retried_takeover_still_reports_the_superseded_attempt() {
         other => panic!("a lost takeover reply came back as {other:?}"),
     }
     assert_eq!(cutter.cuts(), 1, "the reply was cut");
+}
+
+/// A reservation whose reply was lost (the script ran, its connection
+/// died) and whose one retry was refused (the server could not be
+/// reached): the caller gets an error and runs nothing, and the
+/// reservation is freed by its owner token once the server can be reached
+/// again, on a fresh connection, so the retry runs at once instead of
+/// meeting `InProgress` for the whole lease (it gave up when the
+/// connection had dropped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_whose_reply_was_lost_is_freed_when_the_server_is_back() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let (store, cutter) = store_behind_cutter(&redis).await;
+    let long = request("lost-reservation", Duration::from_secs(60));
+    // The reservation script loaded (a `NOSCRIPT` answer would be cut
+    // instead of the script's).
+    let _ = store
+        .reserve(&request("loaded", Duration::from_secs(1)))
+        .await
+        .expect("reserve");
+    cutter.refuse_new_connections(true);
+    cutter.cut_next_reply();
+    let refused = store.reserve(&long).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(cutter.cuts(), 1, "the reply was cut");
+    // The script ran: the record is processing under the given-up owner.
+    let direct = RedisStore::from_url(&redis.url()).expect("store");
+    let record = direct
+        .get(long.scope.hash())
+        .await
+        .expect("get")
+        .expect("the reservation landed");
+    assert_eq!(record.state, RecordState::Processing);
+    cutter.refuse_new_connections(false);
+    tokio::time::timeout(Duration::from_secs(20), store.settled())
+        .await
+        .expect("the given-up reservation is freed");
+    match direct.reserve(&long).await.expect("reserve") {
+        Reservation::Acquired(lease) => assert_eq!(lease.generation, 2),
+        other => panic!("the key stayed taken: {other:?}"),
+    }
 }
 
 /// A takeover whose caller gave up before its reply came (the call timed

@@ -9,9 +9,26 @@ use crate::{RedisStore, millis, record_key_pieces, unavailable};
 use idem_core::{ScopeHash, StoreError};
 use redis::{ErrorKind, Script, ServerErrorKind, ToRedisArgs, Value};
 
+#[derive(Clone)]
 pub(crate) enum Pool {
     Single(deadpool_redis::Pool),
     Cluster(deadpool_redis::cluster::Pool),
+}
+
+impl Pool {
+    /// A connection taken from the pool for good.
+    pub(crate) async fn fresh(&self) -> Result<Conn, StoreError> {
+        Ok(match self {
+            // Made without a reply timeout: the store bounds each call
+            // itself (see the builder).
+            Self::Single(pool) => Conn::Single(deadpool_redis::Connection::take(
+                pool.get().await.map_err(unavailable)?,
+            )),
+            Self::Cluster(pool) => Conn::Cluster(deadpool_redis::cluster::Connection::take(
+                pool.get().await.map_err(unavailable)?,
+            )),
+        })
+    }
 }
 
 /// A connection checked out of the pool for good, shared by cloning.
@@ -354,18 +371,7 @@ impl RedisStore {
 
     /// Takes a connection from the pool into `lane`.
     async fn new_connection(&self, lane: usize) -> Result<(usize, Conn), StoreError> {
-        let conn = match &self.pool {
-            Pool::Single(pool) => {
-                // Made without a reply timeout: the store bounds each call
-                // itself (see the builder).
-                Conn::Single(deadpool_redis::Connection::take(
-                    pool.get().await.map_err(unavailable)?,
-                ))
-            }
-            Pool::Cluster(pool) => Conn::Cluster(deadpool_redis::cluster::Connection::take(
-                pool.get().await.map_err(unavailable)?,
-            )),
-        };
+        let conn = self.pool.fresh().await?;
         let mut slot = self.lanes[lane].lock();
         Ok((lane, slot.conn.get_or_insert(conn).clone()))
     }
@@ -474,9 +480,13 @@ impl RedisStore {
 /// sends the abandon script on that same connection, which the server runs
 /// after the reservation (one connection's commands run in order), so a
 /// reservation queued behind a paused server never leaves an owner that
-/// nobody runs. Retried until the server answers, for at most a lease
-/// (after which a takeover frees the key anyway), and not at all once a
-/// single server's connection has dropped (nothing is sent on it again).
+/// nobody runs. Once that connection has dropped, the reservation either
+/// ran or never will, and the abandon goes out on fresh connections. It is
+/// retried, backing off to two tries a second, until the server answers
+/// or `within` (the record's retention) passed: a lease can run a lease
+/// past a restart of the server, so the lease alone does not bound it. The
+/// script frees the record only while this attempt and owner token hold
+/// it: a late abandon changes nothing else.
 pub(crate) struct Abandon<'s> {
     /// The store: its abandon script, its key prefix and its tasks that
     /// free given-up reservations
@@ -499,41 +509,44 @@ impl Drop for Abandon<'_> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (script, prefix, scope, within) = (
+        let (script, prefix, scope, within, pool) = (
             std::sync::Arc::clone(&self.store.scripts.abandon),
             self.store.prefix.clone(),
             self.scope,
             self.within,
+            self.store.pool.clone(),
         );
         let (attempt, token) = (self.attempt, self.token);
         let task = async move {
             let abandon = async {
+                let mut pause = Duration::from_millis(100);
                 loop {
                     let mut invocation = Invocation::on_record(&script, &prefix, &scope);
                     invocation.uuid(&attempt).uuid(&token);
-                    let sent = invocation.invoke(&mut conn).await;
-                    match sent {
-                        Ok(_) => return true,
-                        // A single server's multiplexed connection that
-                        // dropped never carries a command again (it does
-                        // not reconnect): retrying on it cannot free the
-                        // reservation, and would only hold a shutdown that
-                        // waits for this task until the lease ends.
-                        Err(error)
-                            if matches!(conn, Conn::Single(_)) && error.is_connection_dropped() =>
-                        {
-                            tracing::debug!(%error, "the given-up reservation's connection is gone");
-                            return false;
-                        }
+                    match invocation.invoke(&mut conn).await {
+                        Ok(_) => return,
                         Err(error) => {
                             tracing::debug!(%error, "abandoning a given-up reservation failed; retrying");
-                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_millis(500));
+                            // A single server's multiplexed connection that
+                            // dropped never carries a command again (it
+                            // does not reconnect): the next try takes a
+                            // fresh one.
+                            if matches!(conn, Conn::Single(_))
+                                && error.is_connection_dropped()
+                                && let Ok(fresh) = pool.fresh().await
+                            {
+                                conn = fresh;
+                            }
                         }
                     }
                 }
             };
-            if !tokio::time::timeout(within, abandon).await.unwrap_or(false) {
-                tracing::warn!("a given-up reservation could not be freed; its lease will lapse");
+            if tokio::time::timeout(within, abandon).await.is_err() {
+                tracing::warn!(
+                    "a given-up reservation could not be freed within the record's retention"
+                );
             }
         };
         self.store.given_up.spawn_on(task, &runtime);

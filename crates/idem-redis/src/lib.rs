@@ -505,7 +505,7 @@ impl Store for RedisStore {
             attempt: AttemptId::new().0,
             token: OwnerToken::new().0,
             conn: None,
-            within: request.lease,
+            within: request.retention,
         };
         let invocation = {
             let tenant = TenantForm::of_shared(request.scope.shared_tenant());

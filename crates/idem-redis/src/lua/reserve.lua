@@ -165,9 +165,11 @@ if state == 'processing' then
     -- runs until at least a lease after the start (machine.rs,
     -- lease_after_start): an owner that held an outcome, or kept running,
     -- while Redis was down records it, or renews, before anyone takes
-    -- over. Whole seconds of uptime put the start no earlier than it was.
+    -- over. Uptime comes in whole seconds: the start is taken as early as
+    -- it can have been, so no lease runs past a lease after the real
+    -- start (the owner has at least the lease less a second).
     local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
-    local started = now - tonumber(uptime or '0') * 1000
+    local started = now - (tonumber(uptime or '0') + 1) * 1000
     lease_left = started + tonumber(redis.call('HGET', record, 'lease_ms') or '0') - now
   end
   if lease_left > 0 then
