@@ -55,6 +55,7 @@ fn app_of(layer: IdempotencyLayer<RedisStore>) -> App {
         "x-tenant-id",
     )));
     let (r1, r2, g) = (Arc::clone(&runs), Arc::clone(&runs), Arc::clone(&gate));
+    let (r3, g3) = (Arc::clone(&runs), Arc::clone(&gate));
     let router = Router::new()
         .route(
             "/orders",
@@ -73,6 +74,19 @@ fn app_of(layer: IdempotencyLayer<RedisStore>) -> App {
                         permit.forget();
                     }
                     (StatusCode::CREATED, format!("slow {n}"))
+                }
+            }),
+        )
+        .route(
+            "/unavailable",
+            post(move || {
+                let (runs, gate) = (Arc::clone(&r3), Arc::clone(&g3));
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    if let Ok(permit) = gate.acquire().await {
+                        permit.forget();
+                    }
+                    (StatusCode::SERVICE_UNAVAILABLE, "try again")
                 }
             }),
         )
@@ -645,6 +659,55 @@ async fn redis_back_after_the_lease_replays_the_outcome_held_in_the_background()
     assert!(retry.replayed, "a replay, not a takeover");
     assert_eq!(retry.body, first.body);
     assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran once");
+}
+
+/// A temporary failure (503) answered while Redis is down (SIGKILL): the
+/// release fails and is kept and retried. Once Redis is back with its
+/// data, the client's retry (it was told it may retry) reaching this layer
+/// has the release tried at once and runs the handler again, instead of
+/// meeting `409` for the rest of the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_failed_is_retried_and_the_retry_runs() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let Some(mut server) =
+        RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    else {
+        return;
+    };
+    let app = app_of(
+        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
+            .store_timeout(Duration::from_millis(300))
+            .lease(Duration::from_secs(30)),
+    );
+    let router = app.router.clone();
+    let first = tokio::spawn(async move { call(&router, "/unavailable", "k", "{}").await });
+    poll_until(
+        Duration::from_secs(10),
+        async || app.runs.load(Ordering::SeqCst),
+        |runs| *runs == 1,
+    )
+    .await;
+    server.kill();
+    app.gate.add_permits(2);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(first.code, None, "the handler's own answer");
+    assert_eq!(app.layer.background_tasks(), 1, "the release is retried");
+    server.restart();
+    let retry = poll_until(
+        Duration::from_secs(20),
+        async || call(&app.router, "/unavailable", "k", "{}").await,
+        |reply| reply.code.as_deref() != Some("idempotency_store_unavailable"),
+    )
+    .await;
+    assert_eq!(
+        retry.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        retry.code
+    );
+    assert_eq!(retry.code, None, "the handler ran again, not a 409");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
 }
 
 /// Two layers on one Redis (an append-only file synced on every write),

@@ -110,8 +110,64 @@ impl<S: Store> Runtime<S> {
                 Some(current)
             }
             Err(error) => {
-                tracing::warn!(%error, "could not release the reservation");
+                self.release_in_background(lease, &error);
                 None
+            }
+        }
+    }
+
+    /// Starts [`release_later`] after a release's store error (a rare
+    /// path, kept out of [`release`](Self::release)'s code).
+    #[cold]
+    #[inline(never)]
+    fn release_in_background(&self, lease: &Lease, error: &StoreError) {
+        use tracing::Instrument;
+        m::count(Counted::StoreError);
+        tracing::warn!(%error, "could not release the reservation yet; retrying in the background");
+        // Listed before the client gets its answer: its retry finds it.
+        let pending = self.pending.register(lease.scope);
+        self.tasks
+            .spawn(release_later(self.clone(), lease.clone(), pending).in_current_span());
+    }
+}
+
+/// Retries a release the store did not take, like a completion (see
+/// [`pending`](crate::pending)): at once when a reservation of its scope
+/// reaches this layer (which waits for that try, so the retry the client
+/// was told it may send runs instead of meeting `409`) or when the store
+/// answers any reservation, else backing off to two tries a second, until
+/// the store answers or the record's retention passed. A release is fenced
+/// by its lease's generation and owner token: a late one changes nothing
+/// of a record another attempt took over.
+async fn release_later<S: Store>(
+    rt: Runtime<S>,
+    lease: Lease,
+    pending: crate::pending::Registration,
+) {
+    let deadline = deadline_after(rt.config.retention);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        pending.pause(pause).await;
+        match store_call(&rt.config, StoreOp::Release, rt.store.release(&lease)).await {
+            Ok(answer) => {
+                pending.tried(true);
+                if let Release::Fenced(_) = answer {
+                    m::count(Counted::Fenced);
+                }
+                tracing::info!("reservation released after a store error");
+                return;
+            }
+            Err(error) => {
+                pending.tried(false);
+                if tokio::time::Instant::now() + pause >= deadline {
+                    tracing::error!(
+                        %error,
+                        "the reservation could not be released within the record's retention"
+                    );
+                    return;
+                }
+                tracing::debug!(%error, "releasing the reservation failed again");
+                pause = (pause * 2).min(Duration::from_millis(500));
             }
         }
     }
