@@ -110,12 +110,64 @@ async fn a_reservation_whose_reply_was_lost_is_freed_when_the_server_is_back() {
         .expect("the reservation landed");
     assert_eq!(record.state, RecordState::Processing);
     cutter.refuse_new_connections(false);
-    tokio::time::timeout(Duration::from_secs(20), store.settled())
-        .await
-        .expect("the given-up reservation is freed");
-    match direct.reserve(&long).await.expect("reserve") {
+    let retry = idem_tests::poll_until(
+        Duration::from_secs(20),
+        async || direct.reserve(&long).await.expect("reserve"),
+        |answer| !matches!(answer, Reservation::InProgress { .. }),
+    )
+    .await;
+    match retry {
         Reservation::Acquired(lease) => assert_eq!(lease.generation, 2),
         other => panic!("the key stayed taken: {other:?}"),
+    }
+}
+
+/// A completed record whose response key is gone (evicted under
+/// `allkeys-lru`, deleted) is never replayed as if whole (it was replayed
+/// as an empty `201`): the retry is told the outcome was recorded without
+/// its response (status kept), and nothing runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_missing_its_response_is_not_replayed_as_whole() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    for packed in [false, true] {
+        let store = RedisStore::builder(&redis.url())
+            .pack_records(packed)
+            .build()
+            .expect("store");
+        let key = format!("evicted-{packed}");
+        let request = request(&key, Duration::from_secs(30));
+        let Reservation::Acquired(lease) = store.reserve(&request).await.expect("reserve") else {
+            panic!("a new key");
+        };
+        let body = vec![b'x'; 2000];
+        let outcome = idem_core::Outcome::Stored(idem_core::StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: Bytes::from(body.clone()),
+        });
+        let _ = store.complete(&lease, &outcome).await.expect("complete");
+        match store.reserve(&request).await.expect("replay") {
+            Reservation::Completed(replay) => assert_eq!(replay.outcome, outcome),
+            other => panic!("{other:?}"),
+        }
+        let keys = redis.cli(&["--scan", "--pattern", "*:r"]);
+        let response_keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+        assert_eq!(response_keys.len(), 1, "{keys}");
+        redis.cli(&["DEL", response_keys[0]]);
+        match store
+            .reserve(&request)
+            .await
+            .expect("reserve after the loss")
+        {
+            Reservation::Completed(replay) => assert_eq!(
+                replay.outcome,
+                idem_core::Outcome::NotStored { status: 201 },
+                "packed {packed}"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 }
 

@@ -481,12 +481,13 @@ impl RedisStore {
 /// after the reservation (one connection's commands run in order), so a
 /// reservation queued behind a paused server never leaves an owner that
 /// nobody runs. Once that connection has dropped, the reservation either
-/// ran or never will, and the abandon goes out on fresh connections. It is
-/// retried, backing off to two tries a second, until the server answers
-/// or `within` (the record's retention) passed: a lease can run a lease
-/// past a restart of the server, so the lease alone does not bound it. The
-/// script frees the record only while this attempt and owner token hold
-/// it: a late abandon changes nothing else.
+/// ran or never will, and the abandon goes out on fresh connections, from
+/// a detached task (a shutdown does not wait for it while the server is
+/// down). It is retried, backing off to two tries a second, until the
+/// server answers or `within` (the record's retention) passed: a lease
+/// can run a lease past a restart of the server, so the lease alone does
+/// not bound it. The script frees the record only while this attempt and
+/// owner token hold it: a late abandon changes nothing else.
 pub(crate) struct Abandon<'s> {
     /// The store: its abandon script, its key prefix and its tasks that
     /// free given-up reservations
@@ -518,36 +519,71 @@ impl Drop for Abandon<'_> {
         );
         let (attempt, token) = (self.attempt, self.token);
         let task = async move {
-            let abandon = async {
-                let mut pause = Duration::from_millis(100);
+            let deadline = tokio::time::Instant::now() + within;
+            let abandon = async move |conn: &mut Conn| {
+                let mut invocation = Invocation::on_record(&script, &prefix, &scope);
+                invocation.uuid(&attempt).uuid(&token);
+                invocation.invoke(conn).await
+            };
+            let mut pause = Duration::from_millis(100);
+            let on_its_connection = async {
                 loop {
-                    let mut invocation = Invocation::on_record(&script, &prefix, &scope);
-                    invocation.uuid(&attempt).uuid(&token);
-                    match invocation.invoke(&mut conn).await {
-                        Ok(_) => return,
+                    match abandon(&mut conn).await {
+                        Ok(_) => return true,
+                        // A single server's multiplexed connection that
+                        // dropped never carries a command again (it does
+                        // not reconnect).
+                        Err(error)
+                            if matches!(conn, Conn::Single(_)) && error.is_connection_dropped() =>
+                        {
+                            tracing::debug!(%error, "the given-up reservation's connection is gone");
+                            return false;
+                        }
                         Err(error) => {
                             tracing::debug!(%error, "abandoning a given-up reservation failed; retrying");
                             tokio::time::sleep(pause).await;
                             pause = (pause * 2).min(Duration::from_millis(500));
-                            // A single server's multiplexed connection that
-                            // dropped never carries a command again (it
-                            // does not reconnect): the next try takes a
-                            // fresh one.
-                            if matches!(conn, Conn::Single(_))
-                                && error.is_connection_dropped()
-                                && let Ok(fresh) = pool.fresh().await
-                            {
-                                conn = fresh;
-                            }
                         }
                     }
                 }
             };
-            if tokio::time::timeout(within, abandon).await.is_err() {
-                tracing::warn!(
-                    "a given-up reservation could not be freed within the record's retention"
-                );
+            match tokio::time::timeout_at(deadline, on_its_connection).await {
+                Ok(true) => return,
+                Ok(false) => {}
+                Err(_) => {
+                    tracing::warn!(
+                        "a given-up reservation could not be freed within the record's retention"
+                    );
+                    return;
+                }
             }
+            // The reservation either ran before the connection dropped or
+            // never will: the abandon goes out on fresh connections until
+            // the server answers. Detached: what waits for the store's
+            // background work (a shutdown) is not held while the server is
+            // down; a process that ends meanwhile leaves the lease to lapse.
+            tokio::spawn(async move {
+                let fresh = async {
+                    loop {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(500));
+                        let Ok(mut conn) = pool.fresh().await else {
+                            continue;
+                        };
+                        match abandon(&mut conn).await {
+                            Ok(_) => return,
+                            Err(error) => {
+                                tracing::debug!(%error, "abandoning a given-up reservation failed; retrying");
+                            }
+                        }
+                    }
+                };
+                if tokio::time::timeout_at(deadline, fresh).await.is_err() {
+                    tracing::warn!(
+                        "a given-up reservation could not be freed within the record's retention"
+                    );
+                }
+            });
         };
         self.store.given_up.spawn_on(task, &runtime);
     }

@@ -449,6 +449,23 @@ pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
     replay(status, stored, completed, &raw[at..headers_end], body)
 }
 
+/// The stored flag the scripts answer for a completed record whose
+/// response key is gone (evicted or deleted): the action ran, its response
+/// cannot be replayed whole.
+const INCOMPLETE: u64 = 2;
+
+/// A completed record missing its response: counted
+/// (`idem_records_incomplete_total`) and logged; it is answered as an
+/// outcome recorded without its response, never replayed as if whole.
+#[cold]
+fn incomplete(status: u64) {
+    metrics::counter!("idem_records_incomplete_total").increment(1);
+    tracing::error!(
+        status,
+        "a completed record's response is gone from Redis (evicted?); answered as not stored"
+    );
+}
+
 /// The replay of a completed record, read from either answer. The age is
 /// measured against this process' clock: a replay reads no clock in Redis
 /// (see head.lua), and skew between the clocks shows in the age alone
@@ -460,6 +477,9 @@ fn replay(
     headers: &[u8],
     body: Bytes,
 ) -> Result<Replay, StoreError> {
+    if stored == INCOMPLETE {
+        incomplete(status);
+    }
     Ok(Replay {
         outcome: outcome(status, stored == 1, headers, body)?,
         age: Duration::from_millis(unix_ms().saturating_sub(completed)),

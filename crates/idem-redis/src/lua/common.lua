@@ -173,6 +173,10 @@ local function rare()
     end
     local status, stored, headers, body, completed, ended, split = unpack(redis.call('HMGET',
       record, 'status', 'stored', 'headers', 'body', 'completed', 'cur_end', 'split'))
+    if split and redis.call('EXISTS', response_key) == 0 then
+      -- The response's key is gone: the stored flag '2' says so.
+      stored = '2'
+    end
     headers, body = response(headers, body, split)
     return {'completed', status .. ':' .. stored .. ':' .. (completed or ended), headers, body}
   end

@@ -48,7 +48,9 @@ if state == 'completed' then
     if raw then
       return (done or '') .. ':' .. split .. ':' .. raw
     end
-    headers, body = '', ''
+    -- The response's key is gone (evicted, deleted): never replayed as if
+    -- whole. The stored flag '2' says so (decode.rs).
+    return string.gsub(done or '', '^(%d*):%d*:', '%1:2:', 1) .. ':0:'
   end
   headers, body = headers or '', body or ''
   return (done or '') .. ':' .. string.format('%d', #headers) .. ':' .. headers .. body
