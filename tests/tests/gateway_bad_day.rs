@@ -519,6 +519,100 @@ async fn the_admin_token_never_reaches_the_upstream() {
     }
 }
 
+/// An upstream that answers `/gz` coded as the request accepts (`gzip`,
+/// `br`, or not at all), counting its runs.
+fn coding_upstream(runs: Arc<AtomicUsize>) -> axum::Router {
+    use std::io::Write;
+    axum::Router::new().route(
+        "/gz",
+        axum::routing::post(move |headers: http::HeaderMap| {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                let plain = format!("{{\"order\":{n},\"pad\":\"{}\"}}", "x".repeat(500));
+                let accept = headers
+                    .get("accept-encoding")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                let mut response = if accept.contains("gzip") {
+                    let mut gz =
+                        flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                    gz.write_all(plain.as_bytes()).expect("gzip");
+                    let mut response =
+                        http::Response::new(axum::body::Body::from(gz.finish().expect("gzip")));
+                    response
+                        .headers_mut()
+                        .insert("content-encoding", http::HeaderValue::from_static("gzip"));
+                    response
+                } else if accept.contains("br") {
+                    let mut response =
+                        http::Response::new(axum::body::Body::from("pretend brotli"));
+                    response
+                        .headers_mut()
+                        .insert("content-encoding", http::HeaderValue::from_static("br"));
+                    response
+                } else {
+                    http::Response::new(axum::body::Body::from(plain))
+                };
+                *response.status_mut() = StatusCode::CREATED;
+                response
+            }
+        }),
+    )
+}
+
+/// A replay never carries a content coding the retry did not accept: the
+/// first try accepted gzip and got it; a retry with `identity` (or no
+/// `Accept-Encoding`) gets the decoded bytes without `Content-Encoding`; a
+/// retry that accepts gzip gets the stored bytes; a coding the layer
+/// cannot decode (`br`) is `406 idempotency_replay_not_acceptable`. The
+/// upstream ran once per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_never_sends_a_coding_the_retry_did_not_accept() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = TestServer::start(coding_upstream(Arc::clone(&runs))).await;
+    let gateway = start_gateway(&server, &[]).await;
+    let http = client();
+    let with_accept = |key: &str, accept: Option<&str>| {
+        let mut request = keyed(gateway.addr, Method::POST, "/gz", key, "{}");
+        if let Some(accept) = accept {
+            request
+                .headers_mut()
+                .insert("accept-encoding", accept.parse().expect("value"));
+        }
+        send(&http, request)
+    };
+    let first = with_accept("gz-1", Some("gzip")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.header("content-encoding"), Some("gzip"));
+    let mut plain = String::new();
+    std::io::Read::read_to_string(
+        &mut flate2::read::GzDecoder::new(&first.body[..]),
+        &mut plain,
+    )
+    .expect("gunzip");
+    for accept in [Some("identity"), None, Some("gzip;q=0, br")] {
+        let retry = with_accept("gz-1", accept).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{accept:?}");
+        assert!(retry.replayed());
+        assert_eq!(retry.header("content-encoding"), None, "{accept:?}");
+        assert_eq!(&retry.body[..], plain.as_bytes(), "{accept:?}");
+    }
+    let coded = with_accept("gz-1", Some("gzip, deflate")).await;
+    assert_eq!(coded.header("content-encoding"), Some("gzip"));
+    assert_eq!(coded.body, first.body, "the stored bytes");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let br = with_accept("br-1", Some("br")).await;
+    assert_eq!(br.header("content-encoding"), Some("br"));
+    let refused = with_accept("br-1", Some("identity")).await;
+    assert_eq!(refused.status, StatusCode::NOT_ACCEPTABLE);
+    assert_eq!(
+        refused.code().as_deref(),
+        Some("idempotency_replay_not_acceptable")
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "never run again");
+}
+
 /// Durations no clock can hold are refused when the flags are read.
 #[test]
 fn absurd_durations_are_refused_at_start() {

@@ -8,6 +8,7 @@ use idem_core::{Current, Outcome, Replay};
 
 use crate::{
     ResponseBody,
+    encoding::Fit,
     headers::IDEMPOTENT_REPLAYED,
     metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
@@ -57,6 +58,42 @@ pub(crate) fn cancelled<B>() -> Response<ResponseBody<B>> {
         "the request with this Idempotency-Key was cancelled",
         None,
     )
+}
+
+/// [`replay_response`] for a retry with `request`'s headers: a content
+/// coding the retry does not accept is decoded (within `limit`) or refused
+/// (see [`encoding`](crate::encoding)).
+pub(crate) fn replay_to<B>(
+    request: &http::HeaderMap,
+    mut replay: Replay,
+    limit: usize,
+) -> Response<ResponseBody<B>> {
+    if let Outcome::Stored(stored) = &mut replay.outcome {
+        match crate::encoding::fit(&stored.headers, &stored.body, request, limit) {
+            Fit::AsIs => {}
+            Fit::Decoded(body) => {
+                stored.body = body;
+                stored
+                    .headers
+                    .retain(|(name, _)| !crate::encoding::describes_coding(name));
+            }
+            Fit::Refused(coding) => {
+                m::count(Counted::Replayed);
+                let detail = format!(
+                    "the request with this Idempotency-Key completed with status {}; its \
+                     response is coded {coding}, which this request's Accept-Encoding does not \
+                     accept, and it cannot be decoded here",
+                    stored.status
+                );
+                let mut response = problem(ProblemCode::ReplayNotAcceptable, &detail, None);
+                response
+                    .headers_mut()
+                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                return response;
+            }
+        }
+    }
+    replay_response(replay)
 }
 
 /// A stored outcome as a response, with `Idempotent-Replayed: true`.

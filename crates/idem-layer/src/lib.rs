@@ -152,6 +152,7 @@ pub mod command;
 mod config;
 mod context;
 mod disconnect;
+mod encoding;
 pub mod fingerprint;
 mod headers;
 mod layer;

@@ -73,6 +73,11 @@ pub enum ProblemCode {
     /// refuses; requests of the protected methods are refused, never run
     /// unprotected. Call `validate` at start to fail there instead.
     Misconfigured,
+    /// 406: the stored response carries a content coding the retry's
+    /// `Accept-Encoding` does not accept, and the layer cannot decode it
+    /// (only `gzip` and `deflate` are decoded, within the storable limit).
+    /// The action ran; the retry never runs it again.
+    ReplayNotAcceptable,
 }
 
 impl ProblemCode {
@@ -99,6 +104,7 @@ impl ProblemCode {
             ProblemCode::AdminRequired => "idempotency_admin_required",
             ProblemCode::ListingBusy => "idempotency_listing_busy",
             ProblemCode::Misconfigured => "idempotency_misconfigured",
+            ProblemCode::ReplayNotAcceptable => "idempotency_replay_not_acceptable",
         }
     }
 
@@ -123,6 +129,7 @@ impl ProblemCode {
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
             ProblemCode::QuotaExceeded | ProblemCode::ListingBusy => StatusCode::TOO_MANY_REQUESTS,
             ProblemCode::AdminRequired => StatusCode::FORBIDDEN,
+            ProblemCode::ReplayNotAcceptable => StatusCode::NOT_ACCEPTABLE,
         }
     }
 
@@ -148,6 +155,9 @@ impl ProblemCode {
             ProblemCode::AdminRequired => "The records API admin credential is required",
             ProblemCode::ListingBusy => "Records are being listed; list again later",
             ProblemCode::Misconfigured => "The idempotency layer is misconfigured",
+            ProblemCode::ReplayNotAcceptable => {
+                "The stored response's content coding is not acceptable"
+            }
         }
     }
 }

@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use crate::{
     IdempotencyContext, InFlight, OnDisconnect, ResponseBody,
-    answer::{cancelled, in_progress, replay_response},
+    answer::{cancelled, in_progress, replay_to},
     attempt::attempt,
     body::BoxError,
     disconnect::{ReleaseOnDrop, ResponseFuture, attempt_started},
@@ -438,7 +438,10 @@ where
                         }
                         return Ok(in_progress(retry_after));
                     }
-                    Reservation::Completed(replay) => return Ok(replay_response(replay)),
+                    Reservation::Completed(replay) => {
+                        let limit = config.max_response;
+                        return Ok(replay_to(&self.parts.headers, replay, limit));
+                    }
                     Reservation::Cancelled => return Ok(cancelled()),
                     Reservation::Conflict => {
                         if let Some(format) = other_format.take() {
