@@ -388,6 +388,75 @@ async fn the_anonymous_tenant_works_on_postgres() {
     assert_eq!(upstream.runs(), 1);
 }
 
+/// A PostgreSQL that answered with an error of its own (its table renamed
+/// away: `relation does not exist`) was reached: the error is `Refused`,
+/// and a fail-open layer answers 503 without running the handler; a server
+/// that cannot be reached is `Unavailable`, which fail-open covers.
+#[tokio::test]
+async fn an_error_postgres_answered_never_fails_open() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    let store = PgStore::from_url(&url).expect("store");
+    store.migrate().await.expect("migrate");
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { StatusCode::CREATED }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .tenant(TenantFromHeader::from_static("x-tenant-id"))
+                .fail_open(true),
+        );
+    let order = || {
+        Request::post("/orders")
+            .header("idempotency-key", "refused-1")
+            .header("x-tenant-id", "acme")
+            .body(axum::body::Body::from("{}"))
+            .expect("request")
+    };
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    sqlx::query("ALTER TABLE idem_records RENAME TO idem_records_away")
+        .execute(&pool)
+        .await
+        .expect("rename");
+    let scope = fresh_scope("refused");
+    let request = ReserveRequest {
+        scope,
+        fingerprint: fingerprint(1),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(3600),
+    };
+    let refused = store.reserve(&request).await;
+    assert!(
+        matches!(refused, Err(idem_core::StoreError::Refused(_))),
+        "{refused:?}"
+    );
+    let answer = router.clone().oneshot(order()).await.expect("answer");
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "not run unprotected"
+    );
+    let unreachable = PgStore::from_url("postgres://postgres@127.0.0.1:1/none").expect("store");
+    let answer = unreachable.reserve(&request).await;
+    assert!(
+        matches!(
+            answer,
+            Err(idem_core::StoreError::Unavailable(_) | idem_core::StoreError::Timeout(_))
+        ),
+        "{answer:?}"
+    );
+}
+
 /// A layer on `store` with a one-minute lease and the given store
 /// timeout, the router of a handler that answers 201 with how many times
 /// it ran, and that count.

@@ -445,6 +445,54 @@ async fn fail_open_never_covers_a_corrupt_record() {
     assert_eq!(upstream.runs(), 1, "never run again unprotected");
 }
 
+/// A Redis that answered with an error of its own (`OOM command not
+/// allowed` under `noeviction`) was reached: the error is `Refused`, never
+/// covered by fail-open. Through a `--fail-open` gateway, a new key is
+/// not run unprotected (it was), a completed one still replays (a replay
+/// only reads); a Redis that cannot be reached still fails open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_redis_answered_never_fails_open() {
+    let Some(mut redis) = RedisServer::spawn() else {
+        return;
+    };
+    let (upstream, _server, gateway, _, _) = gateway_with_one_record(&redis, "oom-1").await;
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
+    let store = RedisStore::from_url(&redis.url()).expect("store");
+    let refused = store
+        .reserve(&request("oom-store", Duration::from_secs(30)))
+        .await;
+    assert!(
+        matches!(refused, Err(idem_core::StoreError::Refused(_))),
+        "{refused:?}"
+    );
+    // A replay only reads: Redis still answers it.
+    let replay = send(&client(), post(gateway, "oom-1")).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    let answer = send(&client(), post(gateway, "oom-2")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        answer.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(upstream.runs(), 1, "never run unprotected");
+    redis.kill();
+    let unreachable = store
+        .reserve(&request("gone", Duration::from_secs(30)))
+        .await;
+    assert!(
+        matches!(
+            unreachable,
+            Err(idem_core::StoreError::Unavailable(_) | idem_core::StoreError::Timeout(_))
+        ),
+        "{unreachable:?}"
+    );
+    let open = send(&client(), post(gateway, "oom-3")).await;
+    assert_eq!(open.status, StatusCode::CREATED, "fail-open: Redis is down");
+    assert_eq!(upstream.runs(), 2);
+}
+
 /// A Redis that can evict records is refused at start unless allowed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicting_redis_is_refused_unless_allowed() {

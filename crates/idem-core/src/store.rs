@@ -289,9 +289,17 @@ pub enum ForceRelease {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// The backend could not be reached or answered with an error.
+    /// The backend could not be reached, shut down, or is switching over
+    /// (loading, failing over): a call may succeed once it is back. The
+    /// only error (with [`Timeout`](Self::Timeout)) that fail-open covers.
     #[error("store unavailable: {0}")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The backend answered with an error of its own: a missing table, a
+    /// permission, a value it refuses, out of memory. It was reached and
+    /// may hold the key's record, so fail-open never covers it; the layer
+    /// answers `503 idempotency_store_unavailable` and logs the cause.
+    #[error("store refused the call: {0}")]
+    Refused(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The call did not finish within its timeout.
     #[error("store call timed out after {0:?}")]
     Timeout(Duration),
@@ -323,6 +331,11 @@ impl StoreError {
     /// Wraps any error as [`StoreError::Unavailable`].
     pub fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError::Unavailable(error.into())
+    }
+
+    /// Wraps an error the backend answered with as [`StoreError::Refused`].
+    pub fn refused(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError::Refused(error.into())
     }
 }
 

@@ -444,11 +444,28 @@ impl Sweeping {
 
 /// A driver error as a store error: a row that cannot be decoded is
 /// corrupt, anything else is the database being unavailable.
+/// A driver error in the store's terms: a server that could not be
+/// reached, shut down or is starting (SQLSTATE classes 08 and 57P, too
+/// many connections) is unavailable; any other answer the server gave (a
+/// missing table, a permission, a value it refuses) is refused, which
+/// fail-open never covers; a row that does not decode is corrupt.
 fn failed(error: sqlx::Error) -> StoreError {
     match error {
         sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
             StoreError::Corrupt(error.to_string())
         }
+        sqlx::Error::Database(ref database) => {
+            let code = database.code().unwrap_or_default();
+            if code.starts_with("08") || code.starts_with("57P") || code == "53300" {
+                StoreError::unavailable(error)
+            } else {
+                StoreError::refused(error)
+            }
+        }
+        sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::TypeNotFound { .. }
+        | sqlx::Error::RowNotFound => StoreError::refused(error),
         other => StoreError::unavailable(other),
     }
 }

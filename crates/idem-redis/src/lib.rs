@@ -198,8 +198,42 @@ fn px(ttl: Duration) -> u64 {
 }
 
 /// The store could not do its call; the driver's error stays the source.
+/// An error the server answered with (out of memory under `noeviction`, a
+/// permission, a script error) is [`StoreError::Refused`], which fail-open
+/// never covers; one of a server that could not be reached, is loading or
+/// failing over is [`StoreError::Unavailable`].
 fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
-    StoreError::unavailable(error)
+    let error = error.into();
+    let answered = error
+        .downcast_ref::<redis::RedisError>()
+        .is_some_and(answered_by_the_server);
+    if answered {
+        StoreError::Refused(error)
+    } else {
+        StoreError::Unavailable(error)
+    }
+}
+
+/// Whether the server was reached and answered with an error of its own.
+fn answered_by_the_server(error: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() {
+        return false;
+    }
+    match error.kind() {
+        ErrorKind::Server(kind) => !matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+        ),
+        ErrorKind::Extension | ErrorKind::AuthenticationFailed => true,
+        _ => false,
+    }
 }
 
 fn corrupt(what: impl Into<String>) -> StoreError {
