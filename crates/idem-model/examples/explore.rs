@@ -1,6 +1,8 @@
 //! Explores the model with idem's design and prints what it found.
 //!
-//! Run with `cargo run --release -p idem-model --example explore -- [owners requests ticks]`.
+//! Run with `cargo run --release -p idem-model --example explore -- [OWNERS REQUESTS TICKS
+//! OWNER_CRASHES STORE_CRASHES OUTAGES LOST_REPLIES CANCELS FORCE_RELEASES DELAYED]`
+//! (every fault once by default).
 
 use idem_model::{Bounds, IdemModel, Persistence};
 use stateright::{Checker, Model};
@@ -20,6 +22,8 @@ fn main() {
         outages: arg(5, Bounds::DEEP.outages),
         lost_replies: arg(6, Bounds::DEEP.lost_replies),
         cancels: arg(7, Bounds::DEEP.cancels),
+        force_releases: arg(8, Bounds::DEEP.force_releases),
+        delayed: arg(9, Bounds::DEEP.delayed),
     };
     for persistence in [Persistence::Always, Persistence::EverySecond] {
         let started = std::time::Instant::now();

@@ -87,6 +87,9 @@ pub struct Excuses {
     /// A store unreachable, without a restart, for longer than a lease
     /// held across the outage.
     pub partition: bool,
+    /// An operator force-released a processing record (the records API's
+    /// release of a record whose owner is gone): its owner may still run.
+    pub operator_release: bool,
 }
 
 impl Excuses {
@@ -96,6 +99,7 @@ impl Excuses {
         unknown_give_up: true,
         store_loss: true,
         partition: true,
+        operator_release: true,
     };
 }
 
@@ -130,6 +134,10 @@ pub struct Bounds {
     pub lost_replies: u8,
     /// Operator cancels.
     pub cancels: u8,
+    /// Operator force releases (of a processing record).
+    pub force_releases: u8,
+    /// Reservations that reach the store after their caller gave up.
+    pub delayed: u8,
 }
 
 impl Bounds {
@@ -144,6 +152,8 @@ impl Bounds {
         outages: 0,
         lost_replies: 0,
         cancels: 0,
+        force_releases: 0,
+        delayed: 0,
     };
 
     /// The deeper run documented in `docs/model.md`: every fault at once.
@@ -153,6 +163,8 @@ impl Bounds {
         outages: 1,
         lost_replies: 1,
         cancels: 1,
+        force_releases: 1,
+        delayed: 1,
         ..Self::BASE
     };
 }
@@ -276,6 +288,10 @@ pub struct State {
     /// The store lost writes it had acknowledged (a documented limit, when
     /// excused): nothing is promised about the scope after it.
     pub lost: bool,
+    /// A reservation on its way to the store whose caller gave up: its
+    /// owner, attempt and token. It lands (or its connection drops) before
+    /// the owner's abandon, which goes out after it on one connection.
+    pub in_flight: Option<(u8, AttemptId, OwnerToken)>,
     /// Budgets left.
     pub left: Bounds,
 }
@@ -327,6 +343,15 @@ pub enum Action {
     OutageEnds,
     /// An operator cancels the record.
     Cancel,
+    /// An operator force-releases the processing record.
+    ForceRelease,
+    /// Owner `.0` sends a reservation that is delayed: its caller gives up
+    /// before it lands.
+    RequestDelayed(u8),
+    /// The delayed reservation lands.
+    DelayedLands,
+    /// The delayed reservation's connection drops: it never lands.
+    DelayedDropped,
 }
 
 /// What running the action came to.
@@ -430,6 +455,9 @@ impl IdemModel {
         if !Self::reachable(state) {
             return true;
         }
+        if state.in_flight.is_some() {
+            return false;
+        }
         let expiry = self.expiry(state);
         state.owners.iter().all(|owner| match owner {
             Owner::Releasing(_) | Owner::Abandoning(..) => false,
@@ -484,16 +512,22 @@ impl IdemModel {
         }
     }
 
-    fn request_step(&self, state: &mut State, o: u8, lost: bool) {
-        state.left.requests -= 1;
+    /// A new attempt id and owner token of owner `o` (its index is the
+    /// token's low byte).
+    fn ids(state: &mut State, o: u8) -> (AttemptId, OwnerToken) {
         let n = state.made;
         state.made += 1;
-        let ids = (
+        (
             AttemptId(uuid::Uuid::from_u128(u128::from(n) << 8 | u128::from(o))),
             OwnerToken(uuid::Uuid::from_u128(
                 1 << 64 | u128::from(n) << 8 | u128::from(o),
             )),
-        );
+        )
+    }
+
+    fn request_step(&self, state: &mut State, o: u8, lost: bool) {
+        state.left.requests -= 1;
+        let ids = Self::ids(state, o);
         let lapsed_before = self.expiry(state).is_some_and(|at| at <= state.now_ms)
             || state
                 .store
@@ -679,6 +713,7 @@ impl Model for IdemModel {
             given_up: Vec::new(),
             excused: Vec::new(),
             lost: false,
+            in_flight: None,
             left: self.bounds,
         }]
     }
@@ -699,6 +734,9 @@ impl Model for IdemModel {
                     actions.push(Action::Request(o, false));
                     if lose {
                         actions.push(Action::Request(o, true));
+                    }
+                    if state.left.delayed > 0 && state.in_flight.is_none() {
+                        actions.push(Action::RequestDelayed(o));
                     }
                 }
                 Owner::Running(_) => {
@@ -741,7 +779,13 @@ impl Model for IdemModel {
                         actions.push(Action::Release(o, true));
                     }
                 }
-                Owner::Abandoning(..) if reachable => actions.push(Action::Abandon(o)),
+                // The abandon goes out after the delayed reservation on its
+                // connection.
+                Owner::Abandoning(..)
+                    if reachable && state.in_flight.is_none_or(|(owner, ..)| owner != o) =>
+                {
+                    actions.push(Action::Abandon(o));
+                }
                 Owner::Holding(..) | Owner::Releasing(_) | Owner::Abandoning(..) => {
                     actions.push(Action::CallFails(o));
                 }
@@ -771,6 +815,22 @@ impl Model for IdemModel {
         }
         if reachable && state.left.cancels > 0 && state.store.slot.is_some() {
             actions.push(Action::Cancel);
+        }
+        if reachable
+            && state.left.force_releases > 0
+            && state
+                .store
+                .slot
+                .as_ref()
+                .is_some_and(|r| r.state == RecordState::Processing)
+        {
+            actions.push(Action::ForceRelease);
+        }
+        if state.in_flight.is_some() {
+            if reachable {
+                actions.push(Action::DelayedLands);
+            }
+            actions.push(Action::DelayedDropped);
         }
     }
 
@@ -836,6 +896,29 @@ impl Model for IdemModel {
                 state.store.reachable = false;
             }
             Action::OutageEnds => self.outage_ends(&mut state),
+            Action::ForceRelease => {
+                state.left.force_releases -= 1;
+                let owner = state.store.slot.as_ref().and_then(|r| r.owner);
+                let _ = self.on_store(&mut state, machine::force_release);
+                if self.excuses.operator_release {
+                    state.excused.extend(owner);
+                }
+            }
+            Action::RequestDelayed(o) => {
+                state.left.requests -= 1;
+                state.left.delayed -= 1;
+                let (attempt, token) = Self::ids(&mut state, o);
+                state.in_flight = Some((o, attempt, token));
+                state.owners[usize::from(o)] = Owner::Abandoning(attempt, token);
+            }
+            Action::DelayedLands => {
+                if let Some((_, attempt, token)) = state.in_flight.take() {
+                    let _ = self.on_store(&mut state, |slot, now| {
+                        machine::reserve(slot, &request(), now, attempt, token)
+                    });
+                }
+            }
+            Action::DelayedDropped => state.in_flight = None,
             Action::Cancel => {
                 state.left.cancels -= 1;
                 let answer = self.on_store(&mut state, machine::cancel);

@@ -42,12 +42,14 @@ fn with(faults: impl Fn(&mut Bounds)) -> Bounds {
 
 #[test]
 fn idem_holds_every_property_under_each_fault() {
-    let each: [(&str, Fault); 5] = [
+    let each: [(&str, Fault); 7] = [
         ("an owner crash", |b| b.owner_crashes = 1),
         ("a store crash", |b| b.store_crashes = 1),
         ("an outage", |b| b.outages = 1),
         ("a lost reply", |b| b.lost_replies = 1),
         ("a cancel", |b| b.cancels = 1),
+        ("a force release", |b| b.force_releases = 1),
+        ("a delayed reservation", |b| b.delayed = 1),
     ];
     for (fault, add) in each {
         let model = IdemModel::idem(Persistence::Always, with(add));
@@ -216,6 +218,36 @@ fn limit_a_partition_longer_than_the_lease_runs_twice() {
     };
     let model = unexcused(excuses, Persistence::Always, |b| b.outages = 1);
     assert!(explore("limit: partition", model).contains(&property::ONCE));
+}
+
+/// The documented limit of an operator's force release: the records API
+/// frees a processing record whose owner it takes to be gone; an owner
+/// still running may act beside the retry that follows.
+#[test]
+fn limit_a_force_release_of_a_running_owner_runs_twice() {
+    let excuses = Excuses {
+        operator_release: false,
+        ..Excuses::DOCUMENTED
+    };
+    let model = unexcused(excuses, Persistence::Always, |b| b.force_releases = 1);
+    assert!(explore("limit: force release", model).contains(&property::ONCE));
+}
+
+/// A reservation that lands after its caller gave up (behind a paused
+/// store): without retried abandons, one that fails leaves a live lease
+/// nobody runs.
+#[test]
+fn without_retried_abandons_a_delayed_reservation_blocks_the_key() {
+    let design = Design {
+        retry_abandon: false,
+        ..Design::IDEM
+    };
+    let model = without(design, |b| {
+        b.delayed = 1;
+        b.outages = 1;
+    });
+    let found = explore("without retried abandons, delayed", model);
+    assert!(found.contains(&property::NO_ORPHAN), "{found:?}");
 }
 
 /// The model's steps do what they say: a payment recorded, then replayed
