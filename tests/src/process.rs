@@ -67,12 +67,16 @@ impl Spawned {
     /// Waits (at most 30 s) for a stderr line containing `what`.
     pub fn wait_for_line(&self, what: &str) {
         let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seen = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(line) if line.contains(what) => return,
-                Ok(_) => {}
-                Err(_) => panic!("never printed {what:?}"),
+                Ok(line) => seen.push(line),
+                Err(_) => panic!(
+                    "never printed {what:?}; printed meanwhile:\n{}",
+                    seen.join("\n")
+                ),
             }
         }
     }

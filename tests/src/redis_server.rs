@@ -266,6 +266,21 @@ pub fn calls_between(
     calls(after) - calls(before)
 }
 
+/// Every command's calls between two [`RedisServer::command_stats`]
+/// snapshots, but `INFO` (the snapshots' own), by command, those with
+/// none left out.
+pub fn commands_between(
+    before: &std::collections::HashMap<String, (u64, f64)>,
+    after: &std::collections::HashMap<String, (u64, f64)>,
+) -> std::collections::BTreeMap<String, u64> {
+    after
+        .keys()
+        .filter(|name| name.as_str() != "info")
+        .map(|name| (name.clone(), calls_between(before, after, name)))
+        .filter(|(_, calls)| *calls > 0)
+        .collect()
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         if let Some(child) = &self.child {

@@ -119,13 +119,13 @@ async fn suite<S: Store>(store: S) {
         })
         .await;
     assert!(
-        matches!(&first, Err(CommandError::Failed { error, replayed: false }) if *error == declined),
+        matches!(&first, Err(CommandError::Failed { error, replayed: false, recording: None }) if *error == declined),
         "{first:?}"
     );
     let before = runs.load(Ordering::SeqCst);
     let again: Outcome = layer.run(&poor, pay(10_000)).await;
     assert!(
-        matches!(&again, Err(CommandError::Failed { error, replayed: true }) if *error == declined),
+        matches!(&again, Err(CommandError::Failed { error, replayed: true, recording: None }) if *error == declined),
         "{again:?}"
     );
     assert_eq!(

@@ -265,6 +265,9 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits_on(packed: bool) 
         0,
         "no reservation while waiting"
     );
+    // No command of any kind: no polling, no keep-alive.
+    let spent = idem_tests::redis_server::commands_between(&waiting, &after);
+    assert!(spent.is_empty(), "commands while waiting: {spent:?}");
 
     app.gate.add_permits(1);
     let first = first.await.expect("first");

@@ -58,7 +58,7 @@ use crate::{
     attempt::{Lapse, renewing, settle},
     fingerprint::{canonical_tokens, update_part},
     metrics::{self as m, Outcome as Counted, StoreOp},
-    pending::Held,
+    pending::{Held, Recording},
     runtime::{RUNNING_RETRY_AFTER, deadline_after, store_call},
 };
 
@@ -142,24 +142,46 @@ pub enum ActionError<E> {
 
 /// A command's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Done<T> {
     /// The action ran now and its result was recorded.
     Ran(T),
     /// The action had run before; this is its stored result.
     Replayed(T),
+    /// The action ran now, but the store did not take its result yet: the
+    /// layer records it in the background. Until `recording` says it is
+    /// recorded, do not acknowledge the delivery (a crash now would leave
+    /// the record processing, and a redelivery could run the action again
+    /// once its lease lapsed); tell the broker the work is in progress
+    /// meanwhile.
+    Unrecorded {
+        /// The action's result.
+        value: T,
+        /// Resolves once the store took the result.
+        recording: Recording,
+    },
 }
 
 impl<T> Done<T> {
     /// The result, however it came.
     pub fn into_inner(self) -> T {
         match self {
-            Done::Ran(value) | Done::Replayed(value) => value,
+            Done::Ran(value) | Done::Replayed(value) | Done::Unrecorded { value, .. } => value,
         }
     }
 
     /// Whether the result was replayed from the record.
     pub fn is_replayed(&self) -> bool {
         matches!(self, Done::Replayed(_))
+    }
+
+    /// Whether the result is in the record now (a replay, or an action
+    /// whose result the store took).
+    pub fn is_recorded(&self) -> bool {
+        match self {
+            Done::Ran(_) | Done::Replayed(_) => true,
+            Done::Unrecorded { recording, .. } => recording.is_recorded(),
+        }
     }
 }
 
@@ -188,6 +210,10 @@ pub enum CommandError<E> {
         error: E,
         /// Whether it came from the record.
         replayed: bool,
+        /// When it failed now and the store did not take the error yet:
+        /// the background recording to wait on before acknowledging (see
+        /// [`Done::Unrecorded`]).
+        recording: Option<Recording>,
     },
     /// The action failed temporarily, or panicked (`None`); the key was
     /// released, so the next delivery runs it again.
@@ -265,6 +291,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 let failed = CommandError::Failed {
                     error,
                     replayed: false,
+                    recording: None,
                 };
                 (FAILED, body, Err(failed))
             }
@@ -296,7 +323,25 @@ impl<S: Store> IdempotencyLayer<S> {
             // Fenced: a newer attempt or a cancellation owns the record;
             // its answer is the command's.
             Some(current) => answer(current),
-            None => result,
+            // Held for a background completion: the caller learns it is
+            // not recorded yet, and gets a handle to wait on.
+            None => match self.runtime.pending.recording(request.scope.hash()) {
+                None => result,
+                Some(recording) => match result {
+                    Ok(done) => Ok(Done::Unrecorded {
+                        value: done.into_inner(),
+                        recording,
+                    }),
+                    Err(CommandError::Failed {
+                        error, replayed, ..
+                    }) => Err(CommandError::Failed {
+                        error,
+                        replayed,
+                        recording: Some(recording),
+                    }),
+                    Err(other) => Err(other),
+                },
+            },
         }
     }
 
@@ -399,6 +444,7 @@ fn replayed<T: DeserializeOwned, E: DeserializeOwned>(
             Ok(error) => Err(CommandError::Failed {
                 error,
                 replayed: true,
+                recording: None,
             }),
             Err(error) => Err(CommandError::Undecodable(error)),
         },

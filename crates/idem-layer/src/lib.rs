@@ -184,6 +184,7 @@ pub use idem_core::{
 };
 pub use layer::IdempotencyLayer;
 pub use path::normalize_path;
+pub use pending::Recording;
 pub use problem::{
     DEFAULT_TYPE_BASE, PROBLEM_JSON, Problem, ProblemCode, ProblemHook, problem_document,
 };

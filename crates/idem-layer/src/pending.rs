@@ -90,6 +90,9 @@ struct Entry {
     tried: Notify,
     /// Recorded (or given up: nothing more will come of it).
     done: AtomicBool,
+    /// The store took the outcome (or answered that a newer attempt owns
+    /// the record): `done` and not given up.
+    recorded: AtomicBool,
 }
 
 /// A background completion's place in [`Pending`], removed when dropped
@@ -223,12 +226,73 @@ impl Pending {
         }
     }
 
+    /// What this layer still holds of `scope`: an outcome (or a release)
+    /// the store has not taken yet, as a handle to wait on; `None` when
+    /// nothing is held or it was settled.
+    pub(crate) fn recording(&self, scope: &ScopeHash) -> Option<Recording> {
+        if !self.any() {
+            return None;
+        }
+        let entry = self.lock().get(scope).cloned()?;
+        (!entry.running && !entry.done.load(Ordering::Acquire)).then_some(Recording { entry })
+    }
+
     /// How many completions are pending.
     #[cfg(test)]
     fn len(&self) -> usize {
         self.count.load(Ordering::Acquire)
     }
 }
+
+/// An outcome that ran and is held by the layer until the store takes it
+/// (a completion, or a release, that hit a store error and is retried in
+/// the background). What a caller that acknowledges work elsewhere (a
+/// message broker) waits on before it acknowledges: until the outcome is
+/// recorded, a crash of this process would leave the record processing
+/// and a redelivery could run the action again once its lease lapsed.
+///
+/// Clones watch the same outcome; two handles are equal when they do.
+#[derive(Clone)]
+pub struct Recording {
+    entry: Arc<Entry>,
+}
+
+impl Recording {
+    /// Whether the store has taken the outcome.
+    pub fn is_recorded(&self) -> bool {
+        self.entry.recorded.load(Ordering::Acquire)
+    }
+
+    /// Waits until the store has taken the outcome (`true`), or the layer
+    /// gave up on it (`false`: the record's retention passed with the
+    /// store unavailable, or the layer was dropped).
+    pub async fn recorded(&self) -> bool {
+        loop {
+            // Made before the check: a try that ends after it wakes it.
+            let tried = self.entry.tried.notified();
+            if self.entry.done.load(Ordering::Acquire) {
+                return self.is_recorded();
+            }
+            tried.await;
+        }
+    }
+}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recording")
+            .field("recorded", &self.is_recorded())
+            .finish()
+    }
+}
+
+impl PartialEq for Recording {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.entry, &other.entry)
+    }
+}
+
+impl Eq for Recording {}
 
 impl Registration {
     /// Waits `pause` before the next try, or less: until a reservation of
@@ -245,6 +309,7 @@ impl Registration {
     /// answered that a newer attempt owns the record).
     pub(crate) fn tried(&self, recorded: bool) {
         if recorded {
+            self.entry.recorded.store(true, Ordering::Release);
             self.entry.done.store(true, Ordering::Release);
         }
         self.entry.tried.notify_waiters();

@@ -590,10 +590,16 @@ async fn a_redelivery_waits_for_the_command_outcome_held_here() {
         }
     };
     let first = layer.run(&command, charge()).await;
-    assert!(
-        matches!(first, Ok(Done::Ran(ref receipt)) if receipt == "receipt-1"),
-        "{first:?}"
-    );
+    // The action ran, and the caller learns its result is not recorded
+    // yet: a consumer must not acknowledge the delivery now.
+    let recording = match first {
+        Ok(Done::Unrecorded {
+            ref value,
+            ref recording,
+        }) if value == "receipt-1" => recording.clone(),
+        other => panic!("expected an unrecorded result: {other:?}"),
+    };
+    assert!(!recording.is_recorded());
     // The lease (600 ms) lapses with the store down.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(layer.background_tasks(), 1, "recording in the background");
@@ -608,11 +614,18 @@ async fn a_redelivery_waits_for_the_command_outcome_held_here() {
         1,
         "the action did not run again"
     );
+    assert!(!recording.is_recorded(), "still not recorded");
     store.mode.store(OK, Ordering::SeqCst);
     let replayed = layer.run(&command, charge()).await;
     assert!(
         matches!(replayed, Ok(Done::Replayed(ref receipt)) if receipt == "receipt-1"),
         "{replayed:?}"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_secs(10), recording.recorded())
+            .await
+            .expect("the handle resolves once the store took the result"),
+        "recorded, not given up"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the action ran once");
 }

@@ -92,3 +92,89 @@ async fn killed_before_acknowledging_charges_once_and_redeliveries_replay() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The ack floor and redelivery count of the consumer `charge-consumer`.
+async fn acks(js: &async_nats::jetstream::Context) -> (u64, usize) {
+    let stream = js.get_stream("CHARGES").await.expect("stream");
+    let info = stream
+        .consumer_info("charge-consumer")
+        .await
+        .expect("consumer info");
+    (info.ack_floor.consumer_sequence, info.num_redelivered)
+}
+
+/// The store stops answering while a charge runs: the action ran, but its
+/// outcome is not recorded. The consumer holds the message (in-progress
+/// acknowledgements, so the broker neither counts it acknowledged nor
+/// redelivers it) until the layer has recorded the outcome, then
+/// acknowledges it; a duplicate of the charge is answered from the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledges_a_charge_only_once_its_outcome_is_recorded() {
+    let Some(nats) = NatsServer::spawn() else {
+        return;
+    };
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("idem-consumer-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    // The ledger is a FIFO: a charge blocks on it until the test reads it,
+    // so the test can take the store away while the charge runs.
+    let ledger_path = dir.join("charges.ledger");
+    let made = Command::new("mkfifo")
+        .arg(&ledger_path)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let ack_wait = Duration::from_secs(4);
+    let consumer = {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_charge-consumer"));
+        command
+            .env("NATS_URL", nats.url())
+            .env("IDEM_STORE", redis.url())
+            .env("LEDGER", &ledger_path)
+            .env("ACK_WAIT", "4s");
+        Spawned::start(&mut command)
+    };
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    publish(&js, "c-1", 100).await;
+    consumer.wait_for_line("charging c-1 (attempt 1)");
+    // Reserved; the store stops answering before the charge returns.
+    redis.pause();
+    let charged = tokio::task::spawn_blocking({
+        let path = ledger_path.clone();
+        move || std::fs::read_to_string(path).expect("read the ledger")
+    })
+    .await
+    .expect("join");
+    assert!(charged.contains("charged c-1 100 cents"), "{charged:?}");
+    consumer.wait_for_line("executed c-1 (attempt 1); acknowledging once it is recorded");
+    // Longer than two ack waits: in progress, neither acknowledged nor
+    // redelivered.
+    let until = tokio::time::Instant::now() + ack_wait * 2 + Duration::from_secs(1);
+    while tokio::time::Instant::now() < until {
+        assert_eq!(
+            acks(&js).await,
+            (0, 0),
+            "acknowledged or redelivered before its outcome was recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // The store answers again: the layer records the outcome, then the
+    // consumer acknowledges.
+    redis.resume();
+    consumer.wait_for_line("the outcome is recorded; acknowledged");
+    let floor = idem_tests::poll_until(
+        Duration::from_secs(20),
+        async || acks(&js).await,
+        |(floor, _)| *floor == 1,
+    )
+    .await;
+    assert_eq!(floor, (1, 0), "acknowledged once, never redelivered");
+    // A duplicate message is answered from the record: no second charge
+    // (one would block on the ledger, which nobody reads now).
+    publish(&js, "c-1", 100).await;
+    consumer.wait_for_line("answered c-1 from the record");
+    let _ = std::fs::remove_dir_all(&dir);
+}
