@@ -94,12 +94,18 @@ async fn an_upstream_that_never_answers_is_taken_over_after_the_lease() {
         ],
     )
     .await;
+    // The lease starts after this instant: no takeover comes before a
+    // lease from it.
+    let sent = std::time::Instant::now();
     assert_eq!(
         post(gateway.addr, "/slow", "never-1").await.status,
         StatusCode::GATEWAY_TIMEOUT
     );
+    // Right after the 504 (the wait for a late answer is over), the key
+    // is still held: the outcome is unknown, nothing released it.
     let busy = post(gateway.addr, "/slow", "never-1").await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
     // After the lease (measured by the store), a retry takes over.
     let takeover = poll_until(
         Duration::from_secs(10),
@@ -108,6 +114,11 @@ async fn an_upstream_that_never_answers_is_taken_over_after_the_lease() {
     )
     .await;
     assert_eq!(takeover.status, StatusCode::GATEWAY_TIMEOUT);
+    let waited = sent.elapsed();
+    assert!(
+        waited >= Duration::from_secs(1),
+        "taken over {waited:?} after the first request, before its 1 s lease lapsed"
+    );
     upstream.gate.add_permits(2);
     let seen = upstream.seen.lock().expect("seen").clone();
     assert_eq!(seen.len(), 2);

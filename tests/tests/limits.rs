@@ -150,18 +150,23 @@ async fn send(
     Ok((response.status(), info))
 }
 
-/// Arrivals in the busiest one-second bucket, counted from the first.
+/// Arrivals in the busiest window of one second, wherever it starts (a
+/// window opens at every arrival): a limiter that lets 13 through at the
+/// end of one second and 13 at the start of the next shows 26.
 fn busiest_second(arrivals: &[Instant]) -> usize {
-    let Some(first) = arrivals.iter().min() else {
-        return 0;
-    };
-    let mut buckets: HashMap<u64, usize> = HashMap::new();
-    for at in arrivals {
-        *buckets
-            .entry(at.duration_since(*first).as_secs())
-            .or_default() += 1;
-    }
-    buckets.values().copied().max().unwrap_or(0)
+    let mut sorted = arrivals.to_vec();
+    sorted.sort();
+    sorted
+        .iter()
+        .enumerate()
+        .map(|(i, start)| {
+            sorted[i..]
+                .iter()
+                .take_while(|at| at.duration_since(*start) < Duration::from_secs(1))
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Three independent clients (each its own Redis connection and queue),
@@ -408,11 +413,22 @@ async fn an_unreachable_gate_holds_back_or_falls_back_as_chosen() {
         RetryLayer::new()
             .limits(limits(gate(), Limit::new(10.0, 2)).on_gate_error(OnGateError::FallBackLocal)),
     );
-    let (status, _) = send(&falling_back, server.url("/x"), "")
-        .await
-        .expect("sent");
-    assert_eq!(status, StatusCode::OK);
-    assert_eq!(provider.arrivals("x").len(), 1);
+    // The local limit holds: 6 requests at 10/s with bursts of 2 take at
+    // least (6 - 2) / 10 s between the first arrival and the last (without
+    // a limiter they would arrive within milliseconds).
+    for _ in 0..6 {
+        let (status, _) = send(&falling_back, server.url("/x"), "")
+            .await
+            .expect("sent");
+        assert_eq!(status, StatusCode::OK);
+    }
+    let arrivals = provider.arrivals("x");
+    assert_eq!(arrivals.len(), 6);
+    let spread = arrivals[5].duration_since(arrivals[0]);
+    assert!(
+        spread >= Duration::from_millis(350),
+        "6 requests within {spread:?}: the local limit did not hold"
+    );
 }
 
 /// The retry budget of a boundary is shared: two clients on one Redis,

@@ -127,6 +127,22 @@ async fn the_sweep_runs_batch_after_batch() {
         .build()
         .expect("store");
     store.migrate().await.expect("migrate");
+    // Every DELETE statement on the table logs how many rows it took.
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS sweep_statements (n serial PRIMARY KEY, deleted bigint)",
+        "TRUNCATE sweep_statements",
+        "CREATE OR REPLACE FUNCTION log_sweep_statement() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN INSERT INTO sweep_statements (deleted) SELECT count(*) FROM gone; \
+         RETURN NULL; END $$",
+        "DROP TRIGGER IF EXISTS sweep_statements ON records_in_batches",
+        "CREATE TRIGGER sweep_statements AFTER DELETE ON records_in_batches \
+         REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION log_sweep_statement()",
+    ] {
+        sqlx::query(statement)
+            .execute(store.pool())
+            .await
+            .expect(statement);
+    }
     let short = Duration::from_millis(200);
     for n in 0..30 {
         let _ = store
@@ -136,6 +152,13 @@ async fn the_sweep_runs_batch_after_batch() {
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(store.sweep().await.expect("sweep"), 30);
+    // Batches of 7 until one deletes fewer: never one unbounded DELETE.
+    let statements: Vec<i64> =
+        sqlx::query_scalar("SELECT deleted FROM sweep_statements ORDER BY n")
+            .fetch_all(store.pool())
+            .await
+            .expect("statements");
+    assert_eq!(statements, [7, 7, 7, 7, 2]);
 }
 
 /// The background sweep runs on its own.

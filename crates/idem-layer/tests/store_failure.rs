@@ -264,6 +264,12 @@ async fn a_waiting_duplicate_of_an_attempt_running_past_its_lapsed_lease_replays
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }
+    // It waits: no answer while the attempt runs.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !duplicate.is_finished(),
+        "the duplicate answered while the attempt still ran"
+    );
     store.mode.store(OK, Ordering::SeqCst);
     probe.open_gate(1);
     let first = first.await.expect("join");

@@ -48,6 +48,9 @@ struct Execution {
     attempt: u64,
     payload: Bytes,
     started: Instant,
+    /// Which gateway forwarded it (each has an upstream listener of its
+    /// own).
+    gateway: usize,
     /// How long the upstream worked on it.
     work: Duration,
     body: Bytes,
@@ -60,7 +63,7 @@ struct Ledger {
 }
 
 async fn pay(
-    State(ledger): State<Ledger>,
+    State((ledger, gateway)): State<(Ledger, usize)>,
     headers: HeaderMap,
     payload: Bytes,
 ) -> (StatusCode, Bytes) {
@@ -94,6 +97,7 @@ async fn pay(
         attempt,
         payload,
         started,
+        gateway,
         work,
         body: body.clone(),
     });
@@ -200,15 +204,22 @@ async fn chaos_soak() {
         return;
     };
     let ledger = Ledger::default();
-    let upstream = TestServer::start(
-        Router::new()
+    // One upstream listener per gateway, one ledger: each execution is
+    // attributed to the gateway that ran it.
+    let mut upstreams = Vec::new();
+    for gateway in 0..2 {
+        let router = Router::new()
             .route("/pay", post(pay))
-            .with_state(ledger.clone()),
-    )
-    .await;
+            .with_state((ledger.clone(), gateway));
+        upstreams.push(TestServer::start(router).await);
+    }
+    let upstream_flag = |gateway: usize| {
+        [
+            "--upstream".to_owned(),
+            format!("http://{}", upstreams[gateway].addr),
+        ]
+    };
     let args: Vec<String> = [
-        "--upstream",
-        &format!("http://{}", upstream.addr),
         "--store",
         &redis.url(),
         "--tenant-header",
@@ -230,21 +241,24 @@ async fn chaos_soak() {
     // The second gateway writes packed records with compact headers, the
     // first the expanded layout with four-byte headers: each replays and
     // takes over the other's records throughout.
+    let expanded: Vec<String> = args.iter().cloned().chain(upstream_flag(0)).collect();
     let compact: Vec<String> = args
         .iter()
         .cloned()
+        .chain(upstream_flag(1))
         .chain([
             "--redis-pack-records".to_owned(),
             "--redis-compact-headers".to_owned(),
         ])
         .collect();
-    let gateways = [Gateway::start(&args), Gateway::start(&compact)];
+    let gateways = [Gateway::start(&expanded), Gateway::start(&compact)];
     let ports = [Arc::clone(&gateways[0].port), Arc::clone(&gateways[1].port)];
     let gateways = Arc::new(Mutex::new(gateways));
 
     let started = Instant::now();
     let deadline = started + Duration::from_secs(seconds);
-    let kills: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    // When each SIGKILL was sent, and to which gateway.
+    let kills: Arc<Mutex<Vec<(Instant, usize)>>> = Arc::default();
     let terminations = Arc::new(AtomicUsize::new(0));
     let pauses: Arc<Mutex<Vec<(Instant, Instant)>>> = Arc::default();
 
@@ -281,7 +295,7 @@ async fn chaos_soak() {
                 } else {
                     let mut gateways = gateways.lock().expect("gateways");
                     gateways[victim].kill();
-                    kills.lock().expect("kills").push(Instant::now());
+                    kills.lock().expect("kills").push((Instant::now(), victim));
                 }
                 std::thread::sleep(Duration::from_millis(200));
                 gateways.lock().expect("gateways")[victim].spawn();
@@ -407,9 +421,10 @@ async fn chaos_soak() {
         doubled.is_empty(),
         "two executions in one generation: {doubled:?}"
     );
-    // 2. Re-executions only after a lost owner (a killed gateway, never a
-    //    gracefully stopped one, nor an upstream timeout) or a store outage,
-    //    and always with a higher generation.
+    // 2. Re-executions only after a lost owner (a SIGKILL of the gateway
+    //    that ran the first execution, never of the other one, never a
+    //    graceful stop, nor an upstream timeout) or a store outage, and
+    //    always with a higher generation.
     let mut re_executions = 0;
     for runs in by_scope.values() {
         for pair in runs.windows(2) {
@@ -424,7 +439,9 @@ async fn chaos_soak() {
             // answered), or cut off from Redis for that long.
             let since = pair[0].started - Duration::from_millis(250);
             let until = pair[0].started + pair[0].work + Duration::from_millis(500);
-            let lost_owner = kills.iter().any(|k| *k >= since && *k <= until)
+            let lost_owner = kills
+                .iter()
+                .any(|(k, victim)| *victim == pair[0].gateway && *k >= since && *k <= until)
                 || pauses
                     .iter()
                     .any(|(from, to)| *to >= since && *from <= until);
