@@ -76,6 +76,63 @@ async fn an_upstream_timeout_keeps_the_key_and_records_the_late_answer() {
     assert_eq!(upstream.runs(), 1, "the upstream ran once");
 }
 
+/// While the gateway waits for a late answer, it keeps renewing the lease:
+/// retries well past the first lease (1 s) still get 409, the upstream
+/// never sees a second attempt, and the answer that comes at 3 s is
+/// recorded and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_is_renewed_while_the_late_answer_is_awaited() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(
+        &server,
+        &[
+            "--lease",
+            "1s",
+            "--upstream-timeout",
+            "100ms",
+            "--unknown-outcome-wait",
+            "10s",
+        ],
+    )
+    .await;
+    let sent = std::time::Instant::now();
+    let first = post(gateway.addr, "/slow", "renewed-1").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    // From 1.5 s to 2.5 s after the request: the first lease has lapsed
+    // unless it was renewed.
+    tokio::time::sleep(Duration::from_millis(1500).saturating_sub(sent.elapsed())).await;
+    let mut retries = 0;
+    while sent.elapsed() < Duration::from_millis(2500) {
+        let retry = post(gateway.addr, "/slow", "renewed-1").await;
+        assert_eq!(
+            (retry.status, retry.code().as_deref()),
+            (StatusCode::CONFLICT, Some("idempotency_in_progress")),
+            "{:?} after the request: the lease was not renewed",
+            sent.elapsed()
+        );
+        retries += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(retries > 0);
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(sent.elapsed())).await;
+    upstream.gate.add_permits(1);
+    let replay = poll_until(
+        Duration::from_secs(10),
+        async || post(gateway.addr, "/slow", "renewed-1").await,
+        Reply::replayed,
+    )
+    .await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(&replay.body[..], b"slow run 1");
+    assert_eq!(upstream.runs(), 1, "the upstream ran once");
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert!(
+        seen.iter().all(|s| s.attempt.as_deref() == Some("1")),
+        "{seen:?}"
+    );
+}
+
 /// When the late answer does not come within the wait, the lease lapses
 /// and only then a retry takes over, with `Idempotency-Attempt: 2`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

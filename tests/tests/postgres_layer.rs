@@ -40,7 +40,9 @@ impl FromRef<AppState> for PgStore {
 
 /// Inserts an order in the handler's transaction, hands it to the layer,
 /// and answers 201 with the order's id; `x-status` picks another status,
-/// `x-wait` waits for a permit between the insert and the commit.
+/// `x-wait` waits for a permit between the insert and the commit;
+/// `x-panic` panics and `x-error` answers 500 after the insert, without
+/// handing the transaction over.
 async fn create(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -53,6 +55,13 @@ async fn create(
     if headers.contains_key("x-wait") {
         state.waiting.add_permits(1);
         state.gate.acquire().await.expect("gate").forget();
+    }
+    assert!(
+        !headers.contains_key("x-panic"),
+        "the handler panics after its insert"
+    );
+    if headers.contains_key("x-error") {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "failed".to_owned());
     }
     let status = headers
         .get("x-status")
@@ -181,6 +190,35 @@ async fn a_temporary_failure_rolls_the_order_back() {
     let retry = call(&app.router, Some("k2"), &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(app.orders().await, 1);
+}
+
+/// A handler that panics, or fails, after its insert: the insert rolls
+/// back with the transaction, the record is released (no row of it left
+/// processing), and the retry runs and leaves exactly one order.
+#[tokio::test]
+async fn a_handler_panic_or_error_rolls_the_order_back() {
+    let Some(app) = app().await else { return };
+    for (key, failure) in [("k-panic", "x-panic"), ("k-error", "x-error")] {
+        let failed = call(&app.router, Some(key), &[(failure, "1")]).await;
+        assert_eq!(
+            failed.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{failure}"
+        );
+        assert_eq!(app.orders().await, 0, "{failure}: the insert was committed");
+        let processing: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idem_records WHERE state = 'processing'")
+                .fetch_one(app.store.pool())
+                .await
+                .expect("count");
+        assert_eq!(processing, 0, "{failure}: the record was not released");
+    }
+    for key in ["k-panic", "k-error"] {
+        let retry = call(&app.router, Some(key), &[]).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{key}");
+        assert!(!retry.headers.contains_key("idempotent-replayed"));
+    }
+    assert_eq!(app.orders().await, 2, "one order per key");
 }
 
 /// A request the layer does not run for (no key) commits at once.

@@ -459,9 +459,9 @@ pub async fn run(
         tracing::info!("shutdown: every outcome recorded");
     } else {
         tracing::warn!(
-            left,
-            "shutdown: background work still running after the drain timeout; \
-             its records stay processing until their leases lapse"
+            "shutdown: {left} background task(s) still running after the drain timeout \
+             (requests whose upstream has not answered, outcomes not yet recorded); \
+             their records stay processing until their leases lapse"
         );
     }
     drop(demo);

@@ -342,6 +342,85 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     assert_eq!(upstream.runs(), 1);
 }
 
+/// SIGTERM with a detached request whose upstream never answers: the
+/// gateway exits once `--drain-timeout` has passed (not when the upstream
+/// timeout would), logs what it left, and the record stays processing
+/// (its lease lapses; nothing released it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_is_bounded_and_says_what_it_left() {
+    let Some(setup) = OnRedis::start(&[
+        "--drain-timeout",
+        "1s",
+        "--upstream-timeout",
+        "120s",
+        "--lease",
+        "60s",
+    ])
+    .await
+    else {
+        return;
+    };
+    let (upstream, args) = (&setup.upstream, setup.args());
+    let log = Log::new("bounded");
+    let gateway = Process::spawn(
+        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .stderr(log.file()),
+    );
+    let lost = tokio::spawn(send(&client(), gateway.post("/slow", "stuck-1")));
+    upstream.wait_runs(1).await;
+    lost.abort();
+    let _ = lost.await;
+    wait_until(
+        Duration::from_secs(20),
+        "the gateway to see the client go",
+        async || log.text().contains("client went away"),
+    )
+    .await;
+    let signalled = std::time::Instant::now();
+    gateway.terminate();
+    // Without the bound it would wait for the upstream (120 s).
+    let exited = tokio::time::timeout(Duration::from_secs(30), gateway.exited_cleanly())
+        .await
+        .expect("exited within the drain bound, not the upstream timeout");
+    assert!(exited, "exits cleanly");
+    let took = signalled.elapsed();
+    assert!(
+        took >= Duration::from_secs(1),
+        "exited after {took:?}, before the drain bound"
+    );
+    let text = log.text();
+    let left = text
+        .lines()
+        .find(|line| line.contains("still running after the drain timeout"))
+        .unwrap_or_else(|| panic!("no line says what was left:\n{text}"));
+    assert!(left.contains("shutdown: 1 background task(s)"), "{left}");
+
+    // The record stays processing: a restarted gateway reads it so, and a
+    // retry is in progress, not a second run.
+    let restarted = Process::start(&args);
+    let record = send(
+        &client(),
+        Request::get(format!(
+            "http://{}/_idempotency/records?method=POST&path=/slow&key=stuck-1",
+            restarted.addr
+        ))
+        .header("authorization", "Bearer alice")
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
+    )
+    .await;
+    assert_eq!(record.status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&record.body).expect("json");
+    assert_eq!(json["state"], "processing", "{json}");
+    let retry = post(&restarted, "/slow", "stuck-1").await;
+    assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    assert_eq!(upstream.runs(), 1);
+    upstream.gate.add_permits(1);
+}
+
 #[test]
 fn invalid_flags_are_one_line_errors_not_panics() {
     let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
