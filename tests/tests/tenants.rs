@@ -183,6 +183,129 @@ async fn a_refreshed_jwt_keeps_its_tenant_and_bad_ones_are_refused() {
     assert_eq!(send(&client(), unkeyed).await.status, StatusCode::CREATED);
 }
 
+/// `--tenant-jwt-leeway` and `--tenant-jwt-claim`: a token expired (or
+/// not yet valid) by less than the leeway is accepted, by more refused;
+/// the tenant is the named claim, so two subjects of one organisation are
+/// one caller.
+#[tokio::test]
+async fn jwt_leeway_and_the_tenant_claim() {
+    let secret = b"the issuer's HMAC secret, 32 bytes or more";
+    let files = Files::new();
+    let keys = files.write("hmac.key", secret);
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(
+        &origin,
+        &[
+            "--tenant-jwt-keys",
+            &keys,
+            "--tenant-jwt-claim",
+            "org",
+            "--tenant-jwt-leeway",
+            "60s",
+        ],
+    )
+    .await;
+    let signing = EncodingKey::from_secret(secret);
+    let signed = |claims: serde_json::Value| token(&signing, Algorithm::HS256, None, &claims);
+    // Inside the leeway: expired 20 s ago, valid from 20 s on.
+    let late = signed(serde_json::json!({ "sub": "alice", "org": "acme", "exp": now() - 20 }));
+    let early = signed(
+        serde_json::json!({ "sub": "bob", "org": "acme", "nbf": now() + 20, "exp": now() + 3600 }),
+    );
+    let first = post(gateway.addr, "lee-1", &late).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // Another subject of the same `org` is the same tenant: a replay.
+    let again = post(gateway.addr, "lee-1", &early).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body);
+    // Another organisation is another tenant.
+    let other = signed(serde_json::json!({ "sub": "alice", "org": "globex", "exp": now() + 3600 }));
+    let other = post(gateway.addr, "lee-1", &other).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert!(!other.replayed());
+    // Outside the leeway, or without the claim: refused.
+    for (what, claims) in [
+        (
+            "expired past the leeway",
+            serde_json::json!({ "org": "acme", "exp": now() - 120 }),
+        ),
+        (
+            "not valid before the leeway",
+            serde_json::json!({ "org": "acme", "nbf": now() + 120, "exp": now() + 3600 }),
+        ),
+        (
+            "without the claim",
+            serde_json::json!({ "sub": "acme", "exp": now() + 3600 }),
+        ),
+    ] {
+        let reply = post(gateway.addr, "lee-1", &signed(claims)).await;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{what}");
+        assert_eq!(
+            reply.code().as_deref(),
+            Some("idempotency_tenant_invalid"),
+            "{what}"
+        );
+    }
+    assert_eq!(upstream.runs(), 2);
+}
+
+/// An Ed25519 public key in PEM verifies EdDSA tokens; a token signed by
+/// another Ed25519 key is refused.
+#[tokio::test]
+async fn jwt_with_an_ed25519_key() {
+    let files = Files::new();
+    let openssl = |args: &[&str]| {
+        std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(&files.0)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !openssl(&["genpkey", "-algorithm", "ed25519", "-out", "ed.pem"]) {
+        idem_tests::redis_server::skip_or_fail("openssl");
+        return;
+    }
+    assert!(openssl(&[
+        "pkey",
+        "-in",
+        "ed.pem",
+        "-pubout",
+        "-out",
+        "ed.pub.pem"
+    ]));
+    assert!(openssl(&[
+        "genpkey",
+        "-algorithm",
+        "ed25519",
+        "-out",
+        "other.pem"
+    ]));
+    let read = |name: &str| std::fs::read(files.0.join(name)).expect("key");
+    let signing = EncodingKey::from_ed_pem(&read("ed.pem")).expect("Ed25519 key");
+    let other = EncodingKey::from_ed_pem(&read("other.pem")).expect("Ed25519 key");
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let public = files.0.join("ed.pub.pem").display().to_string();
+    let gateway = start_gateway(&origin, &["--tenant-jwt-keys", &public]).await;
+    let claims = serde_json::json!({ "sub": "dave", "exp": now() + 3600 });
+    let good = token(&signing, Algorithm::EdDSA, None, &claims);
+    assert_eq!(
+        post(gateway.addr, "ed", &good).await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(gateway.addr, "ed", &good).await.replayed());
+    let forged = post(
+        gateway.addr,
+        "ed",
+        &token(&other, Algorithm::EdDSA, None, &claims),
+    )
+    .await;
+    assert_eq!(forged.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(forged.code().as_deref(), Some("idempotency_tenant_invalid"));
+    assert_eq!(upstream.runs(), 1);
+}
+
 /// Base64url without padding, for the hand-made unsigned token.
 fn base64_url_free(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";

@@ -486,6 +486,35 @@ fn invalid_flags_are_one_line_errors_not_panics() {
         stderr.contains("--keyed-scopes needs --tenant-secret") && !stderr.contains("panicked"),
         "{stderr}"
     );
+    // Secrets too short to be secrets: a tenant secret (15 bytes, one
+    // short of 16), and an HMAC key for JWT tenants (31 bytes, one short
+    // of 32). Run under `timeout`: a gateway that accepted one would serve.
+    let refused = |args: &[&std::ffi::OsStr]| {
+        let output = Command::new("timeout")
+            .arg("30")
+            .arg(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(args)
+            .args(["--listen", "127.0.0.1:0"])
+            .output()
+            .expect("run");
+        assert!(
+            !matches!(output.status.code(), Some(0 | 124)),
+            "started with {args:?}"
+        );
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
+    };
+    let stderr = refused(&["--tenant-secret".as_ref(), "012345678901234".as_ref()]);
+    assert!(stderr.contains("at least 16 bytes"), "{stderr}");
+    let key_file = std::env::temp_dir().join(format!("idem-short-hmac-{}", std::process::id()));
+    std::fs::write(&key_file, "0123456789012345678901234567890").expect("key file");
+    let stderr = refused(&["--tenant-jwt-keys".as_ref(), key_file.as_os_str()]);
+    let _ = std::fs::remove_file(&key_file);
+    assert!(
+        stderr.contains("an HMAC secret must be at least 32 bytes"),
+        "{stderr}"
+    );
 }
 
 /// An upstream whose next connection is accepted and then held unread: the
