@@ -43,6 +43,9 @@ struct Provider {
     /// `Retry-After: 2`, and the time is noted here.
     refuse_next_a: Arc<AtomicBool>,
     refused_at: Arc<Mutex<Option<Instant>>>,
+    /// The first request of boundary `once503` gets 503 without
+    /// `Retry-After`; whether it was sent.
+    sent_503: Arc<AtomicBool>,
 }
 
 async fn call(
@@ -66,6 +69,9 @@ async fn call(
         .push(now);
     if boundary == "down" {
         return (StatusCode::SERVICE_UNAVAILABLE, "down").into_response();
+    }
+    if boundary == "once503" && !provider.sent_503.swap(true, Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "briefly down").into_response();
     }
     if boundary == "a" && provider.refuse_next_a.swap(false, Ordering::SeqCst) {
         *provider.refused_at.lock().expect("refused") = Some(now);
@@ -275,6 +281,76 @@ async fn a_429_cools_the_boundary_down_for_every_worker() {
         .filter(|at| **at >= quiet_until)
         .count();
     assert!(a_after > 0, "boundary a never resumed");
+}
+
+/// A 503 without `Retry-After` cools the boundary down for the backoff
+/// (here 1.5 s): another client on the same gate sends nothing to it
+/// before then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503_without_retry_after_cools_the_boundary_down_for_the_backoff() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let backoff = Duration::from_millis(1500);
+    let one_try = |store| {
+        client(
+            RetryLayer::new()
+                .max_attempts(1)
+                .base_delay(backoff)
+                .max_delay(backoff)
+                .limits(limits(store, Limit::new(1_000.0, 10))),
+        )
+    };
+    let first = one_try(RedisStore::from_url(&redis.url()).expect("store"));
+    let (status, _) = send(&first, server.url("/once503"), "")
+        .await
+        .expect("answered");
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let refused = provider.arrivals("once503")[0];
+    let second = one_try(RedisStore::from_url(&redis.url()).expect("store"));
+    let (status, _) = send(&second, server.url("/once503"), "")
+        .await
+        .expect("answered");
+    assert_eq!(status, StatusCode::OK);
+    let arrivals = provider.arrivals("once503");
+    assert_eq!(arrivals.len(), 2);
+    let held = arrivals[1].duration_since(refused);
+    assert!(
+        held >= backoff - Duration::from_millis(100),
+        "the next request arrived {held:?} after the 503, inside the cooldown"
+    );
+}
+
+/// A paused Redis gate (it takes the connection and never answers) is an
+/// `Error::Gate` within the gate's timeout, never a request that hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_gate_answers_within_its_timeout() {
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let provider = Provider::default();
+    let server = provider.start().await;
+    let gate = RedisStore::builder(&redis.url())
+        .timeout(Duration::from_millis(200))
+        .build()
+        .expect("store");
+    let held = client(RetryLayer::new().limits(limits(gate, Limit::new(10.0, 2))));
+    // A first request connects while Redis answers.
+    let (status, _) = send(&held, server.url("/p"), "").await.expect("sent");
+    assert_eq!(status, StatusCode::OK);
+    redis.pause();
+    let answer =
+        tokio::time::timeout(Duration::from_secs(10), send(&held, server.url("/p"), "")).await;
+    redis.resume();
+    let answer = answer.expect("answered while Redis was paused");
+    assert!(matches!(answer, Err(Error::Gate { .. })), "{answer:?}");
+    assert_eq!(
+        provider.arrivals("p").len(),
+        1,
+        "nothing sent past the gate"
+    );
 }
 
 /// One owner's 1,000 queued requests do not starve another owner's 10:

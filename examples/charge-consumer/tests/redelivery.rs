@@ -93,14 +93,18 @@ async fn killed_before_acknowledging_charges_once_and_redeliveries_replay() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The ack floor and redelivery count of the consumer `charge-consumer`.
-async fn acks(js: &async_nats::jetstream::Context) -> (u64, usize) {
+/// The ack floor (a stream sequence) of the consumer `charge-consumer`,
+/// and how many deliveries it made (redeliveries counted).
+async fn acks(js: &async_nats::jetstream::Context) -> (u64, u64) {
     let stream = js.get_stream("CHARGES").await.expect("stream");
     let info = stream
         .consumer_info("charge-consumer")
         .await
         .expect("consumer info");
-    (info.ack_floor.consumer_sequence, info.num_redelivered)
+    (
+        info.ack_floor.stream_sequence,
+        info.delivered.consumer_sequence,
+    )
 }
 
 /// The store stops answering while a charge runs: the action ran, but its
@@ -156,7 +160,7 @@ async fn acknowledges_a_charge_only_once_its_outcome_is_recorded() {
     while tokio::time::Instant::now() < until {
         assert_eq!(
             acks(&js).await,
-            (0, 0),
+            (0, 1),
             "acknowledged or redelivered before its outcome was recorded"
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -171,10 +175,119 @@ async fn acknowledges_a_charge_only_once_its_outcome_is_recorded() {
         |(floor, _)| *floor == 1,
     )
     .await;
-    assert_eq!(floor, (1, 0), "acknowledged once, never redelivered");
+    assert_eq!(floor, (1, 1), "acknowledged once, never redelivered");
     // A duplicate message is answered from the record: no second charge
     // (one would block on the ledger, which nobody reads now).
     publish(&js, "c-1", 100).await;
     consumer.wait_for_line("answered c-1 from the record");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A charge whose key another owner holds (a live lease) is NAKed and
+/// redelivered by the broker, never charged beside it; once that lease
+/// lapses, a redelivery takes over and charges once, as attempt 2. A
+/// changed payload under a charged id is terminated: the broker publishes
+/// its termination advisory and never redelivers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_in_progress_is_redelivered_and_a_changed_one_terminated() {
+    use futures_util::StreamExt;
+    use idem_core::{IdempotencyKey, Reservation, ReserveRequest, Store};
+    let Some(nats) = NatsServer::spawn() else {
+        return;
+    };
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("idem-consumer-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let ledger_path = dir.join("charges.ledger");
+    // Another owner holds c-9 for 3 s: the same scope and fingerprint the
+    // consumer computes for the message.
+    let payload = serde_json::json!({ "id": "c-9", "account": "acme", "cents": 900 });
+    let command = idem_layer::Command::new(
+        "acme",
+        "charge",
+        IdempotencyKey::parse(b"c-9").expect("key"),
+        &payload,
+    )
+    .expect("command");
+    let store = idem_redis::RedisStore::from_url(&redis.url()).expect("store");
+    let held = store
+        .reserve(&ReserveRequest {
+            scope: command.scope().clone(),
+            fingerprint: command.fingerprint(),
+            lease: Duration::from_secs(3),
+            retention: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(matches!(held, Reservation::Acquired(_)), "{held:?}");
+    let held_at = std::time::Instant::now();
+
+    let consumer = consumer(&nats, &redis, &ledger_path, None);
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let mut terminated = client
+        .subscribe("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.CHARGES.charge-consumer")
+        .await
+        .expect("subscribe");
+    let js = async_nats::jetstream::new(client);
+    js.publish("charges", payload.to_string().into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    let charged = idem_tests::poll_until(
+        Duration::from_secs(30),
+        async || ledger(&ledger_path).get("c-9").copied(),
+        |charges| charges.is_some(),
+    )
+    .await;
+    assert_eq!(charged, Some(1), "charged once");
+    assert!(
+        held_at.elapsed() >= Duration::from_secs(3),
+        "charged {:?} after the other owner took the key, inside its lease",
+        held_at.elapsed()
+    );
+    let text = std::fs::read_to_string(&ledger_path).expect("ledger");
+    assert!(text.contains("charged c-9 900 cents (attempt 2)"), "{text}");
+    let (floor, deliveries) = idem_tests::poll_until(
+        Duration::from_secs(20),
+        async || acks(&js).await,
+        |(floor, _)| *floor == 1,
+    )
+    .await;
+    assert_eq!(floor, 1, "acknowledged once charged");
+    assert!(
+        deliveries >= 2,
+        "the NAKed message was redelivered ({deliveries} deliveries)"
+    );
+
+    // The same id with another amount: a conflict, terminated.
+    publish(&js, "c-9", 901).await;
+    let advisory = tokio::time::timeout(Duration::from_secs(30), terminated.next())
+        .await
+        .expect("a termination advisory")
+        .expect("subscription open");
+    let advisory: serde_json::Value =
+        serde_json::from_slice(&advisory.payload).expect("advisory JSON");
+    assert_eq!(advisory["stream_seq"], 2, "{advisory}");
+    consumer.wait_for_line("c-9 arrived with another payload");
+    let (floor, _) = idem_tests::poll_until(
+        Duration::from_secs(20),
+        async || acks(&js).await,
+        |(floor, _)| *floor == 2,
+    )
+    .await;
+    assert_eq!(floor, 2, "the terminated message is settled, not pending");
+    assert_eq!(
+        acks(&js).await.1,
+        deliveries + 1,
+        "the terminated message was delivered once, never again"
+    );
+    assert_eq!(
+        ledger(&ledger_path).get("c-9"),
+        Some(&1),
+        "never charged again"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
