@@ -769,3 +769,69 @@ async fn an_https_upstream_is_verified() {
     assert_eq!(replay.body, first.body);
     assert_eq!(upstream.runs(), 1);
 }
+
+/// A client that leaves while its body is still arriving: nothing was
+/// reserved and nothing ran, so the same key sent whole runs at once (no
+/// 409 for a lease, no replay of a half request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_body_leaves_nothing_behind() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    let mut stream = tokio::net::TcpStream::connect(gateway.addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nidempotency-key: half-1\r\n\
+         authorization: Bearer alice\r\ncontent-type: application/json\r\n\
+         content-length: 1000\r\n\r\n{{\"sku\":",
+        gateway.addr
+    );
+    stream.write_all(head.as_bytes()).await.expect("write");
+    // The gateway reads what came, then the client is gone.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(stream);
+    let whole = post(gateway.addr, "/orders", "half-1").await;
+    assert_eq!(whole.status, StatusCode::CREATED, "{:?}", whole.code());
+    assert!(!whole.replayed());
+    assert_eq!(upstream.runs(), 1, "only the whole request ran");
+}
+
+/// A client that leaves while its reservation is on its way to the store
+/// (Redis paused): the handler never starts, and the reservation the store
+/// applies once it answers again is freed, so the retry runs instead of
+/// meeting 409 for the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_during_the_reservation_leaves_the_key_free() {
+    let Some(redis) = idem_tests::redis_server::RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let url = redis.url();
+    let gateway = start_gateway(
+        &server,
+        &["--store", &url, "--store-timeout", "5s", "--lease", "30s"],
+    )
+    .await;
+    // A connection to Redis is made while it answers.
+    assert_eq!(
+        post(gateway.addr, "/orders", "warm-1").await.status,
+        StatusCode::CREATED
+    );
+    redis.pause();
+    let leaving = tokio::spawn(post(gateway.addr, "/orders", "gone-1"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    leaving.abort();
+    let _ = leaving.await;
+    redis.resume();
+    let retry = poll_until(
+        Duration::from_secs(15),
+        async || post(gateway.addr, "/orders", "gone-1").await,
+        |reply| reply.status != StatusCode::CONFLICT,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.code());
+    assert!(!retry.replayed());
+    assert_eq!(upstream.runs(), 2, "warm-1 and the retry of gone-1, once");
+}

@@ -1385,3 +1385,34 @@ async fn one_gateway_of_a_fleet_counts_the_lapsed_records() {
         "one gateway counts, the other shows 0"
     );
 }
+
+/// A Redis that persists nothing is accepted with a warning that says what
+/// a restart would cost; one with an append-only file gets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_without_aof_is_warned_about() {
+    let Some(volatile) = RedisServer::spawn() else {
+        return;
+    };
+    let Some(durable) = RedisServer::spawn_with(&["--appendonly", "yes"]) else {
+        return;
+    };
+    let warning = "Redis runs without appendonly: a restart can forget records";
+    for (redis, warned) in [(&volatile, true), (&durable, false)] {
+        let log = Log::new(if warned { "volatile" } else { "durable" });
+        let gateway = Process::spawn(
+            Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+                .args(["--listen", "127.0.0.1:0", "--store", &redis.url()])
+                .env("RUST_LOG", "warn")
+                .stderr(log.file()),
+        );
+        // The checks run before the gateway says where it listens.
+        assert_eq!(
+            log.text().contains(warning),
+            warned,
+            "appendonly {}: {}",
+            if warned { "no" } else { "yes" },
+            log.text()
+        );
+        drop(gateway);
+    }
+}
