@@ -28,6 +28,7 @@ pub struct PgServer {
     bin: PathBuf,
     dir: PathBuf,
     as_postgres: bool,
+    durable: bool,
     _shell: Mutex<(Child, ChildStdin)>,
 }
 
@@ -65,10 +66,12 @@ impl PgServer {
     /// The server of this test binary, started on first use; `None` when
     /// PostgreSQL is not installed (outside CI).
     pub fn shared() -> Option<&'static PgServer> {
-        SHARED.get_or_init(Self::spawn).as_ref()
+        SHARED.get_or_init(|| Self::spawn(false)).as_ref()
     }
 
-    fn spawn() -> Option<PgServer> {
+    /// Starts a server; `durable` keeps every commit across a crash
+    /// (`synchronous_commit` on), which [`crash`](Self::crash) needs.
+    fn spawn(durable: bool) -> Option<PgServer> {
         let Some(bin) = bin_dir() else {
             skip_or_fail("PostgreSQL (initdb, postgres)");
             return None;
@@ -97,13 +100,15 @@ impl PgServer {
             String::from_utf8_lossy(&initdb.stderr)
         );
         // The shell stops the server when the test binary's end of the
-        // pipe closes.
+        // pipe closes (whichever postmaster runs on the data directory
+        // then: a test may have stopped and started it again).
         let script = format!(
-            "'{postgres}' -D '{data}' -p {port} -k '{dir}' -c listen_addresses=127.0.0.1 \
-             -c fsync=off -c synchronous_commit=off -c full_page_writes=off \
-             -c max_connections=300 -c shared_buffers=64MB >'{dir}/log' 2>&1 &\n\
-             pid=$!\ncat >/dev/null\nkill -QUIT $pid\nwait $pid\nrm -rf '{dir}'\n",
+            "'{postgres}' {options} >'{dir}/log' 2>&1 &\n\
+             cat >/dev/null\n'{pg_ctl}' -D '{data}' -m immediate -w stop >/dev/null 2>&1\n\
+             rm -rf '{dir}'\n",
             postgres = bin.join("postgres").display(),
+            options = Self::options(&data, port, &dir, durable),
+            pg_ctl = bin.join("pg_ctl").display(),
             data = data.display(),
             dir = dir.display(),
         );
@@ -120,10 +125,71 @@ impl PgServer {
             bin,
             dir,
             as_postgres,
+            durable,
             _shell: Mutex::new((shell, stdin)),
         };
         server.wait_ready();
         Some(server)
+    }
+
+    /// The postmaster's command-line options. `fsync` is off either way
+    /// (the machine does not crash under the tests); without `durable`,
+    /// commits are not waited for (a crash of the server loses the last).
+    fn options(data: &Path, port: u16, dir: &Path, durable: bool) -> String {
+        format!(
+            "-D '{data}' -p {port} -k '{dir}' -c listen_addresses=127.0.0.1 \
+             -c fsync=off -c synchronous_commit={commit} -c full_page_writes=off \
+             -c max_connections=300 -c shared_buffers=64MB",
+            data = data.display(),
+            dir = dir.display(),
+            commit = if durable { "on" } else { "off" },
+        )
+    }
+
+    /// A server of the caller's own, for a test that stops and starts it
+    /// (the shared one serves other tests of the binary); stopped and
+    /// removed when dropped. `None` when PostgreSQL is not installed
+    /// (outside CI).
+    pub fn private() -> Option<PgServer> {
+        Self::spawn(true)
+    }
+
+    /// Stops the server as a crash would (`pg_ctl -m immediate`: no
+    /// shutdown checkpoint; committed data is kept, the start recovers).
+    pub fn crash(&self) {
+        let stopped = Self::command(self.as_postgres, &self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .output()
+            .expect("run pg_ctl stop");
+        assert!(
+            stopped.status.success(),
+            "pg_ctl stop: {}",
+            String::from_utf8_lossy(&stopped.stderr)
+        );
+    }
+
+    /// Starts the server again on its data and port, and waits until it
+    /// answers: a new postmaster start.
+    pub fn start_again(&self) {
+        let data = self.dir.join("data");
+        let started = Self::command(self.as_postgres, &self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(&data)
+            .arg("-o")
+            .arg(Self::options(&data, self.port, &self.dir, self.durable))
+            .arg("-l")
+            .arg(self.dir.join("log"))
+            .args(["-w", "start"])
+            .output()
+            .expect("run pg_ctl start");
+        assert!(
+            started.status.success(),
+            "pg_ctl start: {}",
+            String::from_utf8_lossy(&started.stderr)
+        );
+        self.wait_ready();
     }
 
     fn command(as_postgres: bool, program: &Path) -> Command {

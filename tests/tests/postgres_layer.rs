@@ -676,3 +676,96 @@ async fn a_given_up_takeover_is_freed_and_keeps_the_payload() {
     assert_eq!(record.state, RecordState::Completed);
     assert_eq!(record.generation, 3);
 }
+
+/// Two layers on one PostgreSQL server, lease 4 s. Layer A's handler
+/// answers while the server is down (stopped as a crash would) and stays
+/// down past the lease: A holds the outcome. The first retry, sent to
+/// layer B once the server is back, must not take the lapsed lease over: a
+/// lease counts as running until a lease after the postmaster's start, A
+/// records its outcome meanwhile, and B replays it. B's handler never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_layer_after_a_restart_replays_the_outcome_the_first_held() {
+    let Some(server) = PgServer::private() else {
+        return;
+    };
+    let url = server.database();
+    let lease = Duration::from_secs(4);
+    let slow_app = |store: PgStore| {
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let gate = Arc::new(Semaphore::new(0));
+        let (counted, gated) = (Arc::clone(&runs), Arc::clone(&gate));
+        let layer = IdempotencyLayer::new(store)
+            .store_timeout(Duration::from_millis(300))
+            .lease(lease)
+            .tenant(TenantFromHeader::from_static("x-tenant-id"));
+        let router = Router::new()
+            .route(
+                "/slow",
+                post(move || {
+                    let (runs, gate) = (Arc::clone(&counted), Arc::clone(&gated));
+                    async move {
+                        let n = runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                        gate.acquire().await.expect("gate").forget();
+                        (StatusCode::CREATED, format!("slow {n}"))
+                    }
+                }),
+            )
+            .layer(layer.clone());
+        (router, runs, gate, layer)
+    };
+    let store = || PgStore::from_url(&url).expect("store");
+    store().migrate().await.expect("migrate");
+    let (a, a_runs, a_gate, a_layer) = slow_app(store());
+    let (b, b_runs, b_gate, _) = slow_app(store());
+    b_gate.add_permits(10);
+    let slow = |router: &Router| {
+        let router = router.clone();
+        async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "k")
+                .header("x-tenant-id", "acme")
+                .body(axum::body::Body::empty())
+                .expect("request");
+            let response = router.oneshot(request).await.expect("infallible");
+            let (parts, body) = response.into_parts();
+            Reply {
+                status: parts.status,
+                headers: parts.headers,
+                body: body.collect().await.expect("body").to_bytes(),
+            }
+        }
+    };
+    let first = tokio::spawn(slow(&a));
+    idem_tests::wait_until(Duration::from_secs(10), "A's handler runs", async || {
+        a_runs.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    server.crash();
+    a_gate.add_permits(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(a_layer.background_tasks(), 1, "A holds the outcome");
+    // However long this takes, the lease has lapsed after it.
+    tokio::time::sleep(lease + Duration::from_millis(1500)).await;
+    server.start_again();
+    let retry = idem_tests::poll_until(
+        Duration::from_secs(20),
+        async || slow(&b).await,
+        |reply| {
+            !matches!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT
+            )
+        },
+    )
+    .await;
+    assert_eq!(
+        b_runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "B never ran the handler"
+    );
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.code());
+    assert!(retry.headers.contains_key("idempotent-replayed"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(a_runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
