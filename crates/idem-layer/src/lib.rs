@@ -156,6 +156,7 @@ mod encoding;
 pub mod fingerprint;
 mod headers;
 mod layer;
+mod listing;
 pub mod metrics;
 mod path;
 mod pending;

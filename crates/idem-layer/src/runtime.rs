@@ -35,7 +35,7 @@ pub(crate) struct Shared<S> {
     pub(crate) tasks: TaskTracker,
     /// The records API's listings, shared by every records service of the
     /// layer.
-    pub(crate) listings: Arc<crate::records::ListingBudget>,
+    pub(crate) listings: Arc<crate::listing::ListingBudget>,
     /// Outcomes held here that a store error kept from being recorded
     /// yet, by scope (see [`pending`](crate::pending)).
     pub(crate) pending: Arc<crate::pending::Pending>,
