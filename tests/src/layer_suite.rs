@@ -16,7 +16,10 @@ use axum::{Router, extract::Path, routing::post};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
-use idem_core::{Reservation, ReserveRequest, Scope, ScopeFormat, ScopeHash, ScopeSecret, Store};
+use idem_core::{
+    Fleet, RecordsAdmin, Reservation, ReserveRequest, Scope, ScopeFormat, ScopeHash, ScopeSecret,
+    Store,
+};
 use idem_layer::{
     IdempotencyContext, IdempotencyLayer, TenantFromHeader, fingerprint::FingerprintFormat,
 };
@@ -59,22 +62,28 @@ impl Answer {
     }
 }
 
+/// What the suite needs of a store: the core contract, records
+/// administration (the records API is mounted) and the fleet's claims.
+pub trait SuiteStore: Store + RecordsAdmin + Fleet {}
+
+impl<T: Store + RecordsAdmin + Fleet> SuiteStore for T {}
+
 impl App {
     /// The app on `store`, with a fresh tenant.
-    pub fn new<S: Store>(store: S) -> Self {
+    pub fn new<S: SuiteStore>(store: S) -> Self {
         Self::with_layer(Self::layer(store))
     }
 
     /// The suite's layer on `store` (tenant from `x-tenant`, responses up
     /// to 1 KiB stored), to adjust before [`App::with_layer`].
-    pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
+    pub fn layer<S: SuiteStore>(store: S) -> IdempotencyLayer<S> {
         IdempotencyLayer::new(store)
             .tenant(TenantFromHeader::from_static("x-tenant"))
             .max_response(1024)
     }
 
     /// The app behind `layer`, with a fresh tenant.
-    pub fn with_layer<S: Store>(layer: IdempotencyLayer<S>) -> Self {
+    pub fn with_layer<S: SuiteStore>(layer: IdempotencyLayer<S>) -> Self {
         let runs = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(Semaphore::new(0));
         let (r1, r2, r3, r4, r5, r6) = (
@@ -228,7 +237,7 @@ impl App {
 
 /// A new key runs once; its duplicate replays status, headers and binary
 /// body exactly, marked replayed.
-pub async fn replays_exactly<S: Store>(store: S) {
+pub async fn replays_exactly<S: SuiteStore>(store: S) {
     let app = App::new(store);
     let first = app.post("/orders", "k", "{\"a\":1}").await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -242,7 +251,7 @@ pub async fn replays_exactly<S: Store>(store: S) {
 }
 
 /// The same key with another payload is `422 idempotency_conflict`.
-pub async fn another_payload_conflicts<S: Store>(store: S) {
+pub async fn another_payload_conflicts<S: SuiteStore>(store: S) {
     let app = App::new(store);
     assert_eq!(
         app.post("/orders", "k", "{\"a\":1}").await.status,
@@ -256,7 +265,7 @@ pub async fn another_payload_conflicts<S: Store>(store: S) {
 
 /// A duplicate while the first runs is `409 idempotency_in_progress` with
 /// `Retry-After`; once done it replays.
-pub async fn duplicates_in_flight_get_409<S: Store>(store: S) {
+pub async fn duplicates_in_flight_get_409<S: SuiteStore>(store: S) {
     let app = Arc::new(App::new(store));
     let running = {
         let app = Arc::clone(&app);
@@ -277,7 +286,7 @@ pub async fn duplicates_in_flight_get_409<S: Store>(store: S) {
 
 /// A temporary failure (503) releases the key: the retry runs again; a
 /// panic is `500 handler_failed` and releases it too.
-pub async fn failures_release_the_key<S: Store>(store: S) {
+pub async fn failures_release_the_key<S: SuiteStore>(store: S) {
     let app = App::new(store);
     assert_eq!(
         app.post("/fail", "f", "{}").await.status,
@@ -297,7 +306,7 @@ pub async fn failures_release_the_key<S: Store>(store: S) {
 
 /// A response over the storable limit reaches its client whole; retries
 /// get `409 idempotency_response_not_stored` and do not run it again.
-pub async fn oversized_responses_are_not_replayed<S: Store>(store: S) {
+pub async fn oversized_responses_are_not_replayed<S: SuiteStore>(store: S) {
     let app = App::new(store);
     let first = app.post("/big", "b", "{}").await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -312,7 +321,7 @@ pub async fn oversized_responses_are_not_replayed<S: Store>(store: S) {
 
 /// Cancelled through the records API while running: the retry gets 410,
 /// the running attempt's client gets 410 too (its completion is fenced).
-pub async fn cancel_fences_the_running_attempt<S: Store>(store: S) {
+pub async fn cancel_fences_the_running_attempt<S: SuiteStore>(store: S) {
     let app = Arc::new(App::new(store));
     let running = {
         let app = Arc::clone(&app);
@@ -334,7 +343,7 @@ pub async fn cancel_fences_the_running_attempt<S: Store>(store: S) {
 
 /// The records API shows the caller's record with its attempts, lists it,
 /// and another tenant sees nothing.
-pub async fn records_api_shows_and_lists<S: Store>(store: S) {
+pub async fn records_api_shows_and_lists<S: SuiteStore>(store: S) {
     let app = App::new(store);
     assert_eq!(
         app.post("/orders", "r", "{}").await.status,
@@ -362,7 +371,7 @@ pub async fn records_api_shows_and_lists<S: Store>(store: S) {
 /// The same key with another payload is a conflict in every state the
 /// record can be in: completed, processing and cancelled; the conflict
 /// changes nothing. A released key is free again for any payload.
-pub async fn another_payload_conflicts_in_every_state<S: Store>(store: S) {
+pub async fn another_payload_conflicts_in_every_state<S: SuiteStore>(store: S) {
     let app = Arc::new(App::new(store));
     let running = {
         let app = Arc::clone(&app);
@@ -397,7 +406,7 @@ pub async fn another_payload_conflicts_in_every_state<S: Store>(store: S) {
 /// The outcome table: 2xx, 3xx and 4xx (but 408, 425, 429) are stored
 /// and replayed with their bodies; 5xx, 408, 425 and 429 release the key
 /// and run again.
-pub async fn outcomes_are_stored_or_released_by_status<S: Store>(store: S) {
+pub async fn outcomes_are_stored_or_released_by_status<S: SuiteStore>(store: S) {
     let app = App::new(store);
     let mut runs = 0;
     for status in [200u16, 201, 204, 302, 400, 404, 409] {
@@ -427,7 +436,7 @@ pub async fn outcomes_are_stored_or_released_by_status<S: Store>(store: S) {
 /// A dead owner's lease (reserved in the store directly, never renewed)
 /// answers 409 until it lapses; then the next request takes it over with
 /// the next generation, learns whom it superseded, and is replayed after.
-pub async fn lapsed_lease_is_taken_over<S: Store>(store: S) {
+pub async fn lapsed_lease_is_taken_over<S: SuiteStore>(store: S) {
     let lease = Duration::from_secs(1);
     let layer = App::layer(store).lease(lease);
     let store = Arc::clone(layer.store());
@@ -490,7 +499,7 @@ pub async fn lapsed_lease_is_taken_over<S: Store>(store: S) {
 /// API. A layer without the secret, or with another, on the same store
 /// does not find them: its request runs again, which is why every
 /// instance sharing a store must hash alike.
-pub async fn keyed_scopes_are_their_own_records<S: Store>(store: S) {
+pub async fn keyed_scopes_are_their_own_records<S: SuiteStore>(store: S) {
     let store = Arc::new(store);
     let secret = || ScopeSecret::new(&[0x5c; 32]).expect("secret");
     let keyed = |store: &Arc<S>| App::layer(Arc::clone(store)).scope_secret(secret());
@@ -545,7 +554,7 @@ pub async fn keyed_scopes_are_their_own_records<S: Store>(store: S) {
 /// hashing alike replay them, through HTTP and the records API. A layer
 /// with SHA-256 scopes on the same store does not find them and runs the
 /// request again: the format is chosen when a deployment starts.
-pub async fn blake3_scopes_are_their_own_records<S: Store>(store: S) {
+pub async fn blake3_scopes_are_their_own_records<S: SuiteStore>(store: S) {
     let store = Arc::new(store);
     let secret = || ScopeSecret::new(&[0x6a; 32]).expect("secret");
     for keyed in [false, true] {
@@ -612,7 +621,7 @@ pub async fn blake3_scopes_are_their_own_records<S: Store>(store: S) {
 /// processes; a memory store holds every claim, since no other process
 /// can find its records), and `replace` takes it over. Markers tell
 /// settings apart without showing the secret.
-pub async fn layers_claim_the_store_by_how_they_hash_scopes<S: Store>(store: S, shared: bool) {
+pub async fn layers_claim_the_store_by_how_they_hash_scopes<S: SuiteStore>(store: S, shared: bool) {
     use idem_core::IdentityClaim;
     let store = Arc::new(store);
     let secret = |byte: u8| ScopeSecret::new(&[byte; 32]).expect("secret");
@@ -683,7 +692,7 @@ pub fn orders_fingerprint(format: FingerprintFormat, body: &str) -> idem_core::F
 /// SHA-256 one (the handler runs once), a record in flight in one format
 /// answers 409 to a retry in the other, and another payload is still a
 /// conflict in both directions. Each layer writes its own format.
-pub async fn fingerprint_formats_read_each_other<S: Store>(store: S) {
+pub async fn fingerprint_formats_read_each_other<S: SuiteStore>(store: S) {
     let store = Arc::new(store);
     let sha = App::with_layer(App::layer(Arc::clone(&store)));
     let blake = App {

@@ -275,14 +275,12 @@ pub mod bench {
     }
 }
 
-/// A fleet-wide chore ([`idem_core::Store::claim_duty`]) on two handles
+/// A fleet-wide chore ([`idem_core::Fleet::claim_duty`]) on two handles
 /// of one shared store: taken when free, refused to another holder while
 /// the claim lasts, extended by its holder, and taken over once it lapses.
 /// A store of one process (memory) gives every holder the chore.
-pub async fn duty_is_held_by_one_holder_at_a_time<S: idem_core::Store>(a: S, b: S) {
+pub async fn duty_is_held_by_one_holder_at_a_time<S: idem_core::Fleet>(a: S, b: S) {
     use std::time::Duration;
-
-    use idem_core::Store as _;
 
     let claim = async |store: &S, duty: &str, holder: &str, ttl: Duration| {
         store.claim_duty(duty, holder, ttl).await.expect("claim")
@@ -309,8 +307,16 @@ pub async fn duty_is_held_by_one_holder_at_a_time<S: idem_core::Store>(a: S, b: 
     .await;
     assert!(!claim(&a, "chore", "a", first).await);
     let memory = idem_memory::MemoryStore::new();
-    assert!(memory.claim_duty("chore", "a", first).await.expect("claim"));
-    assert!(memory.claim_duty("chore", "b", first).await.expect("claim"));
+    assert!(
+        idem_core::Fleet::claim_duty(&memory, "chore", "a", first)
+            .await
+            .expect("claim")
+    );
+    assert!(
+        idem_core::Fleet::claim_duty(&memory, "chore", "b", first)
+            .await
+            .expect("claim")
+    );
 }
 
 /// Checks how a store is claimed for an identity (`claim_identity` of

@@ -20,7 +20,7 @@ async fn harness() -> Option<RealClock<PgStore>> {
     Some(RealClock::new(store().await?, ()))
 }
 
-idem_core::conformance_tests!(harness);
+idem_core::conformance_tests!(harness, records_admin);
 
 fn request(key: &str, lease: Duration, retention: Duration) -> ReserveRequest {
     ReserveRequest {

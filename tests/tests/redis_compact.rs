@@ -6,6 +6,7 @@
 //! gateways that do not replay each other's records exactly. A listing of
 //! processing records reads no completed record's response.
 
+use idem_core::RecordsAdmin as _;
 use std::sync::{
     Arc,
     atomic::{AtomicUsize, Ordering},
@@ -355,7 +356,9 @@ fn bytes_sent(redis: &RedisServer) -> u64 {
 /// carries all their responses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listing_of_processing_records_reads_no_completed_response() {
-    use idem_core::{Outcome, RecordQuery, RecordState, Reservation, Store, StoredResponse};
+    use idem_core::{
+        Outcome, RecordQuery, RecordState, RecordsAdmin, Reservation, Store, StoredResponse,
+    };
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
@@ -422,8 +425,8 @@ async fn a_listing_of_processing_records_reads_no_completed_response() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_listing_reads_no_other_tenants_record() {
     use idem_core::{
-        Fingerprint, IdempotencyKey, Outcome, RecordQuery, Reservation, ReserveRequest, Scope,
-        Store, StoredResponse,
+        Fingerprint, IdempotencyKey, Outcome, RecordQuery, RecordsAdmin, Reservation,
+        ReserveRequest, Scope, Store, StoredResponse,
     };
     let Some(redis) = RedisServer::spawn() else {
         return;

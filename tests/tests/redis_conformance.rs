@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use idem_core::Store;
+use idem_core::{RecordsAdmin, Store};
 use idem_redis::RedisStore;
 use idem_tests::{
     RealClock,
@@ -20,7 +20,7 @@ async fn single() -> Option<RealClock<RedisStore>> {
 mod single_node {
     use super::*;
 
-    idem_core::conformance_tests!(single);
+    idem_core::conformance_tests!(single, records_admin);
 }
 
 /// A harness on a fresh single server whose store packs new records.
@@ -36,7 +36,7 @@ async fn single_packed() -> Option<RealClock<RedisStore>> {
 mod single_node_packed {
     use super::*;
 
-    idem_core::conformance_tests!(single_packed);
+    idem_core::conformance_tests!(single_packed, records_admin);
 }
 
 /// Two stores on one Redis, one packing new records and one not, taking
@@ -98,7 +98,9 @@ impl Store for Alternating {
     ) -> Result<Option<idem_core::Record>, idem_core::StoreError> {
         self.pick().get(scope).await
     }
+}
 
+impl RecordsAdmin for Alternating {
     async fn list(
         &self,
         query: &idem_core::RecordQuery,
@@ -132,13 +134,13 @@ async fn alternating(packed_first: bool) -> Option<RealClock<Alternating>> {
 mod packed_then_expanded {
     use super::*;
 
-    idem_core::conformance_tests!(|| alternating(true));
+    idem_core::conformance_tests!(|| alternating(true), records_admin);
 }
 
 mod expanded_then_packed {
     use super::*;
 
-    idem_core::conformance_tests!(|| alternating(false));
+    idem_core::conformance_tests!(|| alternating(false), records_admin);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,8 +18,8 @@ use bytes::Bytes;
 
 use crate::{
     ATTEMPT_HISTORY, AttemptOutcome, Cancellation, Completion, Current, Fingerprint, ForceRelease,
-    IdempotencyKey, LateEvidence, Outcome, RecordQuery, RecordState, Release, Renewal, Reservation,
-    ReserveRequest, Scope, Store, StoredResponse,
+    IdempotencyKey, LateEvidence, Outcome, RecordQuery, RecordState, RecordsAdmin, Release,
+    Renewal, Reservation, ReserveRequest, Scope, Store, StoredResponse,
 };
 
 // ===== waiting in tests on real servers =====
@@ -716,7 +716,10 @@ pub async fn concurrent_reserve_acquires_once<H: Harness>(h: Arc<H>) {
 /// attempt kept as released by an operator), its owner's writes are
 /// fenced, and the next request runs as a new attempt. A completed record
 /// is left alone.
-pub async fn force_release_frees_a_stuck_key<H: Harness>(h: &H) {
+pub async fn force_release_frees_a_stuck_key<H: Harness>(h: &H)
+where
+    H::Store: RecordsAdmin,
+{
     let scope = fresh_scope("stuck");
     let lease = acquire(h, &scope, 1).await;
     let released = h.store().force_release(scope.hash()).await.expect("force");
@@ -754,7 +757,10 @@ pub async fn force_release_frees_a_stuck_key<H: Harness>(h: &H) {
 
 /// Listing finds a tenant's records by state and lapsed lease, oldest
 /// first, and never another tenant's.
-pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
+pub async fn list_finds_a_tenants_records<H: Harness>(h: &H)
+where
+    H::Store: RecordsAdmin,
+{
     let tenant = format!("conformance-{}", uuid::Uuid::new_v4());
     let scope = |key: &str| {
         Scope::new(
@@ -830,24 +836,18 @@ pub async fn list_finds_a_tenants_records<H: Harness>(h: &H) {
 
 /// A tenant may hold any character, NUL included (the layer's anonymous
 /// tenant starts with one, so no header value can name it): it is stored,
-/// replayed, read back and listed as it is, on every store.
+/// replayed and read back as it is, on every store.
 pub async fn any_tenant_text_is_stored<H: Harness>(h: &H) {
-    let id = uuid::Uuid::new_v4();
-    for tenant in [format!("\0anonymous-{id}"), format!("%00%25\0\\{id}")] {
-        let scope = Scope::new(
-            tenant.clone(),
-            "POST /orders",
-            IdempotencyKey::parse(b"any-tenant").expect("key"),
-        );
-        let lease = acquire(h, &scope, 1).await;
-        let outcome = response(201, b"anonymous");
-        recorded(h, &lease, &outcome).await;
-        match reserve(h, &scope, 1).await {
-            Reservation::Completed(replay) => assert_eq!(replay.outcome, outcome),
-            other => panic!("expected Completed, got {other:?}"),
-        }
-        let record = get(h, scope.hash()).await.expect("record");
-        assert_eq!(*record.tenant, *tenant);
+    stores_any_tenant_text(h).await;
+}
+
+/// [`any_tenant_text_is_stored`], and such a tenant's records are listed
+/// as they are.
+pub async fn any_tenant_text_is_listed<H: Harness>(h: &H)
+where
+    H::Store: RecordsAdmin,
+{
+    for tenant in stores_any_tenant_text(h).await {
         let listed = h
             .store()
             .list(&RecordQuery {
@@ -864,9 +864,37 @@ pub async fn any_tenant_text_is_stored<H: Harness>(h: &H) {
     }
 }
 
-/// Runs every check in turn on one harness (for stores that are costly to
-/// set up, like a cluster). Use a multi-thread runtime.
-pub async fn run_all<H: Harness>(harness: Arc<H>) {
+/// Records a replayable outcome under tenants of any text, checks each
+/// replays and reads back whole, and answers the tenants.
+async fn stores_any_tenant_text<H: Harness>(h: &H) -> [String; 2] {
+    let id = uuid::Uuid::new_v4();
+    let tenants = [format!("\0anonymous-{id}"), format!("%00%25\0\\{id}")];
+    for tenant in &tenants {
+        let scope = Scope::new(
+            tenant.clone(),
+            "POST /orders",
+            IdempotencyKey::parse(b"any-tenant").expect("key"),
+        );
+        let lease = acquire(h, &scope, 1).await;
+        let outcome = response(201, b"anonymous");
+        recorded(h, &lease, &outcome).await;
+        match reserve(h, &scope, 1).await {
+            Reservation::Completed(replay) => assert_eq!(replay.outcome, outcome),
+            other => panic!("expected Completed, got {other:?}"),
+        }
+        let record = get(h, scope.hash()).await.expect("record");
+        assert_eq!(*record.tenant, *tenant);
+    }
+    tenants
+}
+
+/// Runs every check in turn on one harness, records administration
+/// included (for stores that are costly to set up, like a cluster). Use a
+/// multi-thread runtime.
+pub async fn run_all<H: Harness>(harness: Arc<H>)
+where
+    H::Store: RecordsAdmin,
+{
     let h = &*harness;
     reserve_new_acquires(h).await;
     completed_replays_exact_response(h).await;
@@ -893,6 +921,7 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
     force_release_frees_a_stuck_key(h).await;
     list_finds_a_tenants_records(h).await;
     any_tenant_text_is_stored(h).await;
+    any_tenant_text_is_listed(h).await;
     concurrent_reserve_acquires_once(Arc::clone(&harness)).await;
 }
 
@@ -900,9 +929,19 @@ pub async fn run_all<H: Harness>(harness: Arc<H>) {
 ///
 /// The argument is a closure returning a future of `Option<Harness>`;
 /// `None` ends the test early (a store whose server is not installed on a
-/// developer's machine, say, after printing a notice).
+/// developer's machine, say, after printing a notice). The checks of
+/// [`Store`] always; with `records_admin` after the closure, those of
+/// [`RecordsAdmin`] too (listings, counts, force release).
 #[macro_export]
 macro_rules! conformance_tests {
+    ($make:expr, records_admin) => {
+        $crate::conformance_tests!($make);
+        $crate::conformance_tests!(@each $make;
+            force_release_frees_a_stuck_key,
+            list_finds_a_tenants_records,
+            any_tenant_text_is_listed
+        );
+    };
     ($make:expr) => {
         $crate::conformance_tests!(@each $make;
             reserve_new_acquires,
@@ -927,8 +966,6 @@ macro_rules! conformance_tests {
             attempt_history_is_bounded,
             the_binding_outlasts_the_attempt_history,
             tenants_are_isolated,
-            force_release_frees_a_stuck_key,
-            list_finds_a_tenants_records,
             any_tenant_text_is_stored
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

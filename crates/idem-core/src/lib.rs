@@ -42,8 +42,9 @@ pub use record::{
 };
 pub use scope::{Fingerprint, Scope, ScopeFormat, ScopeHash, ScopeSecret, push_hex};
 pub use store::{
-    Cancellation, Completion, Current, ForceRelease, IdentityClaim, OldestRecords, RecordQuery,
-    Release, Renewal, Replay, Reservation, ReserveRequest, Store, StoreError,
+    Cancellation, Completion, Current, Fleet, ForceRelease, IdentityClaim, OldestRecords,
+    RecordQuery, RecordsAdmin, Release, Renewal, Replay, Reservation, ReserveRequest, Store,
+    StoreError,
 };
 
 /// What this crate's unit tests share.

@@ -1,4 +1,4 @@
-//! The [`Store`] trait and the outcomes of its calls.
+//! The store traits and the outcomes of their calls.
 //!
 //! # Writing a store
 //!
@@ -6,12 +6,30 @@
 //! machine of the contract atomically per scope. A store that can hold a lock
 //! around a read-modify-write (like `idem-memory`) reuses the pure functions
 //! of [`machine`](crate::machine); a store that cannot (like Redis)
-//! implements the same table in its own terms. Either way, run the
-//! [`conformance`](crate::conformance) suite (feature `conformance`) in the
-//! store's tests:
+//! implements the same table in its own terms.
+//!
+//! The contract comes in three traits, each implemented on its own:
+//!
+//! * [`Store`], what the layer needs to serve requests: six required
+//!   methods (`reserve`, `renew`, `complete`, `release`, `cancel`, `get`);
+//!   the others have defaults that are right for any store (no bound of
+//!   its own on calls, no background work, waiting duplicates poll). This
+//!   is the minimum a new store (DynamoDB, say) writes.
+//! * [`RecordsAdmin`], what an operator's tools need (`list`,
+//!   `force_release`; `count_lapsed` defaults to a listing): the records
+//!   API and the gateway's lapsed-record gauge require it.
+//! * [`Fleet`], what processes sharing a store need (`claim_identity`,
+//!   `claim_duty`), with no defaults: a store shared between processes
+//!   answers from the store, and one whose records live in its process only
+//!   says so (the memory store answers "held" and "yours").
+//!
+//! Run the [`conformance`](crate::conformance) suite (feature
+//! `conformance`) in the store's tests: the checks of `Store`, and with
+//! `records_admin` those of `RecordsAdmin` too:
 //!
 //! ```ignore
 //! idem_core::conformance_tests!(|| async { Some(MyHarness::new().await) });
+//! idem_core::conformance_tests!(|| async { Some(MyHarness::new().await) }, records_admin);
 //! ```
 //!
 //! Time (lease lapse, retention) is measured by the store's own clock, never
@@ -139,7 +157,7 @@ pub enum Cancellation {
     NotFound,
 }
 
-/// Which records [`Store::list`] answers, oldest first (then by key).
+/// Which records [`RecordsAdmin::list`] answers, oldest first (then by key).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RecordQuery {
     /// Only this tenant's records (`None`: every tenant, for operators).
@@ -157,7 +175,7 @@ pub struct RecordQuery {
 
 impl RecordQuery {
     /// Every tenant's processing records whose lease lapsed (stuck), at
-    /// most `limit`: what [`Store::count_lapsed`] counts.
+    /// most `limit`: what [`RecordsAdmin::count_lapsed`] counts.
     pub fn stuck(limit: usize) -> Self {
         Self {
             lapsed: true,
@@ -270,7 +288,7 @@ impl OldestRecords {
     }
 }
 
-/// The answer to [`Store::force_release`].
+/// The answer to [`RecordsAdmin::force_release`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
 pub enum ForceRelease {
@@ -392,44 +410,6 @@ pub trait Store: Send + Sync + 'static {
         scope: &ScopeHash,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
 
-    /// Lists live records as `query` asks, oldest first (an operator's
-    /// tool: a store may scan every record). The default answers that the
-    /// store cannot list.
-    fn list(
-        &self,
-        query: &RecordQuery,
-    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send {
-        let _ = query;
-        std::future::ready(Err(StoreError::unavailable(
-            "this store cannot list records",
-        )))
-    }
-
-    /// How many live records are processing with their lease lapsed
-    /// (stuck: what a [`RecordQuery`] with `lapsed` lists), counting no
-    /// further than `limit`. The gateway's `idem_records_lapsed` gauge.
-    /// The default lists them; a store that can count without reading
-    /// each record out overrides it (a single Redis node counts inside the
-    /// server).
-    fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {
-        let query = RecordQuery::stuck(limit);
-        async move { self.list(&query).await.map(|records| records.len()) }
-    }
-
-    /// Releases a processing record whatever its lease (an operator
-    /// freeing a stuck key): the attempt is kept as released by an
-    /// operator, and its later writes are fenced. The default answers that
-    /// the store cannot.
-    fn force_release(
-        &self,
-        scope: &ScopeHash,
-    ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send {
-        let _ = scope;
-        std::future::ready(Err(StoreError::unavailable(
-            "this store cannot force a release",
-        )))
-    }
-
     /// The longest a call of [`reserve`](Self::reserve),
     /// [`renew`](Self::renew), [`complete`](Self::complete) or
     /// [`release`](Self::release) can take, when the store bounds those
@@ -466,24 +446,6 @@ pub trait Store: Send + Sync + 'static {
         0
     }
 
-    /// Claims the fleet-wide chore `duty` (the gateway's count of lapsed
-    /// records, say) for `holder` for `ttl`: `true` when `holder` has it
-    /// (newly, or extended to `ttl` from now), `false` while another
-    /// holder's claim lasts. Instances sharing a store call it before each
-    /// round of the chore, so that one of a fleet does it instead of
-    /// every one. A store shared between processes overrides this (Redis,
-    /// PostgreSQL); the default answers `true`, and every instance does the
-    /// chore: right for a store whose records live in its process only.
-    fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        let _ = (duty, holder, ttl);
-        std::future::ready(Ok(true))
-    }
-
     /// Resolves when the record of `scope` may have changed, or after at
     /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
     /// allowed. The default polls: it sleeps for a short interval (25 ms, or
@@ -492,24 +454,74 @@ pub trait Store: Send + Sync + 'static {
         let _ = scope;
         tokio::time::sleep(timeout.min(Duration::from_millis(25)))
     }
+}
+
+/// Records administration: what an operator's tools need of a store (the
+/// records API's listings and force release, the gateway's count of
+/// lapsed records). A store implements it when it can answer those; the
+/// records API requires it, so a store without it cannot be mounted there
+/// by mistake.
+pub trait RecordsAdmin: Store {
+    /// Lists live records as `query` asks, oldest first (an operator's
+    /// tool: a store may scan every record).
+    fn list(
+        &self,
+        query: &RecordQuery,
+    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send;
+
+    /// How many live records are processing with their lease lapsed
+    /// (stuck: what a [`RecordQuery`] with `lapsed` lists), counting no
+    /// further than `limit`. The gateway's `idem_records_lapsed` gauge.
+    /// The default lists them; a store that can count without reading
+    /// each record out overrides it (a single Redis node counts inside the
+    /// server).
+    fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {
+        let query = RecordQuery::stuck(limit);
+        async move { self.list(&query).await.map(|records| records.len()) }
+    }
+
+    /// Releases a processing record whatever its lease (an operator
+    /// freeing a stuck key): the attempt is kept as released by an
+    /// operator, and its later writes are fenced.
+    fn force_release(
+        &self,
+        scope: &ScopeHash,
+    ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send;
+}
+
+/// The duties of a store shared between processes: claiming the store for
+/// one way of deriving record identities, and handing a fleet-wide chore
+/// to one instance. Nothing here has a default: a store shared between
+/// processes answers from the store itself, and a store whose records
+/// live in its process only says so in its own terms.
+pub trait Fleet: Store {
+    /// Claims the fleet-wide chore `duty` (the gateway's count of lapsed
+    /// records, say) for `holder` for `ttl`: `true` when `holder` has it
+    /// (newly, or extended to `ttl` from now), `false` while another
+    /// holder's claim lasts. Instances sharing a store call it before each
+    /// round of the chore, so that one of a fleet does it instead of
+    /// every one. A store whose records live in its process only answers
+    /// `true` (every instance does its own chore).
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Claims the store for `marker` (how the caller derives the records'
     /// identities; see [`IdentityClaim`]) for `ttl`: a claim held for the
     /// same marker is extended (never shortened), one held for another is
     /// answered [`IdentityClaim::Other`] and left alone unless `replace`,
-    /// which takes it over. A store shared between processes overrides
-    /// this; the default, for a store whose records live in its process
-    /// only (nothing another instance could find), answers
+    /// which takes it over. A store whose records live in its process
+    /// only (nothing another instance could find) answers
     /// [`IdentityClaim::Held`].
     fn claim_identity(
         &self,
         marker: &str,
         ttl: Duration,
         replace: bool,
-    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
-        let _ = (marker, ttl, replace);
-        std::future::ready(Ok(IdentityClaim::Held))
-    }
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send;
 }
 
 impl<S: Store> Store for std::sync::Arc<S> {
@@ -552,15 +564,6 @@ impl<S: Store> Store for std::sync::Arc<S> {
         (**self).background_tasks()
     }
 
-    fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        (**self).claim_duty(duty, holder, ttl)
-    }
-
     fn cancel(
         &self,
         scope: &ScopeHash,
@@ -578,7 +581,9 @@ impl<S: Store> Store for std::sync::Arc<S> {
     fn changed(&self, scope: &ScopeHash, timeout: Duration) -> impl Future<Output = ()> + Send {
         (**self).changed(scope, timeout)
     }
+}
 
+impl<S: RecordsAdmin> RecordsAdmin for std::sync::Arc<S> {
     fn list(
         &self,
         query: &RecordQuery,
@@ -595,6 +600,17 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {
         (**self).count_lapsed(limit)
+    }
+}
+
+impl<S: Fleet> Fleet for std::sync::Arc<S> {
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        (**self).claim_duty(duty, holder, ttl)
     }
 
     fn claim_identity(

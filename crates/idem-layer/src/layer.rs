@@ -3,7 +3,7 @@
 use std::{fmt, sync::Arc, time::Duration};
 
 use http::{HeaderName, Method, StatusCode, header, request::Parts};
-use idem_core::{Fingerprint, Store};
+use idem_core::{Fingerprint, Fleet, RecordsAdmin, Store};
 use tower::Layer;
 
 use crate::{
@@ -371,13 +371,6 @@ impl<S: Store> IdempotencyLayer<S> {
         self.runtime.tasks.len()
     }
 
-    /// The records API (GET and DELETE) on the same store and tenant
-    /// extractor. Mount it at a path of your choice, for example
-    /// `Router::route_service("/_idempotency/records", layer.records_service())`.
-    pub fn records_service(&self) -> RecordsService<S> {
-        RecordsService::new(self.runtime.clone())
-    }
-
     /// The store the layer uses.
     pub fn store(&self) -> &Arc<S> {
         &self.runtime.store
@@ -403,9 +396,20 @@ impl<S: Store> IdempotencyLayer<S> {
         idem_core::push_hex(&mut marker, &digest.as_bytes()[..16]);
         marker
     }
+}
 
+impl<S: RecordsAdmin> IdempotencyLayer<S> {
+    /// The records API (GET and DELETE) on the same store and tenant
+    /// extractor. Mount it at a path of your choice, for example
+    /// `Router::route_service("/_idempotency/records", layer.records_service())`.
+    pub fn records_service(&self) -> RecordsService<S> {
+        RecordsService::new(self.runtime.clone())
+    }
+}
+
+impl<S: Fleet> IdempotencyLayer<S> {
     /// Claims the store for this layer's [`store_identity`](Self::store_identity)
-    /// for as long as the retention ([`Store::claim_identity`]): call it
+    /// for as long as the retention ([`Fleet::claim_identity`]): call it
     /// at start, and again at least every quarter of the retention (say
     /// every minute) while the instance serves. An answer of
     /// [`IdentityClaim::Other`](idem_core::IdentityClaim) means instances

@@ -77,8 +77,8 @@ use futures_util::future::BoxFuture;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
 use http_body_util::Empty;
 use idem_core::{
-    Attempt, Cancellation, ForceRelease, IdempotencyKey, Record, RecordQuery, RecordState, Scope,
-    ScopeHash, Store,
+    Attempt, Cancellation, ForceRelease, IdempotencyKey, Record, RecordQuery, RecordState,
+    RecordsAdmin, Scope, ScopeHash, Store,
 };
 use serde_json::{Value, json};
 use tower::Service;
@@ -120,7 +120,7 @@ impl<S> RecordsService<S> {
     }
 }
 
-impl<S: Store, B: Send + 'static> Service<Request<B>> for RecordsService<S> {
+impl<S: RecordsAdmin, B: Send + 'static> Service<Request<B>> for RecordsService<S> {
     type Response = Response<RecordsBody>;
     type Error = Infallible;
     type Future = BoxFuture<'static, Result<Self::Response, Infallible>>;
@@ -197,7 +197,7 @@ fn invalid(detail: impl Into<String>) -> Refusal {
     (ProblemCode::RecordQueryInvalid, detail.into())
 }
 
-impl<S: Store> RecordsService<S> {
+impl<S: RecordsAdmin> RecordsService<S> {
     /// Whether the request carries the admin credential.
     fn is_admin(&self, parts: &Parts) -> bool {
         use sha2::Digest;

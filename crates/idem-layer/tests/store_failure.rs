@@ -115,6 +115,20 @@ impl Store for Switched {
     }
 }
 
+impl idem_core::RecordsAdmin for Switched {
+    async fn list(&self, query: &idem_core::RecordQuery) -> Result<Vec<Record>, StoreError> {
+        self.gate().await?;
+        self.inner.list(query).await
+    }
+    async fn force_release(
+        &self,
+        scope: &ScopeHash,
+    ) -> Result<idem_core::ForceRelease, StoreError> {
+        self.gate().await?;
+        self.inner.force_release(scope).await
+    }
+}
+
 fn switched_layer(store: &Switched) -> IdempotencyLayer<Switched> {
     IdempotencyLayer::new(store.clone())
         .tenant(TenantFromHeader::new(HeaderName::from_static(TENANT)))

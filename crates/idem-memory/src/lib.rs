@@ -44,9 +44,9 @@ use std::{
 };
 
 use idem_core::{
-    AttemptId, Cancellation, Completion, ForceRelease, Lease, OldestRecords, Outcome, OwnerToken,
-    Record, RecordQuery, RecordState, Release, Renewal, Reservation, ReserveRequest, ScopeHash,
-    Store, StoreError, machine,
+    AttemptId, Cancellation, Completion, Fleet, ForceRelease, IdentityClaim, Lease, OldestRecords,
+    Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release, Renewal,
+    Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
 };
 use parking_lot::Mutex;
 use tokio::sync::{Notify, futures::OwnedNotified};
@@ -891,6 +891,23 @@ impl Store for MemoryStore {
             .cloned())
     }
 
+    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
+        let Some((notified, lease_left)) = self.watch(scope) else {
+            return;
+        };
+        let _ = tokio::time::timeout(timeout.min(lease_left), notified).await;
+        let mut state = self.shard(scope).state.lock();
+        if state
+            .waiters
+            .get(scope)
+            .is_some_and(|n| Arc::strong_count(n) == 1)
+        {
+            state.waiters.remove(scope);
+        }
+    }
+}
+
+impl RecordsAdmin for MemoryStore {
     async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
         let now_ms = self.now_ms();
         // Only records that are among the oldest so far are cloned: a
@@ -919,20 +936,30 @@ impl Store for MemoryStore {
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
         Ok(self.with_existing(scope, machine::force_release))
     }
+}
 
-    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
-        let Some((notified, lease_left)) = self.watch(scope) else {
-            return;
-        };
-        let _ = tokio::time::timeout(timeout.min(lease_left), notified).await;
-        let mut state = self.shard(scope).state.lock();
-        if state
-            .waiters
-            .get(scope)
-            .is_some_and(|n| Arc::strong_count(n) == 1)
-        {
-            state.waiters.remove(scope);
-        }
+/// The records live in this process only: no other instance can find
+/// them, so the store is this instance's own whatever its identity, and
+/// every instance does its own chores.
+impl Fleet for MemoryStore {
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let _ = (duty, holder, ttl);
+        std::future::ready(Ok(true))
+    }
+
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        let _ = (marker, ttl, replace);
+        std::future::ready(Ok(IdentityClaim::Held))
     }
 }
 

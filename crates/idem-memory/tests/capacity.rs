@@ -11,7 +11,8 @@ use std::{
 };
 
 use idem_core::{
-    Fingerprint, IdempotencyKey, Release, Reservation, ReserveRequest, Scope, Store, StoreError,
+    Fingerprint, IdempotencyKey, RecordsAdmin, Release, Reservation, ReserveRequest, Scope, Store,
+    StoreError,
 };
 use idem_memory::MemoryStore;
 

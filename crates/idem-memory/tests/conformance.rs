@@ -42,4 +42,4 @@ impl Harness for MemoryHarness {
     }
 }
 
-idem_core::conformance_tests!(|| async { Some(MemoryHarness::new().await) });
+idem_core::conformance_tests!(|| async { Some(MemoryHarness::new().await) }, records_admin);

@@ -54,8 +54,9 @@ mod tx;
 use std::{fmt, sync::Arc, time::Duration};
 
 use idem_core::{
-    Cancellation, Completion, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
-    Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
+    Cancellation, Completion, Fleet, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
+    RecordsAdmin, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
+    machine,
 };
 use sqlx::{
     PgPool, Row,
@@ -518,7 +519,7 @@ impl PgStore {
     }
 
     /// Claims the fleet-wide chore `duty` for `holder` for `ttl` (see
-    /// [`Store::claim_duty`]): taken when no one holds it or its claim
+    /// [`Fleet::claim_duty`]): taken when no one holds it or its claim
     /// lapsed, extended to `ttl` from now when `holder` holds it. The
     /// claims live in the duties table [`migrate`](Self::migrate) creates
     /// (`<table>_duties`).
@@ -792,24 +793,6 @@ impl Store for PgStore {
         self.inner.given_up.len()
     }
 
-    fn claim_identity(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
-        PgStore::claim_identity(self, marker, ttl, replace)
-    }
-
-    fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        PgStore::claim_duty(self, duty, holder, ttl)
-    }
-
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
         let attempt = idem_core::AttemptId::new();
         let token = OwnerToken::new();
@@ -874,6 +857,22 @@ impl Store for PgStore {
         self.transition(scope, machine::cancel).await
     }
 
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        let found = sqlx::query(&self.inner.sql.read)
+            .bind(scope.as_bytes().to_vec())
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(failed)?;
+        let Some(found) = found else {
+            return Ok(None);
+        };
+        let now: i64 = found.try_get("now_ms").map_err(failed)?;
+        let record = row::decode(&found)?;
+        Ok((!record.is_expired(u64::try_from(now).unwrap_or(0))).then_some(record))
+    }
+}
+
+impl RecordsAdmin for PgStore {
     async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
         let older = query.older_than.map_or(0, |age| {
             row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
@@ -893,18 +892,24 @@ impl Store for PgStore {
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
         self.transition(scope, machine::force_release).await
     }
+}
 
-    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        let found = sqlx::query(&self.inner.sql.read)
-            .bind(scope.as_bytes().to_vec())
-            .fetch_optional(&self.inner.pool)
-            .await
-            .map_err(failed)?;
-        let Some(found) = found else {
-            return Ok(None);
-        };
-        let now: i64 = found.try_get("now_ms").map_err(failed)?;
-        let record = row::decode(&found)?;
-        Ok((!record.is_expired(u64::try_from(now).unwrap_or(0))).then_some(record))
+impl Fleet for PgStore {
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        PgStore::claim_identity(self, marker, ttl, replace)
+    }
+
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        PgStore::claim_duty(self, duty, holder, ttl)
     }
 }

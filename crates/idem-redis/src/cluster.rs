@@ -241,7 +241,7 @@ pub(crate) fn scope_from_hex(hex: &str) -> Option<ScopeHash> {
     Some(ScopeHash::from_bytes(*fingerprint.as_bytes()))
 }
 
-/// The most record keys [`Store::list`](idem_core::Store::list) read
+/// The most record keys [`RecordsAdmin::list`](idem_core::RecordsAdmin::list) read
 /// before this version, which answered from the first keys it scanned
 /// when a store held more. A listing now reads every record key, a page at
 /// a time, within the listing's timeout.

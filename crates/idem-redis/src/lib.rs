@@ -105,13 +105,13 @@
 use std::time::Duration;
 
 use idem_core::{
-    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, OldestRecords,
-    Outcome, OwnerToken, Record, RecordQuery, RecordState, Release, Renewal, Reservation,
-    ReserveRequest, ScopeHash, Store, StoreError,
+    Attempt, AttemptId, Cancellation, Completion, Current, Fleet, ForceRelease, Lease,
+    OldestRecords, Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release,
+    Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
 };
 use redis::Value;
 
-/// How many record reads [`Store::list`](idem_core::Store::list) keeps in
+/// How many record reads [`RecordsAdmin::list`](idem_core::RecordsAdmin::list) keeps in
 /// flight at once.
 const LIST_READS_AT_ONCE: usize = 32;
 
@@ -376,7 +376,7 @@ impl RedisStore {
     }
 
     /// Claims the chore `duty` for `holder` for `ttl` in
-    /// [`duty_key`](Self::duty_key) (see [`Store::claim_duty`]): taken
+    /// [`duty_key`](Self::duty_key) (see [`Fleet::claim_duty`]): taken
     /// when no one holds it, extended to `ttl` from now when `holder` does.
     pub async fn claim_duty(
         &self,
@@ -493,15 +493,6 @@ fn decode_reservation(
 }
 
 impl Store for RedisStore {
-    fn claim_identity(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
-        RedisStore::claim_identity(self, marker, ttl, replace)
-    }
-
     /// Each call is bounded by the store's timeout (plus the wait for
     /// replicas, when it waits for them): see [`RedisStoreBuilder::timeout`].
     fn call_bound(&self) -> Option<Duration> {
@@ -510,15 +501,6 @@ impl Store for RedisStore {
 
     fn settled(&self) -> impl Future<Output = ()> + Send {
         self.given_up.wait()
-    }
-
-    fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        RedisStore::claim_duty(self, duty, holder, ttl)
     }
 
     fn background_tasks(&self) -> usize {
@@ -675,6 +657,29 @@ impl Store for RedisStore {
         })
     }
 
+    /// Waits for the record's notification (see the crate docs on
+    /// waiting); polls on a cluster.
+    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
+        let key = self.record_key(scope);
+        let channel = format!("{key}:c");
+        // Read once subscribed: marks the record as waited on (so that the
+        // scripts ending its attempt publish) and answers its state.
+        let state = async {
+            let invocation = Invocation::new(&self.scripts.watch, &[&key]);
+            match self.run(invocation, false).await {
+                Ok((Value::BulkString(state), _)) => String::from_utf8(state).ok(),
+                _ => None,
+            }
+        };
+        self.watch.changed(&channel, timeout, state).await;
+    }
+
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        self.read(scope, false, None).await
+    }
+}
+
+impl RecordsAdmin for RedisStore {
     async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
         let clock: Vec<u64> = self.command(redis::cmd("TIME")).await?;
         let now_ms = match clock.as_slice() {
@@ -767,26 +772,25 @@ impl Store for RedisStore {
             _ => ForceRelease::NotFound,
         })
     }
+}
 
-    /// Waits for the record's notification (see the crate docs on
-    /// waiting); polls on a cluster.
-    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
-        let key = self.record_key(scope);
-        let channel = format!("{key}:c");
-        // Read once subscribed: marks the record as waited on (so that the
-        // scripts ending its attempt publish) and answers its state.
-        let state = async {
-            let invocation = Invocation::new(&self.scripts.watch, &[&key]);
-            match self.run(invocation, false).await {
-                Ok((Value::BulkString(state), _)) => String::from_utf8(state).ok(),
-                _ => None,
-            }
-        };
-        self.watch.changed(&channel, timeout, state).await;
+impl Fleet for RedisStore {
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        RedisStore::claim_identity(self, marker, ttl, replace)
     }
 
-    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        self.read(scope, false, None).await
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        RedisStore::claim_duty(self, duty, holder, ttl)
     }
 }
 

@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use axum::Router;
-use idem_core::{IdentityClaim, Store};
+use idem_core::{Fleet, IdentityClaim, RecordsAdmin};
 use idem_layer::{IdempotencyLayer, TenantFromHeader};
 use idem_memory::MemoryStore;
 use idem_postgres::PgStore;
@@ -29,7 +29,7 @@ fn exit(error: impl std::fmt::Display) -> ! {
 
 /// `routes` behind the layer on `store`, with the records API, once the
 /// store is claimed for the layer's scope hashing.
-async fn protected<S: Store>(routes: Router, store: S, lease: Duration) -> Router {
+async fn protected<S: RecordsAdmin + Fleet>(routes: Router, store: S, lease: Duration) -> Router {
     let layer = IdempotencyLayer::new(store)
         .tenant(TenantFromHeader::new(http::HeaderName::from_static(
             "x-tenant-id",
@@ -45,7 +45,7 @@ async fn protected<S: Store>(routes: Router, store: S, lease: Duration) -> Route
 
 /// Claims the store at start (instances that hash scopes otherwise would
 /// run each other's retries again: exit) and every minute while serving.
-async fn claim_store<S: Store>(layer: &IdempotencyLayer<S>) {
+async fn claim_store<S: Fleet>(layer: &IdempotencyLayer<S>) {
     match layer.claim_store(false).await {
         Ok(IdentityClaim::Other(marker)) => exit(format!(
             "the store is claimed by instances that hash scopes otherwise ({marker}); \

@@ -21,7 +21,7 @@ use axum::{
     routing::get,
 };
 use clap::{ArgAction, Parser};
-use idem_core::{ScopeHash, Store};
+use idem_core::{Fleet, RecordsAdmin, ScopeHash, Store};
 use idem_layer::{
     IdempotencyLayer, InFlight, ProblemCode, Tenant, TenantFromAuthorization, TenantFromHeader,
 };
@@ -608,7 +608,7 @@ fn store_identity(config: &Config, tenants: &Tenants) -> String {
 /// alive as long as the retention. A store that cannot be asked at start
 /// is logged and accepted, and claimed on the next refresh. `place` says
 /// where the claim lives, for an operator.
-async fn claim_store<S: Store>(
+async fn claim_store<S: Fleet>(
     store: &std::sync::Arc<S>,
     place: String,
     config: &Config,
@@ -961,7 +961,7 @@ fn layer<S: Store>(
 }
 
 /// The chore of counting lapsed records, which one gateway of a fleet
-/// sharing a store does ([`Store::claim_duty`]).
+/// sharing a store does ([`Fleet::claim_duty`](idem_core::Fleet::claim_duty)).
 const LAPSED_DUTY: &str = "lapsed-records";
 
 /// How long a gateway's claim on [`LAPSED_DUTY`] lasts past its next
@@ -973,7 +973,7 @@ const LAPSED_CLAIM_SLACK: Duration = Duration::from_secs(15);
 /// sharing a store, the one that holds the chore counts them (a Redis
 /// store looks at every record key to find them) and the others show
 /// 0, so the gauge's sum or maximum over a fleet is the store's count.
-fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
+fn watch_lapsed<S: RecordsAdmin + Fleet>(store: std::sync::Arc<S>) {
     tokio::spawn(async move {
         let holder = idem_core::OwnerToken::new().0.to_string();
         let bound = Duration::from_secs(10);
@@ -1012,7 +1012,7 @@ fn watch_lapsed<S: Store>(store: std::sync::Arc<S>) {
 /// Counts the lapsed records into `idem_records_lapsed` (unless the
 /// store fails within [`LAPSED_COUNT_BOUND`]); the wait before the next
 /// count.
-async fn count_lapsed<S: Store>(store: &S) -> Duration {
+async fn count_lapsed<S: RecordsAdmin>(store: &S) -> Duration {
     let bound = LAPSED_COUNT_BOUND;
     let started = tokio::time::Instant::now();
     match tokio::time::timeout(bound, store.count_lapsed(LAPSED_COUNTED)).await {
@@ -1055,7 +1055,7 @@ async fn health_answer<S: Store>(
     }
 }
 
-fn router<S: Store>(
+fn router<S: RecordsAdmin + Fleet>(
     config: &Config,
     tenants: &Tenants,
     store: S,

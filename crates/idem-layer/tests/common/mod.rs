@@ -209,7 +209,7 @@ where
 }
 
 /// A records API call from tenant `t1`.
-pub async fn records_call<S: idem_core::Store>(
+pub async fn records_call<S: idem_core::RecordsAdmin>(
     records: &idem_layer::RecordsService<S>,
     method: http::Method,
     uri: &str,
