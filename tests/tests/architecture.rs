@@ -102,7 +102,8 @@ fn reexports(lib: &str) -> BTreeMap<String, String> {
     names
 }
 
-/// The module graph of one crate: module -> the modules it uses.
+/// The module graph of one crate: module -> the modules it uses (a
+/// directory module's files count as one module).
 fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let read = |path: PathBuf| std::fs::read_to_string(path).unwrap_or_default();
     let lib = read(src.join("lib.rs"));
@@ -113,6 +114,16 @@ fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
         let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else {
             continue;
         };
+        if path.is_dir() {
+            // A module of several files: what any of them uses.
+            let mut text = String::new();
+            for file in std::fs::read_dir(&path).expect("module dir").flatten() {
+                text.push_str(&read(file.path()));
+                text.push('\n');
+            }
+            modules.insert(stem.to_owned(), text);
+            continue;
+        }
         if path.extension().is_none_or(|e| e != "rs") || stem == "lib" || stem == "main" {
             continue;
         }

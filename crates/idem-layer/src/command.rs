@@ -47,19 +47,18 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::StatusCode;
 use idem_core::{
-    Attempt, AttemptId, Current, Fingerprint, IdempotencyKey, Lease, Outcome, Replay, Reservation,
+    Attempt, AttemptId, Current, Fingerprint, IdempotencyKey, Lease, Outcome, Replay,
     ReserveRequest, Scope, ScopeFormat, Store, StoreError, StoredResponse,
 };
 use serde::{Serialize, de::DeserializeOwned};
 use sha2::{Digest, Sha256};
 
 use crate::{
-    IdempotencyLayer, InFlight,
-    attempt::{Lapse, renewing, settle},
+    IdempotencyLayer,
+    engine::{Admission, Found, Lapse, admit, renewing, settle},
     fingerprint::{canonical_tokens, update_part},
-    metrics::{self as m, Outcome as Counted, StoreOp},
-    pending::{Held, Recording},
-    runtime::{RUNNING_RETRY_AFTER, deadline_after, store_call},
+    metrics::{self as m, Outcome as Counted},
+    pending::Recording,
 };
 
 /// The status a successful command's result is stored with.
@@ -257,7 +256,7 @@ impl<S: Store> IdempotencyLayer<S> {
     {
         let config = &*self.runtime.config;
         config.validate().map_err(CommandError::Misconfigured)?;
-        let request = ReserveRequest {
+        let mut request = ReserveRequest {
             scope: match (&config.scope_secret, config.scope_format) {
                 (None, ScopeFormat::Sha256) => command.scope.clone(),
                 (secret, format) => command.scope.rehashed_as(format, secret.as_ref()),
@@ -266,7 +265,7 @@ impl<S: Store> IdempotencyLayer<S> {
             lease: config.lease,
             retention: config.retention,
         };
-        let (lease, superseded) = match self.reserve_command(&request).await? {
+        let (lease, superseded) = match self.reserve_command(&mut request).await? {
             Ok(reserved) => reserved,
             Err(answer) => return answer,
         };
@@ -345,68 +344,34 @@ impl<S: Store> IdempotencyLayer<S> {
         }
     }
 
-    /// Reserves the command's scope, waiting for a running attempt when
-    /// the layer waits in flight: the lease (and the attempt it took over
-    /// from), or the answer the record already gives.
+    /// Reserves the command's scope (see [`admit`]): the lease (and the
+    /// attempt it took over from), or the answer the record already gives.
     async fn reserve_command<T, E>(
         &self,
-        request: &ReserveRequest,
+        request: &mut ReserveRequest,
     ) -> Result<Reserved<T, E>, StoreError>
     where
         T: DeserializeOwned,
         E: DeserializeOwned,
     {
-        let config = &*self.runtime.config;
-        let store = &*self.runtime.store;
-        let deadline = match config.in_flight {
-            InFlight::Wait(bound) => Some(deadline_after(bound)),
-            InFlight::Reject => None,
-        };
-        loop {
-            match self
-                .runtime
-                .outcome_recorded(request.scope.hash(), deadline)
-                .await
-            {
-                Ok(()) => {}
-                Err(Held::Unrecorded(error)) => return Err(error),
-                Err(Held::Running) => {
-                    m::count(Counted::InProgress);
-                    return Ok(Err(Err(CommandError::InProgress {
-                        retry_after: RUNNING_RETRY_AFTER,
-                    })));
-                }
+        let answer = match admit(&self.runtime, request, |_| false).await {
+            Admission::Run { lease, superseded } => return Ok(Ok((lease, superseded))),
+            Admission::Held(error) | Admission::Failed(error) => return Err(error),
+            Admission::Found(Found::InProgress(retry_after)) => {
+                m::count(Counted::InProgress);
+                Err(CommandError::InProgress { retry_after })
             }
-            let reservation = store_call(config, StoreOp::Reserve, store.reserve(request)).await?;
-            self.runtime.pending.store_answered();
-            let answer = match reservation {
-                Reservation::Acquired(lease) => return Ok(Ok((lease, None))),
-                Reservation::TakenOver { lease, superseded } => {
-                    m::count(Counted::Takeover);
-                    return Ok(Ok((lease, Some(superseded))));
-                }
-                Reservation::InProgress { retry_after } => {
-                    let now = tokio::time::Instant::now();
-                    if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
-                        let bound = crate::runtime::wait_bound(deadline - now, retry_after);
-                        crate::runtime::wait_for_change(store, request.scope.hash(), bound).await;
-                        continue;
-                    }
-                    m::count(Counted::InProgress);
-                    Err(CommandError::InProgress { retry_after })
-                }
-                Reservation::Completed(replay) => replayed(replay),
-                Reservation::Cancelled => {
-                    m::count(Counted::Cancelled);
-                    Err(CommandError::Cancelled)
-                }
-                Reservation::Conflict => {
-                    m::count(Counted::Conflict);
-                    Err(CommandError::Conflict)
-                }
-            };
-            return Ok(Err(answer));
-        }
+            Admission::Found(Found::Completed(replay)) => replayed(replay),
+            Admission::Found(Found::Cancelled) => {
+                m::count(Counted::Cancelled);
+                Err(CommandError::Cancelled)
+            }
+            Admission::Found(Found::Conflict) => {
+                m::count(Counted::Conflict);
+                Err(CommandError::Conflict)
+            }
+        };
+        Ok(Err(answer))
     }
 
     /// Releases the key after a failed or unrecordable action: `error`, or

@@ -153,6 +153,7 @@ mod config;
 mod context;
 mod disconnect;
 mod encoding;
+mod engine;
 pub mod fingerprint;
 mod headers;
 mod layer;

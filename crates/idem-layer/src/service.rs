@@ -11,25 +11,22 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::{Request, Response, header, request::Parts};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idem_core::{Attempt, Lease, Reservation, ReserveRequest, Scope, Store, StoreError};
+use idem_core::{Attempt, Lease, ReserveRequest, Scope, Store, StoreError};
 use tower::Service;
 use tracing::Instrument;
 
 use crate::{
-    IdempotencyContext, InFlight, OnDisconnect, ResponseBody,
+    IdempotencyContext, OnDisconnect, ResponseBody,
     answer::{cancelled, in_progress, replay_to},
     attempt::attempt,
     body::BoxError,
     disconnect::{ReleaseOnDrop, ResponseFuture, attempt_started},
+    engine::{Admission, Found, admit},
     headers::read_key,
-    metrics::{self as m, Outcome as Counted, StoreOp},
+    metrics::{self as m, Outcome as Counted},
     normalize_path,
-    pending::Held,
     problem::{ProblemCode, problem},
-    runtime::{
-        RUNNING_RETRY_AFTER, Runtime, deadline_after, shared_operation_name, store_call,
-        store_unavailable, wait_bound, wait_for_change, within,
-    },
+    runtime::{Runtime, shared_operation_name, store_unavailable, within},
 };
 
 /// The service produced by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -366,99 +363,53 @@ where
     fn run(mut self) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>> {
         async move {
             let rt = self.rt.clone();
+            let config = &*rt.config;
             // The default fingerprint is read in both formats: a record
             // written in the other one is tried once before a conflict.
-            let mut other_format = rt
-                .config
+            let mut other_format = config
                 .fingerprint_fn
                 .is_none()
-                .then(|| rt.config.fingerprint_format.other());
-            let (config, store) = (&*rt.config, &*rt.store);
-            let deadline = match config.in_flight {
-                InFlight::Wait(bound) => Some(deadline_after(bound)),
-                InFlight::Reject => None,
-            };
-            loop {
-                // Before every reservation (a waiting duplicate's too: the
-                // attempt it waits for may be this layer's). Boxed: the
-                // rare path's state stays out of every request's future.
-                if rt.pending.any()
-                    && let Err(held) =
-                        Box::pin(rt.outcome_recorded(self.reserve.scope.hash(), deadline)).await
-                {
-                    return Ok(match held {
-                        Held::Unrecorded(error) => store_unavailable(&error),
-                        Held::Running => in_progress(RUNNING_RETRY_AFTER),
-                    });
-                }
-                let reservation = match store_call(
-                    config,
-                    StoreOp::Reserve,
-                    store.reserve(&self.reserve),
-                )
-                .await
-                {
-                    Ok(reservation) => {
-                        rt.pending.store_answered();
-                        reservation
-                    }
-                    // Fail-open covers a store that cannot be reached, never one
-                    // that answered: a full store or a record it cannot decode
-                    // may hold the key's outcome, and running again could
-                    // execute it twice.
-                    Err(error @ (StoreError::Unavailable(_) | StoreError::Timeout(_)))
-                        if config.fail_open =>
-                    {
-                        tracing::warn!(%error, "idempotency store failed; running the handler unprotected");
-                        m::count(Counted::FailOpen);
-                        let request = Request::from_parts(self.parts, ReqBody::from(self.body));
-                        return passthrough(self.inner, request).await;
-                    }
-                    Err(error) => return Ok(store_unavailable(&error)),
+                .then(|| config.fingerprint_format.other());
+            let (parts, body) = (&self.parts, &self.body);
+            let admission = admit(&rt, &mut self.reserve, |request| {
+                let Some(format) = other_format.take() else {
+                    return false;
                 };
-                match reservation {
-                    Reservation::Acquired(lease) => return self.execute(lease, None).await,
-                    Reservation::TakenOver { lease, superseded } => {
-                        m::count(Counted::Takeover);
-                        tracing::info!(
-                            generation = lease.generation,
-                            superseded = %superseded.id,
-                            "lease lapsed; taking over"
-                        );
-                        return self.execute(lease, Some(superseded)).await;
-                    }
-                    Reservation::InProgress { retry_after } => {
-                        if let Some(deadline) = deadline {
-                            let now = tokio::time::Instant::now();
-                            if now < deadline {
-                                let bound = wait_bound(deadline - now, retry_after);
-                                wait_for_change(store, self.reserve.scope.hash(), bound).await;
-                                continue;
-                            }
-                        }
-                        return Ok(in_progress(retry_after));
-                    }
-                    Reservation::Completed(replay) => {
-                        let limit = config.max_response;
-                        return Ok(replay_to(&self.parts.headers, replay, limit));
-                    }
-                    Reservation::Cancelled => return Ok(cancelled()),
-                    Reservation::Conflict => {
-                        if let Some(format) = other_format.take() {
-                            self.reserve.fingerprint = format.fingerprint(
-                                self.reserve.scope.operation(),
-                                &self.parts,
-                                &config.fingerprint_headers,
-                                &self.body,
-                            );
-                            continue;
-                        }
-                        m::count(Counted::Conflict);
-                        let detail =
-                            "this Idempotency-Key was used with a different request payload";
-                        return Ok(problem(ProblemCode::Conflict, detail, None));
-                    }
+                request.fingerprint = format.fingerprint(
+                    request.scope.operation(),
+                    parts,
+                    &config.fingerprint_headers,
+                    body,
+                );
+                true
+            })
+            .await;
+            match admission {
+                Admission::Run { lease, superseded } => self.execute(lease, superseded).await,
+                Admission::Found(Found::InProgress(retry_after)) => Ok(in_progress(retry_after)),
+                Admission::Found(Found::Completed(replay)) => {
+                    Ok(replay_to(&self.parts.headers, replay, config.max_response))
                 }
+                Admission::Found(Found::Cancelled) => Ok(cancelled()),
+                Admission::Found(Found::Conflict) => {
+                    m::count(Counted::Conflict);
+                    let detail = "this Idempotency-Key was used with a different request payload";
+                    Ok(problem(ProblemCode::Conflict, detail, None))
+                }
+                Admission::Held(error) => Ok(store_unavailable(&error)),
+                // Fail-open covers a store that cannot be reached, never one
+                // that answered: a full store or a record it cannot decode
+                // may hold the key's outcome, and running again could
+                // execute it twice.
+                Admission::Failed(
+                    error @ (StoreError::Unavailable(_) | StoreError::Timeout(_)),
+                ) if config.fail_open => {
+                    tracing::warn!(%error, "idempotency store failed; running the handler unprotected");
+                    m::count(Counted::FailOpen);
+                    let request = Request::from_parts(self.parts, ReqBody::from(self.body));
+                    passthrough(self.inner, request).await
+                }
+                Admission::Failed(error) => Ok(store_unavailable(&error)),
             }
         }
     }

@@ -1,0 +1,14 @@
+//! The engine: what every way into the layer (the HTTP service, commands)
+//! shares, written once. A request is admitted ([`admit`]: the reservation
+//! loop), its action runs under a kept lease ([`renewing`]), and its
+//! outcome is settled ([`settle`]: stored or released, in the background
+//! when the store does not take it at once). The HTTP service and the
+//! command API only translate what the engine answers.
+
+mod admit;
+mod lease;
+mod settle;
+
+pub(crate) use admit::{Admission, Found, admit};
+pub(crate) use lease::{Lapse, renewing};
+pub(crate) use settle::settle;

@@ -1,0 +1,213 @@
+//! Settling an attempt: its outcome stored, or its key released, as the
+//! predicate says; a completion the store could not take retried in the
+//! background (listed in [`pending`](crate::pending)) until it lands; a
+//! record the store lost made again from the outcome.
+
+use std::time::Duration;
+
+use idem_core::{
+    Completion, Current, Lease, Outcome, Reservation, ReserveRequest, Store, StoreError,
+};
+use tracing::Instrument;
+
+use super::lease::{lapsed_backoff, while_held};
+use crate::{
+    metrics::{self as m, Outcome as Counted, StoreOp},
+    runtime::{Runtime, deadline_after, store_call},
+};
+
+/// Records what an attempt produced: stores the outcome, or releases the
+/// key when the predicate calls the status temporary. Answers what the
+/// record says now when the attempt was fenced. A completion that hits a
+/// store error is retried in the background (see `record_later`).
+pub(crate) async fn settle<S: Store>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    lease: &Lease,
+    status: http::StatusCode,
+    outcome: Outcome,
+) -> Option<Current> {
+    if !(rt.config.should_store)(status) {
+        return rt.release(lease).await;
+    }
+    match store_call(
+        &rt.config,
+        StoreOp::Complete,
+        rt.store.complete(lease, &outcome),
+    )
+    .await
+    {
+        Ok(completion) => completed(rt, request, &outcome, completion).await,
+        Err(error) => {
+            // The action ran; its client gets the real response, and the
+            // outcome is recorded in the background while the lease is
+            // held, so a store blip does not turn into a takeover and a
+            // second execution.
+            record_in_background(rt, request, lease, outcome, &error);
+            None
+        }
+    }
+}
+
+/// Starts [`record_later`] after a completion's store error (a rare path,
+/// kept out of [`settle`]'s code).
+#[cold]
+#[inline(never)]
+fn record_in_background<S: Store>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    lease: &Lease,
+    outcome: Outcome,
+    error: &StoreError,
+) {
+    m::count(Counted::StoreError);
+    tracing::error!(%error, "could not record the outcome yet; retrying in the background");
+    // Listed before the client gets its answer: its retry finds it.
+    let pending = rt.pending.register(*request.scope.hash());
+    rt.tasks.spawn(
+        record_later(rt.clone(), request.clone(), lease.clone(), outcome, pending)
+            .in_current_span(),
+    );
+}
+
+/// A completion found no record at all: the store lost it (a failover
+/// that dropped an unreplicated write, say), while the action ran. Left
+/// vacant, the retry would run the action again as a first attempt, so
+/// the record is made again from the outcome: reserved anew and completed
+/// at once. Only a vacant scope is written; if another attempt reserved
+/// it meanwhile, that attempt's record stands.
+async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: &Outcome) {
+    let config = &*rt.config;
+    let store = &*rt.store;
+    let lease = match store_call(config, StoreOp::Reserve, store.reserve(request)).await {
+        Ok(Reservation::Acquired(lease)) => lease,
+        Ok(_) => {
+            tracing::warn!(
+                "the record vanished under the completion and the key was reserved again \
+                 meanwhile; that record stands"
+            );
+            return;
+        }
+        Err(error) => {
+            tracing::error!(%error, "the record vanished under the completion and could not be made again");
+            return;
+        }
+    };
+    match store_call(config, StoreOp::Complete, store.complete(&lease, outcome)).await {
+        Ok(Completion::Recorded) => tracing::warn!(
+            status = outcome.status(),
+            "the record vanished under the completion (a failover may have lost it); made \
+             again from the outcome"
+        ),
+        Ok(Completion::Fenced(_)) | Err(_) => tracing::error!(
+            "the record vanished under the completion; making it again failed, and a retry \
+             after the lease may run again"
+        ),
+    }
+}
+
+/// Retries a completion that failed on a store error, every 100 ms, while
+/// the lease is held (renewing it), until it is recorded or fenced; after
+/// a lease that lapsed with the store down, on until the store answers
+/// (see below). Listed in the layer's pending completions (`pending`)
+/// meanwhile: a reservation of the scope, or one the store answers,
+/// has it try at once instead of after its pause.
+async fn record_later<S: Store>(
+    rt: Runtime<S>,
+    request: ReserveRequest,
+    lease: Lease,
+    outcome: Outcome,
+    pending: crate::pending::Registration,
+) {
+    let config = &*rt.config;
+    let store = &*rt.store;
+    let attempt = async || {
+        let tried = try_record(&rt, &request, &lease, &outcome).await;
+        pending.tried(tried.is_ok());
+        tried
+    };
+    let retries = async {
+        loop {
+            pending.pause(Duration::from_millis(100)).await;
+            match attempt().await {
+                Ok(()) => return,
+                Err(error) => tracing::debug!(%error, "recording the outcome failed again"),
+            }
+        }
+    };
+    if while_held(config, store, &lease, retries).await.is_some() {
+        return;
+    }
+    // The lease was lost: to a newer attempt or a cancellation (the
+    // completion is fenced and kept as evidence), with the record itself
+    // (then it is made again from the outcome), or to time, renewals having
+    // failed while the store was down. Then nothing owns the record yet,
+    // and the store still takes this attempt's completion (it fences by
+    // generation and owner, not by time): recording it is all that stands
+    // between the next retry and a second run. So the tries go on, backing
+    // off to two a second, until the store answers or the record's
+    // retention has passed.
+    let deadline = deadline_after(request.retention);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match attempt().await {
+            Ok(()) => return,
+            Err(error) if tokio::time::Instant::now() + pause < deadline => {
+                tracing::debug!(%error, "recording the outcome failed again");
+                pending.pause(pause).await;
+                pause = lapsed_backoff(pause);
+            }
+            Err(error) => {
+                tracing::error!(
+                    %error,
+                    "the outcome could not be recorded within the record's retention"
+                );
+                return;
+            }
+        }
+    }
+}
+
+/// One try of a background completion: `Ok` once the store answered
+/// (see [`completed`]).
+async fn try_record<S: Store>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    lease: &Lease,
+    outcome: &Outcome,
+) -> Result<(), StoreError> {
+    let call = rt.store.complete(lease, outcome);
+    let completion = store_call(&rt.config, StoreOp::Complete, call).await?;
+    if completed(rt, request, outcome, completion).await.is_none() {
+        tracing::info!("outcome recorded after a store error");
+    }
+    Ok(())
+}
+
+/// What a completion the store answered comes to: counted; a record that
+/// vanished under it made again from the outcome; `Some` with what the
+/// record says now when a newer attempt or a cancellation fenced it (the
+/// outcome is kept as late evidence).
+async fn completed<S: Store>(
+    rt: &Runtime<S>,
+    request: &ReserveRequest,
+    outcome: &Outcome,
+    completion: Completion,
+) -> Option<Current> {
+    match completion {
+        Completion::Recorded => {
+            m::count(Counted::Executed);
+            None
+        }
+        Completion::Fenced(Current::Vacant) => {
+            m::count(Counted::Executed);
+            recreate(rt, request, outcome).await;
+            None
+        }
+        Completion::Fenced(current) => {
+            m::count(Counted::Fenced);
+            tracing::warn!("completion fenced: a newer attempt or a cancellation owns the record");
+            Some(current)
+        }
+    }
+}
