@@ -362,7 +362,7 @@ impl Proxy {
             Ok(uri) => uri,
             Err(error) => {
                 let detail = format!("cannot build the upstream URL: {error}");
-                return crate::problem(
+                return crate::answer::problem(
                     StatusCode::BAD_GATEWAY,
                     "upstream_unreachable",
                     "Bad gateway",
@@ -393,7 +393,7 @@ impl Proxy {
                 let detail = format!(
                     "the upstream answered {status}, which is no final answer to this request"
                 );
-                let mut response = crate::problem(
+                let mut response = crate::answer::problem(
                     StatusCode::BAD_GATEWAY,
                     "upstream_answer_invalid",
                     "Bad gateway",
@@ -408,7 +408,7 @@ impl Proxy {
                 // released, a retry runs it for the first time.
                 tracing::warn!(%error, "upstream unreachable");
                 let detail = format!("the upstream could not be reached: {error}");
-                crate::problem(
+                crate::answer::problem(
                     StatusCode::BAD_GATEWAY,
                     "upstream_unreachable",
                     "Bad gateway",
@@ -421,7 +421,7 @@ impl Proxy {
                 // unknown, and no answer will come any more.
                 tracing::warn!(%error, "upstream answer lost");
                 let detail = format!("the upstream's answer could not be read: {error}");
-                let mut response = crate::problem(
+                let mut response = crate::answer::problem(
                     StatusCode::BAD_GATEWAY,
                     "upstream_answer_lost",
                     "Bad gateway",
@@ -434,7 +434,7 @@ impl Proxy {
                 // The upstream may still be running the action: the client
                 // gets 504 now, and the layer keeps waiting for the answer.
                 let detail = format!("the upstream did not answer within {:?}", self.0.timeout);
-                let mut response = crate::problem(
+                let mut response = crate::answer::problem(
                     StatusCode::GATEWAY_TIMEOUT,
                     "upstream_timeout",
                     "Gateway timeout",

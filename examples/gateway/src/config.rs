@@ -1,0 +1,266 @@
+//! The gateway's flags (each also an `IDEM_*` variable) and their parsers.
+
+use crate::proxy;
+
+use std::{net::SocketAddr, time::Duration};
+
+use axum::http::{HeaderName, Method, Uri};
+use clap::{ArgAction, Parser};
+use idem_layer::InFlight;
+use idem_redis::RedisStore;
+
+/// The gateway's configuration: every flag is also an `IDEM_*` variable.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "idem-gateway",
+    version,
+    about = "Idempotency-Key protection in front of any HTTP upstream"
+)]
+pub struct Config {
+    /// Address to serve on.
+    #[arg(long, env = "IDEM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Upstream base URL (http://host:port or https://host:port); without it, a built-in demo orders API is started.
+    #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
+    pub upstream: Option<Uri>,
+    /// PEM file of a private CA that an https:// upstream's certificate may chain to, besides the system's roots (or SSL_CERT_FILE).
+    #[arg(long, env = "IDEM_UPSTREAM_CA")]
+    pub upstream_ca: Option<std::path::PathBuf>,
+    /// Record store: memory, redis://host:port[/db], redis+cluster://h1:p1,h2:p2,..., or postgres://user@host:port/db (the records table is created if missing)
+    #[arg(long, env = "IDEM_STORE", default_value = "memory", value_parser = parse_store)]
+    pub store: String,
+    /// Take the tenant from this header (a plain account id set by a trusted proxy); without it, the tenant is a keyed hash of the normalized Authorization value, or of a verified JWT's claim.
+    #[arg(long, env = "IDEM_TENANT_HEADER", value_parser = parse_header_name, conflicts_with = "tenant_jwt_keys")]
+    pub tenant_header: Option<HeaderName>,
+    /// Secret key of the tenant hash (HMAC-SHA256, at least 16 bytes), the same on every gateway sharing a store; without it or --tenant-secret-file, one is generated at start.
+    #[arg(long, env = "IDEM_TENANT_SECRET", hide_env_values = true, value_parser = parse_secret, conflicts_with = "tenant_secret_file")]
+    pub tenant_secret: Option<Secret>,
+    /// File holding the tenant hash's secret key (trailing whitespace ignored, at least 16 bytes).
+    #[arg(long, env = "IDEM_TENANT_SECRET_FILE")]
+    pub tenant_secret_file: Option<std::path::PathBuf>,
+    /// Take the tenant from a claim of a verified bearer JWT; the file holds the keys: a JWKS document, a PEM public key (RSA, EC, Ed25519) or an HMAC secret. A keyed request whose token fails verification gets 401.
+    #[arg(long, env = "IDEM_TENANT_JWT_KEYS")]
+    pub tenant_jwt_keys: Option<std::path::PathBuf>,
+    /// The JWT claim that names the tenant.
+    #[arg(long, env = "IDEM_TENANT_JWT_CLAIM", default_value = "sub")]
+    pub tenant_jwt_claim: String,
+    /// Clock skew allowed when checking a JWT's exp and nbf (humantime).
+    #[arg(long, env = "IDEM_TENANT_JWT_LEEWAY", default_value = "30s", value_parser = parse_duration)]
+    pub tenant_jwt_leeway: Duration,
+    /// Keyed requests without a tenant share one anonymous tenant instead of getting 401.
+    #[arg(long, env = "IDEM_ALLOW_ANONYMOUS", action = ArgAction::SetTrue)]
+    pub allow_anonymous: bool,
+    /// Requests of the keyed methods without an Idempotency-Key get 400.
+    #[arg(long, env = "IDEM_REQUIRE_KEY", action = ArgAction::SetTrue)]
+    pub require_key: bool,
+    /// Comma-separated methods the layer applies to; others pass straight through.
+    #[arg(long, env = "IDEM_METHODS", default_value = "POST,PATCH", value_delimiter = ',', value_parser = parse_method)]
+    pub methods: Vec<Method>,
+    /// How long records are kept (humantime: 2s, 5m, 24h); must exceed the lease.
+    #[arg(long, env = "IDEM_RETENTION", default_value = "24h", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// Lease length of a running request, renewed while it runs (humantime).
+    #[arg(long, env = "IDEM_LEASE", default_value = "30s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// Duplicates in flight: reject (409 at once) or wait:DURATION (wait for the outcome).
+    #[arg(long, env = "IDEM_IN_FLIGHT", default_value = "reject", value_parser = parse_in_flight)]
+    pub in_flight: InFlight,
+    /// Largest keyed request body and largest stored response, in bytes.
+    #[arg(long, env = "IDEM_MAX_BODY", default_value_t = 1_048_576)]
+    pub max_body: usize,
+    /// Forward requests unprotected when the store is down, instead of 503.
+    #[arg(long, env = "IDEM_FAIL_OPEN", action = ArgAction::SetTrue)]
+    pub fail_open: bool,
+    /// Admin credential of the records API (at least 16 bytes): a request carrying it in x-idem-admin-token may list every tenant's records and act on another tenant's (tenant=).
+    #[arg(long, env = "IDEM_RECORDS_ADMIN_TOKEN", hide_env_values = true, value_parser = parse_secret)]
+    pub records_admin_token: Option<Secret>,
+    /// Path under which the records API is served ({prefix}/records).
+    #[arg(long, env = "IDEM_RECORDS_PREFIX", default_value = "/_idempotency", value_parser = parse_prefix)]
+    pub records_prefix: String,
+    /// How long to wait for the upstream's response head before answering 504, and the longest a keyed request's answer body may pause (humantime).
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub upstream_timeout: Duration,
+    /// How long a client may take to send a request head (humantime).
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub header_timeout: Duration,
+    /// How long a keyed request's body may take to arrive, then 408 (humantime).
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub body_timeout: Duration,
+    /// Most live records the memory store holds; new keys beyond get 503 (released records do not count).
+    #[arg(long, env = "IDEM_MEMORY_CAPACITY", default_value_t = 1_000_000)]
+    pub memory_capacity: usize,
+    /// Most live records one tenant may hold in the memory store, then 429 for its new keys (0: no quota; default: a tenth of the memory capacity).
+    #[arg(long, env = "IDEM_MEMORY_TENANT_QUOTA")]
+    pub memory_tenant_quota: Option<usize>,
+    /// Most bytes the memory store's records may take, as it estimates them (bytes, or with KiB, MiB, GiB).
+    #[arg(long, env = "IDEM_MEMORY_MAX_BYTES", default_value = "1GiB", value_parser = parse_size)]
+    pub memory_max_bytes: usize,
+    /// Timeout of every store call (humantime).
+    #[arg(long, env = "IDEM_STORE_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
+    pub store_timeout: Duration,
+    /// After an upstream timeout, how long to keep waiting for the upstream's late answer and record it (humantime).
+    #[arg(long, env = "IDEM_UNKNOWN_OUTCOME_WAIT", default_value = "60s", value_parser = parse_duration)]
+    pub unknown_outcome_wait: Duration,
+    /// At shutdown, how long to wait for detached requests and pending completions after the connections closed (humantime).
+    #[arg(long, env = "IDEM_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+    /// Accept a Redis whose maxmemory-policy can evict idem's records (they would be lost silently and retries would run again).
+    #[arg(long, env = "IDEM_ALLOW_REDIS_EVICTION", action = ArgAction::SetTrue)]
+    pub allow_redis_eviction: bool,
+    /// After each reservation and completion on a single-node Redis, wait until this many replicas have it (0: do not wait). A reservation short of them is released and answered 503; a completion short of them is kept, logged and counted.
+    #[arg(long, env = "IDEM_WAIT_FOR_REPLICAS", default_value_t = 0)]
+    pub wait_for_replicas: usize,
+    /// How long to wait for the replicas (humantime); a call that waits is bounded by the store timeout plus this.
+    #[arg(long, env = "IDEM_REPLICA_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
+    pub replica_timeout: Duration,
+    /// Write new keys' records on Redis packed: fewer fields, about 15 % fewer Redis instructions per new key and its completion. Turn on once every gateway sharing the Redis runs this version (earlier versions cannot read packed records); turning it off is safe at any time.
+    #[arg(long, env = "IDEM_REDIS_PACK_RECORDS", action = ArgAction::SetTrue)]
+    pub redis_pack_records: bool,
+    /// Write stored responses' headers on Redis in the compact form (one byte of length per name and value instead of four): a typical API response then stays in its record instead of a key of its own, one SET fewer per completion and one key fewer per record. Turn on once every gateway sharing the Redis runs this version (earlier versions cannot replay such records); turning it off is safe at any time.
+    #[arg(long, env = "IDEM_REDIS_COMPACT_HEADERS", action = ArgAction::SetTrue)]
+    pub redis_compact_headers: bool,
+    /// Write request fingerprints with BLAKE3 instead of SHA-256: about an eighth of the hashing instructions on CPUs without SHA extensions. Every gateway of this version reads both formats, whatever it writes; earlier versions read only SHA-256 and answer 422 to a retry whose record is in BLAKE3, so turn it on once every gateway sharing the store runs this version. Always on with the memory store.
+    #[arg(long, env = "IDEM_BLAKE3_FINGERPRINTS", action = ArgAction::SetTrue)]
+    pub blake3_fingerprints: bool,
+    /// Hash scopes (the records' identities in the store) with BLAKE3 instead of SHA-256: about a tenth of the hashing instructions on CPUs without SHA extensions. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity, as --keyed-scopes does: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once (a gateway that hashes otherwise refuses to start on the store).
+    #[arg(long, env = "IDEM_BLAKE3_SCOPES", action = ArgAction::SetTrue)]
+    pub blake3_scopes: bool,
+    /// Hash tenants (from Authorization or a JWT claim) with keyed BLAKE3 instead of HMAC-SHA256: one BLAKE3 compression instead of two SHA-256 ones for a short credential. Always on with the memory store. On Redis or PostgreSQL it changes every record's tenant, and so its identity, as --blake3-scopes does: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once (a gateway that hashes otherwise refuses to start on the store).
+    #[arg(long, env = "IDEM_BLAKE3_TENANTS", action = ArgAction::SetTrue)]
+    pub blake3_tenants: bool,
+    /// Key scope hashes (the records' identities in the store) with a key derived from the tenant secret (HMAC-SHA256), so that nobody without it can compute where a record lives. Always on with the memory store. On Redis or PostgreSQL it changes every record's identity: turn it on in a new deployment, or once no retry of a request made before the switch can come, on every gateway sharing the store at once. Needs --tenant-secret or --tenant-secret-file.
+    #[arg(long, env = "IDEM_KEYED_SCOPES", action = ArgAction::SetTrue)]
+    pub keyed_scopes: bool,
+    /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or --blake3-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
+    #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
+    pub replace_store_identity: bool,
+    /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
+    #[arg(long, env = "IDEM_FORWARDED", default_value = "x-forwarded", value_parser = parse_forwarded)]
+    pub forwarded: proxy::Forwarded,
+}
+
+/// A secret flag value; `Debug` never shows it.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The secret's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// The shortest secret accepted, in bytes.
+pub(crate) const MIN_SECRET_BYTES: usize = 16;
+
+pub(crate) fn parse_secret(value: &str) -> Result<Secret, String> {
+    if value.len() < MIN_SECRET_BYTES {
+        return Err(format!(
+            "the secret must be at least {MIN_SECRET_BYTES} bytes"
+        ));
+    }
+    Ok(Secret(value.to_owned()))
+}
+
+/// A size in bytes: a number, optionally followed by KiB, MiB or GiB.
+pub(crate) fn parse_size(value: &str) -> Result<usize, String> {
+    let value = value.trim();
+    let split = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let (digits, unit) = value.split_at(split);
+    let scale: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => return Err(format!("unknown unit {other:?}: use KiB, MiB or GiB")),
+    };
+    digits
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .ok_or_else(|| format!("{value:?} is not a size"))
+}
+
+/// A humantime duration, at most [`idem_layer::MAX_DURATION`] (100 years).
+pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(value).map_err(|e| e.to_string())?;
+    if duration > idem_layer::MAX_DURATION {
+        return Err("at most 100 years".to_owned());
+    }
+    Ok(duration)
+}
+
+pub(crate) fn parse_upstream(value: &str) -> Result<Uri, String> {
+    let uri: Uri = value.parse().map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+        return Err("expected http://host:port or https://host:port".to_owned());
+    }
+    if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
+        return Err("the upstream URL takes no path or query".to_owned());
+    }
+    Ok(uri)
+}
+
+pub(crate) fn parse_store(value: &str) -> Result<String, String> {
+    if value == "memory" {
+        return Ok(value.to_owned());
+    }
+    if is_postgres(value) {
+        return idem_postgres::PgStore::builder()
+            .url(value)
+            .sweep_every(None)
+            .build()
+            .map(|_| value.to_owned())
+            .map_err(|e| e.to_string());
+    }
+    RedisStore::from_url(value)
+        .map(|_| value.to_owned())
+        .map_err(|e| e.to_string())
+}
+
+pub(crate) fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+pub(crate) fn parse_forwarded(value: &str) -> Result<proxy::Forwarded, String> {
+    match value {
+        "x-forwarded" => Ok(proxy::Forwarded::XForwarded),
+        "forwarded" => Ok(proxy::Forwarded::Rfc7239),
+        "none" => Ok(proxy::Forwarded::None),
+        _ => Err("expected x-forwarded, forwarded or none".to_owned()),
+    }
+}
+
+pub(crate) fn parse_header_name(value: &str) -> Result<HeaderName, String> {
+    HeaderName::from_bytes(value.as_bytes()).map_err(|_| format!("{value:?} is not a header name"))
+}
+
+pub(crate) fn parse_method(value: &str) -> Result<Method, String> {
+    Method::from_bytes(value.trim().to_ascii_uppercase().as_bytes())
+        .map_err(|_| format!("{value:?} is not a method"))
+}
+
+pub(crate) fn parse_in_flight(value: &str) -> Result<InFlight, String> {
+    match value {
+        "reject" => Ok(InFlight::Reject),
+        _ => match value.strip_prefix("wait:") {
+            Some(bound) => parse_duration(bound).map(InFlight::Wait),
+            None => Err("expected reject or wait:DURATION".to_owned()),
+        },
+    }
+}
+
+pub(crate) fn parse_prefix(value: &str) -> Result<String, String> {
+    if !value.starts_with('/') {
+        return Err("the prefix must start with /".to_owned());
+    }
+    Ok(value.trim_end_matches('/').to_owned())
+}

@@ -1,0 +1,325 @@
+//! The layer the flags describe and the router around it: the proxy, the
+//! records API, `/healthz`, `/metrics`, and the front middleware (log line,
+//! `Connection` check, JWT tenant).
+
+use crate::{
+    StartError,
+    answer::{GatewayCode, problem},
+    config::Config,
+    jwt,
+    lapsed::watch_lapsed,
+    metrics::prometheus,
+    proxy::{self, Proxy},
+    tenants::{Tenants, generated_secret_warning, scope_secret, tenant_hash},
+};
+
+use std::{future::Future, time::Duration};
+
+use axum::{
+    Router,
+    extract::{Request, State},
+    http::{HeaderName, Method, StatusCode, Uri},
+    middleware::{self, Next},
+    response::Response,
+    routing::get,
+};
+use idem_core::{Fleet, RecordsAdmin, ScopeHash, Store};
+use idem_layer::{
+    IdempotencyLayer, ProblemCode, Tenant, TenantFromAuthorization, TenantFromHeader,
+};
+
+/// A store's own health check for `/healthz`: `Ok` with what it found
+/// (200), or `Err` with what is wrong (503). Without one, a read of an
+/// empty scope proves the store answers.
+pub(crate) type Health = std::sync::Arc<
+    dyn Fn() -> futures_util::future::BoxFuture<'static, Result<String, String>> + Send + Sync,
+>;
+
+/// `/healthz`: the store's own check if it has one, else a read of an
+/// empty scope; 200 or 503 with one line.
+pub(crate) async fn health_answer<S: Store>(
+    health: Option<Health>,
+    store: std::sync::Arc<S>,
+    timeout: Duration,
+) -> (StatusCode, String) {
+    let checked = match health {
+        Some(check) => tokio::time::timeout(timeout * 4, check())
+            .await
+            .unwrap_or_else(|_| Err("health check timed out".to_owned())),
+        None => {
+            // Any read proves the store answers; this scope holds nothing.
+            let nothing = ScopeHash::from_bytes([0; 32]);
+            match tokio::time::timeout(timeout, store.get(&nothing)).await {
+                Ok(Ok(_)) => Ok("ok".to_owned()),
+                _ => Err("store unavailable".to_owned()),
+            }
+        }
+    };
+    match checked {
+        Ok(text) => (StatusCode::OK, format!("{text}\n")),
+        Err(text) => (StatusCode::SERVICE_UNAVAILABLE, format!("{text}\n")),
+    }
+}
+
+/// The idempotency layer the flags describe.
+pub(crate) fn layer<S: Store>(
+    config: &Config,
+    tenants: &Tenants,
+    store: S,
+) -> Result<IdempotencyLayer<S>, StartError> {
+    // A store that bounds its own calls (Redis: its timeout, plus the wait
+    // for replicas when it waits for them) gives the layer that bound: the
+    // store timeout alone would cut a reservation's `WAIT` short and answer
+    // 503 for a write that reached its replicas.
+    let store_timeout = store.call_bound().unwrap_or(config.store_timeout);
+    let mut layer = IdempotencyLayer::new(store)
+        .unknown_outcome_wait(config.unknown_outcome_wait)
+        .methods(config.methods.clone())
+        .lease(config.lease)
+        .retention(config.retention)
+        .in_flight(config.in_flight)
+        .max_body(config.max_body)
+        .body_timeout(config.body_timeout)
+        .max_response(config.max_body)
+        .store_timeout(store_timeout)
+        .allow_anonymous(config.allow_anonymous)
+        .require_key(config.require_key)
+        .fail_open(config.fail_open);
+    layer = match (&config.tenant_header, &tenants.jwt) {
+        (Some(name), _) => layer.tenant(TenantFromHeader::new(name.clone())),
+        (None, Some(_)) => layer.tenant(idem_layer::TenantFromExtension::<Tenant>::new()),
+        (None, None) => layer.tenant(TenantFromAuthorization::keyed_as(
+            tenant_hash(config),
+            tenants.secret.clone(),
+        )),
+    };
+    if let Some(token) = &config.records_admin_token {
+        layer = layer.records_admin_token(token.as_bytes());
+    }
+    // The memory store's records live in this process only: keying their
+    // scopes changes no stored identity.
+    if config.keyed_scopes || config.store == "memory" {
+        layer = layer.scope_secret(scope_secret(&tenants.secret));
+    }
+    if config.blake3_scopes || config.store == "memory" {
+        layer = layer.scope_format(idem_core::ScopeFormat::Blake3);
+    }
+    if config.blake3_fingerprints || config.store == "memory" {
+        layer = layer.fingerprint_format(idem_layer::fingerprint::FingerprintFormat::Blake3);
+    }
+    layer.validate()?;
+    Ok(layer)
+}
+
+pub(crate) fn router<S: RecordsAdmin + Fleet>(
+    config: &Config,
+    tenants: &Tenants,
+    store: S,
+    health: Option<Health>,
+    upstream: Uri,
+) -> Result<(Router, Drain), StartError> {
+    let layer = layer(config, tenants, store)?;
+    if tenants.generated && config.tenant_header.is_none() {
+        generated_secret_warning(&config.store);
+    }
+    watch_lapsed(std::sync::Arc::clone(layer.store()));
+    let health_store = std::sync::Arc::clone(layer.store());
+    let timeout = config.store_timeout;
+    let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Setting)?;
+    let proxy = Proxy::new(upstream, config.upstream_timeout, tls).forwarded(config.forwarded);
+    let protected = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(proxy);
+    let metrics = prometheus().clone();
+    let draining = layer.clone();
+    let drain: Drain = Box::new(move |bound| {
+        let layer = draining.clone();
+        Box::pin(async move { layer.drain(bound).await })
+    });
+    let protected_headers: Vec<HeaderName> = [
+        http::header::AUTHORIZATION,
+        idem_layer::IDEMPOTENCY_KEY,
+        proxy::IDEMPOTENCY_ATTEMPT,
+    ]
+    .into_iter()
+    .chain(config.tenant_header.clone())
+    .collect();
+    let records_path = format!("{}/records", config.records_prefix);
+    let jwt = tenants.jwt.clone().map(|jwt| JwtState {
+        jwt,
+        tenants: idem_layer::TenantHasher::new(tenant_hash(config), &tenants.secret),
+        methods: std::sync::Arc::new(config.methods.clone()),
+        records_path: std::sync::Arc::from(records_path.as_str()),
+    });
+    let router = Router::new()
+        .route(
+            "/healthz",
+            get(move || {
+                health_answer(
+                    health.clone(),
+                    std::sync::Arc::clone(&health_store),
+                    timeout,
+                )
+            }),
+        )
+        .route("/metrics", get(move || async move { metrics.render() }))
+        .route_service(&records_path, layer.records_service())
+        .fallback_service(protected)
+        .layer(middleware::from_fn_with_state(
+            Front {
+                guard: ConnectionGuard(std::sync::Arc::new(protected_headers)),
+                jwt,
+            },
+            front,
+        ));
+    Ok((router, drain))
+}
+
+/// What the gateway does in front of every route, in this order: the log
+/// line ([`log_request`]), the `Connection` check
+/// ([`refuse_connection_naming`]) and the JWT tenant ([`tenant_from_jwt`]).
+/// One middleware, not three: each layer of axum's middleware clones and
+/// boxes the services behind it on every request.
+#[derive(Clone)]
+pub(crate) struct Front {
+    guard: ConnectionGuard,
+    jwt: Option<JwtState>,
+}
+
+pub(crate) async fn front(State(front): State<Front>, request: Request, next: Next) -> Response {
+    log_request(request, |request| async move {
+        refuse_connection_naming(&front.guard, request, |request| {
+            tenant_from_jwt(front.jwt.as_ref(), request, next)
+        })
+        .await
+    })
+    .await
+}
+
+/// What the JWT tenant middleware needs.
+#[derive(Clone)]
+pub(crate) struct JwtState {
+    jwt: jwt::JwtTenants,
+    tenants: idem_layer::TenantHasher,
+    methods: std::sync::Arc<Vec<Method>>,
+    records_path: std::sync::Arc<str>,
+}
+
+/// With `--tenant-jwt-keys`: a request that needs a tenant (a keyed request
+/// of a protected method, or the records API) and carries a bearer token
+/// gets the keyed hash of the verified claim as its tenant; a token that
+/// fails verification is `401 idempotency_tenant_invalid`, never a tenant
+/// of its own. Without `Authorization` the layer decides (401 or the
+/// anonymous tenant).
+pub(crate) async fn tenant_from_jwt(
+    state: Option<&JwtState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let Some(state) = state else {
+        return next.run(request).await;
+    };
+    let method = request.method().as_str();
+    let needs_tenant = request.uri().path() == &*state.records_path
+        || (request.headers().contains_key(idem_layer::IDEMPOTENCY_KEY)
+            && state
+                .methods
+                .iter()
+                .any(|m| m.as_str().eq_ignore_ascii_case(method)));
+    let verified = request
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .filter(|_| needs_tenant)
+        .map(|authorization| state.jwt.claim(authorization.as_bytes()));
+    if let Some(verified) = verified {
+        match verified {
+            Ok(claim) => {
+                let tenant = state.tenants.tenant("jwt:", claim.as_bytes());
+                request.extensions_mut().insert(Tenant(tenant));
+            }
+            Err(why) => {
+                tracing::info!(why, "refused a bearer token");
+                return problem(
+                    StatusCode::UNAUTHORIZED,
+                    "idempotency_tenant_invalid",
+                    "Caller's token could not be verified",
+                    &format!("the bearer token could not be verified: {why}"),
+                );
+            }
+        }
+    }
+    next.run(request).await
+}
+
+/// Headers a `Connection` field must not name.
+#[derive(Clone)]
+pub(crate) struct ConnectionGuard(std::sync::Arc<Vec<HeaderName>>);
+
+/// A `Connection` field makes the headers it names hop-by-hop, so the
+/// gateway would strip them after the layer used them: the upstream would
+/// get an anonymous, keyless request. Such a request is refused with
+/// `400 connection_header_invalid`.
+pub(crate) async fn refuse_connection_naming<F: Future<Output = Response>>(
+    guard: &ConnectionGuard,
+    request: Request,
+    next: impl FnOnce(Request) -> F,
+) -> Response {
+    let names_protected =
+        proxy::connection_names(request.headers()).any(|name| guard.0.contains(&name));
+    if names_protected {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "connection_header_invalid",
+            "Connection header names an end-to-end header",
+            "the Connection header may not name Authorization, Idempotency-Key, \
+             Idempotency-Attempt or the tenant header",
+        );
+    }
+    next(request).await
+}
+
+/// One log line per request: method, path, status, idempotency outcome and
+/// latency. Never the raw key.
+pub(crate) async fn log_request<F: Future<Output = Response>>(
+    request: Request,
+    next: impl FnOnce(Request) -> F,
+) -> Response {
+    // With the line filtered out (`RUST_LOG=warn`, say), nothing is
+    // gathered for it: no clock read, no copy of the path.
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return next(request).await;
+    }
+    let started = std::time::Instant::now();
+    let method = request.method().clone();
+    let path = request.uri().path().to_owned();
+    let keyed = request.headers().contains_key(idem_layer::IDEMPOTENCY_KEY);
+    let response = next(request).await;
+    let outcome = if let Some(code) = response.extensions().get::<ProblemCode>() {
+        code.as_str()
+    } else if let Some(GatewayCode(code)) = response.extensions().get::<GatewayCode>() {
+        code
+    } else if response
+        .headers()
+        .contains_key(idem_layer::IDEMPOTENT_REPLAYED)
+    {
+        "replayed"
+    } else if keyed {
+        "executed"
+    } else {
+        "passthrough"
+    };
+    tracing::info!(
+        %method,
+        path,
+        status = response.status().as_u16(),
+        outcome,
+        latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+        "request"
+    );
+    response
+}
+
+/// Waits for a layer's background work at shutdown, up to a bound;
+/// answers how much was left.
+pub(crate) type Drain =
+    Box<dyn Fn(Duration) -> futures_util::future::BoxFuture<'static, usize> + Send>;

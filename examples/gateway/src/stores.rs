@@ -1,0 +1,255 @@
+//! The store the flags name: built, checked (eviction, persistence, failover
+//! bound), claimed for this gateway's identity, and its router.
+
+use crate::{
+    StartError,
+    config::{Config, is_postgres},
+    router::{Drain, Health, router},
+    tenants::{Tenants, hmac_sha256},
+};
+
+use std::time::Duration;
+
+use axum::{Router, http::Uri};
+use idem_core::Fleet;
+use idem_memory::MemoryStore;
+use idem_redis::RedisStore;
+
+/// The memory store the flags describe, with its gauges kept up to date.
+pub(crate) fn memory_store(config: &Config) -> MemoryStore {
+    let quota = match config.memory_tenant_quota {
+        Some(0) => None,
+        Some(quota) => Some(quota),
+        None => Some((config.memory_capacity / 10).max(1)),
+    };
+    let store = MemoryStore::builder()
+        .capacity(config.memory_capacity)
+        .max_bytes(config.memory_max_bytes)
+        .tenant_quota(quota)
+        .build();
+    let watched = store.clone();
+    tokio::spawn(async move {
+        // Gauges of the memory store, every second.
+        loop {
+            metrics::gauge!("idem_store_records").set(watched.len() as f64);
+            metrics::gauge!("idem_store_bytes").set(watched.bytes() as f64);
+            metrics::gauge!("idem_store_full").set(f64::from(u8::from(watched.is_full())));
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+    store
+}
+
+/// `/healthz` of a memory store: 503 while it is full (new keys get 503
+/// until records expire: a balancer should send them elsewhere).
+pub(crate) fn memory_health(store: &MemoryStore) -> Health {
+    let store = store.clone();
+    std::sync::Arc::new(move || {
+        let full = store.is_full();
+        Box::pin(async move {
+            if full {
+                Err("store full".to_owned())
+            } else {
+                Ok("ok".to_owned())
+            }
+        })
+    })
+}
+
+/// `/healthz` of Redis: every slot served by a master that answers.
+pub(crate) fn redis_health(store: &std::sync::Arc<RedisStore>) -> Health {
+    let store = std::sync::Arc::clone(store);
+    std::sync::Arc::new(move || {
+        let store = std::sync::Arc::clone(&store);
+        Box::pin(async move {
+            match store.health().await {
+                Ok(health) if health.is_ok() => Ok(health.to_string()),
+                Ok(health) => Err(health.to_string()),
+                Err(error) => Err(format!("store unavailable: {error}")),
+            }
+        })
+    })
+}
+
+/// The store the flags name (checked and prepared), and the router on it.
+pub(crate) async fn store_router(
+    config: &Config,
+    tenants: &Tenants,
+    upstream: Uri,
+) -> Result<(Router, Drain), StartError> {
+    if config.store == "memory" {
+        let store = memory_store(config);
+        let health = memory_health(&store);
+        return router(config, tenants, store, Some(health), upstream);
+    }
+    if is_postgres(&config.store) {
+        let store = idem_postgres::PgStore::from_url(&config.store)
+            .map_err(|error| StartError::Postgres(error.to_string()))?;
+        store.migrate().await.map_err(|error| {
+            StartError::Postgres(format!("could not create the records table: {error}"))
+        })?;
+        let place = format!("the table {}_identity", store.table());
+        let store = std::sync::Arc::new(store);
+        claim_store(&store, place, config, tenants).await?;
+        return router(config, tenants, store, None, upstream);
+    }
+    let mut builder = RedisStore::builder(&config.store)
+        .timeout(config.store_timeout)
+        .pack_records(config.redis_pack_records)
+        .compact_headers(config.redis_compact_headers);
+    if config.wait_for_replicas > 0 {
+        builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
+    }
+    let store = std::sync::Arc::new(builder.build()?);
+    check_redis(&store, config.allow_redis_eviction).await?;
+    let place = format!("the Redis key {}", store.identity_key());
+    claim_store(&store, place, config, tenants).await?;
+    check_failover(&store, config.lease).await;
+    let health = redis_health(&store);
+    router(config, tenants, store, Some(health), upstream)
+}
+
+/// The identity of this gateway's records: a keyed hash of what derives
+/// their tenants and scopes (the tenant source; the tenant secret where
+/// it is used). Gateways whose identities differ find no record of each
+/// other.
+pub(crate) fn store_identity(config: &Config, tenants: &Tenants) -> String {
+    let (source, hashed) = match (&config.tenant_header, &tenants.jwt) {
+        (Some(name), _) => (format!("header {name}"), false),
+        (None, Some(_)) => (format!("jwt {}", config.tenant_jwt_claim), true),
+        (None, None) => ("authorization".to_owned(), true),
+    };
+    // HMAC-SHA256 tenants keep the marker of the gateways before BLAKE3.
+    let source = if hashed && config.blake3_tenants {
+        format!("{source} blake3")
+    } else {
+        source
+    };
+    let keyed = if config.keyed_scopes {
+        "keyed"
+    } else {
+        "unkeyed"
+    };
+    // SHA-256 scopes keep the marker of the gateways before BLAKE3.
+    let scopes = if config.blake3_scopes {
+        format!("{keyed} blake3")
+    } else {
+        keyed.to_owned()
+    };
+    // A secret that derives nothing is left out: gateways may differ in it.
+    let secret: &[u8] = if hashed || config.keyed_scopes {
+        &tenants.secret
+    } else {
+        b""
+    };
+    let text = format!("idem-gateway identity v1\ntenants {source}\nscopes {scopes}");
+    let digest = hmac_sha256(secret, text.as_bytes());
+    let mut marker = "v1:".to_owned();
+    idem_core::push_hex(&mut marker, &digest[..16]);
+    marker
+}
+
+/// Claims the store for this gateway's identity at start, or refuses to
+/// start when gateways that derive tenants or scopes differently hold it
+/// (a retry moving between them would run again); then keeps the claim
+/// alive as long as the retention. A store that cannot be asked at start
+/// is logged and accepted, and claimed on the next refresh. `place` says
+/// where the claim lives, for an operator.
+pub(crate) async fn claim_store<S: Fleet>(
+    store: &std::sync::Arc<S>,
+    place: String,
+    config: &Config,
+    tenants: &Tenants,
+) -> Result<(), StartError> {
+    let marker = store_identity(config, tenants);
+    let ttl = config.retention;
+    match store
+        .claim_identity(&marker, ttl, config.replace_store_identity)
+        .await
+    {
+        Ok(idem_core::IdentityClaim::Other(_)) => {
+            return Err(StartError::UnsafeStore(format!(
+                "this store holds records of gateways that derive tenants or scopes differently \
+                 (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or \
+                 --blake3-scopes; {place} \
+                 says so): a retry that moves between them and this gateway does not find its \
+                 record and runs again. Start it with their settings, or pass \
+                 --replace-store-identity to make this gateway's the store's"
+            )));
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "could not claim the store's identity at start"),
+    }
+    let store = std::sync::Arc::clone(store);
+    let every = (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            match store.claim_identity(&marker, ttl, false).await {
+                Ok(idem_core::IdentityClaim::Other(_)) => tracing::error!(
+                    place,
+                    "another gateway made this store its own with other tenant or scope \
+                     settings (--replace-store-identity): requests that move between it and \
+                     this gateway run again. Restart this gateway with its settings"
+                ),
+                Ok(_) => {}
+                Err(error) => tracing::debug!(%error, "could not refresh the store's identity"),
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Warns when the lease could lapse during a cluster failover (where the
+/// cluster's node timeout can be read).
+pub(crate) async fn check_failover(store: &RedisStore, lease: Duration) {
+    let Some(node_timeout) = store.cluster_node_timeout().await else {
+        return;
+    };
+    let bound = idem_redis::failover_bound(node_timeout);
+    if lease <= bound {
+        tracing::warn!(
+            lease = ?lease,
+            node_timeout = ?node_timeout,
+            failover_bound = ?bound,
+            "the lease is shorter than this cluster's failover can take: a request running \
+             while its master fails can lose its lease, and a retry may run while it still \
+             acts. Set --lease above the failover bound (1.6 × cluster-node-timeout + 2 s)"
+        );
+    }
+}
+
+/// Refuses a Redis that can evict records unless allowed; warns when it
+/// persists nothing. A server that cannot be asked (down at start, `INFO`
+/// renamed) is logged and accepted: the store's own calls will tell.
+pub(crate) async fn check_redis(
+    store: &RedisStore,
+    allow_eviction: bool,
+) -> Result<(), StartError> {
+    let safety = match store.server_safety().await {
+        Ok(safety) => safety,
+        Err(error) => {
+            tracing::warn!(%error, "could not read the Redis eviction policy and persistence");
+            return Ok(());
+        }
+    };
+    let evicting = safety.evicting_policies();
+    if !evicting.is_empty() {
+        let message = format!(
+            "Redis maxmemory-policy {} can evict idempotency records, and a retry of an evicted \
+             key runs again; set maxmemory-policy noeviction, or pass --allow-redis-eviction",
+            evicting.join(", ")
+        );
+        if !allow_eviction {
+            return Err(StartError::UnsafeStore(message));
+        }
+        tracing::warn!("{message} (allowed by --allow-redis-eviction)");
+    }
+    if !safety.append_only {
+        tracing::warn!(
+            "Redis runs without appendonly: a restart can forget records, and retries of \
+             forgotten keys run again; enable appendonly yes"
+        );
+    }
+    Ok(())
+}
