@@ -5,7 +5,6 @@ use std::time::Duration;
 use crate::{
     RedisStore,
     connection::{Lane, Pool},
-    limits,
     scripts::Scripts,
 };
 
@@ -211,7 +210,8 @@ impl RedisStoreBuilder {
                 notify: watch.publishes(),
                 packed: self.packed,
             }),
-            limit_scripts: limits::LimitScripts::new(),
+            #[cfg(feature = "limits")]
+            limit_scripts: crate::limits::LimitScripts::new(),
             prefix: self.prefix,
             compact_headers: self.compact_headers,
             timeout: self.timeout,

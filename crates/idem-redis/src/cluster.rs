@@ -5,9 +5,8 @@ use std::time::Duration;
 use crate::{
     RedisStore,
     connection::{Conn, Pool},
-    corrupt,
     decode::{collect_text, text},
-    unavailable,
+    errors::{corrupt, unavailable},
 };
 
 use idem_core::{ScopeHash, StoreError};

@@ -4,7 +4,11 @@
 
 use std::time::Duration;
 
-use crate::{RedisStore, millis, record_key_pieces, unavailable};
+use crate::{
+    RedisStore,
+    errors::unavailable,
+    keys::{millis, record_key_pieces},
+};
 
 use idem_core::{ScopeHash, StoreError};
 use redis::{ErrorKind, Script, ServerErrorKind, ToRedisArgs, Value};

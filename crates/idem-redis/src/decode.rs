@@ -2,7 +2,7 @@
 
 use std::{collections::HashMap, time::Duration};
 
-use crate::corrupt;
+use crate::errors::corrupt;
 
 use bytes::Bytes;
 use idem_core::{

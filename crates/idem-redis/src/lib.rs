@@ -104,40 +104,34 @@
 
 use std::time::Duration;
 
-use idem_core::{
-    Attempt, AttemptId, Cancellation, Completion, Current, Fleet, ForceRelease, Lease,
-    OldestRecords, Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release,
-    Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
-};
-use redis::Value;
-
-/// How many record reads [`RecordsAdmin::list`](idem_core::RecordsAdmin::list) keeps in
-/// flight at once.
-const LIST_READS_AT_ONCE: usize = 32;
-
-/// How many keys one call of the lapsed-records count asks `SCAN` for
-/// (`count_lapsed.lua`): each call holds Redis for its page (about 5 µs a
-/// key on a small machine, the `SCAN` included), so a call stays under a
-/// millisecond.
-const COUNT_LAPSED_PAGE: usize = 100;
+use idem_core::{Record, ScopeHash, StoreError};
 
 mod builder;
 mod cluster;
 mod connection;
 mod decode;
+mod errors;
+mod fleet;
+mod keys;
+#[cfg(feature = "limits")]
 mod limits;
+mod safety;
 mod scripts;
+mod store;
 mod watch;
 
 pub use builder::{BuildError, RedisStoreBuilder};
 #[allow(deprecated)]
 pub use cluster::LIST_SCAN_LIMIT;
 pub use cluster::{Health, failover_bound};
-use connection::{Abandon, Invocation, Lane, Pool};
+use connection::{Invocation, Lane, Pool};
 use decode::*;
+pub use idem_core::IdentityClaim;
+use keys::record_key_pieces;
+pub use safety::ServerSafety;
 use scripts::Scripts;
 
-/// A [`Store`] on Redis or Redis Cluster. See the [crate docs](crate).
+/// A [`Store`](idem_core::Store) on Redis or Redis Cluster. See the [crate docs](crate).
 pub struct RedisStore {
     pool: Pool,
     lanes: Box<[parking_lot::Mutex<Lane>]>,
@@ -146,6 +140,7 @@ pub struct RedisStore {
     last_replacement: parking_lot::Mutex<Option<std::time::Instant>>,
     next_lane: std::sync::atomic::AtomicUsize,
     scripts: Scripts,
+    #[cfg(feature = "limits")]
     limit_scripts: limits::LimitScripts,
     prefix: String,
     /// Whether completions write headers in the compact form
@@ -182,66 +177,6 @@ impl std::fmt::Debug for RedisStore {
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
-}
-
-/// The Redis key of a scope's record under `prefix`, in the pieces it is
-/// written from: the scope hash's hex (`hex`, its
-/// [`ScopeHash::hex_bytes`]) inside a hash tag, so that every key of one
-/// record lands in one cluster slot.
-fn record_key_pieces<'a>(prefix: &'a str, hex: &'a [u8; 64]) -> [&'a [u8]; 4] {
-    [prefix.as_bytes(), b"{", hex, b"}"]
-}
-
-/// A claim's time to live in whole milliseconds, at least one (`PX`).
-fn px(ttl: Duration) -> u64 {
-    u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-/// The store could not do its call; the driver's error stays the source.
-/// An error the server answered with (out of memory under `noeviction`, a
-/// permission, a script error) is [`StoreError::Refused`], which fail-open
-/// never covers; one of a server that could not be reached, is loading or
-/// failing over is [`StoreError::Unavailable`].
-fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> StoreError {
-    let error = error.into();
-    let answered = error
-        .downcast_ref::<redis::RedisError>()
-        .is_some_and(answered_by_the_server);
-    if answered {
-        StoreError::Refused(error)
-    } else {
-        StoreError::Unavailable(error)
-    }
-}
-
-/// Whether the server was reached and answered with an error of its own.
-fn answered_by_the_server(error: &redis::RedisError) -> bool {
-    use redis::{ErrorKind, ServerErrorKind};
-    if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() {
-        return false;
-    }
-    match error.kind() {
-        ErrorKind::Server(kind) => !matches!(
-            kind,
-            ServerErrorKind::BusyLoading
-                | ServerErrorKind::TryAgain
-                | ServerErrorKind::ClusterDown
-                | ServerErrorKind::MasterDown
-                | ServerErrorKind::ReadOnly
-                | ServerErrorKind::Moved
-                | ServerErrorKind::Ask
-        ),
-        ErrorKind::Extension | ErrorKind::AuthenticationFailed => true,
-        _ => false,
-    }
-}
-
-fn corrupt(what: impl Into<String>) -> StoreError {
-    StoreError::Corrupt(what.into())
-}
-
-fn millis(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl RedisStore {
@@ -301,503 +236,19 @@ impl RedisStore {
         decode_record(*scope, &pairs).map(Some)
     }
 
-    /// The Redis key of the store's identity marker (see
-    /// [`claim_identity`](Self::claim_identity)); no record key looks like
-    /// it.
-    pub fn identity_key(&self) -> String {
-        format!("{}identity", self.prefix)
-    }
-
-    /// Claims the store for `marker`, a short text naming how the
-    /// instances sharing it derive tenants and scopes (see
-    /// [`IdentityClaim`]), in the key [`identity_key`](Self::identity_key).
-    ///
-    /// An unclaimed store, or one claimed with the same marker, is
-    /// claimed for `ttl` (the retention: as long as the newest record may
-    /// live), extended and never shortened. With `replace`, the marker
-    /// takes the store whatever it held.
-    pub async fn claim_identity(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> Result<IdentityClaim, StoreError> {
-        let key = self.identity_key();
-        if replace {
-            let mut set = redis::cmd("SET");
-            set.arg(&key).arg(marker).arg("PX").arg(px(ttl));
-            self.command::<Value>(set).await?;
-            return Ok(IdentityClaim::Held);
-        }
-        // Extended, never shortened.
-        Ok(match self.claim_key(&key, marker, ttl, &["GT"]).await? {
-            None => IdentityClaim::Held,
-            Some(other) => IdentityClaim::Other(other),
-        })
-    }
-
-    /// Claims `key` for `holder` for `ttl`: a free key is taken
-    /// (`SET NX GET`), one `holder` holds is given `ttl` from now again
-    /// (`PEXPIRE`, with `extend_flags`). Answers the other holder, if
-    /// another holds it.
-    async fn claim_key(
-        &self,
-        key: &str,
-        holder: &str,
-        ttl: Duration,
-        extend_flags: &[&str],
-    ) -> Result<Option<String>, StoreError> {
-        let millis = px(ttl);
-        let mut set = redis::cmd("SET");
-        set.arg(key)
-            .arg(holder)
-            .arg("PX")
-            .arg(millis)
-            .arg("NX")
-            .arg("GET");
-        let held: Option<String> = self.command(set).await?;
-        match held {
-            Some(held) if held == holder => {
-                // Should the claim lapse between the two commands and
-                // another holder take it, this lengthens theirs: they
-                // hold it a little longer.
-                let mut extend = redis::cmd("PEXPIRE");
-                extend.arg(key).arg(millis).arg(extend_flags);
-                self.command::<Value>(extend).await?;
-                Ok(None)
-            }
-            other => Ok(other),
-        }
-    }
-
-    /// The key that holds who does the fleet-wide chore `duty`.
-    pub fn duty_key(&self, duty: &str) -> String {
-        format!("{}duty:{duty}", self.prefix)
-    }
-
-    /// Claims the chore `duty` for `holder` for `ttl` in
-    /// [`duty_key`](Self::duty_key) (see [`Fleet::claim_duty`]): taken
-    /// when no one holds it, extended to `ttl` from now when `holder` does.
-    pub async fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let key = self.duty_key(duty);
-        Ok(self.claim_key(&key, holder, ttl, &[]).await?.is_none())
-    }
-
     /// Checks that the server answers (`PING`), within the timeout.
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.command(redis::cmd("PING")).await
-    }
-
-    /// Reads what the server (every node of a cluster that answers) says
-    /// about keeping records: its `maxmemory-policy` and persistence, from
-    /// `INFO`. See [`ServerSafety`].
-    pub async fn server_safety(&self) -> Result<ServerSafety, StoreError> {
-        let mut cmd = redis::cmd("INFO");
-        cmd.arg("memory").arg("persistence");
-        let info: Value = self.command(cmd).await?;
-        let mut text = String::new();
-        collect_text(&info, &mut text);
-        Ok(ServerSafety::from_info(&text))
-    }
-}
-
-pub use idem_core::IdentityClaim;
-
-/// What a Redis server says about keeping idem's records.
-///
-/// idem's records carry a TTL (their retention), so every eviction policy
-/// but `noeviction` can remove a live record under memory pressure,
-/// including the `volatile-*` ones; a removed record lets a retry execute
-/// again, silently. Without persistence (no AOF, no RDB snapshots) a
-/// restart forgets every record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ServerSafety {
-    /// Every `maxmemory_policy` the nodes reported (one per node).
-    pub eviction_policies: Vec<String>,
-    /// Whether every node that reported runs with `appendonly yes`.
-    pub append_only: bool,
-}
-
-impl ServerSafety {
-    fn from_info(info: &str) -> Self {
-        let mut eviction_policies = Vec::new();
-        let mut aof = Vec::new();
-        for line in info.lines() {
-            let line = line.trim();
-            if let Some(policy) = line.strip_prefix("maxmemory_policy:") {
-                eviction_policies.push(policy.to_owned());
-            } else if let Some(enabled) = line.strip_prefix("aof_enabled:") {
-                aof.push(enabled == "1");
-            }
-        }
-        Self {
-            eviction_policies,
-            append_only: !aof.is_empty() && aof.iter().all(|on| *on),
-        }
-    }
-
-    /// The policies that can evict idem's records (anything but
-    /// `noeviction`); empty when the server is safe.
-    pub fn evicting_policies(&self) -> Vec<&str> {
-        self.eviction_policies
-            .iter()
-            .map(String::as_str)
-            .filter(|policy| *policy != "noeviction")
-            .collect()
-    }
-}
-
-// ===== impl Store =====
-
-/// The reserve script's answer; `lease` makes the lease of a generation.
-/// A new key's hot path answers the integer 1 (acquired, generation 1), a
-/// replay one string, every other path a table led by its kind.
-fn decode_reservation(
-    reply: Value,
-    lease: impl Fn(u64) -> Lease,
-) -> Result<Reservation, StoreError> {
-    if hot_path(&reply) {
-        return Ok(Reservation::Acquired(lease(1)));
-    }
-    if let Value::BulkString(raw) = reply {
-        return Ok(Reservation::Completed(decode_replay(raw)?));
-    }
-    let reply = items(reply)?;
-    let field = |i: usize| reply.get(i).ok_or_else(|| corrupt("short reply"));
-    Ok(match decode::tag(reply.first())? {
-        "acquired" => Reservation::Acquired(lease(int(field(1)?)?)),
-        "taken_over" => {
-            let superseded: Attempt = serde_json::from_slice(&bytes(field(2)?)?)
-                .map_err(|e| corrupt(format!("superseded attempt: {e}")))?;
-            Reservation::TakenOver {
-                lease: lease(int(field(1)?)?),
-                superseded,
-            }
-        }
-        "in_progress" => Reservation::InProgress {
-            retry_after: Duration::from_millis(int(field(1)?)?),
-        },
-        "conflict" => Reservation::Conflict,
-        _ => match decode_current(reply)? {
-            Current::Completed(replay) => Reservation::Completed(replay),
-            Current::Cancelled => Reservation::Cancelled,
-            other => return Err(corrupt(format!("unexpected reservation reply {other:?}"))),
-        },
-    })
-}
-
-impl Store for RedisStore {
-    /// Each call is bounded by the store's timeout (plus the wait for
-    /// replicas, when it waits for them): see [`RedisStoreBuilder::timeout`].
-    fn call_bound(&self) -> Option<Duration> {
-        Some(RedisStore::call_bound(self))
-    }
-
-    fn settled(&self) -> impl Future<Output = ()> + Send {
-        self.given_up.wait()
-    }
-
-    fn background_tasks(&self) -> usize {
-        self.given_up.len()
-    }
-
-    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
-        let scope = request.scope.hash();
-        // If this call is given up (it times out, or its caller's timeout
-        // drops it) after the script was sent, the guard frees the
-        // reservation by its owner token once the server answers. The
-        // attempt's id and token live in the guard alone while the call
-        // is out (a future holds what is live across an await: a copy
-        // would make every reservation's future larger).
-        let mut guard = Abandon {
-            store: self,
-            scope: *scope,
-            attempt: AttemptId::new().0,
-            token: OwnerToken::new().0,
-            conn: None,
-            within: request.retention,
-        };
-        let invocation = {
-            let tenant = TenantForm::of_shared(request.scope.shared_tenant());
-            let script = if tenant.field() == "tenant_bin" {
-                &self.scripts.reserve_bin
-            } else {
-                &self.scripts.reserve
-            };
-            let mut invocation = Invocation::on_record(script, &self.prefix, scope);
-            invocation
-                .arg(&request.fingerprint.hex_bytes()[..])
-                .uuid(&guard.attempt)
-                .uuid(&guard.token)
-                .arg(millis(request.lease))
-                .arg(millis(request.retention))
-                .pieces(&tenant.pieces())
-                .arg(request.scope.operation())
-                .arg(request.scope.key().as_str());
-            invocation
-        };
-        let (reply, acked) = self
-            .run_on(
-                invocation,
-                self.wait_replicas.is_some(),
-                Some(&mut guard.conn),
-            )
-            .await?;
-        let (attempt, token) = (AttemptId(guard.attempt), OwnerToken(guard.token));
-        let lease = |generation: u64| Lease {
-            scope: *scope,
-            attempt,
-            generation,
-            token,
-            ttl: request.lease,
-        };
-        let reservation = decode_reservation(reply, lease)?;
-        if let (
-            Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. },
-            Some((acked, wanted)),
-        ) = (&reservation, self.short_of_replicas(acked))
-        {
-            // The handler must not run on a reservation a failover could lose.
-            // (Boxed: this rare path's future would otherwise make every
-            // reservation's future as large as itself plus a release's.)
-            let _ = Box::pin(self.release(lease)).await;
-            return Err(StoreError::unavailable(format!(
-                "the reservation reached {acked} of {wanted} replicas in time"
-            )));
-        }
-        // Answered and decoded: the caller owns what it reserved.
-        guard.conn = None;
-        Ok(reservation)
-    }
-
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        let mut invocation = Invocation::on_record(&self.scripts.renew, &self.prefix, &lease.scope);
-        lease_args(&mut invocation, lease);
-        invocation.arg(millis(lease.ttl));
-        let reply = items(self.run(invocation, false).await?.0)?;
-        if decode::tag(reply.first())? == "renewed" {
-            return Ok(Renewal::Renewed);
-        }
-        Ok(Renewal::Fenced(decode_current(reply)?))
-    }
-
-    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
-        let mut invocation =
-            Invocation::on_record(&self.scripts.complete, &self.prefix, &lease.scope);
-        lease_args(&mut invocation, lease);
-        invocation.uuid(&lease.attempt.0);
-        // '<status>:<stored>': one argument, as a packed record keeps them.
-        match outcome {
-            Outcome::Stored(response) => {
-                invocation
-                    .write_arg(|out| write!(out, "{}:1", response.status))
-                    .write_arg(|out| write_headers(out, &response.headers, self.compact_headers))
-                    .arg(response.body.as_ref());
-            }
-            Outcome::NotStored { status } => {
-                invocation
-                    .write_arg(|out| write!(out, "{status}:0"))
-                    .arg("")
-                    .arg("");
-            }
-        }
-        // The attempt's end by this process' clock (see complete.lua).
-        invocation.arg(unix_ms());
-        let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
-        // Recorded now, or by this very call if its reply was lost and it
-        // was retried (fence.lua).
-        let recorded = hot_path(&reply) || led_by(&reply, "recorded");
-        if recorded {
-            if let Some((acked, wanted)) = self.short_of_replicas(acked) {
-                tracing::warn!(
-                    acked,
-                    wanted,
-                    "the completion reached fewer replicas than requested"
-                );
-            }
-            return Ok(Completion::Recorded);
-        }
-        Ok(Completion::Fenced(decode_current(items(reply)?)?))
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        let mut invocation =
-            Invocation::on_record(&self.scripts.release, &self.prefix, &lease.scope);
-        lease_args(&mut invocation, lease);
-        invocation.uuid(&lease.attempt.0).arg(unix_ms());
-        let reply = self.run(invocation, false).await?.0;
-        if hot_path(&reply) || led_by(&reply, "released") {
-            return Ok(Release::Released);
-        }
-        Ok(Release::Fenced(decode_current(items(reply)?)?))
-    }
-
-    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        let mut invocation = Invocation::on_record(&self.scripts.cancel, &self.prefix, scope);
-        // The id lets a retried call recognise its own earlier cancel.
-        invocation.uuid(&uuid::Uuid::new_v4());
-        let reply = items(self.run(invocation, false).await?.0)?;
-        let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
-        let record = || match reply.get(1) {
-            Some(Value::Array(pairs)) => decode_record(*scope, pairs),
-            _ => Err(corrupt("cancel reply without the record")),
-        };
-        Ok(match tag.as_str() {
-            "not_found" => Cancellation::NotFound,
-            "cancelled" => Cancellation::Cancelled(record()?),
-            "already_completed" => Cancellation::AlreadyCompleted(record()?),
-            "already_cancelled" => Cancellation::AlreadyCancelled(record()?),
-            other => return Err(corrupt(format!("unexpected cancel reply {other}"))),
-        })
-    }
-
-    /// Waits for the record's notification (see the crate docs on
-    /// waiting); polls on a cluster.
-    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
-        let key = self.record_key(scope);
-        let channel = format!("{key}:c");
-        // Read once subscribed: marks the record as waited on (so that the
-        // scripts ending its attempt publish) and answers its state.
-        let state = async {
-            let invocation = Invocation::new(&self.scripts.watch, &[&key]);
-            match self.run(invocation, false).await {
-                Ok((Value::BulkString(state), _)) => String::from_utf8(state).ok(),
-                _ => None,
-            }
-        };
-        self.watch.changed(&channel, timeout, state).await;
-    }
-
-    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        self.read(scope, false, None).await
-    }
-}
-
-impl RecordsAdmin for RedisStore {
-    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
-        let clock: Vec<u64> = self.command(redis::cmd("TIME")).await?;
-        let now_ms = match clock.as_slice() {
-            [secs, micros] => secs * 1000 + micros / 1000,
-            _ => return Err(corrupt("TIME answered oddly")),
-        };
-        use futures_util::TryStreamExt;
-        // A query that only processing records can match reads the others'
-        // state alone (most records are completed).
-        let only_processing = query.lapsed || query.state == Some(RecordState::Processing);
-        // A tenant's listing reads other tenants' records no further than
-        // their tenant: as the 'tenant' field holds it (every record before
-        // the binary form, and every tenant without one), and as
-        // 'tenant_bin' does.
-        let binary = query
-            .tenant
-            .as_deref()
-            .map(|tenant| match encode_tenant(tenant) {
-                ("tenant_bin", binary) => binary,
-                _ => Vec::new(),
-            });
-        let tenant = query.tenant.as_deref().zip(binary.as_deref());
-        // The reads share the connection, LIST_READS_AT_ONCE in flight:
-        // Redis takes them in batches instead of one round trip each.
-        // Only the oldest matches so far are kept: a listing holds no more
-        // than its answer and a page of keys, however many records it
-        // reads.
-        let found = self
-            .record_scopes()
-            .map_ok(|page| futures_util::stream::iter(page.into_iter().map(Ok)))
-            .try_flatten()
-            .map_ok(|scope| async move { self.read(&scope, only_processing, tenant).await })
-            .try_buffer_unordered(LIST_READS_AT_ONCE)
-            .try_fold(OldestRecords::new(query.limit), |mut found, record| {
-                if let Some(record) = record.filter(|record| query.matches(record, now_ms)) {
-                    found.offer(record);
-                }
-                std::future::ready(Ok(found))
-            })
-            .await?;
-        Ok(found.into_oldest_first())
-    }
-
-    /// Counted inside Redis on a single node: `SCAN` pages of record keys,
-    /// each read by `count_lapsed.lua` where it lives, so a record's fields
-    /// never cross the network and the count costs Redis about a third of
-    /// reading each record out (see the README's lapsed-records gauge). A
-    /// key `SCAN` names twice (a table Redis resized during the count) is
-    /// counted twice. On a cluster (whose scripts may touch only the keys
-    /// they name) the lapsed records are listed and counted.
-    async fn count_lapsed(&self, limit: usize) -> Result<usize, StoreError> {
-        if matches!(self.pool, Pool::Cluster(_)) {
-            let listed = self.list(&RecordQuery::stuck(limit)).await?;
-            return Ok(listed.len());
-        }
-        let pattern = self.record_pattern();
-        let key_length: usize = record_key_pieces(&self.prefix, &[0; 64])
-            .iter()
-            .map(|piece| piece.len())
-            .sum();
-        let (mut cursor, mut count) = (0u64, 0usize);
-        loop {
-            let mut invocation = Invocation::new(&self.scripts.count_lapsed, &[]);
-            invocation
-                .arg(cursor)
-                .arg(&pattern)
-                .arg(COUNT_LAPSED_PAGE)
-                .arg(key_length);
-            let reply = items(self.run(invocation, false).await?.0)?;
-            let [next, lapsed] = reply.as_slice() else {
-                return Err(corrupt("lapsed count answered oddly"));
-            };
-            count = count.saturating_add(usize::try_from(int(lapsed)?).unwrap_or(usize::MAX));
-            cursor = int(next)?;
-            if cursor == 0 || count >= limit {
-                return Ok(count.min(limit));
-            }
-        }
-    }
-
-    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        let invocation = Invocation::on_record(&self.scripts.force_release, &self.prefix, scope);
-        let reply = items(self.run(invocation, false).await?.0)?;
-        let Some((kind, pairs)) = reply.split_first() else {
-            return Err(corrupt("empty force-release reply"));
-        };
-        Ok(match text(kind)?.as_str() {
-            "released" => ForceRelease::Released(decode_record(*scope, pairs)?),
-            "not_processing" => ForceRelease::NotProcessing(decode_record(*scope, pairs)?),
-            _ => ForceRelease::NotFound,
-        })
-    }
-}
-
-impl Fleet for RedisStore {
-    fn claim_identity(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
-        RedisStore::claim_identity(self, marker, ttl, replace)
-    }
-
-    fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        RedisStore::claim_duty(self, duty, holder, ttl)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use bytes::Bytes;
-    use idem_core::HeaderName;
+    use idem_core::{
+        AttemptId, Current, HeaderName, Lease, Outcome, OwnerToken, ReserveRequest, Store,
+    };
+    use redis::Value;
 
     use super::*;
 

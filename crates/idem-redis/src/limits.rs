@@ -8,7 +8,13 @@ use std::time::Duration;
 use idem_client::limits::{BoxFuture, Gate, GateError, Limit, SharedBudget, Turn};
 use redis::{Script, Value};
 
-use crate::{RedisStore, connection::Invocation, int, items};
+use crate::{
+    RedisStore,
+    connection::Invocation,
+    decode::{int, items},
+    errors::corrupt,
+    keys::millis,
+};
 
 /// The gate's scripts.
 #[derive(Debug)]
@@ -71,7 +77,7 @@ impl Gate for RedisStore {
             let answer = |i: usize| -> Result<u64, GateError> {
                 let value = reply
                     .get(i)
-                    .ok_or_else(|| gate_error(crate::corrupt("short reply")))?;
+                    .ok_or_else(|| gate_error(corrupt("short reply")))?;
                 match value {
                     Value::Int(n) => Ok(u64::try_from(*n).unwrap_or(0)),
                     other => int(other).map_err(gate_error),
@@ -79,7 +85,7 @@ impl Gate for RedisStore {
             };
             let kind = match reply.first() {
                 Some(Value::Int(n)) => *n,
-                _ => return Err(gate_error(crate::corrupt("unexpected take reply"))),
+                _ => return Err(gate_error(corrupt("unexpected take reply"))),
             };
             let wait = Duration::from_micros(answer(1)?);
             Ok(match kind {
@@ -114,7 +120,7 @@ impl Gate for RedisStore {
             let key = self.limit_key(boundary, "budget");
             let mut invocation = Invocation::new(&self.limit_scripts.budget, &[&key]);
             invocation
-                .arg(crate::millis(budget.window).max(1))
+                .arg(millis(budget.window).max(1))
                 .arg(budget.min_retries)
                 .arg(budget.percent)
                 .arg(u8::from(retry));

@@ -1,0 +1,350 @@
+//! The store contract on Redis: `Store` (reservations, renewals,
+//! completions, releases, cancels, reads) and `RecordsAdmin` (listings,
+//! the lapsed count, force releases), each a script call on the record's
+//! slot.
+
+use std::time::Duration;
+
+use idem_core::{
+    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, OldestRecords,
+    Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release, Renewal,
+    Reservation, ReserveRequest, ScopeHash, Store, StoreError,
+};
+use redis::Value;
+
+use crate::{
+    RedisStore,
+    connection::{Abandon, Invocation, Pool},
+    decode::{self, *},
+    errors::corrupt,
+    keys::{millis, record_key_pieces},
+};
+
+/// How many record reads [`RecordsAdmin::list`](idem_core::RecordsAdmin::list) keeps in
+/// flight at once.
+const LIST_READS_AT_ONCE: usize = 32;
+
+/// How many keys one call of the lapsed-records count asks `SCAN` for
+/// (`count_lapsed.lua`): each call holds Redis for its page (about 5 µs a
+/// key on a small machine, the `SCAN` included), so a call stays under a
+/// millisecond.
+const COUNT_LAPSED_PAGE: usize = 100;
+
+/// The reserve script's answer; `lease` makes the lease of a generation.
+/// A new key's hot path answers the integer 1 (acquired, generation 1), a
+/// replay one string, every other path a table led by its kind.
+fn decode_reservation(
+    reply: Value,
+    lease: impl Fn(u64) -> Lease,
+) -> Result<Reservation, StoreError> {
+    if hot_path(&reply) {
+        return Ok(Reservation::Acquired(lease(1)));
+    }
+    if let Value::BulkString(raw) = reply {
+        return Ok(Reservation::Completed(decode_replay(raw)?));
+    }
+    let reply = items(reply)?;
+    let field = |i: usize| reply.get(i).ok_or_else(|| corrupt("short reply"));
+    Ok(match decode::tag(reply.first())? {
+        "acquired" => Reservation::Acquired(lease(int(field(1)?)?)),
+        "taken_over" => {
+            let superseded: Attempt = serde_json::from_slice(&bytes(field(2)?)?)
+                .map_err(|e| corrupt(format!("superseded attempt: {e}")))?;
+            Reservation::TakenOver {
+                lease: lease(int(field(1)?)?),
+                superseded,
+            }
+        }
+        "in_progress" => Reservation::InProgress {
+            retry_after: Duration::from_millis(int(field(1)?)?),
+        },
+        "conflict" => Reservation::Conflict,
+        _ => match decode_current(reply)? {
+            Current::Completed(replay) => Reservation::Completed(replay),
+            Current::Cancelled => Reservation::Cancelled,
+            other => return Err(corrupt(format!("unexpected reservation reply {other:?}"))),
+        },
+    })
+}
+
+impl Store for RedisStore {
+    /// Each call is bounded by the store's timeout (plus the wait for
+    /// replicas, when it waits for them): see [`RedisStoreBuilder::timeout`](crate::RedisStoreBuilder::timeout).
+    fn call_bound(&self) -> Option<Duration> {
+        Some(RedisStore::call_bound(self))
+    }
+
+    fn settled(&self) -> impl Future<Output = ()> + Send {
+        self.given_up.wait()
+    }
+
+    fn background_tasks(&self) -> usize {
+        self.given_up.len()
+    }
+
+    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
+        let scope = request.scope.hash();
+        // If this call is given up (it times out, or its caller's timeout
+        // drops it) after the script was sent, the guard frees the
+        // reservation by its owner token once the server answers. The
+        // attempt's id and token live in the guard alone while the call
+        // is out (a future holds what is live across an await: a copy
+        // would make every reservation's future larger).
+        let mut guard = Abandon {
+            store: self,
+            scope: *scope,
+            attempt: AttemptId::new().0,
+            token: OwnerToken::new().0,
+            conn: None,
+            within: request.retention,
+        };
+        let invocation = {
+            let tenant = TenantForm::of_shared(request.scope.shared_tenant());
+            let script = if tenant.field() == "tenant_bin" {
+                &self.scripts.reserve_bin
+            } else {
+                &self.scripts.reserve
+            };
+            let mut invocation = Invocation::on_record(script, &self.prefix, scope);
+            invocation
+                .arg(&request.fingerprint.hex_bytes()[..])
+                .uuid(&guard.attempt)
+                .uuid(&guard.token)
+                .arg(millis(request.lease))
+                .arg(millis(request.retention))
+                .pieces(&tenant.pieces())
+                .arg(request.scope.operation())
+                .arg(request.scope.key().as_str());
+            invocation
+        };
+        let (reply, acked) = self
+            .run_on(
+                invocation,
+                self.wait_replicas.is_some(),
+                Some(&mut guard.conn),
+            )
+            .await?;
+        let (attempt, token) = (AttemptId(guard.attempt), OwnerToken(guard.token));
+        let lease = |generation: u64| Lease {
+            scope: *scope,
+            attempt,
+            generation,
+            token,
+            ttl: request.lease,
+        };
+        let reservation = decode_reservation(reply, lease)?;
+        if let (
+            Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. },
+            Some((acked, wanted)),
+        ) = (&reservation, self.short_of_replicas(acked))
+        {
+            // The handler must not run on a reservation a failover could lose.
+            // (Boxed: this rare path's future would otherwise make every
+            // reservation's future as large as itself plus a release's.)
+            let _ = Box::pin(self.release(lease)).await;
+            return Err(StoreError::unavailable(format!(
+                "the reservation reached {acked} of {wanted} replicas in time"
+            )));
+        }
+        // Answered and decoded: the caller owns what it reserved.
+        guard.conn = None;
+        Ok(reservation)
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        let mut invocation = Invocation::on_record(&self.scripts.renew, &self.prefix, &lease.scope);
+        lease_args(&mut invocation, lease);
+        invocation.arg(millis(lease.ttl));
+        let reply = items(self.run(invocation, false).await?.0)?;
+        if decode::tag(reply.first())? == "renewed" {
+            return Ok(Renewal::Renewed);
+        }
+        Ok(Renewal::Fenced(decode_current(reply)?))
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
+        let mut invocation =
+            Invocation::on_record(&self.scripts.complete, &self.prefix, &lease.scope);
+        lease_args(&mut invocation, lease);
+        invocation.uuid(&lease.attempt.0);
+        // '<status>:<stored>': one argument, as a packed record keeps them.
+        match outcome {
+            Outcome::Stored(response) => {
+                invocation
+                    .write_arg(|out| write!(out, "{}:1", response.status))
+                    .write_arg(|out| write_headers(out, &response.headers, self.compact_headers))
+                    .arg(response.body.as_ref());
+            }
+            Outcome::NotStored { status } => {
+                invocation
+                    .write_arg(|out| write!(out, "{status}:0"))
+                    .arg("")
+                    .arg("");
+            }
+        }
+        // The attempt's end by this process' clock (see complete.lua).
+        invocation.arg(unix_ms());
+        let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
+        // Recorded now, or by this very call if its reply was lost and it
+        // was retried (fence.lua).
+        let recorded = hot_path(&reply) || led_by(&reply, "recorded");
+        if recorded {
+            if let Some((acked, wanted)) = self.short_of_replicas(acked) {
+                tracing::warn!(
+                    acked,
+                    wanted,
+                    "the completion reached fewer replicas than requested"
+                );
+            }
+            return Ok(Completion::Recorded);
+        }
+        Ok(Completion::Fenced(decode_current(items(reply)?)?))
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
+        let mut invocation =
+            Invocation::on_record(&self.scripts.release, &self.prefix, &lease.scope);
+        lease_args(&mut invocation, lease);
+        invocation.uuid(&lease.attempt.0).arg(unix_ms());
+        let reply = self.run(invocation, false).await?.0;
+        if hot_path(&reply) || led_by(&reply, "released") {
+            return Ok(Release::Released);
+        }
+        Ok(Release::Fenced(decode_current(items(reply)?)?))
+    }
+
+    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
+        let mut invocation = Invocation::on_record(&self.scripts.cancel, &self.prefix, scope);
+        // The id lets a retried call recognise its own earlier cancel.
+        invocation.uuid(&uuid::Uuid::new_v4());
+        let reply = items(self.run(invocation, false).await?.0)?;
+        let tag = text(reply.first().ok_or_else(|| corrupt("empty reply"))?)?;
+        let record = || match reply.get(1) {
+            Some(Value::Array(pairs)) => decode_record(*scope, pairs),
+            _ => Err(corrupt("cancel reply without the record")),
+        };
+        Ok(match tag.as_str() {
+            "not_found" => Cancellation::NotFound,
+            "cancelled" => Cancellation::Cancelled(record()?),
+            "already_completed" => Cancellation::AlreadyCompleted(record()?),
+            "already_cancelled" => Cancellation::AlreadyCancelled(record()?),
+            other => return Err(corrupt(format!("unexpected cancel reply {other}"))),
+        })
+    }
+
+    /// Waits for the record's notification (see the crate docs on
+    /// waiting); polls on a cluster.
+    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
+        let key = self.record_key(scope);
+        let channel = format!("{key}:c");
+        // Read once subscribed: marks the record as waited on (so that the
+        // scripts ending its attempt publish) and answers its state.
+        let state = async {
+            let invocation = Invocation::new(&self.scripts.watch, &[&key]);
+            match self.run(invocation, false).await {
+                Ok((Value::BulkString(state), _)) => String::from_utf8(state).ok(),
+                _ => None,
+            }
+        };
+        self.watch.changed(&channel, timeout, state).await;
+    }
+
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        self.read(scope, false, None).await
+    }
+}
+
+impl RecordsAdmin for RedisStore {
+    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
+        let clock: Vec<u64> = self.command(redis::cmd("TIME")).await?;
+        let now_ms = match clock.as_slice() {
+            [secs, micros] => secs * 1000 + micros / 1000,
+            _ => return Err(corrupt("TIME answered oddly")),
+        };
+        use futures_util::TryStreamExt;
+        // A query that only processing records can match reads the others'
+        // state alone (most records are completed).
+        let only_processing = query.lapsed || query.state == Some(RecordState::Processing);
+        // A tenant's listing reads other tenants' records no further than
+        // their tenant: as the 'tenant' field holds it (every record before
+        // the binary form, and every tenant without one), and as
+        // 'tenant_bin' does.
+        let binary = query
+            .tenant
+            .as_deref()
+            .map(|tenant| match encode_tenant(tenant) {
+                ("tenant_bin", binary) => binary,
+                _ => Vec::new(),
+            });
+        let tenant = query.tenant.as_deref().zip(binary.as_deref());
+        // The reads share the connection, LIST_READS_AT_ONCE in flight:
+        // Redis takes them in batches instead of one round trip each.
+        // Only the oldest matches so far are kept: a listing holds no more
+        // than its answer and a page of keys, however many records it
+        // reads.
+        let found = self
+            .record_scopes()
+            .map_ok(|page| futures_util::stream::iter(page.into_iter().map(Ok)))
+            .try_flatten()
+            .map_ok(|scope| async move { self.read(&scope, only_processing, tenant).await })
+            .try_buffer_unordered(LIST_READS_AT_ONCE)
+            .try_fold(OldestRecords::new(query.limit), |mut found, record| {
+                if let Some(record) = record.filter(|record| query.matches(record, now_ms)) {
+                    found.offer(record);
+                }
+                std::future::ready(Ok(found))
+            })
+            .await?;
+        Ok(found.into_oldest_first())
+    }
+
+    /// Counted inside Redis on a single node: `SCAN` pages of record keys,
+    /// each read by `count_lapsed.lua` where it lives, so a record's fields
+    /// never cross the network and the count costs Redis about a third of
+    /// reading each record out (see the README's lapsed-records gauge). A
+    /// key `SCAN` names twice (a table Redis resized during the count) is
+    /// counted twice. On a cluster (whose scripts may touch only the keys
+    /// they name) the lapsed records are listed and counted.
+    async fn count_lapsed(&self, limit: usize) -> Result<usize, StoreError> {
+        if matches!(self.pool, Pool::Cluster(_)) {
+            let listed = self.list(&RecordQuery::stuck(limit)).await?;
+            return Ok(listed.len());
+        }
+        let pattern = self.record_pattern();
+        let key_length: usize = record_key_pieces(&self.prefix, &[0; 64])
+            .iter()
+            .map(|piece| piece.len())
+            .sum();
+        let (mut cursor, mut count) = (0u64, 0usize);
+        loop {
+            let mut invocation = Invocation::new(&self.scripts.count_lapsed, &[]);
+            invocation
+                .arg(cursor)
+                .arg(&pattern)
+                .arg(COUNT_LAPSED_PAGE)
+                .arg(key_length);
+            let reply = items(self.run(invocation, false).await?.0)?;
+            let [next, lapsed] = reply.as_slice() else {
+                return Err(corrupt("lapsed count answered oddly"));
+            };
+            count = count.saturating_add(usize::try_from(int(lapsed)?).unwrap_or(usize::MAX));
+            cursor = int(next)?;
+            if cursor == 0 || count >= limit {
+                return Ok(count.min(limit));
+            }
+        }
+    }
+
+    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
+        let invocation = Invocation::on_record(&self.scripts.force_release, &self.prefix, scope);
+        let reply = items(self.run(invocation, false).await?.0)?;
+        let Some((kind, pairs)) = reply.split_first() else {
+            return Err(corrupt("empty force-release reply"));
+        };
+        Ok(match text(kind)?.as_str() {
+            "released" => ForceRelease::Released(decode_record(*scope, pairs)?),
+            "not_processing" => ForceRelease::NotProcessing(decode_record(*scope, pairs)?),
+            _ => ForceRelease::NotFound,
+        })
+    }
+}
