@@ -5,7 +5,7 @@
 # exit, and gives them free_port, private_redis, use_store, start_upstream,
 # start_gateway, wait_served, check_order and gateway_flags.
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
-cargo build --release -q -p axum-orders -p idem-gateway
+cargo build --release -q -p axum-orders -p idem-gateway --features axum-orders/bench
 bin=target/release/axum-orders
 gateway=target/release/idem-gateway
 work=$(mktemp -d)

@@ -1057,3 +1057,41 @@ async fn a_release_after_a_takeover_wakes_a_marked_waiter() {
     let after = server.command_stats();
     assert_eq!(calls_between(&before, &after, "publish"), 1);
 }
+
+/// `keep_store_claimed` claims the store and keeps the claim alive past
+/// its time to live while the layer lives (refreshed every quarter of the
+/// retention, at least every second); once the layer is dropped, the
+/// refreshes stop and the claim lapses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_keeps_its_store_claim_alive() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let store = RedisStore::from_url(&server.url()).expect("store");
+    let key = store.identity_key();
+    let layer = IdempotencyLayer::new(store)
+        .lease(Duration::from_millis(500))
+        .retention(Duration::from_secs(2));
+    let claimed = layer.keep_store_claimed(false).await;
+    assert!(
+        matches!(claimed, Ok(idem_core::IdentityClaim::Held)),
+        "{claimed:?}"
+    );
+    let ttl = || -> i64 {
+        server
+            .cli(&["PTTL", &key])
+            .trim()
+            .parse()
+            .expect("PTTL answers a number")
+    };
+    // Two and a half claim lifetimes later, still claimed.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(ttl() > 0, "the claim lapsed while the layer lived");
+    drop(layer);
+    wait_until(
+        Duration::from_secs(10),
+        "the claim to lapse once the layer is gone",
+        async || ttl() == -2,
+    )
+    .await;
+}

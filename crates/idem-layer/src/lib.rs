@@ -184,7 +184,7 @@ pub use idem_core::{
     Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeFormat,
     ScopeHash, ScopeSecret,
 };
-pub use layer::IdempotencyLayer;
+pub use layer::{IdempotencyLayer, keep_claimed};
 pub use path::normalize_path;
 pub use pending::Recording;
 pub use problem::{

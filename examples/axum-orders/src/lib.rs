@@ -135,7 +135,8 @@ pub mod pg {
     }
 
     async fn create(
-        headers: HeaderMap,
+        // Read by the crash points only (feature `test-hooks`).
+        #[cfg_attr(not(feature = "test-hooks"), allow(unused_variables))] headers: HeaderMap,
         mut tx: IdemTransaction,
         Json(request): Json<Value>,
     ) -> Response {
@@ -148,6 +149,7 @@ pub mod pg {
             Ok(id) => id,
             Err(error) => return failed(error),
         };
+        #[cfg(feature = "test-hooks")]
         if super::hooks::hold(&headers, "before-commit") {
             super::hooks::hold_forever("before commit").await;
         }
@@ -188,13 +190,14 @@ pub mod pg {
     }
 }
 
-/// Crash points for the example's process tests, active only with
-/// `ORDERS_TEST_HOOKS=1`: a request with `x-test-hold: before-commit` holds
+/// Crash points for the example's process tests (feature `test-hooks`),
+/// active only with `ORDERS_TEST_HOOKS=1`: a request with `x-test-hold: before-commit` holds
 /// after its insert, before handing its transaction over;
 /// `x-test-hold: after-commit` is held (by [`hold_after`](hooks::hold_after),
 /// outside the idempotency layer) once the layer has committed. Each prints
 /// one line on stderr when it starts holding, so a test can kill the
 /// process at that point.
+#[cfg(feature = "test-hooks")]
 pub mod hooks {
     use axum::{extract::Request, http::HeaderMap, middleware::Next, response::Response};
 

@@ -10,8 +10,9 @@
 //! (`memory`, the default; a `redis://` or `redis+cluster://` URL; or a
 //! `postgres://` URL, where the orders are rows of an `orders` table
 //! written in the same transaction as the completed record),
-//! `IDEM_LEASE` (default `30s`), and `IDEM_LAYER=off` to serve the same app
-//! without the layer (the baseline of `bench/load.sh`).
+//! and `IDEM_LEASE` (default `30s`). Built with the `bench` feature,
+//! `IDEM_LAYER=off` serves the same app without the layer (the baseline of
+//! `bench/load.sh`).
 
 use std::time::Duration;
 
@@ -37,16 +38,19 @@ async fn protected<S: RecordsAdmin + Fleet>(routes: Router, store: S, lease: Dur
         .allow_anonymous(true)
         .lease(lease);
     claim_store(&layer).await;
-    routes
+    let routes = routes
         .route_service("/_idempotency/records", layer.records_service())
-        .layer(layer)
-        .layer(axum::middleware::from_fn(axum_orders::hooks::hold_after))
+        .layer(layer);
+    #[cfg(feature = "test-hooks")]
+    let routes = routes.layer(axum::middleware::from_fn(axum_orders::hooks::hold_after));
+    routes
 }
 
-/// Claims the store at start (instances that hash scopes otherwise would
-/// run each other's retries again: exit) and every minute while serving.
+/// Claims the store at start and keeps it claimed while serving
+/// (instances that hash scopes otherwise would run each other's retries
+/// again: exit).
 async fn claim_store<S: Fleet>(layer: &IdempotencyLayer<S>) {
-    match layer.claim_store(false).await {
+    match layer.keep_store_claimed(false).await {
         Ok(IdentityClaim::Other(marker)) => exit(format!(
             "the store is claimed by instances that hash scopes otherwise ({marker}); \
              a retry moving between them would run again"
@@ -55,23 +59,14 @@ async fn claim_store<S: Fleet>(layer: &IdempotencyLayer<S>) {
         // Claimed at the next refresh.
         Err(error) => eprintln!("axum-orders: could not claim the store yet: {error}"),
     }
-    let layer = layer.clone();
-    tokio::spawn(async move {
-        let mut every = tokio::time::interval(Duration::from_secs(60));
-        every.tick().await;
-        loop {
-            every.tick().await;
-            if let Ok(IdentityClaim::Other(marker)) = layer.claim_store(false).await {
-                eprintln!("axum-orders: the store was taken over by {marker}");
-            }
-        }
-    });
 }
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let listen = std::env::var("IDEM_LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
-    let protect = std::env::var("IDEM_LAYER").map_or(true, |v| v != "off");
+    // The benchmarks' baseline (feature `bench`): the app without the layer.
+    let protect =
+        !cfg!(feature = "bench") || std::env::var("IDEM_LAYER").map_or(true, |v| v != "off");
     let store = std::env::var("IDEM_STORE").unwrap_or_else(|_| "memory".to_owned());
     let lease = match std::env::var("IDEM_LEASE") {
         Ok(text) => humantime::parse_duration(&text)

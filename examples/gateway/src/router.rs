@@ -308,7 +308,10 @@ pub(crate) async fn log_request<F: Future<Output = Response>>(
     } else {
         "passthrough"
     };
+    // The crate's own target (`idem_gateway: request ...`), whichever
+    // module writes the line: log pipelines match on it.
     tracing::info!(
+        target: "idem_gateway",
         %method,
         path,
         status = response.status().as_u16(),

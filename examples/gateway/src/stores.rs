@@ -162,42 +162,28 @@ pub(crate) async fn claim_store<S: Fleet>(
     tenants: &Tenants,
 ) -> Result<(), StartError> {
     let marker = store_identity(config, tenants);
-    let ttl = config.retention;
-    match store
-        .claim_identity(&marker, ttl, config.replace_store_identity)
-        .await
-    {
-        Ok(idem_core::IdentityClaim::Other(_)) => {
-            return Err(StartError::UnsafeStore(format!(
-                "this store holds records of gateways that derive tenants or scopes differently \
-                 (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or \
-                 --blake3-scopes; {place} \
-                 says so): a retry that moves between them and this gateway does not find its \
-                 record and runs again. Start it with their settings, or pass \
-                 --replace-store-identity to make this gateway's the store's"
-            )));
+    let claimed = idem_layer::keep_claimed(
+        store,
+        marker,
+        config.retention,
+        config.replace_store_identity,
+    )
+    .await;
+    match claimed {
+        Ok(idem_core::IdentityClaim::Other(_)) => Err(StartError::UnsafeStore(format!(
+            "this store holds records of gateways that derive tenants or scopes differently \
+             (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or \
+             --blake3-scopes; {place} \
+             says so): a retry that moves between them and this gateway does not find its \
+             record and runs again. Start it with their settings, or pass \
+             --replace-store-identity to make this gateway's the store's"
+        ))),
+        Ok(_) => Ok(()),
+        Err(error) => {
+            tracing::warn!(%error, "could not claim the store's identity at start");
+            Ok(())
         }
-        Ok(_) => {}
-        Err(error) => tracing::warn!(%error, "could not claim the store's identity at start"),
     }
-    let store = std::sync::Arc::clone(store);
-    let every = (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(every).await;
-            match store.claim_identity(&marker, ttl, false).await {
-                Ok(idem_core::IdentityClaim::Other(_)) => tracing::error!(
-                    place,
-                    "another gateway made this store its own with other tenant or scope \
-                     settings (--replace-store-identity): requests that move between it and \
-                     this gateway run again. Restart this gateway with its settings"
-                ),
-                Ok(_) => {}
-                Err(error) => tracing::debug!(%error, "could not refresh the store's identity"),
-            }
-        }
-    });
-    Ok(())
 }
 
 /// Warns when the lease could lapse during a cluster failover (where the
