@@ -73,6 +73,9 @@ impl<S> fmt::Debug for IdempotencyLayer<S> {
     }
 }
 
+/// A layer and what it runs on: made with [`new`](Self::new) on a store, then
+/// set up with the setters below (each group one concept); checked with
+/// [`validate`](Self::validate); drained at shutdown.
 impl<S: Store> IdempotencyLayer<S> {
     /// A layer on `store` with the default configuration.
     pub fn new(store: S) -> Self {
@@ -111,230 +114,6 @@ impl<S: Store> IdempotencyLayer<S> {
     fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
         change(self.runtime.config_mut());
         self
-    }
-
-    /// The methods the layer applies to; others pass through with no store
-    /// call.
-    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
-        let methods = methods.into_iter().collect();
-        self.with(|c| c.methods = methods)
-    }
-
-    /// With `true`, answer `400 idempotency_key_missing` to keyless
-    /// requests of the configured methods (default `false`: they pass
-    /// through unprotected).
-    pub fn require_key(self, required: bool) -> Self {
-        self.with(|c| c.require_key = required)
-    }
-
-    /// Where the tenant comes from. See [`crate::tenant`].
-    pub fn tenant(self, extractor: impl TenantExtractor) -> Self {
-        let extractor: Arc<dyn TenantExtractor> = Arc::new(extractor);
-        self.with(|c| c.tenant = extractor)
-    }
-
-    /// With `true`, keyed requests without a tenant share one anonymous
-    /// tenant instead of getting `401 idempotency_tenant_missing` (default
-    /// `false`).
-    pub fn allow_anonymous(self, allowed: bool) -> Self {
-        self.with(|c| c.allow_anonymous = allowed)
-    }
-
-    /// The headers included in the fingerprint (default `content-type`).
-    pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        let headers = headers.into_iter().collect();
-        self.with(|c| c.fingerprint_headers = headers)
-    }
-
-    /// The hash the default fingerprint writes new records with (default
-    /// [`FingerprintFormat::Sha256`](crate::fingerprint::FingerprintFormat)).
-    /// Whatever it is set to, a request whose record was written in the
-    /// other format still replays: a reservation that meets another
-    /// fingerprint is tried once more in the other format before the layer
-    /// answers `422` (one more store call, on conflicts only). Versions
-    /// before this one read only SHA-256, so set
-    /// [`Blake3`](crate::fingerprint::FingerprintFormat::Blake3) once
-    /// every instance sharing the store runs this version. A
-    /// [`fingerprint_fn`](Self::fingerprint_fn) replaces both.
-    pub fn fingerprint_format(self, format: crate::fingerprint::FingerprintFormat) -> Self {
-        self.with(|c| c.fingerprint_format = format)
-    }
-
-    /// Replaces the default fingerprint: `f(operation, request head, body)`.
-    pub fn fingerprint_fn(
-        self,
-        f: impl Fn(&str, &Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
-    ) -> Self {
-        let f: Arc<FingerprintFn> = Arc::new(f);
-        self.with(|c| c.fingerprint_fn = Some(f))
-    }
-
-    /// The largest request body read for a keyed request (default 1 MiB);
-    /// beyond it: `413 request_body_too_large`, handler not run.
-    pub fn max_body(self, bytes: usize) -> Self {
-        self.with(|c| c.max_body = bytes)
-    }
-
-    /// How long a keyed request's body may take to arrive (default 30 s);
-    /// beyond it: `408 request_body_timeout`, handler not run, nothing
-    /// reserved. Protects against bodies that never end.
-    pub fn body_timeout(self, timeout: Duration) -> Self {
-        self.with(|c| c.body_timeout = timeout)
-    }
-
-    /// The largest response stored for replay (default 1 MiB). A larger
-    /// response reaches the first caller; retries get
-    /// `409 idempotency_response_not_stored` and the handler is not run
-    /// again.
-    pub fn max_response(self, bytes: usize) -> Self {
-        self.with(|c| c.max_response = bytes)
-    }
-
-    /// The lease length (default 30 s), renewed every third while the
-    /// handler runs.
-    pub fn lease(self, lease: Duration) -> Self {
-        self.with(|c| c.lease = lease)
-    }
-
-    /// How long records are kept (default 24 h). Must exceed the longest
-    /// retry horizon of your clients, and the lease.
-    pub fn retention(self, retention: Duration) -> Self {
-        self.with(|c| c.retention = retention)
-    }
-
-    /// How duplicates in flight are answered.
-    pub fn in_flight(self, mode: InFlight) -> Self {
-        self.with(|c| c.in_flight = mode)
-    }
-
-    /// Which handler statuses are stored and replayed; the others release
-    /// the key. See [`default_should_store`].
-    pub fn store_outcome_if(
-        self,
-        predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
-    ) -> Self {
-        let predicate: Arc<dyn Fn(StatusCode) -> bool + Send + Sync> = Arc::new(predicate);
-        self.with(|c| c.should_store = predicate)
-    }
-
-    /// Response headers never stored nor replayed. See
-    /// [`default_replay_denylist`].
-    pub fn replay_denylist(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        let headers = headers.into_iter().collect();
-        self.with(|c| c.replay_denylist = headers)
-    }
-
-    /// With `true`, run the handler without protection when the store
-    /// cannot be reached or times out (counted as `fail_open`), instead of
-    /// `503 idempotency_store_unavailable` (default `false`).
-    pub fn fail_open(self, open: bool) -> Self {
-        self.with(|c| c.fail_open = open)
-    }
-
-    /// An admin credential for the records API: a request whose
-    /// `x-idem-admin-token` header carries it may list every tenant's
-    /// records and act on another tenant's (`tenant=`). Keep it as secret
-    /// as a database password.
-    pub fn records_admin_token(self, token: impl AsRef<[u8]>) -> Self {
-        use sha2::Digest;
-        let digest: [u8; 32] = sha2::Sha256::digest(token.as_ref()).into();
-        self.with(|c| c.admin_token = Some(digest))
-    }
-
-    /// Keys every scope hash (the record's identity in the store) with
-    /// `secret`, HMAC-SHA256 as IDEM-01 asks: without the secret, nobody can
-    /// compute where a scope's record lives, aim keys at one shard or
-    /// table bucket, or test a guessed tenant against the store. Give every
-    /// instance sharing a store the same secret (like a database password).
-    ///
-    /// Default: unkeyed (SHA-256), the form of every earlier version. The
-    /// two forms give every scope a different identity, so switching an
-    /// existing deployment makes the records written before the switch
-    /// unreachable: a retry of a request made before it runs again. Switch
-    /// in a new deployment, or when no retry of an
-    /// earlier request can come any more; never with instances of both
-    /// kinds on one store. A memory store lives in its process only, so it
-    /// can take a new secret at every start.
-    ///
-    /// ```
-    /// use idem_layer::{IdempotencyLayer, ScopeSecret};
-    /// use idem_memory::MemoryStore;
-    ///
-    /// let secret = ScopeSecret::new(b"32 random bytes from your vault..").expect("16 bytes or more");
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_secret(secret);
-    /// ```
-    pub fn scope_secret(self, secret: idem_core::ScopeSecret) -> Self {
-        self.with(|c| c.scope_secret = Some(secret))
-    }
-
-    /// The hash function of scope hashes (default
-    /// [`ScopeFormat::Sha256`](crate::ScopeFormat)). BLAKE3 takes about
-    /// a tenth of SHA-256's instructions on CPUs without SHA extensions,
-    /// keyed or not. Like [`scope_secret`](Self::scope_secret), it gives
-    /// every scope another identity: choose it when a deployment starts
-    /// (or for a memory store, at any start), on every instance sharing
-    /// the store; switching an existing deployment makes the records
-    /// written before the switch unreachable, and a retry of an earlier
-    /// request runs again.
-    pub fn scope_format(self, format: crate::ScopeFormat) -> Self {
-        self.with(|c| c.scope_format = format)
-    }
-
-    /// The timeout of every store call (default 1 s). A store that bounds
-    /// its own calls within it ([`Store::call_bound`](idem_core::Store::call_bound):
-    /// `idem-redis` does, with its own timeout) is trusted to end them,
-    /// and the layer arms no second timer for them.
-    pub fn store_timeout(self, timeout: Duration) -> Self {
-        self.with(|c| c.store_timeout = timeout)
-    }
-
-    /// What a client disconnect does to the running handler.
-    pub fn on_disconnect(self, mode: OnDisconnect) -> Self {
-        self.with(|c| c.on_disconnect = mode)
-    }
-
-    /// How long the layer keeps waiting, in the background and renewing
-    /// the lease, for the late answer of a request whose outcome is unknown
-    /// (default 60 s). See [`UnknownOutcome`](crate::UnknownOutcome).
-    pub fn unknown_outcome_wait(self, bound: Duration) -> Self {
-        self.with(|c| c.unknown_wait = bound)
-    }
-
-    /// The base of every problem's `type` (default `urn:idem:problem:`):
-    /// with `"https://docs.example.com/errors/"` a conflict's `type` is
-    /// `https://docs.example.com/errors/idempotency_conflict`, so that
-    /// errors link to documentation, as the IETF draft asks.
-    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
-        let base: Arc<str> = Arc::from(base.into());
-        self.with(|c| c.problem_type_base = Some(base))
-    }
-
-    /// Replaces problem answers (of the layer and of its records API):
-    /// `hook` gets each [`Problem`](crate::Problem) and answers the response
-    /// to send instead, or `None` to keep idem's own. Whatever it answers,
-    /// the outcome stays the same: a refused request was not executed.
-    ///
-    /// ```
-    /// use bytes::Bytes;
-    /// use http::Response;
-    /// use idem_layer::{IdempotencyLayer, Problem};
-    /// use idem_memory::MemoryStore;
-    ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).problem_hook(|problem: &Problem| {
-    ///     let body = format!("{{\"error\":\"{}\"}}", problem.code.as_str());
-    ///     Response::builder()
-    ///         .status(problem.status)
-    ///         .header("content-type", "application/json")
-    ///         .body(Bytes::from(body))
-    ///         .ok()
-    /// });
-    /// ```
-    pub fn problem_hook(
-        self,
-        hook: impl Fn(&crate::Problem) -> Option<http::Response<bytes::Bytes>> + Send + Sync + 'static,
-    ) -> Self {
-        let hook: Arc<ProblemHook> = Arc::new(hook);
-        self.with(|c| c.problem_hook = Some(hook))
     }
 
     /// Checks the configuration.
@@ -395,6 +174,252 @@ impl<S: Store> IdempotencyLayer<S> {
         let mut marker = "layer-v1:".to_owned();
         idem_core::push_hex(&mut marker, &digest.as_bytes()[..16]);
         marker
+    }
+}
+
+/// Which requests it protects: the methods, and whether a key is required.
+impl<S: Store> IdempotencyLayer<S> {
+    /// The methods the layer applies to; others pass through with no store
+    /// call.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.with(|c| c.methods = methods)
+    }
+
+    /// With `true`, answer `400 idempotency_key_missing` to keyless
+    /// requests of the configured methods (default `false`: they pass
+    /// through unprotected).
+    pub fn require_key(self, required: bool) -> Self {
+        self.with(|c| c.require_key = required)
+    }
+}
+
+/// Whose records: the tenant of a request, and how scopes are hashed.
+impl<S: Store> IdempotencyLayer<S> {
+    /// Where the tenant comes from. See [`crate::tenant`].
+    pub fn tenant(self, extractor: impl TenantExtractor) -> Self {
+        let extractor: Arc<dyn TenantExtractor> = Arc::new(extractor);
+        self.with(|c| c.tenant = extractor)
+    }
+
+    /// With `true`, keyed requests without a tenant share one anonymous
+    /// tenant instead of getting `401 idempotency_tenant_missing` (default
+    /// `false`).
+    pub fn allow_anonymous(self, allowed: bool) -> Self {
+        self.with(|c| c.allow_anonymous = allowed)
+    }
+
+    /// Keys every scope hash (the record's identity in the store) with
+    /// `secret`, HMAC-SHA256 as IDEM-01 asks: without the secret, nobody can
+    /// compute where a scope's record lives, aim keys at one shard or
+    /// table bucket, or test a guessed tenant against the store. Give every
+    /// instance sharing a store the same secret (like a database password).
+    ///
+    /// Default: unkeyed (SHA-256), the form of every earlier version. The
+    /// two forms give every scope a different identity, so switching an
+    /// existing deployment makes the records written before the switch
+    /// unreachable: a retry of a request made before it runs again. Switch
+    /// in a new deployment, or when no retry of an
+    /// earlier request can come any more; never with instances of both
+    /// kinds on one store. A memory store lives in its process only, so it
+    /// can take a new secret at every start.
+    ///
+    /// ```
+    /// use idem_layer::{IdempotencyLayer, ScopeSecret};
+    /// use idem_memory::MemoryStore;
+    ///
+    /// let secret = ScopeSecret::new(b"32 random bytes from your vault..").expect("16 bytes or more");
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_secret(secret);
+    /// ```
+    pub fn scope_secret(self, secret: idem_core::ScopeSecret) -> Self {
+        self.with(|c| c.scope_secret = Some(secret))
+    }
+
+    /// The hash function of scope hashes (default
+    /// [`ScopeFormat::Sha256`](crate::ScopeFormat)). BLAKE3 takes about
+    /// a tenth of SHA-256's instructions on CPUs without SHA extensions,
+    /// keyed or not. Like [`scope_secret`](Self::scope_secret), it gives
+    /// every scope another identity: choose it when a deployment starts
+    /// (or for a memory store, at any start), on every instance sharing
+    /// the store; switching an existing deployment makes the records
+    /// written before the switch unreachable, and a retry of an earlier
+    /// request runs again.
+    pub fn scope_format(self, format: crate::ScopeFormat) -> Self {
+        self.with(|c| c.scope_format = format)
+    }
+}
+
+/// When two requests are the same: the fingerprint, and the request body it reads.
+impl<S: Store> IdempotencyLayer<S> {
+    /// The headers included in the fingerprint (default `content-type`).
+    pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let headers = headers.into_iter().collect();
+        self.with(|c| c.fingerprint_headers = headers)
+    }
+
+    /// The hash the default fingerprint writes new records with (default
+    /// [`FingerprintFormat::Sha256`](crate::fingerprint::FingerprintFormat)).
+    /// Whatever it is set to, a request whose record was written in the
+    /// other format still replays: a reservation that meets another
+    /// fingerprint is tried once more in the other format before the layer
+    /// answers `422` (one more store call, on conflicts only). Versions
+    /// before this one read only SHA-256, so set
+    /// [`Blake3`](crate::fingerprint::FingerprintFormat::Blake3) once
+    /// every instance sharing the store runs this version. A
+    /// [`fingerprint_fn`](Self::fingerprint_fn) replaces both.
+    pub fn fingerprint_format(self, format: crate::fingerprint::FingerprintFormat) -> Self {
+        self.with(|c| c.fingerprint_format = format)
+    }
+
+    /// Replaces the default fingerprint: `f(operation, request head, body)`.
+    pub fn fingerprint_fn(
+        self,
+        f: impl Fn(&str, &Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        let f: Arc<FingerprintFn> = Arc::new(f);
+        self.with(|c| c.fingerprint_fn = Some(f))
+    }
+
+    /// The largest request body read for a keyed request (default 1 MiB);
+    /// beyond it: `413 request_body_too_large`, handler not run.
+    pub fn max_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_body = bytes)
+    }
+
+    /// How long a keyed request's body may take to arrive (default 30 s);
+    /// beyond it: `408 request_body_timeout`, handler not run, nothing
+    /// reserved. Protects against bodies that never end.
+    pub fn body_timeout(self, timeout: Duration) -> Self {
+        self.with(|c| c.body_timeout = timeout)
+    }
+}
+
+/// How long: the lease, the retention, duplicates in flight, unknown outcomes and
+/// clients that leave.
+impl<S: Store> IdempotencyLayer<S> {
+    /// The lease length (default 30 s), renewed every third while the
+    /// handler runs.
+    pub fn lease(self, lease: Duration) -> Self {
+        self.with(|c| c.lease = lease)
+    }
+
+    /// How long records are kept (default 24 h). Must exceed the longest
+    /// retry horizon of your clients, and the lease.
+    pub fn retention(self, retention: Duration) -> Self {
+        self.with(|c| c.retention = retention)
+    }
+
+    /// How duplicates in flight are answered.
+    pub fn in_flight(self, mode: InFlight) -> Self {
+        self.with(|c| c.in_flight = mode)
+    }
+
+    /// How long the layer keeps waiting, in the background and renewing
+    /// the lease, for the late answer of a request whose outcome is unknown
+    /// (default 60 s). See [`UnknownOutcome`](crate::UnknownOutcome).
+    pub fn unknown_outcome_wait(self, bound: Duration) -> Self {
+        self.with(|c| c.unknown_wait = bound)
+    }
+
+    /// What a client disconnect does to the running handler.
+    pub fn on_disconnect(self, mode: OnDisconnect) -> Self {
+        self.with(|c| c.on_disconnect = mode)
+    }
+}
+
+/// What is stored and replayed: which outcomes, how large, which headers.
+impl<S: Store> IdempotencyLayer<S> {
+    /// Which handler statuses are stored and replayed; the others release
+    /// the key. See [`default_should_store`].
+    pub fn store_outcome_if(
+        self,
+        predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        let predicate: Arc<dyn Fn(StatusCode) -> bool + Send + Sync> = Arc::new(predicate);
+        self.with(|c| c.should_store = predicate)
+    }
+
+    /// The largest response stored for replay (default 1 MiB). A larger
+    /// response reaches the first caller; retries get
+    /// `409 idempotency_response_not_stored` and the handler is not run
+    /// again.
+    pub fn max_response(self, bytes: usize) -> Self {
+        self.with(|c| c.max_response = bytes)
+    }
+
+    /// Response headers never stored nor replayed. See
+    /// [`default_replay_denylist`].
+    pub fn replay_denylist(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        let headers = headers.into_iter().collect();
+        self.with(|c| c.replay_denylist = headers)
+    }
+}
+
+/// When the store fails: its timeout, and fail-open.
+impl<S: Store> IdempotencyLayer<S> {
+    /// The timeout of every store call (default 1 s). A store that bounds
+    /// its own calls within it ([`Store::call_bound`](idem_core::Store::call_bound):
+    /// `idem-redis` does, with its own timeout) is trusted to end them,
+    /// and the layer arms no second timer for them.
+    pub fn store_timeout(self, timeout: Duration) -> Self {
+        self.with(|c| c.store_timeout = timeout)
+    }
+
+    /// With `true`, run the handler without protection when the store
+    /// cannot be reached or times out (counted as `fail_open`), instead of
+    /// `503 idempotency_store_unavailable` (default `false`).
+    pub fn fail_open(self, open: bool) -> Self {
+        self.with(|c| c.fail_open = open)
+    }
+}
+
+/// Answers and operators: problem documents and the records API's admin credential.
+impl<S: Store> IdempotencyLayer<S> {
+    /// The base of every problem's `type` (default `urn:idem:problem:`):
+    /// with `"https://docs.example.com/errors/"` a conflict's `type` is
+    /// `https://docs.example.com/errors/idempotency_conflict`, so that
+    /// errors link to documentation, as the IETF draft asks.
+    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
+        let base: Arc<str> = Arc::from(base.into());
+        self.with(|c| c.problem_type_base = Some(base))
+    }
+
+    /// Replaces problem answers (of the layer and of its records API):
+    /// `hook` gets each [`Problem`](crate::Problem) and answers the response
+    /// to send instead, or `None` to keep idem's own. Whatever it answers,
+    /// the outcome stays the same: a refused request was not executed.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::Response;
+    /// use idem_layer::{IdempotencyLayer, Problem};
+    /// use idem_memory::MemoryStore;
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).problem_hook(|problem: &Problem| {
+    ///     let body = format!("{{\"error\":\"{}\"}}", problem.code.as_str());
+    ///     Response::builder()
+    ///         .status(problem.status)
+    ///         .header("content-type", "application/json")
+    ///         .body(Bytes::from(body))
+    ///         .ok()
+    /// });
+    /// ```
+    pub fn problem_hook(
+        self,
+        hook: impl Fn(&crate::Problem) -> Option<http::Response<bytes::Bytes>> + Send + Sync + 'static,
+    ) -> Self {
+        let hook: Arc<ProblemHook> = Arc::new(hook);
+        self.with(|c| c.problem_hook = Some(hook))
+    }
+
+    /// An admin credential for the records API: a request whose
+    /// `x-idem-admin-token` header carries it may list every tenant's
+    /// records and act on another tenant's (`tenant=`). Keep it as secret
+    /// as a database password.
+    pub fn records_admin_token(self, token: impl AsRef<[u8]>) -> Self {
+        use sha2::Digest;
+        let digest: [u8; 32] = sha2::Sha256::digest(token.as_ref()).into();
+        self.with(|c| c.admin_token = Some(digest))
     }
 }
 
