@@ -21,10 +21,12 @@
 //! [`machine`] holds these rules as pure functions; [`conformance`] (feature
 //! `conformance`) checks that a store follows them.
 
+mod calls;
 pub mod handoff;
 mod key;
 pub mod machine;
 pub mod protocol;
+mod query;
 mod record;
 mod scope;
 mod store;
@@ -32,20 +34,21 @@ mod store;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use calls::{
+    Cancellation, Completion, Current, ForceRelease, IdentityClaim, Release, Renewal, Replay,
+    Reservation, ReserveRequest, StoreError,
+};
 pub use handoff::{CompletionSlot, DeferredCompletion};
 /// The name of a stored response header ([`StoredResponse::headers`]).
 pub use http::HeaderName;
 pub use key::{IdempotencyKey, KeyError};
+pub use query::{OldestRecords, RecordQuery};
 pub use record::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, LateEvidence, Lease, Outcome, OwnerToken,
     Record, RecordState, StoredResponse,
 };
 pub use scope::{Fingerprint, Scope, ScopeFormat, ScopeHash, ScopeSecret, push_hex};
-pub use store::{
-    Cancellation, Completion, Current, Fleet, ForceRelease, IdentityClaim, OldestRecords,
-    RecordQuery, RecordsAdmin, Release, Renewal, Replay, Reservation, ReserveRequest, Store,
-    StoreError,
-};
+pub use store::{Fleet, RecordsAdmin, Store};
 
 /// What this crate's unit tests share.
 #[cfg(test)]
