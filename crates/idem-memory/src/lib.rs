@@ -34,22 +34,26 @@
 
 use std::{
     cmp::Reverse,
-    collections::{BinaryHeap, HashMap},
-    hash::{BuildHasherDefault, Hasher},
+    collections::HashMap,
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
-use idem_core::{
-    AttemptId, Cancellation, Completion, Fleet, ForceRelease, IdentityClaim, Lease, OldestRecords,
-    Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release, Renewal,
-    Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
-};
+use idem_core::{Record, RecordState, ReserveRequest, ScopeHash};
 use parking_lot::Mutex;
-use tokio::sync::{Notify, futures::OwnedNotified};
+use tokio::sync::futures::OwnedNotified;
+
+mod builder;
+mod shard;
+mod store;
+mod weight;
+
+pub use builder::MemoryStoreBuilder;
+use shard::*;
+use weight::*;
 
 /// How many expired records one write removes from its shard at most.
 const SWEEP_PER_WRITE: usize = 8;
@@ -58,81 +62,6 @@ const SWEEP_PER_WRITE: usize = 8;
 /// before it refuses a new key.
 const FULL_SWEEP_PER_SHARD: usize = 64;
 
-/// Builder for [`MemoryStore`].
-#[derive(Debug, Clone)]
-pub struct MemoryStoreBuilder {
-    capacity: usize,
-    max_bytes: usize,
-    tenant_quota: Option<usize>,
-    shards: usize,
-}
-
-impl MemoryStoreBuilder {
-    /// The most live records the store holds (default 1,000,000). Released
-    /// records (the key is free again) do not count.
-    pub fn capacity(mut self, capacity: usize) -> Self {
-        self.capacity = capacity;
-        self
-    }
-
-    /// The most bytes the records may take, as the store estimates them
-    /// (default 1 GiB): stored bodies and headers (64 bytes a header
-    /// besides its name and value), the tenant, operation and key, 72
-    /// bytes an attempt, and 640 bytes per record for the rest, at least
-    /// what the records take on the heap (a record of a UUID key and a
-    /// small JSON response with two headers takes about 940 bytes,
-    /// counting 16 bytes of allocator overhead per block; the estimate
-    /// says about 1,060). A new key beyond it is refused like a full store; a
-    /// completion whose response would cross it is recorded without the
-    /// response (its retries get `409 idempotency_response_not_stored`), so
-    /// the action is never run twice and the bound holds. The check is made
-    /// before the shard is locked: completions racing on different shards
-    /// can each pass it and cross the bound by their responses together.
-    pub fn max_bytes(mut self, max_bytes: usize) -> Self {
-        self.max_bytes = max_bytes;
-        self
-    }
-
-    /// The most live records one tenant may hold (default: no quota beyond
-    /// the capacity). A tenant at its quota gets
-    /// [`StoreError::QuotaExceeded`] (`429` from the layer) for new keys;
-    /// other tenants are not affected.
-    pub fn tenant_quota(mut self, quota: Option<usize>) -> Self {
-        self.tenant_quota = quota;
-        self
-    }
-
-    /// The number of shards, rounded up to a power of two (default 64).
-    pub fn shards(mut self, shards: usize) -> Self {
-        self.shards = shards.max(1).next_power_of_two();
-        self
-    }
-
-    /// Builds the store.
-    pub fn build(self) -> MemoryStore {
-        let shards = (0..self.shards).map(|_| Shard::default()).collect();
-        let now = tokio::time::Instant::now();
-        let base_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        MemoryStore {
-            inner: Arc::new(Inner {
-                shards,
-                mask: self.shards - 1,
-                capacity: self.capacity,
-                len: AtomicUsize::new(0),
-                max_bytes: self.max_bytes,
-                bytes: AtomicUsize::new(0),
-                tenant_quota: self.tenant_quota,
-                tenants: (0..TENANT_SHARDS).map(|_| Mutex::default()).collect(),
-                tenant_hasher: std::collections::hash_map::RandomState::new(),
-                base: now,
-                base_ms,
-            }),
-        }
-    }
-}
-
 /// The in-process store. Cheap to clone: clones share the records.
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
@@ -140,39 +69,26 @@ pub struct MemoryStore {
 }
 
 #[derive(Debug)]
-struct Inner {
-    shards: Box<[Shard]>,
-    mask: usize,
-    capacity: usize,
+pub(crate) struct Inner {
+    pub(crate) shards: Box<[Shard]>,
+    pub(crate) mask: usize,
+    pub(crate) capacity: usize,
     /// Live records that count against the capacity (not released ones).
-    len: AtomicUsize,
-    max_bytes: usize,
+    pub(crate) len: AtomicUsize,
+    pub(crate) max_bytes: usize,
     /// The estimated bytes of every record held.
-    bytes: AtomicUsize,
-    tenant_quota: Option<usize>,
+    pub(crate) bytes: AtomicUsize,
+    pub(crate) tenant_quota: Option<usize>,
     /// Live records per tenant (by a keyed hash of the tenant), sharded;
     /// kept only under a tenant quota.
-    tenants: Box<[Mutex<HashMap<u64, TenantCount>>]>,
-    tenant_hasher: std::collections::hash_map::RandomState,
-    base: tokio::time::Instant,
-    base_ms: u64,
+    pub(crate) tenants: Box<[Mutex<HashMap<u64, TenantCount>>]>,
+    pub(crate) tenant_hasher: std::collections::hash_map::RandomState,
+    pub(crate) base: tokio::time::Instant,
+    pub(crate) base_ms: u64,
 }
 
 /// How many locks the per-tenant counts are spread over.
-const TENANT_SHARDS: usize = 16;
-
-/// What the store estimates one record takes besides its variable parts
-/// (its scope's texts, its attempts, its response): the boxed record, its
-/// share of the table and of the expiry heap (up to two entries, at
-/// twice their size while the heap grows), the blocks of a stored
-/// response, and a typical allocator's 16 bytes or so on each of its
-/// eight blocks. `tests/footprint.rs` counts what records ask of the
-/// allocator and holds the estimate above it.
-const RECORD_OVERHEAD: usize = 640;
-
-/// What the store estimates each stored header takes besides its bytes
-/// (its entry in the response's header list).
-const HEADER_OVERHEAD: usize = 64;
+pub(crate) const TENANT_SHARDS: usize = 16;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct TenantCount {
@@ -182,60 +98,8 @@ struct TenantCount {
     earliest_expiry_ms: u64,
 }
 
-/// The estimated bytes of a stored outcome.
-fn outcome_weight(outcome: &Outcome) -> usize {
-    match outcome {
-        Outcome::NotStored { .. } => 0,
-        Outcome::Stored(response) => {
-            response.body.len()
-                + response
-                    .headers
-                    .iter()
-                    .map(|(name, value)| HEADER_OVERHEAD + name.as_str().len() + value.len())
-                    .sum::<usize>()
-        }
-    }
-}
-
-/// The estimated bytes of a record without its response: the fixed
-/// part, its scope's texts (`texts` bytes) and room for `attempts`
-/// attempts.
-fn base_weight(texts: usize, attempts: usize) -> usize {
-    RECORD_OVERHEAD + texts + attempts * std::mem::size_of::<idem_core::Attempt>()
-}
-
-/// The estimated bytes of a record.
-fn weight_of(r: &Record) -> usize {
-    base_weight(
-        r.tenant.len() + r.operation.len() + r.key.len(),
-        r.attempts.capacity(),
-    ) + r.outcome.as_ref().map_or(0, outcome_weight)
-}
-
-/// The estimated bytes of the record a reservation makes: what the byte
-/// bound must have room for before it is made.
-fn new_weight(request: &ReserveRequest) -> usize {
-    let scope = &request.scope;
-    base_weight(
-        scope.tenant().len() + scope.operation().len() + scope.key().as_str().len(),
-        1,
-    )
-}
-
-/// The estimated bytes of a slot.
-fn weight(slot: &Option<Record>) -> usize {
-    slot.as_ref().map_or(0, weight_of)
-}
-
-/// Whether a record takes a place in the capacity and its tenant's quota:
-/// every record but a released one (its key is free again).
-fn occupies(slot: &Option<Record>) -> bool {
-    slot.as_ref()
-        .is_some_and(|r| r.state != RecordState::Released)
-}
-
 /// Why a new record was refused.
-enum Refused {
+pub(crate) enum Refused {
     Full,
     Quota(Duration),
 }
@@ -243,236 +107,6 @@ enum Refused {
 /// At least a second: the shortest `Retry-After` a client is told.
 fn at_least_a_second(ms: u64) -> Duration {
     Duration::from_millis(ms).max(Duration::from_secs(1))
-}
-
-/// The scope hash is already uniform: use its first eight bytes.
-#[derive(Default)]
-struct ScopeHasher(u64);
-
-impl Hasher for ScopeHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8).take(1) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.0 ^= u64::from_le_bytes(word);
-        }
-    }
-
-    fn write_usize(&mut self, _: usize) {}
-}
-
-type Map<V> = HashMap<ScopeHash, V, BuildHasherDefault<ScopeHasher>>;
-
-/// A shard's records, found by the scope each record holds: an entry is
-/// one pointer, not the scope hash again beside it (32 bytes less per
-/// record, before the table's spare room).
-/// One shard's records, found by a keyed hash of their scope hash.
-#[derive(Default)]
-struct Records {
-    /// Each slot beside its scope's hash under the table's key: growing
-    /// the table rehashes from the hashes it keeps, without reading every
-    /// record (one cache miss each on a large store), and a lookup reads
-    /// a record only when the whole hash matches.
-    table: hashbrown::HashTable<Slot>,
-    /// Keyed at random per table: a caller who can compute scope hashes
-    /// (they are unkeyed unless the layer has a scope secret) still cannot
-    /// pick keys whose records share one bucket and lengthen every lookup
-    /// in it, nor learn where a record sits. foldhash's seeded mix of one
-    /// word (a folded multiply) is enough for that and costs a fraction of
-    /// SipHash: the table never shows its hashes.
-    hasher: foldhash::quality::RandomState,
-}
-
-impl std::fmt::Debug for Records {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Records")
-            .field("len", &self.table.len())
-            .finish()
-    }
-}
-
-/// A scope's first eight bytes: what the table hashes, and what an entry
-/// of the expiry heap keeps of the scope.
-fn scope_prefix(scope: &ScopeHash) -> u64 {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&scope.as_bytes()[..8]);
-    u64::from_le_bytes(word)
-}
-
-/// The table's hash of a scope prefix, under the table's key.
-fn prefix_hash(hasher: &foldhash::quality::RandomState, prefix: u64) -> u64 {
-    use std::hash::BuildHasher;
-    hasher.hash_one(prefix)
-}
-
-/// The table's hash of a scope: its first eight bytes under the table's
-/// key.
-fn scope_hash(hasher: &foldhash::quality::RandomState, scope: &ScopeHash) -> u64 {
-    prefix_hash(hasher, scope_prefix(scope))
-}
-
-/// A record's place in the table: the table's hash of its scope and the
-/// box that holds it.
-struct Slot {
-    hash: u64,
-    record: Box<Option<Record>>,
-}
-
-/// The scope a slot holds; an emptied slot (only ever the one being
-/// changed, under the shard's lock) holds none.
-fn slot_scope(slot: &Option<Record>) -> Option<&ScopeHash> {
-    slot.as_ref().map(|record| &record.scope)
-}
-
-impl Records {
-    fn get(&self, scope: &ScopeHash) -> Option<&Option<Record>> {
-        let hash = scope_hash(&self.hasher, scope);
-        self.table
-            .find(hash, |slot| {
-                slot.hash == hash && slot_scope(&slot.record) == Some(scope)
-            })
-            .map(|slot| &*slot.record)
-    }
-
-    fn get_mut(&mut self, scope: &ScopeHash) -> Option<&mut Option<Record>> {
-        let hash = scope_hash(&self.hasher, scope);
-        self.table
-            .find_mut(hash, |slot| {
-                slot.hash == hash && slot_scope(&slot.record) == Some(scope)
-            })
-            .map(|slot| &mut *slot.record)
-    }
-
-    #[cfg(test)]
-    fn insert(&mut self, record: Record) {
-        self.insert_slot(Box::new(Some(record)));
-    }
-
-    /// Adds a slot that holds a record; an empty one is dropped.
-    fn insert_slot(&mut self, record: Box<Option<Record>>) {
-        let Some(held) = &*record else { return };
-        let hash = scope_hash(&self.hasher, &held.scope);
-        self.table
-            .insert_unique(hash, Slot { hash, record }, |slot| slot.hash);
-    }
-
-    /// Removes a record whose scope begins with `prefix` and that has
-    /// expired at `now_ms`, if there is one.
-    fn remove_expired(&mut self, prefix: u64, now_ms: u64) -> Option<Record> {
-        let hash = prefix_hash(&self.hasher, prefix);
-        self.table
-            .find_entry(hash, |slot| {
-                slot.hash == hash
-                    && (*slot.record).as_ref().is_some_and(|record| {
-                        scope_prefix(&record.scope) == prefix && record.is_expired(now_ms)
-                    })
-            })
-            .ok()
-            .and_then(|entry| *entry.remove().0.record)
-    }
-
-    /// Removes the record of `scope`, or the emptied slot that held it.
-    fn remove(&mut self, scope: &ScopeHash) -> Option<Box<Option<Record>>> {
-        let hash = scope_hash(&self.hasher, scope);
-        self.table
-            .find_entry(hash, |slot| {
-                slot.hash == hash && slot_scope(&slot.record).is_none_or(|held| held == scope)
-            })
-            .ok()
-            .map(|entry| entry.remove().0.record)
-    }
-
-    fn len(&self) -> usize {
-        self.table.len()
-    }
-
-    fn values(&self) -> impl Iterator<Item = &Option<Record>> {
-        self.table.iter().map(|slot| &*slot.record)
-    }
-}
-
-#[derive(Debug, Default)]
-struct Shard {
-    state: Mutex<ShardState>,
-}
-
-#[derive(Debug, Default)]
-struct ShardState {
-    /// Boxed, so that growing the map moves pointers, not records; an
-    /// `Option` inside, so transitions run on the record in place.
-    records: Records,
-    /// When records expire, earliest first, each with its scope's first
-    /// eight bytes (16 bytes an entry, not the 40 a whole scope takes):
-    /// an entry removes an expired record of that prefix, and which one
-    /// does not matter. Two scopes of one prefix (rare, or made on
-    /// purpose by a caller who can compute unkeyed scope hashes) are each
-    /// removed once expired, by either one's entry; an entry whose record
-    /// was renewed, completed anew or already removed finds none.
-    expiries: BinaryHeap<Reverse<(u64, u64)>>,
-    waiters: Map<Arc<Notify>>,
-}
-
-impl ShardState {
-    fn record(&self, scope: &ScopeHash) -> Option<&Record> {
-        self.records.get(scope).and_then(|slot| slot.as_ref())
-    }
-
-    /// Removes up to `limit` expired records, handing each to `removed`
-    /// (for the store's counts); returns how many.
-    fn sweep(&mut self, now_ms: u64, limit: usize, gone: &mut impl FnMut(&Record)) -> usize {
-        let mut removed = 0;
-        let mut popped = 0;
-        while popped < limit {
-            match self.expiries.peek() {
-                Some(Reverse((at, _))) if *at <= now_ms => {}
-                _ => break,
-            }
-            let Some(Reverse((_, prefix))) = self.expiries.pop() else {
-                break;
-            };
-            popped += 1;
-            if let Some(record) = self.records.remove_expired(prefix, now_ms) {
-                gone(&record);
-                self.wake(&record.scope);
-                removed += 1;
-            }
-        }
-        removed
-    }
-
-    /// Adds an expiry to the heap. Renewals and new attempts add entries
-    /// while older ones stay until they surface, so when the heap holds
-    /// twice as many entries as the shard has records it is rebuilt from
-    /// the records: the heap stays bounded by the capacity, at an
-    /// amortized constant cost per write.
-    fn push_expiry(&mut self, at_ms: u64, scope: &ScopeHash) {
-        self.expiries.push(Reverse((at_ms, scope_prefix(scope))));
-        if self.expiries.len() > 2 * self.records.len() + 16 {
-            self.expiries = self
-                .records
-                .values()
-                .filter_map(|slot| {
-                    slot.as_ref()
-                        .map(|r| Reverse((r.expires_at_ms, scope_prefix(&r.scope))))
-                })
-                .collect();
-        }
-    }
-
-    /// Entries in the expiry heap (for tests of its bound).
-    fn expiry_entries(&self) -> usize {
-        self.expiries.len()
-    }
-
-    fn wake(&mut self, scope: &ScopeHash) {
-        if let Some(notify) = self.waiters.remove(scope) {
-            notify.notify_waiters();
-        }
-    }
 }
 
 impl Default for MemoryStore {
@@ -817,154 +451,10 @@ impl MemoryStore {
     }
 }
 
-impl Store for MemoryStore {
-    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
-        let scope = request.scope.hash();
-        let reserving = Some(request);
-        // The ids are made under the slot's lock, and only when an attempt
-        // starts (a replay makes none).
-        let ids = || (AttemptId::new(), OwnerToken::new());
-        let reserve =
-            |slot: &mut Option<Record>, now| machine::reserve_with(slot, request, now, ids);
-        let refused = match self.with_slot(scope, reserving, reserve) {
-            Ok(reservation) => return Ok(reservation),
-            Err(refused) => refused,
-        };
-        if let Refused::Full = refused {
-            // Make room from expired records, then try once more.
-            self.sweep_all();
-        }
-        self.with_slot(scope, reserving, reserve)
-            .map_err(|refused| match refused {
-                Refused::Full => StoreError::Full {
-                    capacity: self.inner.capacity,
-                    retry_after: self.earliest_expiry(),
-                },
-                Refused::Quota(retry_after) => StoreError::QuotaExceeded {
-                    quota: self.inner.tenant_quota.unwrap_or(usize::MAX),
-                    retry_after,
-                },
-            })
-    }
-
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        Ok(self.with_existing(&lease.scope, |slot, now| machine::renew(slot, lease, now)))
-    }
-
-    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
-        // A response that would cross the byte bound is recorded without
-        // its bytes: the action ran and must not run again, but the bound
-        // holds.
-        let fits = self.bytes() + outcome_weight(outcome) <= self.inner.max_bytes;
-        let not_stored;
-        let outcome = if fits {
-            outcome
-        } else {
-            tracing::warn!(
-                status = outcome.status(),
-                "the memory store is at its byte bound; the outcome is recorded without its response"
-            );
-            not_stored = Outcome::NotStored {
-                status: outcome.status(),
-            };
-            &not_stored
-        };
-        Ok(self.with_existing(&lease.scope, |slot, now| {
-            machine::complete(slot, lease, outcome, now)
-        }))
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        Ok(self.with_existing(&lease.scope, |slot, now| machine::release(slot, lease, now)))
-    }
-
-    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        Ok(self.with_existing(scope, machine::cancel))
-    }
-
-    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        let now_ms = self.now_ms();
-        let state = self.shard(scope).state.lock();
-        Ok(state
-            .record(scope)
-            .filter(|r| !r.is_expired(now_ms))
-            .cloned())
-    }
-
-    async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
-        let Some((notified, lease_left)) = self.watch(scope) else {
-            return;
-        };
-        let _ = tokio::time::timeout(timeout.min(lease_left), notified).await;
-        let mut state = self.shard(scope).state.lock();
-        if state
-            .waiters
-            .get(scope)
-            .is_some_and(|n| Arc::strong_count(n) == 1)
-        {
-            state.waiters.remove(scope);
-        }
-    }
-}
-
-impl RecordsAdmin for MemoryStore {
-    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
-        let now_ms = self.now_ms();
-        // Only records that are among the oldest so far are cloned: a
-        // listing holds no more than its answer, however full the store.
-        let mut found = OldestRecords::new(query.limit);
-        for shard in &self.inner.shards {
-            {
-                let state = shard.state.lock();
-                for record in state.records.values().filter_map(|slot| slot.as_ref()) {
-                    if found.wants(record.created_at_ms, &record.key)
-                        && query.matches(record, now_ms)
-                    {
-                        found.offer(record.clone());
-                    }
-                }
-            }
-            // A full store takes tens of milliseconds to read (80 ms for
-            // a million records): the thread serves other requests between
-            // shards instead of holding them all up for the whole listing
-            // (the gateway counts lapsed records this way every 5 s).
-            tokio::task::yield_now().await;
-        }
-        Ok(found.into_oldest_first())
-    }
-
-    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        Ok(self.with_existing(scope, machine::force_release))
-    }
-}
-
-/// The records live in this process only: no other instance can find
-/// them, so the store is this instance's own whatever its identity, and
-/// every instance does its own chores.
-impl Fleet for MemoryStore {
-    fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        let _ = (duty, holder, ttl);
-        std::future::ready(Ok(true))
-    }
-
-    fn claim_identity(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
-        let _ = (marker, ttl, replace);
-        std::future::ready(Ok(IdentityClaim::Held))
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use idem_core::{AttemptId, OwnerToken, Release, Reservation, Store, StoreError, machine};
+
     use super::*;
 
     /// A table's hash of a scope is keyed per table: two tables place one
