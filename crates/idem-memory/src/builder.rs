@@ -46,7 +46,7 @@ impl MemoryStoreBuilder {
 
     /// The most live records one tenant may hold (default: no quota beyond
     /// the capacity). A tenant at its quota gets
-    /// [`StoreError::QuotaExceeded`] (`429` from the layer) for new keys;
+    /// [`StoreError::QuotaExceeded`](idem_core::StoreError::QuotaExceeded) (`429` from the layer) for new keys;
     /// other tenants are not affected.
     pub fn tenant_quota(mut self, quota: Option<usize>) -> Self {
         self.tenant_quota = quota;

@@ -7,20 +7,20 @@
 //!   (default 1,000,000; released records do not count) and
 //!   [`MemoryStoreBuilder::max_bytes`] their estimated bytes (default
 //!   1 GiB). When either is reached and nothing has expired, a new
-//!   reservation fails with [`StoreError::Full`], whose `retry_after` is the
+//!   reservation fails with [`StoreError::Full`](idem_core::StoreError::Full), whose `retry_after` is the
 //!   time until the earliest record expires (the layer answers
 //!   `503 idempotency_store_unavailable` with that `Retry-After`): a live
 //!   record is never evicted, since that would let a retry execute twice.
 //! * **Fair.** [`MemoryStoreBuilder::tenant_quota`] caps the live records
 //!   of each tenant, so one caller cannot fill the store for everyone: a
-//!   tenant at its quota gets [`StoreError::QuotaExceeded`] (`429
+//!   tenant at its quota gets [`StoreError::QuotaExceeded`](idem_core::StoreError::QuotaExceeded) (`429
 //!   idempotency_quota_exceeded` from the layer) while others go on.
 //! * **Incremental expiry.** Each shard keeps a min-heap of expiry times;
 //!   every write pops a few expired records, so no sweep stops the world.
 //!   An expired record is also invisible to reads the moment it expires.
 //! * **Store clock.** Time is read from tokio's clock (`tokio::time::Instant`),
 //!   so tests can use `tokio::time::pause` and `advance`.
-//! * **Waiting without polling.** [`Store::changed`] wakes waiting
+//! * **Waiting without polling.** [`Store::changed`](idem_core::Store::changed) wakes waiting
 //!   duplicates when the record is completed, released or cancelled.
 //!
 //! Records do not survive a restart and are not shared between processes:

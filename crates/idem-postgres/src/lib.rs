@@ -1,4 +1,4 @@
-//! A PostgreSQL [`Store`] for idem: the idempotency record lives in the
+//! A PostgreSQL [`Store`](idem_core::Store) for idem: the idempotency record lives in the
 //! same database as the handler's data, and the handler's writes and the
 //! outcome can commit in one transaction.
 //!
@@ -48,22 +48,25 @@
 //! neither. An attempt that lost its lease (taken over, cancelled) commits
 //! nothing. Without the layer (an unkeyed request) `commit` commits at once.
 
+mod builder;
+mod given_up;
 mod row;
+mod sql;
+mod store;
+mod sweep;
 mod tx;
 
 use std::{fmt, sync::Arc, time::Duration};
 
 use idem_core::{
-    Cancellation, Completion, Fleet, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
-    RecordsAdmin, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
-    machine,
+    Lease, Outcome, OwnerToken, Record, Reservation, ReserveRequest, ScopeHash, StoreError, machine,
 };
-use sqlx::{
-    PgPool, Row,
-    postgres::{PgConnectOptions, PgPoolOptions},
-};
+use sqlx::{PgPool, Row};
 
+pub use builder::PgStoreBuilder;
 pub use idem_core::IdentityClaim;
+use sql::{NOW_MS, RESERVE_TRIES, Sql, claim_ms, failed, started_ms};
+use sweep::{Sweeper, Sweeping};
 pub use tx::{CommitError, IdemTransaction};
 
 /// The SQL that creates the records table, its index, its identity table
@@ -71,18 +74,6 @@ pub use tx::{CommitError, IdemTransaction};
 /// see [`PgStore::claim_duty`]), for the default table name
 /// `idem_records` (what [`PgStore::migrate`] runs).
 pub const SCHEMA: &str = include_str!("../sql/idem_records.sql");
-
-/// The database's clock, in milliseconds since the epoch.
-const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
-
-/// When the server started, in the same milliseconds: after a restart a
-/// lease counts as running until at least a lease after it
-/// (`machine::lease_after_start`).
-const STARTED_MS: &str = "(extract(epoch FROM pg_postmaster_start_time()) * 1000)::bigint";
-
-/// How many times a reservation retries when its row vanished (swept)
-/// between two statements.
-const RESERVE_TRIES: usize = 5;
 
 /// A configuration the store cannot use.
 #[derive(Debug, thiserror::Error)]
@@ -100,186 +91,6 @@ pub enum PgConfigError {
     /// Neither a URL nor a pool was given.
     #[error("no PostgreSQL URL or pool was given")]
     NoDatabase,
-}
-
-/// The statements, with the table name in place.
-struct Sql {
-    table: String,
-    reserve: String,
-    complete: String,
-    renew: String,
-    lock: String,
-    read: String,
-    update: String,
-    delete: String,
-    sweep: String,
-    list: String,
-}
-
-impl Sql {
-    fn new(table: &str) -> Self {
-        let fence = "r.scope = $1 AND r.state = 'processing' AND r.generation = $2 \
-                     AND r.owner = $3 AND r.expires_at_ms > t.now";
-        let selected = row::SELECTED;
-        Self {
-            table: table.to_owned(),
-            reserve: format!(
-                "WITH t AS (SELECT {NOW_MS} AS now), \
-                 ins AS (INSERT INTO {table} (scope, tenant, operation, key, fingerprint, state, \
-                   generation, owner, lease_ms, retention_ms, lease_expires_at_ms, created_at_ms, \
-                   updated_at_ms, expires_at_ms, attempts) \
-                   SELECT $1, $2, $3, $4, $5, 'processing', 1, $6, $7::bigint, $8::bigint, \
-                   t.now + $7::bigint, t.now, t.now, t.now + $8::bigint, \
-                   jsonb_build_array(jsonb_build_object('id', $9::uuid, 'generation', 1, \
-                     'started_at_ms', t.now, 'ended_at_ms', NULL, \
-                     'outcome', jsonb_build_object('kind', 'running'), 'late', NULL)) \
-                   FROM t ON CONFLICT (scope) DO NOTHING RETURNING 1) \
-                 SELECT t.now AS now_ms, {STARTED_MS} AS started_ms, \
-                   (SELECT count(*) FROM ins) AS inserted, {selected} \
-                 FROM t LEFT JOIN {table} r ON r.scope = $1"
-            ),
-            complete: format!(
-                "WITH t AS (SELECT {NOW_MS} AS now) \
-                 UPDATE {table} r SET state = 'completed', owner = NULL, status = $4, \
-                   stored = $5, header_names = $6, header_values = $7, body = $8, \
-                   completed_at_ms = t.now, updated_at_ms = t.now, \
-                   attempts = COALESCE((SELECT jsonb_agg(CASE \
-                     WHEN (a->>'generation')::bigint = r.generation \
-                       AND a->'outcome'->>'kind' = 'running' \
-                     THEN a || jsonb_build_object('ended_at_ms', t.now, 'outcome', \
-                       jsonb_build_object('kind', 'completed', 'status', $4::integer)) \
-                     ELSE a END ORDER BY i) \
-                     FROM jsonb_array_elements(r.attempts) WITH ORDINALITY AS x(a, i)), '[]') \
-                 FROM t WHERE {fence} RETURNING 1"
-            ),
-            renew: format!(
-                "WITH t AS (SELECT {NOW_MS} AS now) \
-                 UPDATE {table} r SET lease_ms = $4, lease_expires_at_ms = t.now + $4, \
-                   expires_at_ms = GREATEST(r.expires_at_ms, t.now + $4) \
-                 FROM t WHERE {fence} RETURNING 1"
-            ),
-            lock: format!(
-                "SELECT {NOW_MS} AS now_ms, {STARTED_MS} AS started_ms, {selected} \
-                 FROM {table} r WHERE r.scope = $1 FOR UPDATE"
-            ),
-            read: format!(
-                "SELECT {NOW_MS} AS now_ms, {selected} FROM {table} r WHERE r.scope = $1"
-            ),
-            update: format!(
-                "UPDATE {table} SET ({columns}) = ({values}) WHERE scope = $1 AND generation = $22",
-                columns = row::COLUMNS,
-                values = row::placeholders(),
-            ),
-            delete: format!("DELETE FROM {table} WHERE scope = $1"),
-            list: format!(
-                "WITH t AS (SELECT {NOW_MS} AS now) \
-                 SELECT t.now AS now_ms, {selected} FROM {table} r, t \
-                 WHERE r.expires_at_ms > t.now \
-                   AND ($1::text IS NULL OR r.tenant = $1) \
-                   AND ($2::text IS NULL OR r.state = $2) \
-                   AND r.created_at_ms <= t.now - $3 \
-                   AND (NOT $4 OR (r.state = 'processing' AND r.lease_expires_at_ms <= t.now)) \
-                 ORDER BY r.created_at_ms, r.key LIMIT $5"
-            ),
-            sweep: format!(
-                "WITH t AS (SELECT {NOW_MS} AS now) \
-                 DELETE FROM {table} WHERE scope IN (SELECT e.scope FROM {table} e, t \
-                   WHERE e.expires_at_ms <= t.now \
-                     AND NOT (e.state = 'processing' AND e.lease_expires_at_ms > t.now) \
-                   ORDER BY e.expires_at_ms LIMIT $1 FOR UPDATE OF e SKIP LOCKED)"
-            ),
-        }
-    }
-}
-
-/// The server's start, as a row of the reserve or lock statement holds it.
-fn started_ms(row: &sqlx::postgres::PgRow) -> Result<u64, StoreError> {
-    let started: i64 = row.try_get("started_ms").map_err(failed)?;
-    Ok(u64::try_from(started).unwrap_or(0))
-}
-
-fn valid_table(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-        && name.len() <= 50
-}
-
-/// Frees a reservation whose caller gave up before its answer (the call
-/// timed out, or the client went away): on drop, while it still holds the
-/// connection the reservation's statements went out on, it releases the
-/// record if this reservation's owner token still holds it, on that same
-/// connection, which runs it after them (a connection's statements run in
-/// order; an unfinished transaction is rolled back first). So a reservation
-/// held up behind a lock or a slow server never leaves an owner that nobody
-/// runs for a whole lease. Bounded by the lease, after which a takeover
-/// frees the key anyway. A given-up takeover is freed as it found the
-/// record, its lease lapsed, not released (`machine::abandon`): the attempt
-/// it superseded may have acted, so a changed request still conflicts.
-struct GivenUp {
-    store: PgStore,
-    conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
-    scope: ScopeHash,
-    attempt: idem_core::AttemptId,
-    token: OwnerToken,
-    within: Duration,
-}
-
-impl Drop for GivenUp {
-    fn drop(&mut self) {
-        let Some(mut conn) = self.conn.take() else {
-            return;
-        };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (store, scope, attempt, token) =
-            (self.store.clone(), self.scope, self.attempt, self.token);
-        let within = self.within;
-        let tasks = self.store.inner.given_up.clone();
-        tasks.spawn_on(async move {
-            let free = store.locked_on(&mut conn, &scope, |slot, now_ms| {
-                machine::abandon(slot, attempt, token, now_ms)
-            });
-            match tokio::time::timeout(within, free).await {
-                Ok(Ok(Ok(true))) => tracing::info!("a given-up reservation was freed"),
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, "a given-up reservation could not be freed; its lease will lapse");
-                }
-                Err(_) => {
-                    tracing::warn!("a given-up reservation could not be freed in time; its lease will lapse");
-                }
-            }
-        }, &runtime);
-    }
-}
-
-/// A claim's time to live in whole milliseconds, at least one, and small
-/// enough to add to the clock.
-fn claim_ms(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis())
-        .unwrap_or(i64::MAX / 2)
-        .max(1)
-}
-
-/// A task tracker that is closed from the start, so that waiting on it
-/// ends whenever it holds no task (it still tracks new ones).
-fn closed_tracker() -> tokio_util::task::TaskTracker {
-    let tracker = tokio_util::task::TaskTracker::new();
-    tracker.close();
-    tracker
-}
-
-/// Aborts the sweep task when the store's last handle is dropped.
-struct Sweeper(tokio::task::JoinHandle<()>);
-
-impl Drop for Sweeper {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 struct Inner {
@@ -302,172 +113,6 @@ impl fmt::Debug for PgStore {
         f.debug_struct("PgStore")
             .field("table", &self.inner.sql.table)
             .finish_non_exhaustive()
-    }
-}
-
-/// Builds a [`PgStore`].
-#[derive(Debug)]
-pub struct PgStoreBuilder {
-    url: Option<String>,
-    pool: Option<PgPool>,
-    table: String,
-    max_connections: u32,
-    sweep_every: Option<Duration>,
-    sweep_batch: u32,
-}
-
-impl PgStoreBuilder {
-    /// Connects to this URL (`postgres://user:password@host:port/db`,
-    /// lazily: the first store call opens the first connection).
-    pub fn url(mut self, url: impl Into<String>) -> Self {
-        self.url = Some(url.into());
-        self
-    }
-
-    /// Uses this pool (the application's own, say) instead of a URL.
-    pub fn pool(mut self, pool: PgPool) -> Self {
-        self.pool = Some(pool);
-        self
-    }
-
-    /// The records table (default `idem_records`): a plain lower-case
-    /// identifier, resolved through the connection's `search_path`.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// The pool size when connecting by URL (default 16). A handler that
-    /// holds an [`IdemTransaction`] holds one connection while it runs.
-    pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
-        self
-    }
-
-    /// How often the background sweep deletes expired records (default
-    /// every 60 s; `None` for no background sweep, for example when a job
-    /// calls [`PgStore::sweep`]). The sweep starts when the store is built
-    /// inside a tokio runtime.
-    pub fn sweep_every(mut self, every: Option<Duration>) -> Self {
-        self.sweep_every = every.filter(|every| !every.is_zero());
-        self
-    }
-
-    /// How many records one sweep statement deletes at most (default
-    /// 1,000); a sweep runs statements until one deletes fewer.
-    pub fn sweep_batch(mut self, batch: u32) -> Self {
-        self.sweep_batch = batch.max(1);
-        self
-    }
-
-    /// Builds the store.
-    pub fn build(self) -> Result<PgStore, PgConfigError> {
-        if !valid_table(&self.table) {
-            return Err(PgConfigError::Table(self.table));
-        }
-        let pool = match (self.pool, self.url) {
-            (Some(pool), _) => pool,
-            (None, Some(url)) => {
-                let options: PgConnectOptions = url.parse().map_err(PgConfigError::Url)?;
-                PgPoolOptions::new()
-                    .max_connections(self.max_connections)
-                    .acquire_timeout(Duration::from_secs(5))
-                    .connect_lazy_with(options.application_name("idem"))
-            }
-            (None, None) => return Err(PgConfigError::NoDatabase),
-        };
-        let sql = Sql::new(&self.table);
-        let sweep_batch = i64::from(self.sweep_batch);
-        let sweeper = self
-            .sweep_every
-            .zip(tokio::runtime::Handle::try_current().ok())
-            .map(|(every, runtime)| {
-                let sweeping = Sweeping {
-                    pool: pool.clone(),
-                    sql: sql.sweep.clone(),
-                    batch: sweep_batch,
-                };
-                Sweeper(runtime.spawn(sweeping.every(every)))
-            });
-        Ok(PgStore {
-            inner: Arc::new(Inner {
-                pool,
-                sql,
-                sweep_batch,
-                _sweeper: sweeper,
-                given_up: closed_tracker(),
-            }),
-        })
-    }
-}
-
-/// What the background sweep needs (not the store, so that the task does
-/// not keep the store alive).
-struct Sweeping {
-    pool: PgPool,
-    sql: String,
-    batch: i64,
-}
-
-impl Sweeping {
-    async fn every(self, every: Duration) {
-        let mut ticks = tokio::time::interval(every);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticks.tick().await;
-        loop {
-            ticks.tick().await;
-            match self.run().await {
-                Ok(0) => {}
-                Ok(deleted) => tracing::debug!(deleted, "swept expired idempotency records"),
-                Err(error) => tracing::warn!(%error, "sweeping expired idempotency records failed"),
-            }
-        }
-    }
-
-    /// Deletes expired records, a bounded batch per statement, until a
-    /// statement deletes fewer than a batch.
-    async fn run(&self) -> Result<u64, StoreError> {
-        let mut total = 0;
-        loop {
-            let deleted = sqlx::query(&self.sql)
-                .bind(self.batch)
-                .execute(&self.pool)
-                .await
-                .map_err(failed)?
-                .rows_affected();
-            total += deleted;
-            if deleted < u64::try_from(self.batch).unwrap_or(u64::MAX) {
-                return Ok(total);
-            }
-        }
-    }
-}
-
-/// A driver error as a store error: a row that cannot be decoded is
-/// corrupt, anything else is the database being unavailable.
-/// A driver error in the store's terms: a server that could not be
-/// reached, shut down or is starting (SQLSTATE classes 08 and 57P, too
-/// many connections) is unavailable; any other answer the server gave (a
-/// missing table, a permission, a value it refuses) is refused, which
-/// fail-open never covers; a row that does not decode is corrupt.
-fn failed(error: sqlx::Error) -> StoreError {
-    match error {
-        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
-            StoreError::Corrupt(error.to_string())
-        }
-        sqlx::Error::Database(ref database) => {
-            let code = database.code().unwrap_or_default();
-            if code.starts_with("08") || code.starts_with("57P") || code == "53300" {
-                StoreError::unavailable(error)
-            } else {
-                StoreError::refused(error)
-            }
-        }
-        sqlx::Error::ColumnNotFound(_)
-        | sqlx::Error::ColumnIndexOutOfBounds { .. }
-        | sqlx::Error::TypeNotFound { .. }
-        | sqlx::Error::RowNotFound => StoreError::refused(error),
-        other => StoreError::unavailable(other),
     }
 }
 
@@ -519,7 +164,7 @@ impl PgStore {
     }
 
     /// Claims the fleet-wide chore `duty` for `holder` for `ttl` (see
-    /// [`Fleet::claim_duty`]): taken when no one holds it or its claim
+    /// [`Fleet::claim_duty`](idem_core::Fleet::claim_duty)): taken when no one holds it or its claim
     /// lapsed, extended to `ttl` from now when `holder` holds it. The
     /// claims live in the duties table [`migrate`](Self::migrate) creates
     /// (`<table>_duties`).
@@ -775,141 +420,5 @@ impl PgStore {
             .map_err(failed)?
             .rows_affected();
         Ok(done == 1)
-    }
-}
-
-impl Store for PgStore {
-    /// A handler's transaction on this database completes the record
-    /// ([`IdemTransaction`]).
-    fn completes_in_transactions(&self) -> bool {
-        true
-    }
-
-    fn settled(&self) -> impl Future<Output = ()> + Send {
-        self.inner.given_up.wait()
-    }
-
-    fn background_tasks(&self) -> usize {
-        self.inner.given_up.len()
-    }
-
-    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
-        let attempt = idem_core::AttemptId::new();
-        let token = OwnerToken::new();
-        let conn = self.inner.pool.acquire().await.map_err(failed)?;
-        // From here a statement may reach the server: given up (dropped)
-        // before its answer, the guard frees what it may have reserved.
-        let mut guard = GivenUp {
-            store: self.clone(),
-            conn: None,
-            scope: *request.scope.hash(),
-            attempt,
-            token,
-            within: request.lease,
-        };
-        let conn = guard.conn.insert(conn);
-        let answer = self.reserve_on(conn, request, attempt, token).await;
-        // Answered: the caller owns what it reserved. An error leaves the
-        // guard armed: whatever landed before it is freed.
-        if answer.is_ok() {
-            guard.conn = None;
-        }
-        answer
-    }
-
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        let ttl = row::ms(u64::try_from(lease.ttl.as_millis()).unwrap_or(u64::MAX));
-        let query = sqlx::query(&self.inner.sql.renew)
-            .bind(lease.scope.as_bytes().to_vec())
-            .bind(row::ms(lease.generation))
-            .bind(lease.token.0)
-            .bind(ttl);
-        if self.fenced_write(query).await? {
-            return Ok(Renewal::Renewed);
-        }
-        self.transition(&lease.scope, |slot, now_ms| {
-            machine::renew(slot, lease, now_ms)
-        })
-        .await
-    }
-
-    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
-        if self
-            .fenced_write(self.complete_query(lease, outcome))
-            .await?
-        {
-            return Ok(Completion::Recorded);
-        }
-        self.transition(&lease.scope, |slot, now_ms| {
-            machine::complete(slot, lease, outcome, now_ms)
-        })
-        .await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        self.transition(&lease.scope, |slot, now_ms| {
-            machine::release(slot, lease, now_ms)
-        })
-        .await
-    }
-
-    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        self.transition(scope, machine::cancel).await
-    }
-
-    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        let found = sqlx::query(&self.inner.sql.read)
-            .bind(scope.as_bytes().to_vec())
-            .fetch_optional(&self.inner.pool)
-            .await
-            .map_err(failed)?;
-        let Some(found) = found else {
-            return Ok(None);
-        };
-        let now: i64 = found.try_get("now_ms").map_err(failed)?;
-        let record = row::decode(&found)?;
-        Ok((!record.is_expired(u64::try_from(now).unwrap_or(0))).then_some(record))
-    }
-}
-
-impl RecordsAdmin for PgStore {
-    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
-        let older = query.older_than.map_or(0, |age| {
-            row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
-        });
-        let rows = sqlx::query(&self.inner.sql.list)
-            .bind(query.tenant.as_deref().map(row::stored_tenant))
-            .bind(query.state.map(|state| state.as_str()))
-            .bind(older)
-            .bind(query.lapsed)
-            .bind(i64::try_from(query.limit).unwrap_or(i64::MAX))
-            .fetch_all(&self.inner.pool)
-            .await
-            .map_err(failed)?;
-        rows.iter().map(row::decode).collect()
-    }
-
-    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        self.transition(scope, machine::force_release).await
-    }
-}
-
-impl Fleet for PgStore {
-    fn claim_identity(
-        &self,
-        marker: &str,
-        ttl: Duration,
-        replace: bool,
-    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
-        PgStore::claim_identity(self, marker, ttl, replace)
-    }
-
-    fn claim_duty(
-        &self,
-        duty: &str,
-        holder: &str,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        PgStore::claim_duty(self, duty, holder, ttl)
     }
 }

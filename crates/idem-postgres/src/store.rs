@@ -1,0 +1,151 @@
+//! The store contract on PostgreSQL: one statement per call on the
+//! record's row, the database's clock, idem-core's state machine on the
+//! row read `FOR UPDATE`.
+
+use idem_core::IdentityClaim;
+use std::time::Duration;
+
+use idem_core::{
+    Cancellation, Completion, Fleet, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
+    RecordsAdmin, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
+    machine,
+};
+
+use crate::{PgStore, given_up::GivenUp, row, sql::failed};
+use sqlx::Row;
+
+impl Store for PgStore {
+    /// A handler's transaction on this database completes the record
+    /// ([`IdemTransaction`](crate::IdemTransaction)).
+    fn completes_in_transactions(&self) -> bool {
+        true
+    }
+
+    fn settled(&self) -> impl Future<Output = ()> + Send {
+        self.inner.given_up.wait()
+    }
+
+    fn background_tasks(&self) -> usize {
+        self.inner.given_up.len()
+    }
+
+    async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
+        let attempt = idem_core::AttemptId::new();
+        let token = OwnerToken::new();
+        let conn = self.inner.pool.acquire().await.map_err(failed)?;
+        // From here a statement may reach the server: given up (dropped)
+        // before its answer, the guard frees what it may have reserved.
+        let mut guard = GivenUp {
+            store: self.clone(),
+            conn: None,
+            scope: *request.scope.hash(),
+            attempt,
+            token,
+            within: request.lease,
+        };
+        let conn = guard.conn.insert(conn);
+        let answer = self.reserve_on(conn, request, attempt, token).await;
+        // Answered: the caller owns what it reserved. An error leaves the
+        // guard armed: whatever landed before it is freed.
+        if answer.is_ok() {
+            guard.conn = None;
+        }
+        answer
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        let ttl = row::ms(u64::try_from(lease.ttl.as_millis()).unwrap_or(u64::MAX));
+        let query = sqlx::query(&self.inner.sql.renew)
+            .bind(lease.scope.as_bytes().to_vec())
+            .bind(row::ms(lease.generation))
+            .bind(lease.token.0)
+            .bind(ttl);
+        if self.fenced_write(query).await? {
+            return Ok(Renewal::Renewed);
+        }
+        self.transition(&lease.scope, |slot, now_ms| {
+            machine::renew(slot, lease, now_ms)
+        })
+        .await
+    }
+
+    async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
+        if self
+            .fenced_write(self.complete_query(lease, outcome))
+            .await?
+        {
+            return Ok(Completion::Recorded);
+        }
+        self.transition(&lease.scope, |slot, now_ms| {
+            machine::complete(slot, lease, outcome, now_ms)
+        })
+        .await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
+        self.transition(&lease.scope, |slot, now_ms| {
+            machine::release(slot, lease, now_ms)
+        })
+        .await
+    }
+
+    async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
+        self.transition(scope, machine::cancel).await
+    }
+
+    async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
+        let found = sqlx::query(&self.inner.sql.read)
+            .bind(scope.as_bytes().to_vec())
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(failed)?;
+        let Some(found) = found else {
+            return Ok(None);
+        };
+        let now: i64 = found.try_get("now_ms").map_err(failed)?;
+        let record = row::decode(&found)?;
+        Ok((!record.is_expired(u64::try_from(now).unwrap_or(0))).then_some(record))
+    }
+}
+
+impl RecordsAdmin for PgStore {
+    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
+        let older = query.older_than.map_or(0, |age| {
+            row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
+        });
+        let rows = sqlx::query(&self.inner.sql.list)
+            .bind(query.tenant.as_deref().map(row::stored_tenant))
+            .bind(query.state.map(|state| state.as_str()))
+            .bind(older)
+            .bind(query.lapsed)
+            .bind(i64::try_from(query.limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(failed)?;
+        rows.iter().map(row::decode).collect()
+    }
+
+    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
+        self.transition(scope, machine::force_release).await
+    }
+}
+
+impl Fleet for PgStore {
+    fn claim_identity(
+        &self,
+        marker: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> impl Future<Output = Result<IdentityClaim, StoreError>> + Send {
+        PgStore::claim_identity(self, marker, ttl, replace)
+    }
+
+    fn claim_duty(
+        &self,
+        duty: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        PgStore::claim_duty(self, duty, holder, ttl)
+    }
+}

@@ -1,0 +1,59 @@
+//! The sweep of expired records, a bounded batch per statement.
+
+use std::time::Duration;
+
+use idem_core::StoreError;
+
+use crate::sql::failed;
+use sqlx::PgPool;
+
+/// Aborts the sweep task when the store's last handle is dropped.
+pub(crate) struct Sweeper(pub(crate) tokio::task::JoinHandle<()>);
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What the background sweep needs (not the store, so that the task does
+/// not keep the store alive).
+pub(crate) struct Sweeping {
+    pub(crate) pool: PgPool,
+    pub(crate) sql: String,
+    pub(crate) batch: i64,
+}
+
+impl Sweeping {
+    pub(crate) async fn every(self, every: Duration) {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            match self.run().await {
+                Ok(0) => {}
+                Ok(deleted) => tracing::debug!(deleted, "swept expired idempotency records"),
+                Err(error) => tracing::warn!(%error, "sweeping expired idempotency records failed"),
+            }
+        }
+    }
+
+    /// Deletes expired records, a bounded batch per statement, until a
+    /// statement deletes fewer than a batch.
+    pub(crate) async fn run(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let deleted = sqlx::query(&self.sql)
+                .bind(self.batch)
+                .execute(&self.pool)
+                .await
+                .map_err(failed)?
+                .rows_affected();
+            total += deleted;
+            if deleted < u64::try_from(self.batch).unwrap_or(u64::MAX) {
+                return Ok(total);
+            }
+        }
+    }
+}
