@@ -68,9 +68,13 @@
 
 pub mod backoff;
 mod body;
+mod config;
+mod error;
+mod layer;
 pub mod limits;
 mod service;
 
 pub use body::{BoxError, ReplayBody};
+pub use error::{Error, RetryInfo, StopReason};
+pub use layer::{Retry, RetryLayer};
 pub use limits::{Gate, Limit, Limits, LocalGate, OnGateError, SharedBudget, Turn};
-pub use service::{Error, Retry, RetryInfo, RetryLayer, StopReason};
