@@ -148,6 +148,7 @@ pub struct ReadmeDoctests;
 mod answer;
 mod attempt;
 mod body;
+mod claim;
 pub mod command;
 mod config;
 mod context;
@@ -170,6 +171,7 @@ pub mod tenant;
 mod unknown;
 
 pub use body::{BoxError, ResponseBody};
+pub use claim::keep_claimed;
 pub use command::{ActionError, Command, CommandContext, CommandError, Done};
 pub use config::{
     ConfigError, InFlight, MAX_DURATION, OnDisconnect, default_replay_denylist,
@@ -184,7 +186,7 @@ pub use idem_core::{
     Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeFormat,
     ScopeHash, ScopeSecret,
 };
-pub use layer::{IdempotencyLayer, keep_claimed};
+pub use layer::IdempotencyLayer;
 pub use path::normalize_path;
 pub use pending::Recording;
 pub use problem::{

@@ -1,0 +1,86 @@
+//! Claiming a shared store for how a layer derives its records'
+//! identities, and keeping the claim alive.
+
+use std::sync::Arc;
+
+use idem_core::Fleet;
+
+use crate::IdempotencyLayer;
+
+impl<S: Fleet> IdempotencyLayer<S> {
+    /// Claims the store for this layer's [`store_identity`](Self::store_identity)
+    /// for as long as the retention ([`Fleet::claim_identity`]): call it
+    /// at start, and again at least every quarter of the retention (say
+    /// every minute) while the instance serves. An answer of
+    /// [`IdentityClaim::Other`](idem_core::IdentityClaim) means instances
+    /// that hash scopes otherwise (another secret or format) use the store:
+    /// a retry moving between them would run again, so do not serve until
+    /// the deployment agrees, or pass `replace` once to take the store over
+    /// for this layer's settings. A memory store answers
+    /// [`Held`](idem_core::IdentityClaim): nothing outside its process can
+    /// find its records.
+    pub async fn claim_store(
+        &self,
+        replace: bool,
+    ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
+        let marker = self.store_identity();
+        let ttl = self.runtime.config.retention;
+        self.runtime
+            .store
+            .claim_identity(&marker, ttl, replace)
+            .await
+    }
+
+    /// [`claim_store`](Self::claim_store) now, and kept alive while the
+    /// store lives (see [`keep_claimed`]): what a service calls once at
+    /// start. On [`Other`](idem_core::IdentityClaim::Other) nothing is
+    /// kept: do not serve.
+    pub async fn keep_store_claimed(
+        &self,
+        replace: bool,
+    ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
+        let ttl = self.runtime.config.retention;
+        keep_claimed(self.store(), self.store_identity(), ttl, replace).await
+    }
+}
+
+/// Claims `store` for `marker` for `ttl` ([`Fleet::claim_identity`]) and,
+/// unless another marker holds it, keeps the claim alive in a task of its
+/// own while the store lives: claimed again every quarter of `ttl` (at
+/// least every second, at most every minute), a failed refresh tried at
+/// the next, a store another marker took over logged as an error (retries
+/// moving between the two run again). The first claim's answer; a store
+/// that could not be asked now is claimed at the first refresh that
+/// reaches it.
+pub async fn keep_claimed<S: Fleet>(
+    store: &Arc<S>,
+    marker: String,
+    ttl: std::time::Duration,
+    replace: bool,
+) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
+    use std::time::Duration;
+    let first = store.claim_identity(&marker, ttl, replace).await;
+    if let Ok(idem_core::IdentityClaim::Other(_)) = first {
+        return first;
+    }
+    let every = (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    let store = Arc::downgrade(store);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            let Some(store) = store.upgrade() else {
+                return;
+            };
+            match store.claim_identity(&marker, ttl, false).await {
+                Ok(idem_core::IdentityClaim::Other(other)) => tracing::error!(
+                    other,
+                    "instances that derive record identities otherwise made this store \
+                     their own: requests that move between them and this one run again"
+                ),
+                Ok(_) => {}
+                Err(error) => tracing::debug!(%error, "could not refresh the store's claim"),
+            }
+        }
+    });
+    first
+}
