@@ -2,13 +2,9 @@
 
 use std::time::Duration;
 
-use crate::{
-    RedisStore,
-    connection::{Lane, Pool},
-    scripts::Scripts,
-};
-
 use deadpool_redis::{Runtime, Timeouts};
+
+use crate::{RedisStore, connection::Lane, pool::Pool, scripts::Scripts};
 
 /// The store could not be built from its configuration.
 #[derive(Debug, thiserror::Error)]

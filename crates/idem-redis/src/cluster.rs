@@ -2,13 +2,6 @@
 
 use std::time::Duration;
 
-use crate::{
-    RedisStore,
-    connection::{Conn, Pool},
-    decode::{collect_text, text},
-    errors::{corrupt, unavailable},
-};
-
 use idem_core::{ScopeHash, StoreError};
 use redis::Value;
 
@@ -233,6 +226,13 @@ impl RedisStore {
             .map(Duration::from_millis)
     }
 }
+
+use crate::{
+    RedisStore,
+    decode::{collect_text, text},
+    errors::{corrupt, unavailable},
+    pool::{Conn, Pool},
+};
 
 /// A scope hash from its 64 hex characters.
 pub(crate) fn scope_from_hex(hex: &str) -> Option<ScopeHash> {

@@ -2,8 +2,6 @@
 
 use std::{collections::HashMap, time::Duration};
 
-use crate::errors::corrupt;
-
 use bytes::Bytes;
 use idem_core::{
     Attempt, AttemptId, AttemptOutcome, Current, Fingerprint, HeaderName, LateEvidence, Lease,
@@ -11,7 +9,8 @@ use idem_core::{
 };
 use redis::Value;
 
-use crate::connection::Invocation;
+use crate::errors::corrupt;
+use crate::invocation::Invocation;
 
 /// Every text in a reply, one after another (a cluster answers `INFO` per
 /// node).

@@ -106,15 +106,18 @@ use std::time::Duration;
 
 use idem_core::{Record, ScopeHash, StoreError};
 
+mod abandon;
 mod builder;
 mod cluster;
 mod connection;
 mod decode;
 mod errors;
 mod fleet;
+mod invocation;
 mod keys;
 #[cfg(feature = "limits")]
 mod limits;
+mod pool;
 mod safety;
 mod scripts;
 mod store;
@@ -124,10 +127,12 @@ pub use builder::{BuildError, RedisStoreBuilder};
 #[allow(deprecated)]
 pub use cluster::LIST_SCAN_LIMIT;
 pub use cluster::{Health, failover_bound};
-use connection::{Invocation, Lane, Pool};
+use connection::Lane;
 use decode::*;
 pub use idem_core::IdentityClaim;
+use invocation::Invocation;
 use keys::record_key_pieces;
+use pool::Pool;
 pub use safety::ServerSafety;
 use scripts::Scripts;
 

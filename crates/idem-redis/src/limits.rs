@@ -10,9 +10,9 @@ use redis::{Script, Value};
 
 use crate::{
     RedisStore,
-    connection::Invocation,
     decode::{int, items},
     errors::corrupt,
+    invocation::Invocation,
     keys::millis,
 };
 

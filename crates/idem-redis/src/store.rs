@@ -14,10 +14,12 @@ use redis::Value;
 
 use crate::{
     RedisStore,
-    connection::{Abandon, Invocation, Pool},
+    abandon::Abandon,
     decode::{self, *},
     errors::corrupt,
+    invocation::Invocation,
     keys::{millis, record_key_pieces},
+    pool::Pool,
 };
 
 /// How many record reads [`RecordsAdmin::list`](idem_core::RecordsAdmin::list) keeps in
