@@ -50,6 +50,9 @@ pub use record::{
 pub use scope::{Fingerprint, Scope, ScopeFormat, ScopeHash, ScopeSecret, push_hex};
 pub use store::{Fleet, RecordsAdmin, Store};
 
+#[doc = include_str!("../../../docs/writing-a-store.md")]
+pub mod writing_a_store {}
+
 /// What this crate's unit tests share.
 #[cfg(test)]
 mod test_support {

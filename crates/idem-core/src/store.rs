@@ -23,7 +23,8 @@
 //!   answers from the store, and one whose records live in its process only
 //!   says so (the memory store answers "held" and "yours").
 //!
-//! Run the [`conformance`](crate::conformance) suite (feature
+//! The [`writing_a_store`](crate::writing_a_store) guide shows a whole
+//! store in sixty lines. Run the [`conformance`](crate::conformance) suite (feature
 //! `conformance`) in the store's tests: the checks of `Store`, and with
 //! `records_admin` those of `RecordsAdmin` too:
 //!
