@@ -1,8 +1,8 @@
 //! Explores the model with idem's design and prints what it found.
 //!
 //! Run with `cargo run --release -p idem-model --example explore -- [OWNERS REQUESTS TICKS
-//! OWNER_CRASHES STORE_CRASHES OUTAGES LOST_REPLIES CANCELS FORCE_RELEASES DELAYED]`
-//! (every fault once by default).
+//! OWNER_CRASHES STORE_CRASHES OUTAGES LOST_REPLIES CANCELS FORCE_RELEASES DELAYED
+//! [always|everysec|both]]` (`Bounds::DEEP` on a durable store by default).
 
 use idem_model::{Bounds, IdemModel, Persistence};
 use stateright::{Checker, Model};
@@ -25,7 +25,12 @@ fn main() {
         force_releases: arg(8, Bounds::DEEP.force_releases),
         delayed: arg(9, Bounds::DEEP.delayed),
     };
-    for persistence in [Persistence::Always, Persistence::EverySecond] {
+    let persistences: &[Persistence] = match std::env::args().nth(11).as_deref() {
+        Some("everysec") => &[Persistence::EverySecond],
+        Some("both") => &[Persistence::Always, Persistence::EverySecond],
+        _ => &[Persistence::Always],
+    };
+    for &persistence in persistences {
         let started = std::time::Instant::now();
         let checker = IdemModel::idem(persistence, bounds)
             .checker()
