@@ -613,3 +613,41 @@ async fn a_late_completion_on_a_lost_record_makes_it_again() {
     assert_eq!(replay.body, first.body);
     assert_eq!(upstream.runs(), 1);
 }
+
+/// A library user gets the gateway's guard: `RedisStoreBuilder::connect`
+/// refuses a server whose eviction policy can remove records (by the same
+/// rule and message), accepts it when allowed, and accepts a safe one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_refuses_an_evicting_redis_unless_allowed() {
+    let Some(lru) = RedisServer::spawn_with(&["--maxmemory-policy", "volatile-lru"]) else {
+        return;
+    };
+    let Some(safe) = RedisServer::spawn_with(&["--appendonly", "yes"]) else {
+        return;
+    };
+    match RedisStore::builder(&lru.url()).connect().await {
+        Err(idem_redis::BuildError::Unsafe(message)) => {
+            assert!(message.contains("volatile-lru"), "{message}");
+            assert!(message.contains("allow_eviction"), "{message}");
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("a volatile-lru Redis was accepted"),
+    }
+    let allowed = RedisStore::builder(&lru.url())
+        .allow_eviction(true)
+        .connect()
+        .await
+        .expect("allowed explicitly");
+    allowed.ping().await.expect("usable");
+    let store = RedisStore::builder(&safe.url())
+        .connect()
+        .await
+        .expect("a safe server is accepted");
+    store.ping().await.expect("usable");
+    // The verdict itself: refused, allowed with a warning, safe.
+    let unsafe_safety = allowed.server_safety().await.expect("INFO");
+    assert!(unsafe_safety.verdict(false).is_err());
+    assert_eq!(unsafe_safety.verdict(true).map(|w| w.len()), Ok(2));
+    let safe_safety = store.server_safety().await.expect("INFO");
+    assert_eq!(safe_safety.verdict(false), Ok(Vec::new()));
+}

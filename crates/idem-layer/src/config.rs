@@ -65,6 +65,9 @@ pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
     pub(crate) require_key: bool,
     pub(crate) tenant: Arc<dyn TenantExtractor>,
+    /// Whether [`tenant`](crate::IdempotencyLayer::tenant) chose the
+    /// source (else it is the default: the `Tenant` request extension).
+    pub(crate) tenant_chosen: bool,
     pub(crate) allow_anonymous: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,

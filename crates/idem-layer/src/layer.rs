@@ -83,6 +83,7 @@ impl<S: Store> IdempotencyLayer<S> {
             methods: vec![Method::POST, Method::PATCH],
             require_key: false,
             tenant: Arc::new(TenantFromExtension::<Tenant>::new()),
+            tenant_chosen: false,
             allow_anonymous: false,
             fingerprint_headers: vec![header::CONTENT_TYPE],
             fingerprint_fn: None,
@@ -199,7 +200,10 @@ impl<S: Store> IdempotencyLayer<S> {
     /// Where the tenant comes from. See [`crate::tenant`].
     pub fn tenant(self, extractor: impl TenantExtractor) -> Self {
         let extractor: Arc<dyn TenantExtractor> = Arc::new(extractor);
-        self.with(|c| c.tenant = extractor)
+        self.with(|c| {
+            c.tenant = extractor;
+            c.tenant_chosen = true;
+        })
     }
 
     /// With `true`, keyed requests without a tenant share one anonymous

@@ -366,6 +366,21 @@ pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBod
 impl Config {
     /// The caller's tenant: the extractor's, or the anonymous tenant when
     /// allowed; `None` when the caller is not identified.
+    /// Why a request has no tenant: with no source chosen, that the
+    /// default one (the `Tenant` request extension) was not set, which is
+    /// what a layer built without [`tenant`](crate::IdempotencyLayer::tenant)
+    /// answers to every keyed request unless a middleware sets it.
+    pub(crate) fn tenant_missing_detail(&self) -> &'static str {
+        if self.tenant_chosen {
+            "a request with an Idempotency-Key must come from an identified caller"
+        } else {
+            "no tenant: the layer's tenant source is its default, the `Tenant` request \
+             extension, and nothing set it on this request (an authentication middleware in \
+             front of the layer sets it; or choose a source with `IdempotencyLayer::tenant`, \
+             such as a header or `Authorization`, or allow anonymous callers)"
+        }
+    }
+
     pub(crate) fn tenant_of(&self, parts: &Parts) -> Option<Arc<str>> {
         match self.tenant.shared_tenant(parts) {
             Some(tenant) => Some(tenant),

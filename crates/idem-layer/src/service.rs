@@ -226,7 +226,7 @@ where
         normalize_uri(&mut parts);
         let Some(tenant) = config.tenant_of(&parts) else {
             m::count(Counted::Rejected);
-            let detail = "a request with an Idempotency-Key must come from an identified caller";
+            let detail = config.tenant_missing_detail();
             return Ok(problem(ProblemCode::TenantMissing, detail, None));
         };
         let body = match read_body(&parts, body, config.max_body, config.body_timeout).await {

@@ -335,3 +335,34 @@ async fn records_of_one_caller_share_its_tenant_and_operation() {
     assert!(std::sync::Arc::ptr_eq(&one.operation, &two.operation));
     assert_ne!(one.tenant, two.tenant);
 }
+
+/// A layer built without a tenant source answers a keyed request `401`,
+/// and its detail says why: the default source (the `Tenant` request
+/// extension) was not set, and how to choose one. A layer whose chosen
+/// source finds no tenant says the caller is not identified.
+#[tokio::test]
+async fn a_missing_tenant_source_says_so() {
+    let detail = |answer: &Answer| -> String {
+        let json: serde_json::Value = serde_json::from_slice(&answer.body).expect("problem JSON");
+        json["detail"].as_str().unwrap_or_default().to_owned()
+    };
+    let unset = app(IdempotencyLayer::new(MemoryStore::new()));
+    let answer = send(&unset, request("/payments", Some("k1"), &[])).await;
+    assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(code(&answer).as_deref(), Some("idempotency_tenant_missing"));
+    let said = detail(&answer);
+    assert!(
+        said.contains("`Tenant` request extension") && said.contains("IdempotencyLayer::tenant"),
+        "{said}"
+    );
+    let chosen =
+        app(IdempotencyLayer::new(MemoryStore::new())
+            .tenant(TenantFromHeader::from_static("x-tenant")));
+    let answer = send(&chosen, request("/payments", Some("k1"), &[])).await;
+    assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(code(&answer).as_deref(), Some("idempotency_tenant_missing"));
+    assert_eq!(
+        detail(&answer),
+        "a request with an Idempotency-Key must come from an identified caller"
+    );
+}

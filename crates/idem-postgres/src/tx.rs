@@ -27,7 +27,7 @@ use crate::{PgStore, failed};
 ///
 /// ```no_run
 /// use axum::{Json, Router, http::StatusCode, routing::post};
-/// use idem_layer::IdempotencyLayer;
+/// use idem_layer::{IdempotencyLayer, TenantFromHeader};
 /// use idem_postgres::{IdemTransaction, PgStore};
 ///
 /// async fn create(mut tx: IdemTransaction, Json(sku): Json<String>) -> Result<StatusCode, StatusCode> {
@@ -45,7 +45,7 @@ use crate::{PgStore, failed};
 /// Router::new()
 ///     .route("/orders", post(create))
 ///     .with_state(store.clone())
-///     .layer(IdempotencyLayer::new(store))
+///     .layer(IdempotencyLayer::new(store).tenant(TenantFromHeader::from_static("x-tenant-id")))
 /// # }
 /// ```
 pub struct IdemTransaction {

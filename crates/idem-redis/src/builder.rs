@@ -22,6 +22,12 @@ pub enum BuildError {
     /// The connection pool could not be created.
     #[error("could not create the Redis pool: {0}")]
     Pool(String),
+    /// The server can lose records silently: a `maxmemory-policy` that can
+    /// evict them (see [`ServerSafety`](crate::ServerSafety)), refused by
+    /// [`RedisStoreBuilder::connect`] unless
+    /// [`allow_eviction`](RedisStoreBuilder::allow_eviction).
+    #[error("{0}")]
+    Unsafe(String),
 }
 
 /// Builder for [`RedisStore`].
@@ -35,6 +41,7 @@ pub struct RedisStoreBuilder {
     pub(crate) wait_replicas: Option<(usize, Duration)>,
     pub(crate) packed: bool,
     pub(crate) compact_headers: bool,
+    pub(crate) allow_eviction: bool,
 }
 
 impl RedisStoreBuilder {
@@ -128,7 +135,39 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Builds the store. Connections are made lazily, on first use.
+    /// Whether [`connect`](Self::connect) accepts a server whose eviction
+    /// policy can remove records (default `false`: refused). A retry of an
+    /// evicted key runs again; allow it only for data that may be lost.
+    pub fn allow_eviction(mut self, allowed: bool) -> Self {
+        self.allow_eviction = allowed;
+        self
+    }
+
+    /// Builds the store and checks the server as the gateway does at start
+    /// ([`ServerSafety::verdict`](crate::ServerSafety::verdict)): a
+    /// `maxmemory-policy` that can evict records is
+    /// [`BuildError::Unsafe`] unless [`allow_eviction`](Self::allow_eviction);
+    /// a server without an append-only file is logged as a warning (a
+    /// restart forgets records). A server that cannot be asked now (down,
+    /// `INFO` renamed) is logged and accepted: the store's calls will tell.
+    pub async fn connect(self) -> Result<RedisStore, BuildError> {
+        let allow_eviction = self.allow_eviction;
+        let store = self.build()?;
+        match store.server_safety().await {
+            Ok(safety) => {
+                for warning in safety.verdict(allow_eviction).map_err(BuildError::Unsafe)? {
+                    tracing::warn!("{warning}");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not read the Redis eviction policy and persistence");
+            }
+        }
+        Ok(store)
+    }
+
+    /// Builds the store. Connections are made lazily, on first use; the
+    /// server is not checked (see [`connect`](Self::connect)).
     pub fn build(self) -> Result<RedisStore, BuildError> {
         let invalid = |reason: &str| BuildError::InvalidUrl {
             url: self.url.clone(),

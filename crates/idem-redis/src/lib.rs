@@ -205,6 +205,7 @@ impl RedisStore {
             wait_replicas: None,
             packed: false,
             compact_headers: false,
+            allow_eviction: false,
         }
     }
 

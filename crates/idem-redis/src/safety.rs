@@ -40,6 +40,35 @@ impl ServerSafety {
         }
     }
 
+    /// The rule the gateway and [`RedisStoreBuilder::connect`](crate::RedisStoreBuilder::connect)
+    /// apply: `Err` with why when a policy can evict records and
+    /// `allow_eviction` is false; otherwise the warnings to log (an allowed
+    /// evicting policy, no append-only file).
+    pub fn verdict(&self, allow_eviction: bool) -> Result<Vec<String>, String> {
+        let mut warnings = Vec::new();
+        let evicting = self.evicting_policies();
+        if !evicting.is_empty() {
+            let message = format!(
+                "Redis maxmemory-policy {} can evict idempotency records, and a retry of an \
+                 evicted key runs again; set maxmemory-policy noeviction, or allow eviction \
+                 (--allow-redis-eviction, RedisStoreBuilder::allow_eviction)",
+                evicting.join(", ")
+            );
+            if !allow_eviction {
+                return Err(message);
+            }
+            warnings.push(format!("{message} (allowed)"));
+        }
+        if !self.append_only {
+            warnings.push(
+                "Redis runs without appendonly: a restart can forget records, and retries of \
+                 forgotten keys run again; enable appendonly yes"
+                    .to_owned(),
+            );
+        }
+        Ok(warnings)
+    }
+
     /// The policies that can evict idem's records (anything but
     /// `noeviction`); empty when the server is safe.
     pub fn evicting_policies(&self) -> Vec<&str> {

@@ -219,23 +219,13 @@ pub(crate) async fn check_redis(
             return Ok(());
         }
     };
-    let evicting = safety.evicting_policies();
-    if !evicting.is_empty() {
-        let message = format!(
-            "Redis maxmemory-policy {} can evict idempotency records, and a retry of an evicted \
-             key runs again; set maxmemory-policy noeviction, or pass --allow-redis-eviction",
-            evicting.join(", ")
-        );
-        if !allow_eviction {
-            return Err(StartError::UnsafeStore(message));
+    match safety.verdict(allow_eviction) {
+        Err(refusal) => return Err(StartError::UnsafeStore(refusal)),
+        Ok(warnings) => {
+            for warning in warnings {
+                tracing::warn!("{warning}");
+            }
         }
-        tracing::warn!("{message} (allowed by --allow-redis-eviction)");
-    }
-    if !safety.append_only {
-        tracing::warn!(
-            "Redis runs without appendonly: a restart can forget records, and retries of \
-             forgotten keys run again; enable appendonly yes"
-        );
     }
     Ok(())
 }
