@@ -81,6 +81,31 @@ pub enum ProblemCode {
 }
 
 impl ProblemCode {
+    /// Every code, in the order `docs/problems.md` lists them.
+    pub const ALL: &'static [ProblemCode] = &[
+        ProblemCode::KeyMissing,
+        ProblemCode::KeyInvalid,
+        ProblemCode::TenantMissing,
+        ProblemCode::InProgress,
+        ProblemCode::Cancelled,
+        ProblemCode::BodyTooLarge,
+        ProblemCode::BodyInvalid,
+        ProblemCode::BodyTimeout,
+        ProblemCode::Conflict,
+        ProblemCode::StoreUnavailable,
+        ProblemCode::ResponseNotStored,
+        ProblemCode::HandlerFailed,
+        ProblemCode::RecordNotFound,
+        ProblemCode::RecordQueryInvalid,
+        ProblemCode::MethodCaseMismatch,
+        ProblemCode::LayerMissing,
+        ProblemCode::QuotaExceeded,
+        ProblemCode::AdminRequired,
+        ProblemCode::ListingBusy,
+        ProblemCode::Misconfigured,
+        ProblemCode::ReplayNotAcceptable,
+    ];
+
     /// The `code` member.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -278,4 +303,42 @@ pub(crate) fn problem<B>(
 pub(crate) fn retry_after_secs(wait: Duration) -> u64 {
     let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
     secs.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProblemCode;
+
+    /// `ALL` holds every code once: a code added to the enum and not to
+    /// `ALL` fails to compile here (the match is exhaustive).
+    #[test]
+    fn all_holds_every_code_once() {
+        let position = |code: ProblemCode| match code {
+            ProblemCode::KeyMissing => 0,
+            ProblemCode::KeyInvalid => 1,
+            ProblemCode::TenantMissing => 2,
+            ProblemCode::InProgress => 3,
+            ProblemCode::Cancelled => 4,
+            ProblemCode::BodyTooLarge => 5,
+            ProblemCode::BodyInvalid => 6,
+            ProblemCode::BodyTimeout => 7,
+            ProblemCode::Conflict => 8,
+            ProblemCode::StoreUnavailable => 9,
+            ProblemCode::ResponseNotStored => 10,
+            ProblemCode::HandlerFailed => 11,
+            ProblemCode::RecordNotFound => 12,
+            ProblemCode::RecordQueryInvalid => 13,
+            ProblemCode::MethodCaseMismatch => 14,
+            ProblemCode::LayerMissing => 15,
+            ProblemCode::QuotaExceeded => 16,
+            ProblemCode::AdminRequired => 17,
+            ProblemCode::ListingBusy => 18,
+            ProblemCode::Misconfigured => 19,
+            ProblemCode::ReplayNotAcceptable => 20,
+        };
+        assert_eq!(ProblemCode::ALL.len(), 21);
+        for (i, code) in ProblemCode::ALL.iter().enumerate() {
+            assert_eq!(position(*code), i, "{code:?}");
+        }
+    }
 }
