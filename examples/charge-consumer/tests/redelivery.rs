@@ -8,16 +8,35 @@ use std::{collections::HashMap, path::Path, process::Command, time::Duration};
 use idem_tests::{nats_server::NatsServer, process::Spawned, redis_server::RedisServer};
 
 fn consumer(nats: &NatsServer, redis: &RedisServer, ledger: &Path, crash: Option<&str>) -> Spawned {
+    consumer_acking_within(nats, redis, ledger, crash, "2s")
+}
+
+/// [`consumer`] with the broker's ack wait `ack_wait`.
+fn consumer_acking_within(
+    nats: &NatsServer,
+    redis: &RedisServer,
+    ledger: &Path,
+    crash: Option<&str>,
+    ack_wait: &str,
+) -> Spawned {
     let mut command = Command::new(env!("CARGO_BIN_EXE_charge-consumer"));
     command
         .env("NATS_URL", nats.url())
         .env("IDEM_STORE", redis.url())
         .env("LEDGER", ledger)
-        .env("ACK_WAIT", "2s");
+        .env("ACK_WAIT", ack_wait);
     if let Some(id) = crash {
         command.env("CONSUMER_CRASH_AFTER_EXECUTE", id);
     }
     Spawned::start(&mut command)
+}
+
+/// A fresh directory for one test's ledger, and the ledger's path in it.
+fn ledger_dir() -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("idem-consumer-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let ledger = dir.join("charges.ledger");
+    (dir, ledger)
 }
 
 /// Charges per id in the ledger.
@@ -49,9 +68,7 @@ async fn killed_before_acknowledging_charges_once_and_redeliveries_replay() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("idem-consumer-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let ledger_path = dir.join("charges.ledger");
+    let (dir, ledger_path) = ledger_dir();
 
     let mut first = consumer(&nats, &redis, &ledger_path, Some("c-3"));
     assert!(first.banner.contains("consuming"), "{}", first.banner);
@@ -120,11 +137,9 @@ async fn acknowledges_a_charge_only_once_its_outcome_is_recorded() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("idem-consumer-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("dir");
     // The ledger is a FIFO: a charge blocks on it until the test reads it,
     // so the test can take the store away while the charge runs.
-    let ledger_path = dir.join("charges.ledger");
+    let (dir, ledger_path) = ledger_dir();
     let made = Command::new("mkfifo")
         .arg(&ledger_path)
         .status()
@@ -133,15 +148,7 @@ async fn acknowledges_a_charge_only_once_its_outcome_is_recorded() {
     // In-progress acknowledgements go every third of it: a loaded
     // machine has seconds of slack before the broker would redeliver.
     let ack_wait = Duration::from_secs(6);
-    let consumer = {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_charge-consumer"));
-        command
-            .env("NATS_URL", nats.url())
-            .env("IDEM_STORE", redis.url())
-            .env("LEDGER", &ledger_path)
-            .env("ACK_WAIT", "6s");
-        Spawned::start(&mut command)
-    };
+    let consumer = consumer_acking_within(&nats, &redis, &ledger_path, None, "6s");
     let client = async_nats::connect(nats.url()).await.expect("connect");
     let js = async_nats::jetstream::new(client);
     publish(&js, "c-1", 100).await;
@@ -200,9 +207,7 @@ async fn a_charge_in_progress_is_redelivered_and_a_changed_one_terminated() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("idem-consumer-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let ledger_path = dir.join("charges.ledger");
+    let (dir, ledger_path) = ledger_dir();
     // Another owner holds c-9 for 3 s: the same scope and fingerprint the
     // consumer computes for the message.
     let payload = serde_json::json!({ "id": "c-9", "account": "acme", "cents": 900 });

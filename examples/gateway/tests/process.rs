@@ -209,6 +209,31 @@ impl OnRedis {
     }
 }
 
+/// A gateway on `setup` logging at `info` to `log`, with a request of
+/// `/slow` under `key` whose client left while the upstream runs it: the
+/// request now runs detached.
+async fn with_a_detached_request(setup: &OnRedis, log: &Log, key: &str) -> Process {
+    let gateway = Process::spawn(
+        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(setup.args())
+            .env("RUST_LOG", "info")
+            .stderr(log.file()),
+    );
+    let lost = tokio::spawn(send(&client(), gateway.post("/slow", key)));
+    setup.upstream.wait_runs(1).await;
+    lost.abort(); // the client goes away
+    let _ = lost.await;
+    // The gateway saw it go: the request runs detached.
+    wait_until(
+        Duration::from_secs(20),
+        "the gateway to see the client go",
+        async || log.text().contains("client went away"),
+    )
+    .await;
+    gateway
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_request_then_restarted_on_the_same_redis() {
     let Some(setup) = OnRedis::start(&["--lease", LEASE, "--retention", "1h"]).await else {
@@ -307,26 +332,8 @@ async fn sigterm_waits_for_requests_whose_client_left() {
     };
     let (upstream, args) = (&setup.upstream, setup.args());
     let log = Log::new("left");
-
-    let gateway = Process::spawn(
-        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
-            .args(["--listen", "127.0.0.1:0"])
-            .args(&args)
-            .env("RUST_LOG", "info")
-            .stderr(log.file()),
-    );
-    let lost = tokio::spawn(send(&client(), gateway.post("/slow", "left-1")));
-    upstream.wait_runs(1).await;
-    lost.abort(); // the client goes away
-    let _ = lost.await;
-    // The gateway saw it go: the request now runs detached, the case whose
-    // outcome used to be lost at shutdown.
-    wait_until(
-        Duration::from_secs(20),
-        "the gateway to see the client go",
-        async || log.text().contains("client went away"),
-    )
-    .await;
+    // Detached: the case whose outcome used to be lost at shutdown.
+    let gateway = with_a_detached_request(&setup, &log, "left-1").await;
     gateway.terminate();
     // Connections are closed and the drain has begun before the upstream
     // answers: only the drain can record this outcome.
@@ -362,23 +369,7 @@ async fn the_drain_is_bounded_and_says_what_it_left() {
     };
     let (upstream, args) = (&setup.upstream, setup.args());
     let log = Log::new("bounded");
-    let gateway = Process::spawn(
-        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
-            .args(["--listen", "127.0.0.1:0"])
-            .args(&args)
-            .env("RUST_LOG", "info")
-            .stderr(log.file()),
-    );
-    let lost = tokio::spawn(send(&client(), gateway.post("/slow", "stuck-1")));
-    upstream.wait_runs(1).await;
-    lost.abort();
-    let _ = lost.await;
-    wait_until(
-        Duration::from_secs(20),
-        "the gateway to see the client go",
-        async || log.text().contains("client went away"),
-    )
-    .await;
+    let gateway = with_a_detached_request(&setup, &log, "stuck-1").await;
     let signalled = std::time::Instant::now();
     gateway.terminate();
     // Without the bound it would wait for the upstream (120 s).
