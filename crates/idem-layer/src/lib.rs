@@ -145,6 +145,21 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
+/// The guides' examples, compiled as doctests wherever the text moved.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/postgres.md")]
+pub struct PostgresGuideDoctests;
+
+/// See [`PostgresGuideDoctests`].
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/commands.md")]
+pub struct CommandsGuideDoctests;
+
+/// See [`PostgresGuideDoctests`].
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/client.md")]
+pub struct ClientGuideDoctests;
+
 mod answer;
 mod attempt;
 mod body;
