@@ -183,6 +183,7 @@ pub mod records;
 mod runtime;
 mod service;
 pub mod tenant;
+pub mod testing;
 mod unknown;
 
 pub use body::{BoxError, ResponseBody};

@@ -19,6 +19,14 @@ fn start(layer: &str) -> (Spawned, String) {
             .env("IDEM_LISTEN", "127.0.0.1:0")
             .env("IDEM_LAYER", layer),
     );
+    // The baseline runs without the layer (the `bench` feature, which this
+    // package's tests turn on), the other with it.
+    let mode = if layer == "off" {
+        "idempotency layer OFF"
+    } else {
+        "idempotency layer on"
+    };
+    assert!(process.banner.contains(mode), "{}", process.banner);
     let addr = process.address();
     (process, addr)
 }
@@ -73,4 +81,36 @@ async fn every_order_reads_back_as_it_was_created() {
             assert_eq!(reply.status, StatusCode::NOT_FOUND, "{layer}: order {id}");
         }
     }
+}
+
+/// The orders API behind the layer passes idem's checks for app authors
+/// (`idem_layer::testing`): a duplicate replays byte for byte, eight
+/// concurrent duplicates create one order, a changed order under a used key
+/// conflicts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orders_api_passes_the_checks_for_app_authors() {
+    use idem_layer::{IdempotencyLayer, TenantFromHeader, testing::Checks};
+    let layer = IdempotencyLayer::new(idem_memory::MemoryStore::new())
+        .tenant(TenantFromHeader::from_static("x-tenant-id"));
+    let app = axum_orders::orders().layer(layer);
+    let order = |key: &str, sku: &str| {
+        http::Request::post("/orders")
+            .header("x-tenant-id", "acme")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(format!(
+                r#"{{"sku":"{sku}","qty":1}}"#
+            ))))
+            .expect("request")
+    };
+    let checks = Checks::new(app, |key: &str| order(key, "book"));
+    checks.duplicates_replay("kit-1").await.expect("replays");
+    checks
+        .concurrent_duplicates_run_once("kit-2", 8)
+        .await
+        .expect("one order");
+    checks
+        .changed_payload_conflicts("kit-3", order("kit-3", "pen"))
+        .await
+        .expect("conflicts");
 }
