@@ -50,7 +50,7 @@ pub use record::{
 pub use scope::{Fingerprint, Scope, ScopeFormat, ScopeHash, ScopeSecret, push_hex};
 pub use store::{Fleet, RecordsAdmin, Store};
 
-#[doc = include_str!("../../../docs/writing-a-store.md")]
+#[doc = include_str!("docs/writing-a-store.md")]
 pub mod writing_a_store {}
 
 /// What this crate's unit tests share.
