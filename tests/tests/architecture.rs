@@ -115,11 +115,20 @@ fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
             continue;
         };
         if path.is_dir() {
-            // A module of several files: what any of them uses.
+            // A module of several files, nested ones included: what any
+            // of them uses.
             let mut text = String::new();
-            for file in std::fs::read_dir(&path).expect("module dir").flatten() {
-                text.push_str(&read(file.path()));
-                text.push('\n');
+            let mut dirs = vec![path.clone()];
+            while let Some(dir) = dirs.pop() {
+                for file in std::fs::read_dir(&dir).expect("module dir").flatten() {
+                    let file = file.path();
+                    if file.is_dir() {
+                        dirs.push(file);
+                    } else if file.extension().is_some_and(|e| e == "rs") {
+                        text.push_str(&read(file));
+                        text.push('\n');
+                    }
+                }
             }
             modules.insert(stem.to_owned(), text);
             continue;

@@ -15,7 +15,8 @@ use idem_layer::{IdempotencyLayer, TenantFromHeader, testing::Checks};
 use idem_memory::MemoryStore;
 
 /// `/orders` answers a fresh order id each run (after a pause, so
-/// concurrent copies overlap); `/orders` with `x-fail` answers 503.
+/// concurrent copies overlap) with a session cookie; `/orders` with
+/// `x-fail` answers 503.
 fn orders() -> Router {
     let counter = Arc::new(AtomicU64::new(0));
     Router::new().route(
@@ -25,9 +26,19 @@ fn orders() -> Router {
             async move {
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 if headers.contains_key("x-fail") {
-                    return (StatusCode::SERVICE_UNAVAILABLE, "down".to_owned());
+                    return (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        [("set-cookie", "s=1")],
+                        "down".to_owned(),
+                    );
                 }
-                (StatusCode::CREATED, format!("order {n}"))
+                // A cookie, which a replay leaves out: the replay check
+                // does not count it as a difference.
+                (
+                    StatusCode::CREATED,
+                    [("set-cookie", "s=1")],
+                    format!("order {n}"),
+                )
             }
         }),
     )
