@@ -16,7 +16,7 @@
 # rounds, so its memory store fills up as the rounds go: a flat p99 over
 # the rounds shows that filling the store does not slow requests down.
 # LAYERED_FLAGS: more flags for the layered gateway (for example
-# `--redis-pack-records`). Needs `wrk` (Debian: apt-get install wrk).
+# `--redis-record-format 1`). Needs `wrk` (Debian: apt-get install wrk).
 # Traffic stays on 127.0.0.1.
 set -euo pipefail
 rounds=${1:-6}

@@ -7,8 +7,9 @@
 # completion, a replay of the completed key. With the peer's Lua scripts
 # (the crates.io `idempotent` 2.0.0 crate, found in cargo's registry once
 # bench/peer has been built), the same rows for the peer: its claim,
-# completion and replay. The "packed" rows: the same idem calls by a store that
-# packs new records (RedisStoreBuilder::pack_records).
+# completion and replay. The "v1" rows: the same idem calls by a store that
+# writes record format 1 (RedisStoreBuilder::record_format; the idem rows
+# write format 2, the default).
 #   bench/redis_instructions.sh [calls]
 # Needs valgrind, redis-server, redis-cli, python3.
 set -euo pipefail
@@ -20,8 +21,8 @@ port=$(python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print
 . bench/lua_assemble.sh
 assemble "$work/reserve.lua" "$lua/reserve.lua"
 assemble "$work/complete.lua" "$lua/complete.lua"
-assemble "$work/reserve-packed.lua" "$lua/reserve.lua" true
-assemble "$work/complete-packed.lua" "$lua/complete.lua" true
+assemble "$work/reserve-v1.lua" "$lua/reserve.lua" 1
+assemble "$work/complete-v1.lua" "$lua/complete.lua" 1
 peer=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/idempotent-2.0.0/valkey 2>/dev/null | head -1 || true)
 
 valgrind --tool=callgrind --callgrind-out-file="$work/cg.%p" redis-server --port "$port" \
@@ -95,16 +96,16 @@ rows.append(("idem", "completion, 200-byte body", per_call(f"{work}/complete.lua
     ":1\r\n")))
 rows.append(("idem", "replay, 200-byte body",
              per_call(f"{work}/reserve.lua", reserve_big, "201:1:")))
-# The same calls by a store that packs new records (pack_records).
-packed = lambda i: f"idem:{{{run}-packed-{i}}}"
-reserve_packed = lambda i: (1, packed(i), fp, attempt, token, 30000, 86400000, tenant,
-                            "POST /orders", "order-1")
+# The same calls by a store that writes record format 1 (record_format).
+v1 = lambda i: f"idem:{{{run}-v1-{i}}}"
+reserve_v1 = lambda i: (1, v1(i), fp, attempt, token, 30000, 86400000, tenant,
+                        "POST /orders", "order-1")
 rows += [
-    ("packed", "new key", per_call(f"{work}/reserve-packed.lua", reserve_packed, ":1\r\n")),
-    ("packed", "completion", per_call(f"{work}/complete-packed.lua", lambda i: (
-        1, packed(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}', "1700000000000"),
+    ("v1", "new key", per_call(f"{work}/reserve-v1.lua", reserve_v1, ":1\r\n")),
+    ("v1", "completion", per_call(f"{work}/complete-v1.lua", lambda i: (
+        1, v1(i), 1, token, attempt, "201:1", "content-type: application/json", '{"id":"1"}', "1700000000000"),
         ":1\r\n")),
-    ("packed", "replay", per_call(f"{work}/reserve-packed.lua", reserve_packed, "201:1:")),
+    ("v1", "replay", per_call(f"{work}/reserve-v1.lua", reserve_v1, "201:1:")),
 ]
 if peer:
     data = "x" * 120
@@ -119,7 +120,7 @@ if peer:
 print(f"{'layer':<6} {'call':<26} {'instructions/call':>18}")
 for layer, call, count in rows:
     print(f"{layer:<6} {call:<26} {count:>18.0f}")
-for layer in ("idem", "packed", "peer"):
+for layer in ("idem", "v1", "peer"):
     got = {call: count for l, call, count in rows if l == layer}
     if got:
         print(f"{layer}: new key + completion {got['new key'] + got['completion']:.0f}, "

@@ -14,7 +14,8 @@
 # redis-server on a free loopback port and stops it at the end. Builds in
 # $IDEM/target/peer-bench (the peer declares rust-version 1.98 and builds on
 # 1.95 with --ignore-rust-version). Results: $IDEM/target/peer-bench/results.
-# IDEM_PACK=1: idem's Redis store packs new records (pack_records); IDEM_LANES=N:
+# IDEM_RECORD_FORMAT=1: idem's Redis store writes record format 1 (format 2,
+# the default, packs new records); IDEM_LANES=N:
 # its connections; IDEM_FINGERPRINT=blake3 and IDEM_SCOPE=blake3: idem hashes
 # fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format);
 # IDEM_TENANT=blake3 or hmac: the tenant from Authorization keyed with BLAKE3

@@ -119,7 +119,10 @@ fn redis_store(c: &mut Criterion) {
         .block_on(client.get_multiplexed_async_connection())
         .expect("connection");
     let script = |name: &str| {
-        redis::Script::new(&idem_redis::script_source(name, false).expect("a script of the store"))
+        redis::Script::new(
+            &idem_redis::script_source(name, idem_redis::RecordFormat::default())
+                .expect("a script of the store"),
+        )
     };
     let (reserve, complete) = (script("reserve"), script("complete"));
     runtime.block_on(async {

@@ -428,3 +428,14 @@ impl RedisCluster {
         format!("redis+cluster://{}", nodes.join(","))
     }
 }
+
+/// The record format of a test that runs once per layout: format 2 (packed
+/// new keys, compact headers) when `packed`, else format 1 (expanded,
+/// four-byte headers).
+pub fn format_of(packed: bool) -> idem_redis::RecordFormat {
+    if packed {
+        idem_redis::RecordFormat::V2
+    } else {
+        idem_redis::RecordFormat::V1
+    }
+}

@@ -133,7 +133,7 @@ async fn a_record_missing_its_response_is_not_replayed_as_whole() {
     };
     for packed in [false, true] {
         let store = RedisStore::builder(&redis.url())
-            .pack_records(packed)
+            .record_format(idem_tests::redis_server::format_of(packed))
             .build()
             .expect("store");
         let key = format!("evicted-{packed}");
@@ -377,11 +377,12 @@ fn post(gateway: std::net::SocketAddr, key: &str) -> Request<Full<Bytes>> {
         .expect("request")
 }
 
-/// A gateway with fail-open on `redis`, one order it completed, and the
-/// Redis key of that order's record.
+/// A gateway with fail-open on `redis` (and `extra` flags), one order it
+/// completed, and the Redis key of that order's record.
 async fn gateway_with_one_record(
     redis: &RedisServer,
     key: &str,
+    extra: &[&str],
 ) -> (
     Upstream,
     TestServer,
@@ -392,11 +393,17 @@ async fn gateway_with_one_record(
     let upstream = Upstream::default();
     let server = TestServer::start(upstream.router()).await;
     let url = redis.url();
-    let gateway = idem_tests::start_gateway(&server, &["--store", &url, "--fail-open"]).await;
+    let flags = [&["--store", &url, "--fail-open"][..], extra].concat();
+    let gateway = idem_tests::start_gateway(&server, &flags).await;
     let first = send(&client(), post(gateway.addr, key)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let keys = redis.cli(&["--scan", "--pattern", "idem:{*}"]);
-    let record = keys.lines().next().expect("one record").trim().to_owned();
+    let record = keys
+        .lines()
+        .map(str::trim)
+        .find(|found| found.ends_with('}') && redis.cli(&["HGET", found, "key"]).trim() == key)
+        .expect("the order's record")
+        .to_owned();
     (upstream, server, gateway.addr, first, record)
 }
 
@@ -406,43 +413,65 @@ async fn gateway_with_one_record(
 /// turned into a second execution on every retry).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_that_steps_back_still_replays() {
-    let Some(redis) = RedisServer::spawn() else {
-        return;
-    };
-    let (upstream, _server, gateway, first, record) =
-        gateway_with_one_record(&redis, "clock-1").await;
-    // Move the completion (the attempt's end) an hour into Redis's future.
-    let completed = redis.cli(&["HGET", &record, "cur_end"]);
-    let ahead = completed.trim().parse::<u64>().expect("ms") + 3_600_000;
-    redis.cli(&["HSET", &record, "cur_end", &ahead.to_string()]);
-    for _ in 0..3 {
-        let replay = send(&client(), post(gateway, "clock-1")).await;
-        assert_eq!(replay.status, StatusCode::CREATED);
-        assert!(replay.replayed());
-        assert_eq!(replay.body, first.body);
+    // Each record format, on a Redis of its own: 2 keeps the end in d
+    // ('<status>:<stored>:<end>'), 1 in cur_end.
+    for (key, format) in [("clock-2", "2"), ("clock-1", "1")] {
+        let Some(redis) = RedisServer::spawn() else {
+            return;
+        };
+        let (upstream, _server, gateway, first, record) =
+            gateway_with_one_record(&redis, key, &["--redis-record-format", format]).await;
+        // Move the completion (the attempt's end) an hour into Redis's future.
+        let field = if format == "2" { "d" } else { "cur_end" };
+        let stored = redis.cli(&["HGET", &record, field]).trim().to_owned();
+        let (prefix, completed) = stored.rsplit_once(':').unwrap_or(("", &stored));
+        let ahead = completed.parse::<u64>().expect("ms") + 3_600_000;
+        let ahead = if prefix.is_empty() {
+            ahead.to_string()
+        } else {
+            format!("{prefix}:{ahead}")
+        };
+        redis.cli(&["HSET", &record, field, &ahead]);
+        for _ in 0..3 {
+            let replay = send(&client(), post(gateway, key)).await;
+            assert_eq!(replay.status, StatusCode::CREATED, "format {format}");
+            assert!(replay.replayed());
+            assert_eq!(replay.body, first.body);
+        }
+        assert_eq!(upstream.runs(), 1);
     }
-    assert_eq!(upstream.runs(), 1);
 }
 
 /// A record the store answers with but cannot decode is a 503 even with
 /// fail-open: the store answered, and the key may hold an outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_never_covers_a_corrupt_record() {
-    let Some(redis) = RedisServer::spawn() else {
-        return;
-    };
-    let (upstream, _server, gateway, _, record) =
-        gateway_with_one_record(&redis, "corrupt-1").await;
-    redis.cli(&["HSET", &record, "status", "not-a-number"]);
-    for _ in 0..3 {
-        let answer = send(&client(), post(gateway, "corrupt-1")).await;
-        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(
-            answer.code().as_deref(),
-            Some("idempotency_store_unavailable")
-        );
+    // Each record format, on a Redis of its own: 2 keeps the status in d,
+    // 1 in status.
+    for (key, format, field, spoiled) in [
+        ("corrupt-2", "2", "d", "not-a-number:1:1700000000000"),
+        ("corrupt-1", "1", "status", "not-a-number"),
+    ] {
+        let Some(redis) = RedisServer::spawn() else {
+            return;
+        };
+        let (upstream, _server, gateway, _, record) =
+            gateway_with_one_record(&redis, key, &["--redis-record-format", format]).await;
+        redis.cli(&["HSET", &record, field, spoiled]);
+        for _ in 0..3 {
+            let answer = send(&client(), post(gateway, key)).await;
+            assert_eq!(
+                answer.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "format {format}"
+            );
+            assert_eq!(
+                answer.code().as_deref(),
+                Some("idempotency_store_unavailable")
+            );
+        }
+        assert_eq!(upstream.runs(), 1, "never run again unprotected");
     }
-    assert_eq!(upstream.runs(), 1, "never run again unprotected");
 }
 
 /// A Redis that answered with an error of its own (`OOM command not
@@ -455,7 +484,7 @@ async fn an_error_redis_answered_never_fails_open() {
     let Some(mut redis) = RedisServer::spawn() else {
         return;
     };
-    let (upstream, _server, gateway, _, _) = gateway_with_one_record(&redis, "oom-1").await;
+    let (upstream, _server, gateway, _, _) = gateway_with_one_record(&redis, "oom-1", &[]).await;
     redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
     redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
     let store = RedisStore::from_url(&redis.url()).expect("store");

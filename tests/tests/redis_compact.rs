@@ -1,9 +1,9 @@
 //! What a record costs on Redis: gateway-shaped records (a hashed tenant
 //! of 69 characters, a response larger than 64 bytes) stay in Redis'
 //! compact hash encoding within a kilobyte, and records written in the
-//! layout before it are still replayed and listed. Packed records
-//! (`--redis-pack-records`) are smaller still, and gateways that pack and
-//! gateways that do not replay each other's records exactly. A listing of
+//! layout before it are still replayed and listed. Packed records (record
+//! format 2, the default) are smaller still, and gateways that pack and
+//! gateways that do not (format 1) replay each other's records exactly. A listing of
 //! processing records reads no completed record's response.
 
 use idem_core::RecordsAdmin as _;
@@ -74,11 +74,12 @@ fn reserve_request(key: &str, lease: std::time::Duration) -> idem_core::ReserveR
     }
 }
 
-/// A gateway on `redis` in front of the upstream, and its first order
-/// under `key`, answered 201.
+/// A gateway on `redis` (writing record format `format`) in front of the
+/// upstream, and its first order under `key`, answered 201.
 async fn one_order(
     redis: &RedisServer,
     key: &str,
+    format: &str,
 ) -> (
     Arc<AtomicUsize>,
     TestServer,
@@ -87,7 +88,8 @@ async fn one_order(
 ) {
     let runs = Arc::new(AtomicUsize::new(0));
     let server = TestServer::start(upstream(Arc::clone(&runs))).await;
-    let gateway = start_gateway(&server, &["--store", &redis.url()]).await;
+    let url = redis.url();
+    let gateway = start_gateway(&server, &["--store", &url, "--redis-record-format", format]).await;
     let first = send(&client(), order(gateway.addr, key)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     (runs, server, gateway, first)
@@ -117,7 +119,7 @@ async fn gateway_records_are_compact_and_replay_exactly() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let (runs, _server, gateway, first) = one_order(&redis, "order-1").await;
+    let (runs, _server, gateway, first) = one_order(&redis, "order-1", "2").await;
     assert!(first.body.len() > 64, "the body is larger than 64 bytes");
 
     let keys = record_keys(&redis);
@@ -149,14 +151,14 @@ async fn gateway_records_are_compact_and_replay_exactly() {
 }
 
 /// A record in the layout written before the compact one (every time in
-/// its own field, the tenant as text, the response inline) is replayed
-/// byte for byte.
+/// its own field, the tenant as text, the response inline), rewritten from
+/// a format 1 record, is replayed byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_of_the_older_layout_still_replay() {
     let Some(redis) = RedisServer::spawn() else {
         return;
     };
-    let (runs, _server, gateway, first) = one_order(&redis, "order-old").await;
+    let (runs, _server, gateway, first) = one_order(&redis, "order-old", "1").await;
     let record = record_keys(&redis).pop().expect("one record");
     let response = format!("{record}:r");
 
@@ -237,8 +239,9 @@ fn field_names(redis: &RedisServer, record: &str) -> Vec<String> {
     names
 }
 
-/// A gateway that packs records and one that does not, on one Redis: the
-/// packed record keeps ten fields in the compact encoding and takes fewer
+/// A gateway that packs records (format 2, the default) and one that does
+/// not (format 1), on one Redis: the packed record keeps eleven fields
+/// (its format among them) in the compact encoding and takes fewer
 /// bytes than the expanded one of the same order; each gateway replays the
 /// other's record byte for byte, and the upstream ran once per key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,21 +254,16 @@ async fn packed_records_are_smaller_and_either_gateway_replays_them() {
     // One tenant secret: both gateways see the caller as one tenant.
     let shared = ["--tenant-secret", "a-secret-both-gateways-share"];
     let url = redis.url();
-    let packing = start_gateway(
+    let packing = start_gateway(&server, &[&["--store", &url][..], &shared].concat()).await;
+    let expanding = start_gateway(
         &server,
         &[
-            &[
-                "--store",
-                &url,
-                "--redis-pack-records",
-                "--redis-compact-headers",
-            ][..],
+            &["--store", &url, "--redis-record-format", "1"][..],
             &shared,
         ]
         .concat(),
     )
     .await;
-    let expanding = start_gateway(&server, &[&["--store", &url][..], &shared].concat()).await;
 
     let packed = send(&client(), order(packing.addr, "order-packed")).await;
     assert_eq!(packed.status, StatusCode::CREATED);
@@ -290,7 +288,8 @@ async fn packed_records_are_smaller_and_either_gateway_replays_them() {
             "owner",
             "split",
             "state",
-            "tenant_bin"
+            "tenant_bin",
+            "v"
         ],
         "{}",
         redis.cli(&["HGETALL", &packed_record])
@@ -435,7 +434,7 @@ async fn a_tenants_listing_reads_no_other_tenants_record() {
         let prefix = format!("t{}:", u8::from(packed));
         let store = idem_redis::RedisStore::builder(&redis.url())
             .prefix(prefix.clone())
-            .pack_records(packed)
+            .record_format(idem_tests::redis_server::format_of(packed))
             .build()
             .expect("store");
         let hashed = format!("auth:{}", "5e".repeat(32));
@@ -572,7 +571,7 @@ async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
     let stores = [false, true].map(|packed| {
         let store = idem_redis::RedisStore::builder(&redis.url())
             .prefix(prefix(packed))
-            .pack_records(packed)
+            .record_format(idem_tests::redis_server::format_of(packed))
             .build()
             .expect("store");
         (packed, store)
@@ -672,7 +671,7 @@ async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
     }
 }
 
-/// Compact headers (`compact_headers`, `--redis-compact-headers`): a
+/// Compact headers (record format 2, the default): a
 /// typical API response (`content-type` and `location`, a 45-byte body),
 /// whose headers take 66 bytes in the four-byte form, just over the 64 a
 /// value of Redis' compact hash may take, stays in its record in the
@@ -688,8 +687,7 @@ async fn compact_headers_keep_an_api_response_in_its_record() {
     };
     let store = |compact: bool| {
         idem_redis::RedisStore::builder(&redis.url())
-            .pack_records(true)
-            .compact_headers(compact)
+            .record_format(idem_tests::redis_server::format_of(compact))
             .build()
             .expect("store")
     };

@@ -27,7 +27,7 @@ mod single_node {
 async fn single_packed() -> Option<RealClock<RedisStore>> {
     let server = RedisServer::spawn()?;
     let store = RedisStore::builder(&server.url())
-        .pack_records(true)
+        .record_format(idem_redis::RecordFormat::V2)
         .build()
         .expect("store");
     Some(RealClock::new(store, server))
@@ -122,7 +122,7 @@ async fn alternating(packed_first: bool) -> Option<RealClock<Alternating>> {
     let server = RedisServer::spawn()?;
     let store = |packed: bool| {
         RedisStore::builder(&server.url())
-            .pack_records(packed)
+            .record_format(idem_tests::redis_server::format_of(packed))
             .build()
             .expect("store")
     };
@@ -209,7 +209,7 @@ async fn cluster_passes_the_whole_suite_with_either_layout() {
     };
     let store = |packed: bool| {
         RedisStore::builder(&cluster.url())
-            .pack_records(packed)
+            .record_format(idem_tests::redis_server::format_of(packed))
             .build()
             .expect("store")
     };

@@ -142,6 +142,7 @@ const INSIDE_SCRIPTS: &[&str] = &[
     "hset",
     "time",
     "pexpireat",
+    "pexpire",
     "del",
     "hexists",
     "hgetall",
@@ -215,7 +216,7 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits_on(packed: bool) 
         return;
     };
     let store = RedisStore::builder(&server.url())
-        .pack_records(packed)
+        .record_format(idem_tests::redis_server::format_of(packed))
         .build()
         .expect("store");
     let app = app_with(store, InFlight::Wait(Duration::from_secs(60)));
@@ -407,7 +408,7 @@ async fn duplicates_across_tasks_and_two_store_instances_execute_once() {
     // effect, and one that packs the records it creates (a rolling deploy
     // turning packing on).
     let b_store = RedisStore::builder(&server.url())
-        .pack_records(true)
+        .record_format(idem_redis::RecordFormat::V2)
         .build()
         .expect("store");
     let b = {
@@ -478,7 +479,7 @@ async fn paused_redis_answers_503_within_the_timeout_and_recovers_on(packed: boo
     };
     let store = RedisStore::builder(&server.url())
         .timeout(Duration::from_millis(300))
-        .pack_records(packed)
+        .record_format(idem_tests::redis_server::format_of(packed))
         .build()
         .expect("store");
     let app = app(store);
@@ -951,7 +952,7 @@ async fn repeated_writes_on(packed: bool) {
         return;
     };
     let store = RedisStore::builder(&server.url())
-        .pack_records(packed)
+        .record_format(idem_tests::redis_server::format_of(packed))
         .build()
         .expect("store");
     let request = ReserveRequest {

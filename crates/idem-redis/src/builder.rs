@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use deadpool_redis::{Runtime, Timeouts};
 
-use crate::{RedisStore, connection::Lane, pool::Pool, scripts::Scripts};
+use crate::{RecordFormat, RedisStore, connection::Lane, pool::Pool, scripts::Scripts};
 
 /// The store could not be built from its configuration.
 #[derive(Debug, thiserror::Error)]
@@ -39,8 +39,7 @@ pub struct RedisStoreBuilder {
     pub(crate) lanes: usize,
     pub(crate) timeout: Duration,
     pub(crate) wait_replicas: Option<(usize, Duration)>,
-    pub(crate) packed: bool,
-    pub(crate) compact_headers: bool,
+    pub(crate) format: RecordFormat,
     pub(crate) allow_eviction: bool,
 }
 
@@ -90,48 +89,15 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Whether new keys' records are written packed (default `false`).
+    /// The format of the records this store writes (default
+    /// [`RecordFormat::V2`], the newest; see [`crate::format`]).
     ///
-    /// A packed record keeps what a reservation writes of numbers (its
-    /// start, lease and retention; the generation, expiry and lease end
-    /// follow from them) in one field, and a completion's status, stored
-    /// flag and time in another: a new key and its completion write 12
-    /// fields instead of 21, Redis spends about 15 % fewer instructions on
-    /// them and the record takes 15 to 30 % fewer bytes
-    /// (`bench/redis_instructions.sh`; README, "Performance"). The record
-    /// means exactly the same: listing, cancelling, renewing and every
-    /// other call answer as for an expanded record, and any path other
-    /// than a new key, a replay, a completion or a release rewrites a
-    /// packed record expanded before it changes it.
-    ///
-    /// Every store of this version reads both layouts, whatever it writes.
-    /// A store of an earlier version reads only the expanded one: its
-    /// replay of a packed record fails (503), and so does its completion,
-    /// which leaves the key to be run again once the lease lapses. Turn
-    /// this on only once every instance sharing the Redis runs this version
-    /// or later; turning it off again is safe at any time.
-    pub fn pack_records(mut self, packed: bool) -> Self {
-        self.packed = packed;
-        self
-    }
-
-    /// Writes a completed response's headers in the compact form (off by
-    /// default): each name and value led by one byte of length instead of
-    /// four. A typical API response's headers (`content-type` and
-    /// `location`) then fit the 64 bytes a value of Redis' compact hash may
-    /// take, so the response stays in the record instead of a key of its
-    /// own: one `SET` fewer per completion, one key fewer per record
-    /// (its key, expiry and allocation), and half the keys a count of
-    /// lapsed records scans. The record means exactly the same.
-    ///
-    /// Every store of this version reads both forms, whatever it writes.
-    /// A store of an earlier version reads only the four-byte one: its
-    /// replay of a record with compact headers fails (503) and runs
-    /// nothing, and so does its listing of one. Turn this on only once every instance sharing the Redis
-    /// runs this version or later; turning it off again is safe at any
-    /// time.
-    pub fn compact_headers(mut self, compact: bool) -> Self {
-        self.compact_headers = compact;
+    /// Every store reads every format this version knows, whatever it
+    /// writes. Write an older format only while a rolling upgrade brings a
+    /// newer one: deploy writing the format the instances not yet upgraded
+    /// read, then, once every instance runs this version, the newest.
+    pub fn record_format(mut self, format: RecordFormat) -> Self {
+        self.format = format;
         self
     }
 
@@ -243,12 +209,12 @@ impl RedisStoreBuilder {
             pool,
             scripts: Scripts::new(crate::scripts::Constants {
                 notify: watch.publishes(),
-                packed: self.packed,
+                format: self.format,
             }),
             #[cfg(feature = "limits")]
             limit_scripts: crate::limits::LimitScripts::new(),
             prefix: self.prefix,
-            compact_headers: self.compact_headers,
+            format: self.format,
             timeout: self.timeout,
             wait_replicas: self.wait_replicas,
             watch,

@@ -10,6 +10,7 @@ use idem_core::{
 use redis::Value;
 
 use crate::errors::corrupt;
+use crate::format as f;
 use crate::invocation::Invocation;
 
 /// Every text in a reply, one after another (a cluster answers `INFO` per
@@ -209,9 +210,9 @@ impl<'a> TenantForm<'a> {
     /// `tenant` or `tenant_bin`.
     pub(crate) fn field(&self) -> &'static str {
         if self.hash.is_some() {
-            "tenant_bin"
+            f::TENANT_BIN
         } else {
-            "tenant"
+            f::TENANT
         }
     }
 
@@ -226,12 +227,12 @@ impl<'a> TenantForm<'a> {
 
 /// Reads back what [`encode_tenant`] wrote.
 fn decode_tenant(fields: &HashMap<String, &Value>) -> Result<String, StoreError> {
-    if let Some(value) = fields.get("tenant") {
+    if let Some(value) = fields.get(f::TENANT) {
         return text(value);
     }
     let raw = bytes(
         fields
-            .get("tenant_bin")
+            .get(f::TENANT_BIN)
             .ok_or_else(|| corrupt("record lacks tenant"))?,
     )?;
     let split = raw
@@ -523,16 +524,12 @@ pub(crate) fn current_attempt(
         raw.parse::<u64>()
             .map_err(|_| corrupt(format!("attempt field {raw:?}")))
     };
-    let ended = get("cur_end")?;
-    let started = number(get("cur_start")?)?;
-    let outcome = match get("cur_outcome")?.as_str() {
+    let ended = get(f::CUR_END)?;
+    let started = number(get(f::CUR_START)?)?;
+    let outcome = match get(f::CUR_OUTCOME)?.as_str() {
         "running" => AttemptOutcome::Running,
         "completed" => AttemptOutcome::Completed {
-            // Records written before the compact layout repeat the status
-            // in cur_status.
-            status: Some(get("cur_status")?)
-                .filter(|s| !s.is_empty())
-                .map_or_else(|| get("status"), Ok)?
+            status: get(f::STATUS)?
                 .parse()
                 .map_err(|_| corrupt("attempt status"))?,
         },
@@ -543,7 +540,7 @@ pub(crate) fn current_attempt(
         other => return Err(corrupt(format!("attempt outcome {other:?}"))),
     };
     Ok(Attempt {
-        id: AttemptId(uuid::Uuid::parse_str(&get("cur_id")?).map_err(|_| corrupt("attempt id"))?),
+        id: AttemptId(uuid::Uuid::parse_str(&get(f::CUR_ID)?).map_err(|_| corrupt("attempt id"))?),
         generation,
         started_at_ms: started,
         // A completion or release writes its end by its caller's clock, the
@@ -554,7 +551,7 @@ pub(crate) fn current_attempt(
             Some(number(ended)?.max(started))
         },
         outcome,
-        late: decode_late(&get("cur_late")?)?,
+        late: decode_late(&get(f::CUR_LATE)?)?,
     })
 }
 
@@ -572,56 +569,73 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
             .ok_or_else(|| corrupt(format!("record lacks {name}")))
     };
     let opt_int = |name: &str| fields.get(name).map(|v| int(v)).transpose();
-    let state = text(field("state")?)?;
+    if let Some(version) = opt_int(f::V)?
+        && u32::try_from(version).map_or(true, |n| n > f::NEWEST.number())
+    {
+        return Err(newer_format(version));
+    }
+    let state = text(field(f::STATE)?)?;
     let state =
         RecordState::parse(&state).ok_or_else(|| corrupt(format!("unknown state {state}")))?;
     // The token is kept after an attempt ends (the scripts check the
     // state first); only a processing record has an owner.
-    let owner = match fields.get("owner").map(|v| text(v)).transpose()? {
+    let owner = match fields.get(f::OWNER).map(|v| text(v)).transpose()? {
         Some(token) if state == RecordState::Processing && !token.is_empty() => Some(OwnerToken(
             uuid::Uuid::parse_str(&token).map_err(|_| corrupt("owner token"))?,
         )),
         _ => None,
     };
-    let outcome = match (state, fields.get("status")) {
+    let outcome = match (state, fields.get(f::STATUS)) {
         (RecordState::Completed, Some(status)) => Some(outcome(
             int(status)?,
-            text(field("stored")?)? == "1",
-            &bytes(field("headers")?)?,
-            bytes(field("body")?)?,
+            text(field(f::STORED)?)? == "1",
+            &bytes(field(f::HEADERS)?)?,
+            bytes(field(f::BODY)?)?,
         )?),
         _ => None,
     };
-    let mut attempts: Vec<Attempt> = match fields.get("hist").map(|v| bytes(v)).transpose()? {
+    let mut attempts: Vec<Attempt> = match fields.get(f::HIST).map(|v| bytes(v)).transpose()? {
         Some(raw) if !raw.is_empty() => {
             serde_json::from_slice(&raw).map_err(|e| corrupt(format!("attempt history: {e}")))?
         }
         _ => Vec::new(),
     };
-    if fields.contains_key("cur_id") {
-        attempts.push(current_attempt(&fields, int(field("gen")?)?)?);
+    if fields.contains_key(f::CUR_ID) {
+        attempts.push(current_attempt(&fields, int(field(f::GEN)?)?)?);
     }
     let times = times(&fields, state)?;
     Ok(Record {
         scope,
         tenant: decode_tenant(&fields)?.into(),
-        operation: text(field("op")?)?.into(),
-        key: text(field("key")?)?.into(),
-        fingerprint: Fingerprint::from_hex(&text(field("fp")?)?)
+        operation: text(field(f::OP)?)?.into(),
+        key: text(field(f::KEY)?)?.into(),
+        fingerprint: Fingerprint::from_hex(&text(field(f::FP)?)?)
             .ok_or_else(|| corrupt("fingerprint"))?,
         state,
-        generation: int(field("gen")?)?,
+        generation: int(field(f::GEN)?)?,
         owner,
-        lease_expires_at_ms: opt_int("lease_until")?.unwrap_or(0),
-        lease_ms: opt_int("lease_ms")?.unwrap_or(0),
-        retention_ms: opt_int("retention_ms")?.unwrap_or(0),
+        lease_expires_at_ms: opt_int(f::LEASE_UNTIL)?.unwrap_or(0),
+        lease_ms: opt_int(f::LEASE_MS)?.unwrap_or(0),
+        retention_ms: opt_int(f::RETENTION_MS)?.unwrap_or(0),
         created_at_ms: times.created,
         updated_at_ms: times.updated,
         completed_at_ms: times.completed,
-        expires_at_ms: opt_int("expires")?.unwrap_or(0),
+        expires_at_ms: opt_int(f::EXPIRES)?.unwrap_or(0),
         outcome,
         attempts,
     })
+}
+
+/// A record of a format newer than this version of idem reads: refused,
+/// never misread (see [`crate::format`]).
+fn newer_format(version: u64) -> StoreError {
+    StoreError::Refused(
+        format!(
+            "record format {version} is newer than this store reads ({}); upgrade every instance",
+            f::NEWEST.number()
+        )
+        .into(),
+    )
 }
 
 /// A record's creation, last change and completion, in Unix ms.
@@ -631,14 +645,13 @@ struct Times {
     completed: Option<u64>,
 }
 
-/// The compact layout derives what older records kept in fields of their
-/// own: creation is the first attempt's start until a second attempt
-/// begins, completion is the newest attempt's end, the last change is the
-/// later of its start and end. Fields of the older layout win.
+/// Derived, not kept: creation is the first attempt's start until a
+/// second attempt begins (then `created`), completion is the newest
+/// attempt's end, the last change is the later of its start and end.
 fn times(fields: &HashMap<String, &Value>, state: RecordState) -> Result<Times, StoreError> {
     let opt_int = |name: &str| fields.get(name).map(|v| int(v)).transpose();
-    let started = opt_int("cur_start")?;
-    let ended = match fields.get("cur_end").map(|v| text(v)).transpose()? {
+    let started = opt_int(f::CUR_START)?;
+    let ended = match fields.get(f::CUR_END).map(|v| text(v)).transpose()? {
         Some(ended) if !ended.is_empty() => {
             let ended = ended.parse::<u64>().map_err(|_| corrupt("attempt end"))?;
             // Never before the start (see current_attempt).
@@ -646,18 +659,10 @@ fn times(fields: &HashMap<String, &Value>, state: RecordState) -> Result<Times, 
         }
         _ => None,
     };
-    let completed = match opt_int("completed")? {
-        Some(at) => Some(at),
-        None if state == RecordState::Completed => ended,
-        None => None,
-    };
-    let updated = [opt_int("updated")?, started, ended]
-        .into_iter()
-        .flatten()
-        .max()
-        .unwrap_or(0);
+    let completed = (state == RecordState::Completed).then_some(ended).flatten();
+    let updated = [started, ended].into_iter().flatten().max().unwrap_or(0);
     Ok(Times {
-        created: opt_int("created")?.or(started).unwrap_or(0),
+        created: opt_int(f::CREATED)?.or(started).unwrap_or(0),
         updated,
         completed,
     })

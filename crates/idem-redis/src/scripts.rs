@@ -18,6 +18,8 @@ use redis::Script;
 
 use idem_core::ATTEMPT_HISTORY;
 
+use crate::format::{self, RecordFormat};
+
 const HEAD: &str = include_str!("lua/head.lua");
 const CLOCK: &str = include_str!("lua/clock.lua");
 const COMMON: &str = include_str!("lua/common.lua");
@@ -29,18 +31,25 @@ const HOLDER: &str = include_str!("lua/holder.lua");
 pub(crate) struct Constants {
     /// Whether the scripts ending an attempt publish to its waiters.
     pub(crate) notify: bool,
-    /// Whether a new key's record is packed (see `head.lua`).
-    pub(crate) packed: bool,
+    /// The format the store writes (see `format.rs`).
+    pub(crate) format: RecordFormat,
 }
 
 /// The source of a script: the prologue with the store's constants
-/// filled in, then `body` with the helpers in place (`tenant_field`: the
-/// field the reservation writes the tenant to).
+/// filled in, then `body` with the helpers in place and every field
+/// placeholder replaced (`tenant_field`: the field the reservation writes
+/// the tenant to).
 pub(crate) fn source(body: &str, constants: Constants, tenant_field: &str) -> String {
     let flag = |on: bool| if on { "true" } else { "false" };
+    let written = match constants.format {
+        RecordFormat::V1 => String::new(),
+        other => other.number().to_string(),
+    };
     let head = HEAD
         .replace("@NOTIFY@", flag(constants.notify))
-        .replace("@PACKED@", flag(constants.packed))
+        .replace("@PACKED@", flag(constants.format.packed()))
+        .replace("@FORMAT@", &written)
+        .replace("@NEWEST@", &format::NEWEST.number().to_string())
         .replace("@HISTORY@", &ATTEMPT_HISTORY.to_string());
     // `part` at the body's `marker` line, or before the body.
     let place = |body: &str, marker: &str, part: &str| {
@@ -55,7 +64,8 @@ pub(crate) fn source(body: &str, constants: Constants, tenant_field: &str) -> St
     let body = body
         .replacen("--@holder\n", HOLDER, 1)
         .replacen("--@fence\n", FENCE, 1);
-    format!("{head}\n{body}").replace("@TENANT_FIELD@", tenant_field)
+    format::substitute(&format!("{head}\n{body}"))
+        .replace("@TENANT_FIELD@", &format!("'{tenant_field}'"))
 }
 
 /// The scripts of one store.
@@ -83,10 +93,10 @@ pub(crate) struct Scripts {
 impl Scripts {
     /// The scripts of a store with these settings.
     pub(crate) fn new(constants: Constants) -> Self {
-        let script = |name: &str| Script::new(&source(body(name), constants, "tenant"));
+        let script = |name: &str| Script::new(&source(body(name), constants, format::TENANT));
         Self {
             reserve: script("reserve"),
-            reserve_bin: Script::new(&source(body("reserve"), constants, "tenant_bin")),
+            reserve_bin: Script::new(&source(body("reserve"), constants, format::TENANT_BIN)),
             renew: script("renew"),
             complete: script("complete"),
             release: script("release"),
@@ -94,8 +104,8 @@ impl Scripts {
             get: script("get"),
             abandon: std::sync::Arc::new(script("abandon")),
             force_release: script("force_release"),
-            watch: Script::new(include_str!("lua/watch.lua")),
-            count_lapsed: Script::new(include_str!("lua/count_lapsed.lua")),
+            watch: Script::new(&format::substitute(include_str!("lua/watch.lua"))),
+            count_lapsed: Script::new(&format::substitute(include_str!("lua/count_lapsed.lua"))),
         }
     }
 }
@@ -119,6 +129,18 @@ pub(crate) fn body(name: &str) -> &'static str {
 mod tests {
     use super::*;
 
+    /// Every script with a body of its own.
+    const BODIES: [&str; 8] = [
+        "reserve",
+        "renew",
+        "complete",
+        "release",
+        "cancel",
+        "get",
+        "abandon",
+        "force_release",
+    ];
+
     /// Where each part lands: a replay before the clock, a new key, a
     /// completion and a release before the helpers' closures, no
     /// placeholder left.
@@ -131,11 +153,11 @@ mod tests {
         };
         let on = Constants {
             notify: true,
-            packed: true,
+            format: RecordFormat::V2,
         };
         let off = Constants {
             notify: false,
-            packed: false,
+            format: RecordFormat::V1,
         };
         let reserve = source(body("reserve"), on, "tenant_bin");
         assert!(at(&reserve, "if state == 'completed'") < at(&reserve, "redis.call('TIME')"));
@@ -150,18 +172,9 @@ mod tests {
             assert!(at(&script, "local function fenced") < at(&script, "return fenced("));
             assert!(script.contains("local NOTIFY = false"));
         }
-        for name in [
-            "reserve",
-            "renew",
-            "complete",
-            "release",
-            "cancel",
-            "get",
-            "abandon",
-            "force_release",
-        ] {
+        for name in BODIES {
             let script = source(body(name), on, "tenant");
-            for placeholder in ["@NOTIFY@", "@HISTORY@", "@PACKED@", "@TENANT_FIELD@", "--@"] {
+            for placeholder in ["@", "--@"] {
                 let code: String = script
                     .lines()
                     .filter(|line| !line.trim_start().starts_with("-- "))
@@ -169,6 +182,62 @@ mod tests {
                 assert!(!code.contains(placeholder), "{name}: {placeholder} left");
             }
             assert_eq!(script.matches("redis.call('TIME')").count(), 1, "{name}");
+        }
+        assert!(reserve.contains("local FORMAT = '2'"));
+        assert!(source(body("reserve"), off, "tenant").contains("local FORMAT = ''"));
+    }
+
+    /// The sources name fields only through placeholders (format.rs), and
+    /// every placeholder names a field: a field spelled out in a source
+    /// would escape a rename.
+    #[test]
+    fn sources_spell_no_field_and_name_only_known_ones() {
+        let sources = [
+            HEAD,
+            CLOCK,
+            COMMON,
+            FENCE,
+            HOLDER,
+            include_str!("lua/watch.lua"),
+            include_str!("lua/count_lapsed.lua"),
+        ]
+        .into_iter()
+        .chain(BODIES.map(body));
+        let constants = ["@NOTIFY@", "@HISTORY@", "@PACKED@", "@FORMAT@", "@NEWEST@"];
+        let mut used = std::collections::BTreeSet::new();
+        for source in sources {
+            for line in source.lines() {
+                // Only code: a comment may speak of a field.
+                let code = line.split("--").next().unwrap_or_default();
+                for (_, field) in format::FIELDS {
+                    assert!(
+                        !code.contains(&format!("'{field}'")),
+                        "{field:?} spelled out in {line:?}"
+                    );
+                }
+                let mut parts = code.split('@');
+                parts.next();
+                while let (Some(name), Some(_)) = (parts.next(), parts.next()) {
+                    if constants.contains(&format!("@{name}@").as_str()) || name == "TENANT_FIELD" {
+                        continue;
+                    }
+                    assert!(
+                        format::FIELDS
+                            .iter()
+                            .any(|(placeholder, _)| placeholder.to_ascii_lowercase() == name),
+                        "unknown placeholder @{name}@ in {line:?}"
+                    );
+                    used.insert(name.to_owned());
+                }
+            }
+        }
+        // Every field but the tenant's two (filled in as TENANT_FIELD, and
+        // read by get.lua) appears in the sources.
+        for (placeholder, _) in format::FIELDS {
+            assert!(
+                used.contains(&placeholder.to_ascii_lowercase()),
+                "{placeholder} unused"
+            );
         }
     }
 }

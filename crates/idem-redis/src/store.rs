@@ -174,7 +174,9 @@ impl Store for RedisStore {
             Outcome::Stored(response) => {
                 invocation
                     .write_arg(|out| write!(out, "{}:1", response.status))
-                    .write_arg(|out| write_headers(out, &response.headers, self.compact_headers))
+                    .write_arg(|out| {
+                        write_headers(out, &response.headers, self.format.compact_headers())
+                    })
                     .arg(response.body.as_ref());
             }
             Outcome::NotStored { status } => {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use axum::{Router, http::Uri};
 use idem_core::Fleet;
 use idem_memory::MemoryStore;
-use idem_redis::RedisStore;
+use idem_redis::{RecordFormat, RedisStore};
 
 /// The memory store the flags describe, with its gauges kept up to date.
 pub(crate) fn memory_store(config: &Config) -> MemoryStore {
@@ -95,8 +95,10 @@ pub(crate) async fn store_router(
     }
     let mut builder = RedisStore::builder(&config.store)
         .timeout(config.store_timeout)
-        .pack_records(config.redis_pack_records)
-        .compact_headers(config.redis_compact_headers);
+        .record_format(
+            // The flag's parser admits only the formats this version knows.
+            RecordFormat::from_number(config.redis_record_format).unwrap_or_default(),
+        );
     if config.wait_for_replicas > 0 {
         builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
     }

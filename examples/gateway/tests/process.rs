@@ -176,7 +176,7 @@ async fn until_not_in_progress(gateway: &Process, path: &str, key: &str) -> Repl
 /// A private Redis and a counting upstream, and the flags that put a
 /// gateway between them; `None` when Redis is not installed (outside CI).
 struct OnRedis {
-    _redis: RedisServer,
+    redis: RedisServer,
     upstream: Upstream,
     _server: TestServer,
     args: Vec<String>,
@@ -197,7 +197,7 @@ impl OnRedis {
         ];
         args.extend(extra.iter().map(|a| (*a).to_owned()));
         Some(Self {
-            _redis: redis,
+            redis,
             upstream,
             _server: server,
             args,
@@ -434,6 +434,9 @@ fn invalid_flags_are_one_line_errors_not_panics() {
     for flags in [
         ["--in-flight", "wait:292400000000y"],
         ["--retention", "9000y"],
+        // A record format this version does not know.
+        ["--redis-record-format", "3"],
+        ["--redis-record-format", "0"],
     ] {
         let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .args(flags)
@@ -445,11 +448,7 @@ fn invalid_flags_are_one_line_errors_not_panics() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
     // Redis settings without Redis (the default store is memory).
-    for flag in [
-        "--redis-pack-records",
-        "--redis-compact-headers",
-        "--wait-for-replicas=1",
-    ] {
+    for flag in ["--redis-record-format=1", "--wait-for-replicas=1"] {
         let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
             .args([flag, "--listen", "127.0.0.1:0"])
             .output()
@@ -1406,4 +1405,95 @@ async fn a_redis_without_aof_is_warned_about() {
         );
         drop(gateway);
     }
+}
+
+/// A rolling upgrade on one Redis: a gateway writing record format 1 and
+/// one writing format 2 (the default) take the same keys at the same
+/// moment. Each key runs once, each gateway replays the other's records
+/// byte for byte, and the records show both formats. A record of a format
+/// newer than the gateways read is refused (503, nothing run), never
+/// misread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn formats_1_and_2_share_one_redis_through_a_rolling_upgrade() {
+    let Some(setup) = OnRedis::start(&["--lease", LEASE, "--retention", "1h"]).await else {
+        return;
+    };
+    let older = Process::start(&[setup.args(), vec!["--redis-record-format", "1"]].concat());
+    let newer = Process::start(&setup.args());
+    let gateways = [&older, &newer];
+    const KEYS: usize = 12;
+    let mut firsts = Vec::new();
+    for i in 0..KEYS {
+        let key = format!("upgrade-{i}");
+        // The first third reach the older gateway first, the second third
+        // the newer one, so both formats write records; the rest reach
+        // both at once.
+        let (a, b) = match i * 3 / KEYS {
+            0 => {
+                let a = post(&older, "/orders", &key).await;
+                (a, post(&newer, "/orders", &key).await)
+            }
+            1 => {
+                let b = post(&newer, "/orders", &key).await;
+                (post(&older, "/orders", &key).await, b)
+            }
+            _ => tokio::join!(post(&older, "/orders", &key), post(&newer, "/orders", &key)),
+        };
+        let mut created = Vec::new();
+        for reply in [a, b] {
+            match reply.status {
+                StatusCode::CREATED => created.push(reply),
+                StatusCode::CONFLICT => {
+                    assert_eq!(reply.code().as_deref(), Some("idempotency_in_progress"));
+                }
+                other => panic!("{key}: {other} {:?}", reply.body),
+            }
+        }
+        let first = created.into_iter().next().unwrap_or_else(|| {
+            panic!("{key}: neither gateway answered 201");
+        });
+        firsts.push((key, first));
+    }
+    assert_eq!(setup.upstream.runs(), KEYS, "each key ran once");
+    for (key, first) in &firsts {
+        for gateway in gateways {
+            let replay = until_not_in_progress(gateway, "/orders", key).await;
+            assert_eq!(replay.status, StatusCode::CREATED, "{key}");
+            assert_eq!(replay.body, first.body, "{key}");
+            assert_eq!(
+                replay.headers.get("location"),
+                first.headers.get("location")
+            );
+        }
+    }
+    assert_eq!(setup.upstream.runs(), KEYS, "replays ran nothing");
+    // Both formats are on the store: a format 2 record says so in its v
+    // field, a format 1 record carries none and is not packed.
+    let redis = &setup.redis;
+    let records: Vec<String> = redis
+        .cli(&["--scan", "--pattern", "idem:{*}"])
+        .lines()
+        .filter(|key| key.ends_with('}'))
+        .map(str::to_owned)
+        .collect();
+    // (A format 2 record answered as in progress is kept expanded since.)
+    let version = |key: &str| redis.cli(&["HGET", key, "v"]).trim().to_owned();
+    let packed = |key: &str| !redis.cli(&["HGET", key, "n"]).trim().is_empty();
+    let (v2, v1): (Vec<&String>, Vec<&String>) =
+        records.iter().partition(|key| version(key) == "2");
+    assert!(!v2.is_empty() && !v1.is_empty(), "v2 {v2:?}, v1 {v1:?}");
+    assert!(v1.iter().all(|key| version(key).is_empty() && !packed(key)));
+    // A record of a newer format: refused by both, nothing run.
+    for key in &records {
+        redis.cli(&["HSET", key, "v", "3"]);
+    }
+    for gateway in gateways {
+        let reply = post(gateway, "/orders", &firsts[0].0).await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            reply.code().as_deref(),
+            Some("idempotency_store_unavailable")
+        );
+    }
+    assert_eq!(setup.upstream.runs(), KEYS, "a newer record ran nothing");
 }

@@ -1,6 +1,6 @@
 //! Chaos soak: 64 concurrent clients, a pool of keys with many duplicates
 //! and some changed payloads, two gateway processes on one Redis (one
-//! writing packed records with compact headers, one neither), gateways
+//! writing record format 2, one format 1: a rolling upgrade), gateways
 //! killed (SIGKILL) or stopped (SIGTERM) and restarted, Redis paused and
 //! resumed, and one upstream execution in 30 slower than the gateways'
 //! upstream timeout (an unknown outcome: 504, the key kept, the late
@@ -238,19 +238,17 @@ async fn chaos_soak() {
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    // The second gateway writes packed records with compact headers, the
-    // first the expanded layout with four-byte headers: each replays and
-    // takes over the other's records throughout.
-    let expanded: Vec<String> = args.iter().cloned().chain(upstream_flag(0)).collect();
-    let compact: Vec<String> = args
+    // The second gateway writes record format 2 (packed, compact
+    // headers), the first format 1 (expanded, four-byte headers), as in a
+    // rolling upgrade: each replays and takes over the other's records
+    // throughout.
+    let expanded: Vec<String> = args
         .iter()
         .cloned()
-        .chain(upstream_flag(1))
-        .chain([
-            "--redis-pack-records".to_owned(),
-            "--redis-compact-headers".to_owned(),
-        ])
+        .chain(upstream_flag(0))
+        .chain(["--redis-record-format".to_owned(), "1".to_owned()])
         .collect();
+    let compact: Vec<String> = args.iter().cloned().chain(upstream_flag(1)).collect();
     let gateways = [Gateway::start(&expanded), Gateway::start(&compact)];
     let ports = [Arc::clone(&gateways[0].port), Arc::clone(&gateways[1].port)];
     let gateways = Arc::new(Mutex::new(gateways));

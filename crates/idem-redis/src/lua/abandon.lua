@@ -4,7 +4,7 @@
 -- whole lease. Anything else about the record is left alone.
 expand()
 local state, expires, cur_id, owner =
-  unpack(redis.call('HMGET', record, 'state', 'expires', 'cur_id', 'owner'))
+  unpack(redis.call('HMGET', record, @state@, @expires@, @cur_id@, @owner@))
 if not live(state, expires) then
   return {'vacant'}
 end
@@ -13,8 +13,8 @@ if state == 'processing' and cur_id == ARGV[1] and owner == ARGV[2] then
   -- processing, its lease lapsed, held by nobody. Released, it would take
   -- any payload, while the attempt it superseded may have acted: a changed
   -- request must still conflict, and the same one takes over.
-  if rare().superseded_by(tonumber(redis.call('HGET', record, 'gen'))) then
-    redis.call('HSET', record, 'owner', '', 'lease_until', ms(now))
+  if rare().superseded_by(tonumber(redis.call('HGET', record, @gen@))) then
+    redis.call('HSET', record, @owner@, '', @lease_until@, ms(now))
     rare().notify()
     return {'released'}
   end

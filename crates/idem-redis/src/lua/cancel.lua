@@ -2,7 +2,7 @@
 -- Answers which side won and the record after it, as HGETALL pairs.
 expand()
 local state, expires, retention_ms, outcome, cancel_id = unpack(redis.call('HMGET', record,
-  'state', 'expires', 'retention_ms', 'cur_outcome', 'cancel_id'))
+  @state@, @expires@, @retention_ms@, @cur_outcome@, @cancel_id@))
 -- A released record is vacant: nothing runs, nothing to cancel.
 if not live(state, expires) or state == 'released' then
   return {'not_found'}
@@ -18,10 +18,10 @@ if state == 'cancelled' then
   return {'already_cancelled', rare().all_fields()}
 end
 local until_ms = now + tonumber(retention_ms)
-redis.call('HSET', record, 'state', 'cancelled', 'owner', '', 'expires', until_ms,
-  'cancel_id', ARGV[1])
+redis.call('HSET', record, @state@, 'cancelled', @owner@, '', @expires@, until_ms,
+  @cancel_id@, ARGV[1])
 if outcome == 'running' then
-  redis.call('HSET', record, 'cur_outcome', 'cancelled', 'cur_end', now)
+  redis.call('HSET', record, @cur_outcome@, 'cancelled', @cur_end@, now)
 end
 redis.call('PEXPIREAT', record, until_ms)
 local helpers = rare()

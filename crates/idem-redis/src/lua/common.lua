@@ -5,6 +5,15 @@
 
 local response_key = record .. ':r'
 
+-- A record of a newer format than this store reads (format.rs) is
+-- refused, never misread or changed: every path past the hot ones gets
+-- here first (a replay checks on its own).
+local version = redis.call('HGET', record, @v@)
+if version and tonumber(version) > NEWEST then
+  return redis.error_reply('idem: record format ' .. version ..
+    ' is newer than this store reads (' .. NEWEST .. '); upgrade every instance')
+end
+
 -- An integer (milliseconds, a length) as the text Redis keeps. A Lua
 -- number handed to redis.call is converted by Redis itself, several times
 -- slower than string.format (about 0.4 µs a number): hot paths pass text.
@@ -21,18 +30,18 @@ local function unpacked(n, d, state)
     outcome = state
   end
   local start = tonumber(started)
-  local fields = {'gen', '1', 'expires', ms(start + tonumber(retention_ms)),
-    'lease_until', ms(start + tonumber(lease_ms)), 'cur_start', started,
-    'lease_ms', lease_ms, 'retention_ms', retention_ms, 'cur_outcome', outcome}
+  local fields = {@gen@, '1', @expires@, ms(start + tonumber(retention_ms)),
+    @lease_until@, ms(start + tonumber(lease_ms)), @cur_start@, started,
+    @lease_ms@, lease_ms, @retention_ms@, retention_ms, @cur_outcome@, outcome}
   if d then
     local status, stored, ended = string.match(d, '^(%d*):(%d*):(%d+)$')
     if status ~= '' then
-      table.insert(fields, 'status')
+      table.insert(fields, @status@)
       table.insert(fields, status)
-      table.insert(fields, 'stored')
+      table.insert(fields, @stored@)
       table.insert(fields, stored)
     end
-    table.insert(fields, 'cur_end')
+    table.insert(fields, @cur_end@)
     table.insert(fields, ended)
   end
   return fields
@@ -42,13 +51,13 @@ end
 -- expanded layout, which every path but the hot ones works on; a record
 -- already expanded is left as it is.
 local function expand(n)
-  n = n or redis.call('HGET', record, 'n')
+  n = n or redis.call('HGET', record, @n@)
   if not n then
     return
   end
-  local d, state = unpack(redis.call('HMGET', record, 'd', 'state'))
+  local d, state = unpack(redis.call('HMGET', record, @d@, @state@))
   redis.call('HSET', record, unpack(unpacked(n, d, state)))
-  redis.call('HDEL', record, 'n', 'd')
+  redis.call('HDEL', record, @n@, @d@)
 end
 
 -- Whether the record is live; deletes one that outlived its expiry.
@@ -87,21 +96,21 @@ local function rare()
     local split, n, d, state
     for i = 1, #fields, 2 do
       local name = fields[i]
-      if name == 'split' then
+      if name == @split@ then
         split = fields[i + 1]
-      elseif name == 'n' then
+      elseif name == @n@ then
         n = fields[i + 1]
-      elseif name == 'd' then
+      elseif name == @d@ then
         d = fields[i + 1]
-      elseif name == 'state' then
+      elseif name == @state@ then
         state = fields[i + 1]
       end
     end
     if split then
       local headers, body = response(nil, nil, split)
-      table.insert(fields, 'headers')
+      table.insert(fields, @headers@)
       table.insert(fields, headers)
-      table.insert(fields, 'body')
+      table.insert(fields, @body@)
       table.insert(fields, body)
     end
     if n then
@@ -136,14 +145,11 @@ local function rare()
 
   -- The newest attempt in the JSON form of idem_core::Attempt.
   local function current_attempt()
-    local id, gen, started, ended, kind, status, late, record_status = unpack(redis.call(
-      'HMGET', record, 'cur_id', 'gen', 'cur_start', 'cur_end', 'cur_outcome', 'cur_status',
-      'cur_late', 'status'))
+    local id, gen, started, ended, kind, late, status = unpack(redis.call(
+      'HMGET', record, @cur_id@, @gen@, @cur_start@, @cur_end@, @cur_outcome@, @cur_late@,
+      @status@))
     local outcome = {kind = kind}
     if kind == 'completed' then
-      if not status or status == '' then
-        status = record_status
-      end
       outcome.status = tonumber(status)
     end
     local ended_at = cjson.null
@@ -167,31 +173,31 @@ local function rare()
       return {'cancelled'}
     end
     if state == 'processing' then
-      local left = tonumber(redis.call('HGET', record, 'lease_until')) - now
+      local left = tonumber(redis.call('HGET', record, @lease_until@)) - now
       if left < 0 then left = 0 end
       return {'processing', left}
     end
-    local status, stored, headers, body, completed, ended, split = unpack(redis.call('HMGET',
-      record, 'status', 'stored', 'headers', 'body', 'completed', 'cur_end', 'split'))
+    local status, stored, headers, body, ended, split = unpack(redis.call('HMGET',
+      record, @status@, @stored@, @headers@, @body@, @cur_end@, @split@))
     if split and redis.call('EXISTS', response_key) == 0 then
       -- The response's key is gone: the stored flag '2' says so.
       stored = '2'
     end
     headers, body = response(headers, body, split)
-    return {'completed', status .. ':' .. stored .. ':' .. (completed or ended), headers, body}
+    return {'completed', status .. ':' .. stored .. ':' .. ended, headers, body}
   end
 
   -- Keeps a fenced write as late evidence on its attempt.
   local function keep_evidence(attempt_id, late)
-    local cur = redis.call('HGET', record, 'cur_id')
+    local cur = redis.call('HGET', record, @cur_id@)
     if not cur then
       return
     end
     if cur == attempt_id then
-      redis.call('HSET', record, 'cur_late', late)
+      redis.call('HSET', record, @cur_late@, late)
       return
     end
-    local raw = redis.call('HGET', record, 'hist')
+    local raw = redis.call('HGET', record, @hist@)
     if not raw or raw == '' then
       return
     end
@@ -199,7 +205,7 @@ local function rare()
     for i = 1, #hist do
       if hist[i].id == attempt_id then
         hist[i].late = late_table(late)
-        redis.call('HSET', record, 'hist', cjson.encode(hist))
+        redis.call('HSET', record, @hist@, cjson.encode(hist))
         return
       end
     end
@@ -217,7 +223,7 @@ local function rare()
   end
   -- The newest older attempt superseded while it ran, or nil.
   local function newest_superseded()
-    local raw = redis.call('HGET', record, 'hist')
+    local raw = redis.call('HGET', record, @hist@)
     if not raw or raw == '' then
       return nil
     end
@@ -233,11 +239,11 @@ local function rare()
   -- released (machine::release likewise).
   local function release_current(ended)
     if newest_superseded() then
-      redis.call('HSET', record, 'owner', '', 'lease_until', ms(now), 'cur_end', ended,
-        'cur_outcome', 'released')
+      redis.call('HSET', record, @owner@, '', @lease_until@, ms(now), @cur_end@, ended,
+        @cur_outcome@, 'released')
     else
-      redis.call('HSET', record, 'state', 'released', 'owner', '', 'cur_end', ended,
-        'cur_outcome', 'released')
+      redis.call('HSET', record, @state@, 'released', @owner@, '', @cur_end@, ended,
+        @cur_outcome@, 'released')
     end
   end
   -- The attempt that the current one (generation `gen`) took over, from

@@ -21,26 +21,26 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] then
       local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
       expires = string.format('%d', tonumber(started) + tonumber(retention_ms))
     else
-      expires = redis.call('HGET', record, 'expires')
+      expires = redis.call('HGET', record, @expires@)
     end
     redis.call('SET', record .. ':r', headers .. body, 'PXAT', expires)
   end
   if n then
     local done = ARGV[4] .. ':' .. ended
     if small then
-      redis.call('HSET', record, 'state', 'completed', 'd', done, 'headers', headers, 'body', body)
+      redis.call('HSET', record, @state@, 'completed', @d@, done, @headers@, headers, @body@, body)
     else
-      redis.call('HSET', record, 'state', 'completed', 'd', done,
-        'split', string.format('%d', #headers))
+      redis.call('HSET', record, @state@, 'completed', @d@, done,
+        @split@, string.format('%d', #headers))
     end
   else
     local status, stored = string.match(ARGV[4], '^(%d+):(%d)$')
     if small then
-      redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', stored,
-        'headers', headers, 'body', body, 'cur_end', ended, 'cur_outcome', 'completed')
+      redis.call('HSET', record, @state@, 'completed', @status@, status, @stored@, stored,
+        @headers@, headers, @body@, body, @cur_end@, ended, @cur_outcome@, 'completed')
     else
-      redis.call('HSET', record, 'state', 'completed', 'status', status, 'stored', stored,
-        'split', string.format('%d', #headers), 'cur_end', ended, 'cur_outcome', 'completed')
+      redis.call('HSET', record, @state@, 'completed', @status@, status, @stored@, stored,
+        @split@, string.format('%d', #headers), @cur_end@, ended, @cur_outcome@, 'completed')
     end
   end
   if watched and NOTIFY then

@@ -14,7 +14,7 @@ local lapsed = 0
 for _, key in ipairs(page[2]) do
   if #key == key_length then
     -- pcall: a key of another type that fits the pattern is skipped.
-    local fields = redis.pcall('HMGET', key, 'state', 'lease_until', 'expires', 'n')
+    local fields = redis.pcall('HMGET', key, @state@, @lease_until@, @expires@, @n@)
     if type(fields) == 'table' and fields[1] == 'processing' then
       -- Missing fields read as 0, as decode.rs reads them.
       local lease_until, expires = tonumber(fields[2]) or 0, tonumber(fields[3]) or 0

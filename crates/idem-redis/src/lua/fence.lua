@@ -11,8 +11,8 @@ local function fenced(outcome, status, state, n)
   if n then
     expand(n)
   end
-  local gen, expires, cur_id, cur_outcome = unpack(redis.call('HMGET', record, 'gen', 'expires',
-    'cur_id', 'cur_outcome'))
+  local gen, expires, cur_id, cur_outcome = unpack(redis.call('HMGET', record, @gen@, @expires@,
+    @cur_id@, @cur_outcome@))
   if not live(state, expires) then
     return {'vacant'}
   end

@@ -8,7 +8,7 @@
 -- The live record as HGETALL pairs, or an empty list. A packed record is
 -- read as it is (see all_fields), not expanded.
 local state, expires, n, tenant, tenant_bin =
-  unpack(redis.call('HMGET', record, 'state', 'expires', 'n', 'tenant', 'tenant_bin'))
+  unpack(redis.call('HMGET', record, @state@, @expires@, @n@, @tenant@, @tenant_bin@))
 if n then
   local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
   expires = tonumber(started) + tonumber(retention_ms)

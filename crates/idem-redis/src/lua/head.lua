@@ -4,6 +4,8 @@
 -- instead of passing them per call: each script argument costs Redis
 -- about as much as a field it writes.
 --
+-- Fields are named once, in format.rs: the sources write @name@ and
+-- scripts.rs puts the quoted field in its place.
 -- Fields: tenant (or tenant_bin: a tenant that ends in a 64-digit hex hash,
 --         with the hash as its 32 bytes) op key fp state gen owner
 --         lease_until lease_ms retention_ms expires status stored, the
@@ -17,8 +19,8 @@
 --         owner (the lease holder's token) means something only while the
 --         state is processing: every check of it checks the state first,
 --         so ending an attempt leaves it in place instead of writing it.
--- A store that packs records (RedisStoreBuilder::pack_records) writes a
--- new key's record in fewer fields: state owner fp cur_id tenant op key
+-- A store writing record format 2 (the default, format.rs) writes a
+-- new key's record packed, in fewer fields: state owner fp cur_id tenant op key
 -- and n ('cur_start:lease_ms:retention_ms'); its completion or release
 -- adds d ('status:stored:cur_end', status and stored empty for a release)
 -- and the response as above. The rest follows: gen is 1, expires and
@@ -31,9 +33,8 @@
 -- Every value of a typical record fits Redis' compact hash encoding (64
 -- bytes), and no field repeats another: the completion time is cur_end,
 -- the completed status is status, the last change is the later of
--- cur_start and cur_end. Records written before this layout (with
--- created, updated, completed and cur_status, and the response inline)
--- are read as they are.
+-- cur_start and cur_end. Format 2 records carry v ('2'); a record of a
+-- format newer than NEWEST is refused (common.lua, reserve.lua).
 -- The hot paths call TIME (only a new key's reservation: a replay needs
 -- no clock, and a completion and a release take the attempt's end time
 -- from the caller's clock; leases, retention and expiry stay on Redis'
@@ -59,3 +60,7 @@ local HISTORY = @HISTORY@
 -- Whether a new key's record is packed (see above); which layout the hot
 -- paths look for first.
 local PACKED = @PACKED@
+-- The format this store writes, as the text of a record's v field ('' for
+-- format 1, whose records carry none), and the newest it reads (format.rs).
+local FORMAT = '@FORMAT@'
+local NEWEST = @NEWEST@

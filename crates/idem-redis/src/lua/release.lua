@@ -8,9 +8,9 @@ if state == 'processing' and gen == ARGV[1] and owner == ARGV[2] and gen == '1' 
   -- record is live, see head.lua).
   local ended = ARGV[4]
   if n then
-    redis.call('HSET', record, 'state', 'released', 'd', '::' .. ended)
+    redis.call('HSET', record, @state@, 'released', @d@, '::' .. ended)
   else
-    redis.call('HSET', record, 'state', 'released', 'cur_end', ended, 'cur_outcome', 'released')
+    redis.call('HSET', record, @state@, 'released', @cur_end@, ended, @cur_outcome@, 'released')
   end
   if watched and NOTIFY then
     redis.call('PUBLISH', record .. ':c', '1')

@@ -1,6 +1,6 @@
 -- ARGV: generation, owner token, lease ms
 expand()
-local state, expires, gen, owner = unpack(redis.call('HMGET', record, 'state', 'expires', 'gen', 'owner'))
+local state, expires, gen, owner = unpack(redis.call('HMGET', record, @state@, @expires@, @gen@, @owner@))
 if not live(state, expires) then
   return {'vacant'}
 end
@@ -9,10 +9,10 @@ if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
 end
 local lease_until = now + tonumber(ARGV[3])
 local until_text = ms(lease_until)
-redis.call('HSET', record, 'lease_until', until_text, 'lease_ms', ARGV[3])
+redis.call('HSET', record, @lease_until@, until_text, @lease_ms@, ARGV[3])
 if lease_until > tonumber(expires) then
   -- A request that runs longer than the retention never expires under its feet.
-  redis.call('HSET', record, 'expires', until_text)
+  redis.call('HSET', record, @expires@, until_text)
   redis.call('PEXPIREAT', record, until_text)
 end
 return {'renewed'}

@@ -5,36 +5,37 @@
 -- in_progress, conflict, cancelled (decode_reservation in lib.rs).
 -- The tenant's field, 'tenant' or 'tenant_bin' (see decode.rs), is filled
 -- in by scripts.rs: one script for each.
-local TENANT_FIELD = '@TENANT_FIELD@'
+local TENANT_FIELD = @TENANT_FIELD@
 local fp = ARGV[1]
 -- A new key needs only the state (absent): a record Redis hands a script
 -- is live (see head.lua). The other fields are read where they are needed.
-local state = redis.call('HGET', record, 'state')
+local state = redis.call('HGET', record, @state@)
 
 if state == 'completed' then
   -- A hot path, the replay: only the fields it answers with, and
   -- no clock (the record is live, see head.lua; its client measures the
   -- age from the completion time). done is '<status>:<stored>:<ended>',
   -- a packed record's d.
-  local found_fp, done, headers, body, split
+  local found_fp, done, headers, body, split, version
   if PACKED then
-    found_fp, done, headers, body, split = unpack(redis.call('HMGET', record,
-      'fp', 'd', 'headers', 'body', 'split'))
+    found_fp, done, headers, body, split, version = unpack(redis.call('HMGET', record,
+      @fp@, @d@, @headers@, @body@, @split@, @v@))
   end
   if not done then
     local status, stored, ended
-    found_fp, status, stored, headers, body, ended, split = unpack(redis.call('HMGET', record,
-      'fp', 'status', 'stored', 'headers', 'body', 'cur_end', 'split'))
+    found_fp, status, stored, headers, body, ended, split, version = unpack(redis.call('HMGET',
+      record, @fp@, @status@, @stored@, @headers@, @body@, @cur_end@, @split@, @v@))
     if status then
-      if not ended or ended == '' then
-        -- Records of the layout before the compact one kept it apart.
-        ended = redis.call('HGET', record, 'completed')
-      end
       done = status .. ':' .. stored .. ':' .. ended
     else
       -- A packed record, on a store that does not pack.
-      done = redis.call('HGET', record, 'd')
+      done = redis.call('HGET', record, @d@)
     end
+  end
+  if version and tonumber(version) > NEWEST then
+    -- A newer format (see common.lua).
+    return redis.error_reply('idem: record format ' .. version ..
+      ' is newer than this store reads (' .. NEWEST .. '); upgrade every instance')
   end
   if found_fp ~= fp then
     return {'conflict'}
@@ -67,21 +68,21 @@ if not state then
   -- The fields the hot paths read come first: Redis finds a field of a
   -- compact hash by scanning it from the start.
   if PACKED then
-    redis.call('HSET', record, 'state', 'processing',
-      'n', string.format('%d:%s:%s', now, ARGV[4], ARGV[5]),
-      'owner', ARGV[3], 'fp', fp, 'cur_id', ARGV[2], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
-      'key', ARGV[8])
+    redis.call('HSET', record, @state@, 'processing',
+      @n@, string.format('%d:%s:%s', now, ARGV[4], ARGV[5]),
+      @owner@, ARGV[3], @fp@, fp, @cur_id@, ARGV[2], TENANT_FIELD, ARGV[6], @op@, ARGV[7],
+      @key@, ARGV[8], @v@, FORMAT)
     -- The retention from Redis' time of this script, which TIME read
     -- (within the millisecond): the key expires with the expiry n implies.
     redis.call('PEXPIRE', record, ARGV[5])
     return 1
   end
   local expires = string.format('%d', now + tonumber(ARGV[5]))
-  redis.call('HSET', record, 'state', 'processing', 'gen', '1', 'owner', ARGV[3], 'fp', fp,
-    'expires', expires, 'lease_until', string.format('%d', now + tonumber(ARGV[4])),
-    'cur_id', ARGV[2], 'cur_start', string.format('%d', now), 'cur_outcome', 'running',
-    'lease_ms', ARGV[4], 'retention_ms', ARGV[5], TENANT_FIELD, ARGV[6], 'op', ARGV[7],
-    'key', ARGV[8])
+  redis.call('HSET', record, @state@, 'processing', @gen@, '1', @owner@, ARGV[3], @fp@, fp,
+    @expires@, expires, @lease_until@, string.format('%d', now + tonumber(ARGV[4])),
+    @cur_id@, ARGV[2], @cur_start@, string.format('%d', now), @cur_outcome@, 'running',
+    @lease_ms@, ARGV[4], @retention_ms@, ARGV[5], TENANT_FIELD, ARGV[6], @op@, ARGV[7],
+    @key@, ARGV[8])
   redis.call('PEXPIREAT', record, expires)
   return 1
 end
@@ -95,13 +96,17 @@ local lease_ms, retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local function start(gen, extra)
   local expires, now_text = ms(now + retention_ms), ms(now)
   -- Until now the record's creation was its first attempt's start.
-  local created, started = unpack(redis.call('HMGET', record, 'created', 'cur_start'))
-  local fields = {'fp', fp, 'state', 'processing', 'gen', ms(gen), 'owner', token,
-    'lease_until', ms(now + lease_ms), 'lease_ms', ARGV[4], 'retention_ms', ARGV[5],
-    'cur_id', attempt_id, 'cur_start', now_text, 'cur_end', '', 'cur_outcome', 'running',
-    'cur_status', '', 'cur_late', '', 'expires', expires, 'created', created or started or now_text}
+  local created, started = unpack(redis.call('HMGET', record, @created@, @cur_start@))
+  local fields = {@fp@, fp, @state@, 'processing', @gen@, ms(gen), @owner@, token,
+    @lease_until@, ms(now + lease_ms), @lease_ms@, ARGV[4], @retention_ms@, ARGV[5],
+    @cur_id@, attempt_id, @cur_start@, now_text, @cur_end@, '', @cur_outcome@, 'running',
+    @cur_late@, '', @expires@, expires, @created@, created or started or now_text}
   for i = 1, #extra do
     fields[#fields + 1] = extra[i]
+  end
+  if FORMAT ~= '' then
+    fields[#fields + 1] = @v@
+    fields[#fields + 1] = FORMAT
   end
   redis.call('HSET', record, unpack(fields))
   redis.call('PEXPIREAT', record, expires)
@@ -111,7 +116,7 @@ end
 -- Moves the newest attempt into the history before a new one starts.
 local function archive()
   local attempt = rare().current_attempt()
-  local raw = redis.call('HGET', record, 'hist')
+  local raw = redis.call('HGET', record, @hist@)
   local hist = {}
   if raw and raw ~= '' then
     hist = cjson.decode(raw)
@@ -131,17 +136,17 @@ local function archive()
   if #hist > 0 then
     encoded = cjson.encode(hist)
   end
-  return attempt, {'hist', encoded}
+  return attempt, {@hist@, encoded}
 end
 
 expand()
 local found_fp, found_gen, lease_until, cur_id, owner, expires_at, cur_outcome = unpack(
-  redis.call('HMGET', record, 'fp', 'gen', 'lease_until', 'cur_id', 'owner', 'expires',
-    'cur_outcome'))
+  redis.call('HMGET', record, @fp@, @gen@, @lease_until@, @cur_id@, @owner@, @expires@,
+    @cur_outcome@))
 if not live(state, expires_at) then
   -- A key that outlived its expires field (the two are set together, so
   -- only a clock that jumped gets here): gone, and the key is new.
-  return {'acquired', start(1, {TENANT_FIELD, ARGV[6], 'op', ARGV[7], 'key', ARGV[8]})}
+  return {'acquired', start(1, {TENANT_FIELD, ARGV[6], @op@, ARGV[7], @key@, ARGV[8]})}
 end
 local gen = tonumber(found_gen)
 if state == 'released' then
@@ -172,7 +177,7 @@ if state == 'processing' then
     -- start (the owner has at least the lease less a second).
     local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
     local started = now - (tonumber(uptime or '0') + 1) * 1000
-    lease_left = started + tonumber(redis.call('HGET', record, 'lease_ms') or '0') - now
+    lease_left = started + tonumber(redis.call('HGET', record, @lease_ms@) or '0') - now
   end
   if lease_left > 0 then
     return {'in_progress', lease_left}
@@ -184,7 +189,7 @@ if state == 'processing' then
   if cur_outcome == 'released' then
     newest = rare().newest_superseded()
   else
-    redis.call('HSET', record, 'cur_outcome', 'superseded', 'cur_end', now)
+    redis.call('HSET', record, @cur_outcome@, 'superseded', @cur_end@, now)
   end
   local superseded, hist = archive()
   superseded = newest or superseded

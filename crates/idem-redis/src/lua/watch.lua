@@ -7,11 +7,11 @@
 -- release after a takeover empties its owner, see release.lua) is
 -- answered 'free': there is nothing to wait for, the same request takes
 -- it over at once. Runs without the shared prologue.
-local state, owner = unpack(redis.call('HMGET', KEYS[1], 'state', 'owner'))
+local state, owner = unpack(redis.call('HMGET', KEYS[1], @state@, @owner@))
 if state == 'processing' then
   if owner == '' then
     return 'free'
   end
-  redis.call('HSET', KEYS[1], 'w', '1')
+  redis.call('HSET', KEYS[1], @w@, '1')
 end
 return state
