@@ -1096,3 +1096,120 @@ async fn the_layer_keeps_its_store_claim_alive() {
     )
     .await;
 }
+
+/// A whole answer: status, headers but `date`, body.
+async fn whole(router: &Router, key: &str) -> (StatusCode, Vec<(String, Vec<u8>)>, Bytes) {
+    let request = Request::post("/orders")
+        .header("idempotency-key", key)
+        .header("x-tenant-id", "acme")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(r#"{"a":1}"#))
+        .expect("request");
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let mut headers: Vec<(String, Vec<u8>)> = response
+        .headers()
+        .iter()
+        .filter(|(name, _)| *name != http::header::DATE)
+        .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
+        .collect();
+    headers.sort();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, headers, body)
+}
+
+/// A storm of retries of a completed key: the first replay comes from
+/// Redis, every later one from the replay cache without a command, byte
+/// for byte the store's (status, every header, body); with the cache off,
+/// each replay is a script call again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_storm_costs_redis_one_call_and_replays_the_stores_bytes() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let app = app(RedisStore::from_url(&server.url()).expect("store"));
+    let first = call(&app.router, "/orders", "storm", r#"{"a":1}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let before = server.command_stats();
+    let from_store = whole(&app.router, "storm").await;
+    assert_eq!(round_trips_since(&server, &before), (1, 1));
+    assert_eq!(from_store.2, first.body);
+    let before = server.command_stats();
+    let storm: Vec<_> = (0..50)
+        .map(|_| {
+            let router = app.router.clone();
+            tokio::spawn(async move { whole(&router, "storm").await })
+        })
+        .collect();
+    for replay in storm {
+        assert_eq!(replay.await.expect("join"), from_store);
+    }
+    assert_eq!(round_trips_since(&server, &before), (0, 0), "no command");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    // A changed payload still reaches Redis and conflicts.
+    let conflict = call(&app.router, "/orders", "storm", r#"{"a":2}"#).await;
+    assert_eq!(conflict.code.as_deref(), Some("idempotency_conflict"));
+
+    let uncached = app_of(
+        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
+            .replay_cache(0, Duration::ZERO),
+    );
+    let before = server.command_stats();
+    for _ in 0..3 {
+        assert_eq!(whole(&uncached.router, "storm").await, from_store);
+    }
+    assert_eq!(round_trips_since(&server, &before), (3, 3));
+}
+
+/// Duplicates that wait together share one wait and one reservation: 40
+/// duplicates of a running key (wait mode) cost Redis a few script calls
+/// once it completes, not one each, and each is answered the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_duplicates_share_one_reservation() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let app = app_of(
+        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
+            .in_flight(InFlight::Wait(Duration::from_secs(20)))
+            .replay_cache(0, Duration::ZERO),
+    );
+    let router = app.router.clone();
+    let first = tokio::spawn(async move { call(&router, "/slow", "together", "{}").await });
+    wait_until(
+        Duration::from_secs(30),
+        "the first request to run",
+        async || app.runs.load(Ordering::SeqCst) >= 1,
+    )
+    .await;
+    let duplicates: Vec<_> = (0..40)
+        .map(|_| {
+            let router = app.router.clone();
+            tokio::spawn(async move { call(&router, "/slow", "together", "{}").await })
+        })
+        .collect();
+    wait_until(
+        Duration::from_secs(30),
+        "40 waiting duplicates",
+        async || app.layer.duplicates_waiting() >= 40,
+    )
+    .await;
+    let before = server.command_stats();
+    app.gate.add_permits(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, StatusCode::CREATED);
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.expect("join");
+        assert!(duplicate.replayed, "{:?}", duplicate.code);
+        assert_eq!(duplicate.body, first.body);
+    }
+    let (_, scripts) = round_trips_since(&server, &before);
+    // The completion, then the one waiting reservation (and a few more
+    // from duplicates whose wait woke between rounds): not 40.
+    assert!(scripts <= 8, "{scripts} script calls for 40 duplicates");
+}

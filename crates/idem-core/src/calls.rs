@@ -28,6 +28,11 @@ pub struct Replay {
     /// store reads no clock on a replay (Redis), this process' clock minus
     /// the completion time the store kept; never negative.
     pub age: Duration,
+    /// How much longer the record lives, when the store says (`None`: it
+    /// does not). A process may keep a copy of a completed record for at
+    /// most this long (the layer's replay cache): a completed record does
+    /// not change until it expires.
+    pub expires_in: Option<Duration>,
 }
 
 /// The answer to [`Store::reserve`](crate::Store::reserve).

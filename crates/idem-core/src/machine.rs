@@ -53,6 +53,9 @@ fn replay(record: &Record, outcome: &Outcome, now_ms: u64) -> Replay {
     Replay {
         outcome: outcome.clone(),
         age: Duration::from_millis(now_ms.saturating_sub(completed)),
+        expires_in: Some(Duration::from_millis(
+            record.expires_at_ms.saturating_sub(now_ms),
+        )),
     }
 }
 

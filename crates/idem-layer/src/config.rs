@@ -93,6 +93,9 @@ pub(crate) struct Config {
     /// The key of scope hashes; none: unkeyed.
     pub(crate) scope_secret: Option<idem_core::ScopeSecret>,
     pub(crate) scope_format: idem_core::ScopeFormat,
+    /// The replay cache's bytes and bound on an entry's life
+    /// ([`IdempotencyLayer::replay_cache`](crate::IdempotencyLayer::replay_cache)).
+    pub(crate) replay_cache: (usize, Duration),
 }
 
 impl Config {

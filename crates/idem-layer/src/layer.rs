@@ -106,6 +106,7 @@ impl<S: Store> IdempotencyLayer<S> {
             admin_token: None,
             scope_secret: None,
             scope_format: crate::ScopeFormat::Sha256,
+            replay_cache: (DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_BOUND),
         };
         Self {
             runtime: Runtime::new(store, config),
@@ -149,6 +150,13 @@ impl<S: Store> IdempotencyLayer<S> {
     /// How many tasks of the layer outlive their requests right now.
     pub fn background_tasks(&self) -> usize {
         self.runtime.tasks.len()
+    }
+
+    /// How many duplicates wait right now for an attempt of their key to
+    /// end (in wait mode): on the store, or on the reservation of their
+    /// key in flight here, which waits on the store once for them all.
+    pub fn duplicates_waiting(&self) -> usize {
+        self.runtime.flights.waiting()
     }
 
     /// The store the layer uses.
@@ -356,6 +364,30 @@ impl<S: Store> IdempotencyLayer<S> {
     pub fn replay_denylist(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         let headers = headers.into_iter().collect();
         self.with(|c| c.replay_denylist = headers)
+    }
+}
+
+/// The replay cache's default size: 16 MiB.
+pub const DEFAULT_REPLAY_CACHE_BYTES: usize = 16 << 20;
+/// The longest a replay cache's entry lives by default: a minute.
+pub const DEFAULT_REPLAY_CACHE_BOUND: Duration = Duration::from_secs(60);
+
+/// Storms of retries: the replay cache.
+impl<S: Store> IdempotencyLayer<S> {
+    /// Keeps the completed records this process is answered with, up to
+    /// `bytes` of responses, each for at most `bound` and never past the
+    /// record's expiry (default 16 MiB and 60 s; `0` turns it off): a
+    /// retry of a completed key is then replayed without a store call, as
+    /// the store would replay it (a completed record does not change until
+    /// it expires), and a request with another payload still goes to the
+    /// store (422). A store that does not say when its records expire gets
+    /// nothing kept. A record erased in another process may be replayed
+    /// here for up to `bound`; a record the store lost stays replayable
+    /// for that long, which is the safe side. Duplicates of one key that
+    /// arrive together share one reservation, cache or not
+    /// (`idem_store_calls_saved_total` counts both).
+    pub fn replay_cache(self, bytes: usize, bound: Duration) -> Self {
+        self.with(|c| c.replay_cache = (bytes, bound))
     }
 }
 

@@ -171,6 +171,7 @@ mod disconnect;
 mod encoding;
 mod engine;
 pub mod fingerprint;
+mod found;
 mod headers;
 mod layer;
 mod listing;
@@ -182,6 +183,7 @@ mod recent;
 pub mod records;
 mod runtime;
 mod service;
+mod storm;
 pub mod tenant;
 pub mod testing;
 mod unknown;
@@ -202,7 +204,7 @@ pub use idem_core::{
     Attempt, AttemptId, AttemptOutcome, Fingerprint, IdempotencyKey, KeyError, ScopeFormat,
     ScopeHash, ScopeSecret,
 };
-pub use layer::IdempotencyLayer;
+pub use layer::{DEFAULT_REPLAY_CACHE_BOUND, DEFAULT_REPLAY_CACHE_BYTES, IdempotencyLayer};
 pub use path::normalize_path;
 pub use pending::Recording;
 pub use problem::{

@@ -6,6 +6,7 @@
 //! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get, list, force_release |
 //! | `idem_replay_age_seconds` | histogram | |
 //! | `idem_outcomes_pending` | gauge | |
+//! | `idem_store_calls_saved_total` | counter | `via`: cache (a replay from the replay cache), flight (a duplicate answered from the reservation of the same key in flight) |
 //!
 //! `idem_outcomes_pending` counts the outcomes this process holds that a
 //! store error kept from being recorded yet (tried again in the
@@ -35,6 +36,9 @@ pub const STORE_DURATION: &str = "idem_store_duration_seconds";
 pub const REPLAY_AGE: &str = "idem_replay_age_seconds";
 /// The name of the gauge of outcomes held for a background completion.
 pub const OUTCOMES_PENDING: &str = "idem_outcomes_pending";
+/// The name of the counter of store calls saved (the replay cache, single
+/// flight).
+pub const CALLS_SAVED: &str = "idem_store_calls_saved_total";
 
 /// How a keyed request was answered, as counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +103,31 @@ keyed_by_variant!(Outcome, REQUESTS_TOTAL, "outcome":
     Unknown => "unknown",
 );
 
+/// How a request was answered without a store call of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Saved {
+    /// From the replay cache.
+    Cache,
+    /// From the reservation of its key in flight.
+    Flight,
+}
+
+keyed_by_variant!(Saved, CALLS_SAVED, "via":
+    Cache => "cache",
+    Flight => "flight",
+);
+
+/// A store call saved.
+pub(crate) fn saved(via: Saved) {
+    match HANDLES.get() {
+        Some(handles) => handles.saved[via as usize].increment(1),
+        None => {
+            metrics::with_recorder(|recorder| recorder.register_counter(via.key(), &METADATA))
+                .increment(1);
+        }
+    }
+}
+
 /// The layer's metrics as registered once by [`register_handles`].
 struct Handles {
     /// By [`Outcome`]'s discriminant.
@@ -107,6 +136,8 @@ struct Handles {
     store: Vec<Histogram>,
     replay_age: Histogram,
     outcomes_pending: Gauge,
+    /// By [`Saved`]'s discriminant.
+    saved: Vec<Counter>,
 }
 
 static HANDLES: OnceLock<Handles> = OnceLock::new();
@@ -137,6 +168,10 @@ pub fn register_handles() -> bool {
             replay_age: recorder.register_histogram(&Key::from_static_name(REPLAY_AGE), &METADATA),
             outcomes_pending: recorder
                 .register_gauge(&Key::from_static_name(OUTCOMES_PENDING), &METADATA),
+            saved: Saved::ALL
+                .iter()
+                .map(|via| recorder.register_counter(via.key(), &METADATA))
+                .collect(),
         })
     });
     registered
@@ -212,6 +247,9 @@ mod tests {
         }
         for (index, op) in StoreOp::ALL.iter().enumerate() {
             assert_eq!(*op as usize, index);
+        }
+        for (index, via) in Saved::ALL.iter().enumerate() {
+            assert_eq!(*via as usize, index);
         }
         assert_eq!(Outcome::ALL.len(), 12);
         assert_eq!(StoreOp::ALL.len(), 8);

@@ -42,6 +42,12 @@ pub(crate) struct Shared<S> {
     /// Whether `config` passed validation, decided once (a router may
     /// apply the layer per request) and again after every change.
     pub(crate) valid: std::sync::OnceLock<bool>,
+    /// Completed records this process was answered with (see
+    /// [`ReplayCache`](crate::storm::ReplayCache)), made at first use from
+    /// the settings; none when they turn it off.
+    pub(crate) replays: std::sync::OnceLock<Option<crate::storm::ReplayCache>>,
+    /// The reservations in flight, by scope (single flight).
+    pub(crate) flights: Arc<crate::storm::Flights>,
 }
 
 impl<S> Runtime<S> {
@@ -57,7 +63,20 @@ impl<S> Runtime<S> {
             listings: Default::default(),
             pending: Default::default(),
             valid: std::sync::OnceLock::new(),
+            replays: std::sync::OnceLock::new(),
+            flights: Default::default(),
         }))
+    }
+
+    /// The replay cache, if the settings keep one.
+    pub(crate) fn replays(&self) -> Option<&crate::storm::ReplayCache> {
+        self.0
+            .replays
+            .get_or_init(|| {
+                let (bytes, bound) = self.0.config.replay_cache;
+                crate::storm::ReplayCache::new(bytes, bound)
+            })
+            .as_ref()
     }
 
     /// The settings, to change while the layer is being built (copied on
@@ -65,6 +84,7 @@ impl<S> Runtime<S> {
     pub(crate) fn config_mut(&mut self) -> &mut Config {
         let shared = Arc::make_mut(&mut self.0);
         shared.valid = std::sync::OnceLock::new();
+        shared.replays = std::sync::OnceLock::new();
         Arc::make_mut(&mut shared.config)
     }
 }
@@ -84,6 +104,9 @@ impl<S> Clone for Shared<S> {
             listings: Arc::clone(&self.listings),
             pending: Arc::clone(&self.pending),
             valid: self.valid.clone(),
+            // Made again from the settings, which a copy is taken to change.
+            replays: std::sync::OnceLock::new(),
+            flights: Arc::clone(&self.flights),
         }
     }
 }

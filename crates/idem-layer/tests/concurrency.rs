@@ -49,9 +49,11 @@ async fn hundred_concurrent_duplicates_execute_once_wait_mode() {
     wait_until(
         Duration::from_secs(10),
         "99 waiting duplicates",
-        async || store.waiting() >= 99,
+        async || layer.duplicates_waiting() >= 99,
     )
     .await;
+    // They share one wait on the store (single flight).
+    assert_eq!(store.waiting(), 1);
     assert_eq!(probe.calls(), 1);
     probe.open_gate(1);
     let mut bodies = Vec::new();

@@ -419,12 +419,18 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
 }
 
 /// A replay as the reserve script answers it, one string:
-/// `<status>:<stored>:<completed at, Unix ms>:<length of the headers>:`,
-/// then the headers and the body. The body is a slice of the reply, not a
-/// copy.
+/// `<status>:<stored>:<completed at, Unix ms>:<expires at, Unix ms>:<length
+/// of the headers>:`, then the headers and the body. The body is a slice of
+/// the reply, not a copy.
 pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
-    const FIELDS: [&str; 4] = ["status", "stored", "completion time", "headers' length"];
-    let mut numbers = [0u64; 4];
+    const FIELDS: [&str; 5] = [
+        "status",
+        "stored",
+        "completion time",
+        "expiry",
+        "headers' length",
+    ];
+    let mut numbers = [0u64; 5];
     let mut at = 0;
     for (number, what) in numbers.iter_mut().zip(FIELDS) {
         let field = raw[at..]
@@ -438,7 +444,7 @@ pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
             .ok_or_else(|| corrupt(format!("replay lacks the {what}")))?;
         at += field.len() + 1;
     }
-    let [status, stored, completed, headers] = numbers;
+    let [status, stored, completed, expires, headers] = numbers;
     // A response key cut short reads as what it holds, as Lua's
     // string.sub reads it.
     let headers_end = usize::try_from(headers)
@@ -446,7 +452,12 @@ pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
         .min(raw.len());
     let raw = Bytes::from(raw);
     let body = raw.slice(headers_end..);
-    replay(status, stored, completed, &raw[at..headers_end], body)
+    let mut replay = replay(status, stored, completed, &raw[at..headers_end], body)?;
+    // Measured, like the age, against this process' clock; a record whose
+    // expiry is unknown (0) is not kept anywhere.
+    replay.expires_in =
+        (expires > 0).then(|| Duration::from_millis(expires.saturating_sub(unix_ms())));
+    Ok(replay)
 }
 
 /// The stored flag the scripts answer for a completed record whose
@@ -483,6 +494,7 @@ fn replay(
     Ok(Replay {
         outcome: outcome(status, stored == 1, headers, body)?,
         age: Duration::from_millis(unix_ms().saturating_sub(completed)),
+        expires_in: None,
     })
 }
 

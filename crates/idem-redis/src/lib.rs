@@ -705,7 +705,7 @@ mod tests {
             /// decoded or refused as corrupt, never a panic.
             #[test]
             fn replay_decode_never_panics(raw in prop::collection::vec(any::<u8>(), 0..80), cut in any::<usize>()) {
-                let mut answer = b"201:1:1700000000000:9:".to_vec();
+                let mut answer = b"201:1:1700000000000:1700086400000:9:".to_vec();
                 answer.extend_from_slice(&raw);
                 let _ = decode_replay(raw);
                 answer.truncate(cut % (answer.len() + 1));
@@ -751,7 +751,8 @@ mod tests {
             Bytes::from_static(b"/o/1"),
         )]);
         let answer = |len: usize, rest: &[u8]| {
-            let mut raw = format!("201:1:1700000000000:{len}:").into_bytes();
+            let expires = unix_ms() + 60_000;
+            let mut raw = format!("201:1:1700000000000:{expires}:{len}:").into_bytes();
             raw.extend_from_slice(rest);
             raw
         };
@@ -769,9 +770,15 @@ mod tests {
             )]
         );
         assert_eq!(&response.body[..], b"{\"id\":1}");
-        // Not stored: the status alone.
-        let replay = decode_replay(b"409:0:1700000000000:0:".to_vec()).expect("replay");
+        let expires_in = replay.expires_in.expect("an expiry");
+        assert!(
+            expires_in > Duration::from_secs(50) && expires_in <= Duration::from_secs(60),
+            "{expires_in:?}"
+        );
+        // Not stored: the status alone; an expiry of 0 is unknown.
+        let replay = decode_replay(b"409:0:1700000000000:0:0:".to_vec()).expect("replay");
         assert!(matches!(replay.outcome, Outcome::NotStored { status: 409 }));
+        assert_eq!(replay.expires_in, None);
         // Headers longer than what is there: all of it is headers.
         let cut = decode_replay(answer(headers.len() + 50, &headers)).expect("replay");
         let Outcome::Stored(response) = cut.outcome else {
@@ -783,8 +790,9 @@ mod tests {
             b"201",
             b"201:1:",
             b"201:1:17:",
-            b"x:1:17:0:",
-            b"201:1:17:z:",
+            b"201:1:17:0:",
+            b"x:1:17:0:0:",
+            b"201:1:17:0:z:",
         ] {
             assert!(decode_replay(bad.to_vec()).is_err(), "{bad:?}");
         }

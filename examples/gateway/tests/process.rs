@@ -1483,17 +1483,30 @@ async fn formats_1_and_2_share_one_redis_through_a_rolling_upgrade() {
         records.iter().partition(|key| version(key) == "2");
     assert!(!v2.is_empty() && !v1.is_empty(), "v2 {v2:?}, v1 {v1:?}");
     assert!(v1.iter().all(|key| version(key).is_empty() && !packed(key)));
-    // A record of a newer format: refused by both, nothing run.
-    for key in &records {
-        redis.cli(&["HSET", key, "v", "3"]);
-    }
+    // A record of a newer format: refused by both, nothing run. (A record
+    // neither gateway has replayed yet: a replay kept in a gateway's cache
+    // answers for up to a minute, as the store answered.)
+    let newer_key = "upgrade-newer";
+    let created = post(&older, "/orders", newer_key).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let record = redis
+        .cli(&["--scan", "--pattern", "idem:{*}"])
+        .lines()
+        .find(|key| key.ends_with('}') && redis.cli(&["HGET", key, "key"]).trim() == newer_key)
+        .expect("its record")
+        .to_owned();
+    redis.cli(&["HSET", &record, "v", "3"]);
     for gateway in gateways {
-        let reply = post(gateway, "/orders", &firsts[0].0).await;
+        let reply = post(gateway, "/orders", newer_key).await;
         assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(
             reply.code().as_deref(),
             Some("idempotency_store_unavailable")
         );
     }
-    assert_eq!(setup.upstream.runs(), KEYS, "a newer record ran nothing");
+    assert_eq!(
+        setup.upstream.runs(),
+        KEYS + 1,
+        "a newer record ran nothing"
+    );
 }

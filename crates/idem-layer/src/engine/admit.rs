@@ -5,15 +5,17 @@
 
 use std::time::Duration;
 
-use idem_core::{Attempt, Lease, Replay, Reservation, ReserveRequest, Store, StoreError};
+use idem_core::{Attempt, Lease, Reservation, ReserveRequest, Store, StoreError};
 
 use crate::{
     InFlight,
-    metrics::{self as m, Outcome as Counted, StoreOp},
+    found::Found,
+    metrics::{self as m, Outcome as Counted, Saved, StoreOp},
     pending::Held,
     runtime::{
         RUNNING_RETRY_AFTER, Runtime, deadline_after, store_call, wait_bound, wait_for_change,
     },
+    storm::{Role, Shared, follow},
 };
 
 /// What a request's reservation came to.
@@ -36,58 +38,134 @@ pub(crate) enum Admission {
     Failed(StoreError),
 }
 
-/// What the record says, for a request that does not run.
-pub(crate) enum Found {
-    /// The outcome to replay.
-    Completed(Replay),
-    /// An attempt runs (here or elsewhere); retry after this hint.
-    InProgress(Duration),
-    /// The record was cancelled.
-    Cancelled,
-    /// The key was used with another payload.
-    Conflict,
-}
-
 /// Reserves `request`'s scope: the loop of the contract's state table.
 /// `on_conflict` may change the request (another fingerprint format) and
 /// answer `true` to have the reservation tried again; otherwise a
-/// conflict is [`Found::Conflict`]. Counts takeovers; the callers count
-/// the answers they give.
+/// conflict is [`Found::Conflict`]. A replay this process keeps answers at
+/// once ([`ReplayCache`](crate::storm::ReplayCache)), and a duplicate of a
+/// reservation in flight here shares it ([`storm`](crate::storm)). Counts takeovers
+/// and saved store calls; the callers count the answers they give.
 pub(crate) async fn admit<S: Store>(
     rt: &Runtime<S>,
     request: &mut ReserveRequest,
     mut on_conflict: impl FnMut(&mut ReserveRequest) -> bool,
 ) -> Admission {
-    let (config, store) = (&*rt.config, &*rt.store);
-    let deadline = match config.in_flight {
+    let deadline = match rt.config.in_flight {
         InFlight::Wait(bound) => Some(deadline_after(bound)),
         InFlight::Reject => None,
     };
+    // Whether the next round waits on the store before it reserves, and
+    // the hint to bound that wait by: this request followed a round whose
+    // leader runs, or still found, the request in progress.
+    let mut wait_first = None;
     loop {
+        let (scope, fingerprint) = (*request.scope.hash(), request.fingerprint);
+        if let Some(replay) = rt
+            .replays()
+            .and_then(|cache| cache.get(&scope, &fingerprint))
+        {
+            m::saved(Saved::Cache);
+            return Admission::Found(Found::Completed(replay));
+        }
+        let leader = match rt.flights.join(&scope, &fingerprint) {
+            Role::Lead(leader) => Some(leader),
+            Role::Alone => None,
+            Role::Follow(answer) => match follow_counted(rt, answer, deadline).await {
+                Some(Shared::Found(Found::InProgress(hint)) | Shared::Running(hint)) => {
+                    m::saved(Saved::Flight);
+                    if deadline.is_some_and(|deadline| tokio::time::Instant::now() < deadline) {
+                        wait_first = Some(hint);
+                        continue;
+                    }
+                    return Admission::Found(Found::InProgress(hint));
+                }
+                Some(Shared::Found(found)) => {
+                    m::saved(Saved::Flight);
+                    return Admission::Found(found);
+                }
+                Some(Shared::Alone) => None,
+                // This request's own wait ended first.
+                None => return Admission::Found(Found::InProgress(RUNNING_RETRY_AFTER)),
+            },
+        };
+        let Some(admission) =
+            round(rt, request, deadline, wait_first.take(), &mut on_conflict).await
+        else {
+            // Tried again under another fingerprint: a round of its own.
+            continue;
+        };
+        if let Some(leader) = leader {
+            leader.publish(match &admission {
+                Admission::Run { lease, .. } => Shared::Running(lease.ttl),
+                Admission::Found(Found::Conflict) | Admission::Held(_) | Admission::Failed(_) => {
+                    Shared::Alone
+                }
+                Admission::Found(found) => Shared::Found(found.clone()),
+            });
+        }
+        return admission;
+    }
+}
+
+/// [`follow`], counted as waiting where the request waits for an attempt
+/// (wait mode).
+async fn follow_counted<S>(
+    rt: &Runtime<S>,
+    answer: tokio::sync::watch::Receiver<Option<Shared>>,
+    deadline: Option<tokio::time::Instant>,
+) -> Option<Shared> {
+    let _waiting = deadline.map(|_| rt.flights.wait());
+    follow(answer, deadline).await
+}
+
+/// One round of reservations: the store's answers (waiting on the store
+/// between them while the request waits) until one settles what the
+/// request does; `None` when `on_conflict` changed the request.
+async fn round<S: Store>(
+    rt: &Runtime<S>,
+    request: &mut ReserveRequest,
+    deadline: Option<tokio::time::Instant>,
+    mut wait_first: Option<Duration>,
+    on_conflict: &mut impl FnMut(&mut ReserveRequest) -> bool,
+) -> Option<Admission> {
+    let (config, store) = (&*rt.config, &*rt.store);
+    loop {
+        if let Some(hint) = wait_first.take() {
+            let now = tokio::time::Instant::now();
+            if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
+                let _waiting = rt.flights.wait();
+                wait_for_change(
+                    store,
+                    request.scope.hash(),
+                    wait_bound(deadline - now, hint),
+                )
+                .await;
+            }
+        }
         // Before every reservation (a waiting duplicate's too: the attempt
         // it waits for may be this layer's). Boxed: the rare path's state
         // stays out of every request's future.
         if rt.pending.any()
             && let Err(held) = Box::pin(rt.outcome_recorded(request.scope.hash(), deadline)).await
         {
-            return match held {
+            return Some(match held {
                 Held::Unrecorded(error) => Admission::Held(error),
                 Held::Running => Admission::Found(Found::InProgress(RUNNING_RETRY_AFTER)),
-            };
+            });
         }
         let reservation = match store_call(config, StoreOp::Reserve, store.reserve(request)).await {
             Ok(reservation) => {
                 rt.pending.store_answered();
                 reservation
             }
-            Err(error) => return Admission::Failed(error),
+            Err(error) => return Some(Admission::Failed(error)),
         };
         let found = match reservation {
             Reservation::Acquired(lease) => {
-                return Admission::Run {
+                return Some(Admission::Run {
                     lease,
                     superseded: None,
-                };
+                });
             }
             Reservation::TakenOver { lease, superseded } => {
                 m::count(Counted::Takeover);
@@ -96,29 +174,32 @@ pub(crate) async fn admit<S: Store>(
                     superseded = %superseded.id,
                     "lease lapsed; taking over"
                 );
-                return Admission::Run {
+                return Some(Admission::Run {
                     lease,
                     superseded: Some(superseded),
-                };
+                });
             }
             Reservation::InProgress { retry_after } => {
-                let now = tokio::time::Instant::now();
-                if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
-                    let bound = wait_bound(deadline - now, retry_after);
-                    wait_for_change(store, request.scope.hash(), bound).await;
+                if deadline.is_some_and(|deadline| tokio::time::Instant::now() < deadline) {
+                    wait_first = Some(retry_after);
                     continue;
                 }
                 Found::InProgress(retry_after)
             }
-            Reservation::Completed(replay) => Found::Completed(replay),
+            Reservation::Completed(replay) => {
+                if let Some(cache) = rt.replays() {
+                    cache.keep(request.scope.hash(), &request.fingerprint, &replay);
+                }
+                Found::Completed(replay)
+            }
             Reservation::Cancelled => Found::Cancelled,
             Reservation::Conflict => {
                 if on_conflict(request) {
-                    continue;
+                    return None;
                 }
                 Found::Conflict
             }
         };
-        return Admission::Found(found);
+        return Some(Admission::Found(found));
     }
 }

@@ -9,6 +9,7 @@ mod admit;
 mod lease;
 mod settle;
 
-pub(crate) use admit::{Admission, Found, admit};
+pub(crate) use crate::found::Found;
+pub(crate) use admit::{Admission, admit};
 pub(crate) use lease::{Lapse, renewing};
 pub(crate) use settle::settle;

@@ -339,15 +339,21 @@ pub type Snapshot = [(
 
 /// How many keyed requests the snapshot counts with `outcome`.
 pub fn outcome_count(snapshot: &Snapshot, outcome: &str) -> u64 {
+    counter_total(snapshot, "idem_requests_total", "outcome", outcome)
+}
+
+/// The sum of the snapshot's counters named `name` whose label `label` is
+/// `value`.
+pub fn counter_total(snapshot: &Snapshot, name: &str, label: &str, value: &str) -> u64 {
     snapshot
         .iter()
         .filter(|(key, ..)| {
             key.kind() == metrics_util::MetricKind::Counter
-                && key.key().name() == "idem_requests_total"
+                && key.key().name() == name
                 && key
                     .key()
                     .labels()
-                    .any(|l| l.key() == "outcome" && l.value() == outcome)
+                    .any(|l| l.key() == label && l.value() == value)
         })
         .map(|(.., value)| match value {
             metrics_util::debugging::DebugValue::Counter(n) => *n,

@@ -16,22 +16,30 @@ if state == 'completed' then
   -- no clock (the record is live, see head.lua; its client measures the
   -- age from the completion time). done is '<status>:<stored>:<ended>',
   -- a packed record's d.
-  local found_fp, done, headers, body, split, version
+  -- The record's expiry goes with it (a process may keep the replay that
+  -- long): a packed record's start plus retention (n), else expires.
+  local found_fp, done, headers, body, split, version, n, expires
   if PACKED then
-    found_fp, done, headers, body, split, version = unpack(redis.call('HMGET', record,
-      @fp@, @d@, @headers@, @body@, @split@, @v@))
+    found_fp, done, headers, body, split, version, n = unpack(redis.call('HMGET', record,
+      @fp@, @d@, @headers@, @body@, @split@, @v@, @n@))
   end
   if not done then
     local status, stored, ended
-    found_fp, status, stored, headers, body, ended, split, version = unpack(redis.call('HMGET',
-      record, @fp@, @status@, @stored@, @headers@, @body@, @cur_end@, @split@, @v@))
+    found_fp, status, stored, headers, body, ended, split, version, expires = unpack(
+      redis.call('HMGET', record, @fp@, @status@, @stored@, @headers@, @body@, @cur_end@,
+        @split@, @v@, @expires@))
     if status then
       done = status .. ':' .. stored .. ':' .. ended
     else
       -- A packed record, on a store that does not pack.
-      done = redis.call('HGET', record, @d@)
+      done, n = unpack(redis.call('HMGET', record, @d@, @n@))
     end
   end
+  if n then
+    local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
+    expires = string.format('%d', tonumber(started) + tonumber(retention_ms))
+  end
+  done = (done or '') .. ':' .. (expires or '0')
   if version and tonumber(version) > NEWEST then
     -- A newer format (see common.lua).
     return redis.error_reply('idem: record format ' .. version ..
@@ -41,20 +49,21 @@ if state == 'completed' then
     return {'conflict'}
   end
   -- One string, not a table (see the new key's answer below):
-  -- '<done>:<length of the headers>:' then the headers and the body.
+  -- '<done>:<expires>:<length of the headers>:' then the headers and the
+  -- body.
   if split then
     -- The response is kept in a key of its own (see complete.lua), its
     -- headers and body already one string.
     local raw = redis.call('GET', record .. ':r')
     if raw then
-      return (done or '') .. ':' .. split .. ':' .. raw
+      return done .. ':' .. split .. ':' .. raw
     end
     -- The response's key is gone (evicted, deleted): never replayed as if
     -- whole. The stored flag '2' says so (decode.rs).
-    return string.gsub(done or '', '^(%d*):%d*:', '%1:2:', 1) .. ':0:'
+    return string.gsub(done, '^(%d*):%d*:', '%1:2:', 1) .. ':0:'
   end
   headers, body = headers or '', body or ''
-  return (done or '') .. ':' .. string.format('%d', #headers) .. ':' .. headers .. body
+  return done .. ':' .. string.format('%d', #headers) .. ':' .. headers .. body
 end
 
 --@clock
