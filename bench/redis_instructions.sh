@@ -7,7 +7,8 @@
 # completion, a replay of the completed key. With the peer's Lua scripts
 # (the crates.io `idempotent` 2.0.0 crate, found in cargo's registry once
 # bench/peer has been built), the same rows for the peer: its claim,
-# completion and replay. The "v1" rows: the same idem calls by a store that
+# completion and replay. The "native" rows: the floor, a record kept as one
+# string and reserved by one native SET NX PX GET. The "v1" rows: the same idem calls by a store that
 # writes record format 1 (RedisStoreBuilder::record_format; the idem rows
 # write format 2, the default).
 #   bench/redis_instructions.sh [calls]
@@ -107,6 +108,21 @@ rows += [
         ":1\r\n")),
     ("v1", "replay", per_call(f"{work}/reserve-v1.lua", reserve_v1, "201:1:")),
 ]
+# The floor: a record kept as one string, reserved by one native command
+# (SET NX GET answers nil for a new key, the record for a retry).
+def per_command(args, expect):
+    commands = [resp(*args(i)) for i in range(n)]
+    subprocess.run(["callgrind_control", "-z", pid], capture_output=True, check=True)
+    replies = pipelined(commands)
+    count = instructions() / n
+    if replies.count(expect.encode()) < n:
+        sys.exit(f"{args(0)[0]}: expected {n} replies with {expect!r}")
+    return count
+native = lambda i: ("SET", f"n:{{{run}-{i}}}", "r" * 300, "NX", "PX", 86400000, "GET")
+rows += [
+    ("native", "new key", per_command(native, "$-1\r\n")),
+    ("native", "replay", per_command(native, "$300\r\n")),
+]
 if peer:
     data = "x" * 120
     pkey = lambda i: f"p:{{{run}-{i}}}"
@@ -120,9 +136,11 @@ if peer:
 print(f"{'layer':<6} {'call':<26} {'instructions/call':>18}")
 for layer, call, count in rows:
     print(f"{layer:<6} {call:<26} {count:>18.0f}")
-for layer in ("idem", "v1", "peer"):
+for layer in ("idem", "v1", "peer", "native"):
     got = {call: count for l, call, count in rows if l == layer}
-    if got:
+    if got and "completion" not in got:
+        print(f"{layer}: new key {got['new key']:.0f}, replay {got['replay']:.0f}")
+    elif got:
         print(f"{layer}: new key + completion {got['new key'] + got['completion']:.0f}, "
               f"replay {got['replay']:.0f}")
 PY

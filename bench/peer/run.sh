@@ -20,13 +20,17 @@
 # fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format);
 # IDEM_TENANT=blake3 or hmac: the tenant from Authorization keyed with BLAKE3
 # or HMAC-SHA256 (TenantFromAuthorization::keyed_as), else plain SHA-256.
+# Then a retry storm on Redis (storm.lua: 64 connections retrying a pool of
+# STORM_KEYS keys, default 300; STORM_ROUNDS rounds, default 3, 0 skips it):
+# the peer, idem, and idem without its replay cache (IDEM_REPLAY_CACHE=0),
+# each with Redis commands per request, Redis and app CPU per request, p99.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 IDEM=$(cd "$here/../.." && pwd)
 [ -f "$IDEM/crates/idem-layer/Cargo.toml" ] || { echo "run from the idem checkout, or set IDEM" >&2; exit 2; }
 WORK=$IDEM/target/peer-bench
 mkdir -p "$WORK"
-cp "$here/post.lua" "$here/cmdstats.py" "$WORK/" 2>/dev/null || true
+cp "$here/post.lua" "$here/storm.lua" "$here/cmdstats.py" "$WORK/" 2>/dev/null || true
 cd "$WORK"
 free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 RPORT=$(free_port)
@@ -145,6 +149,55 @@ paired("idem-redis/redis Redis CPU", "idem-redis", "redis", 8)
 paired("idem-memory/bare req/s", "idem-memory", "bare", 2)
 paired("idem-memory/bare app CPU", "idem-memory", "bare", 7)
 paired("memory/bare req/s", "memory", "bare", 2)
+PY
+
+# ---- retry storm: a pool of keys retried by every connection ----
+STORM_ROUNDS=${STORM_ROUNDS:-3}
+: > "$OUTDIR/storm.tsv"
+redis_calls() { redis-cli -p $RPORT info commandstats | tr -d '\r' | awk -F'[=,:]' '/^cmdstat_/ && !/^cmdstat_info:/{s+=$3} END{print s+0}'; }
+for r in $(seq "$STORM_ROUNDS"); do
+  for m in redis idem-redis idem-redis-nocache; do
+    redis-cli -p $RPORT flushall >/dev/null
+    case $m in
+      idem-redis-nocache) IDEM_REPLAY_CACHE=0 start_server idem-redis $REDIS_URL;;
+      *) start_server $m $REDIS_URL;;
+    esac
+    f="$OUTDIR/storm-r$r-$m-$(date +%s%N).txt"
+    export STORM_PREFIX="storm-$r-$m-$RANDOM"
+    a0=$(app_cpu); r0=$(redis_cpu); c0=$(redis_calls)
+    wrk -t2 -c64 -d"$DUR" --latency -s storm.lua "http://127.0.0.1:$APORT/orders" > "$f"
+    a1=$(app_cpu); r1=$(redis_cpu); c1=$(redis_calls)
+    runs=$(curl -s "http://127.0.0.1:$APORT/count")
+    stop_server
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$r" "$m" "$f" "$runs" \
+      "$(python3 -c "print($a1-$a0)")" "$(python3 -c "print(round($r1-$r0,4))")" "$((c1-c0))" >> "$OUTDIR/storm.tsv"
+    echo "storm round $r $m: $(grep Requests/sec "$f"), handler runs $runs"
+  done
+done
+[ "$STORM_ROUNDS" -gt 0 ] && python3 - "$OUTDIR/storm.tsv" <<'PY' | tee "$OUTDIR/storm-summary.txt"
+import re, statistics, sys
+def ms(v):
+    m = re.match(r"([\d.]+)(us|ms|s)", v); x = float(m.group(1))
+    return x / 1000 if m.group(2) == "us" else x * 1000 if m.group(2) == "s" else x
+rows = {}
+for line in open(sys.argv[1]):
+    r, mode, path, runs, app_s, redis_s, calls = line.rstrip("\n").split("\t")
+    t = open(path).read()
+    total = int(re.search(r"(\d+) requests in", t).group(1))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", t).group(1))
+    p99 = ms(re.search(r"^\s+99%\s+(\S+)", t, re.M).group(1))
+    rows.setdefault(mode, []).append((rps, p99, float(app_s) * 1e6 / total,
+                                      float(redis_s) * 1e6 / total, int(calls) / total, int(runs)))
+print(f"{'storm mode':<19} {'req/s':>9} {'p99 ms':>7} {'app us/req':>10} {'redis us/req':>12} {'cmds/req':>8} {'runs':>5}")
+med = {}
+for mode, sel in rows.items():
+    med[mode] = [statistics.median(x[i] for x in sel) for i in range(6)]
+    m = med[mode]
+    print(f"{mode:<19} {m[0]:>9.0f} {m[1]:>7.2f} {m[2]:>10.1f} {m[3]:>12.2f} {m[4]:>8.3f} {m[5]:>5.0f}")
+if "redis" in med and "idem-redis" in med:
+    i, p = med["idem-redis"], med["redis"]
+    print(f"idem/peer in the storm: req/s {i[0]/p[0]:.2f}x, app CPU {i[2]/p[2]:.2f}x, "
+          f"Redis CPU {i[3]/max(p[3], 1e-9):.2f}x, p99 {i[1]/p[1]:.2f}x")
 PY
 
 # ---- Redis commands per request (1000 sequential new keys, then 1000 replays) ----

@@ -124,13 +124,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let store = builder.build()?;
             store.ping().await?;
-            router.layer(
-                idem_layer::IdempotencyLayer::new(store)
-                    .tenant(formats::idem_tenant())
-                    .fingerprint_format(formats::idem_fingerprint())
-                    .scope_format(formats::idem_scope())
-                    .require_key(true),
-            )
+            let mut layer = idem_layer::IdempotencyLayer::new(store)
+                .tenant(formats::idem_tenant())
+                .fingerprint_format(formats::idem_fingerprint())
+                .scope_format(formats::idem_scope())
+                .require_key(true);
+            // IDEM_REPLAY_CACHE=0: no replay cache (on by default).
+            if std::env::var("IDEM_REPLAY_CACHE").is_ok_and(|v| v == "0") {
+                layer = layer.replay_cache(0, std::time::Duration::ZERO);
+            }
+            router.layer(layer)
         }
         other => {
             eprintln!("unknown mode {other}");

@@ -419,32 +419,40 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
 }
 
 /// A replay as the reserve script answers it, one string:
-/// `<status>:<stored>:<completed at, Unix ms>:<expires at, Unix ms>:<length
-/// of the headers>:`, then the headers and the body. The body is a slice of
-/// the reply, not a copy.
+/// `<status>:<stored>:<completed at, Unix ms>:<expiry>:<length of the
+/// headers>:`, then the headers and the body; the expiry is the record's
+/// `expires` (Unix ms) or a packed record's `n` led by `p`
+/// (`p<start>:<lease ms>:<retention ms>`: it expires at start plus
+/// retention). The body is a slice of the reply, not a copy.
 pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
-    const FIELDS: [&str; 5] = [
-        "status",
-        "stored",
-        "completion time",
-        "expiry",
-        "headers' length",
-    ];
-    let mut numbers = [0u64; 5];
     let mut at = 0;
-    for (number, what) in numbers.iter_mut().zip(FIELDS) {
-        let field = raw[at..]
-            .split(|&byte| byte == b':')
-            .next()
+    // The next number, and whether `p` led it.
+    let mut number = |what: &str| {
+        let led = raw.get(at).is_some_and(|&byte| byte == b'p');
+        let start = at + usize::from(led);
+        let field = raw
+            .get(start..)
+            .and_then(|rest| rest.split(|&byte| byte == b':').next())
             .unwrap_or_default();
-        *number = std::str::from_utf8(field)
+        let value = std::str::from_utf8(field)
             .ok()
-            .and_then(|digits| digits.parse().ok())
-            .filter(|_| at + field.len() < raw.len())
+            .and_then(|digits| digits.parse::<u64>().ok())
+            .filter(|_| start + field.len() < raw.len())
             .ok_or_else(|| corrupt(format!("replay lacks the {what}")))?;
-        at += field.len() + 1;
-    }
-    let [status, stored, completed, expires, headers] = numbers;
+        at = start + field.len() + 1;
+        Ok::<_, StoreError>((led, value))
+    };
+    let (_, status) = number("status")?;
+    let (_, stored) = number("stored")?;
+    let (_, completed) = number("completion time")?;
+    let expires = match number("expiry")? {
+        (true, started) => {
+            let _lease = number("lease")?;
+            started.saturating_add(number("retention")?.1)
+        }
+        (false, expires) => expires,
+    };
+    let (_, headers) = number("headers' length")?;
     // A response key cut short reads as what it holds, as Lua's
     // string.sub reads it.
     let headers_end = usize::try_from(headers)

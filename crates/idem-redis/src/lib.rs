@@ -779,6 +779,16 @@ mod tests {
         let replay = decode_replay(b"409:0:1700000000000:0:0:".to_vec()).expect("replay");
         assert!(matches!(replay.outcome, Outcome::NotStored { status: 409 }));
         assert_eq!(replay.expires_in, None);
+        // A packed record's n: it expires at its start plus its retention.
+        let start = unix_ms();
+        let packed = format!("201:1:{start}:p{start}:30000:60000:0:");
+        let replay = decode_replay(packed.into_bytes()).expect("replay");
+        let expires_in = replay.expires_in.expect("an expiry");
+        assert!(
+            expires_in > Duration::from_secs(50) && expires_in <= Duration::from_secs(60),
+            "{expires_in:?}"
+        );
+        assert!(decode_replay(b"201:1:17:p17:0:".to_vec()).is_err());
         // Headers longer than what is there: all of it is headers.
         let cut = decode_replay(answer(headers.len() + 50, &headers)).expect("replay");
         let Outcome::Stored(response) = cut.outcome else {

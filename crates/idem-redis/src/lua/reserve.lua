@@ -17,7 +17,7 @@ if state == 'completed' then
   -- age from the completion time). done is '<status>:<stored>:<ended>',
   -- a packed record's d.
   -- The record's expiry goes with it (a process may keep the replay that
-  -- long): a packed record's start plus retention (n), else expires.
+  -- long): a packed record's n (its start plus retention), else expires.
   local found_fp, done, headers, body, split, version, n, expires
   if PACKED then
     found_fp, done, headers, body, split, version, n = unpack(redis.call('HMGET', record,
@@ -35,11 +35,9 @@ if state == 'completed' then
       done, n = unpack(redis.call('HMGET', record, @d@, @n@))
     end
   end
-  if n then
-    local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
-    expires = string.format('%d', tonumber(started) + tonumber(retention_ms))
-  end
-  done = (done or '') .. ':' .. (expires or '0')
+  -- A packed record's n as it is, led by 'p' (decode.rs adds its start
+  -- and retention: cheaper there than in Lua).
+  done = (done or '') .. ':' .. (n and ('p' .. n) or expires or '0')
   if version and tonumber(version) > NEWEST then
     -- A newer format (see common.lua).
     return redis.error_reply('idem: record format ' .. version ..
@@ -49,8 +47,8 @@ if state == 'completed' then
     return {'conflict'}
   end
   -- One string, not a table (see the new key's answer below):
-  -- '<done>:<expires>:<length of the headers>:' then the headers and the
-  -- body.
+  -- '<done>:<expires, or n led by p>:<length of the headers>:' then the
+  -- headers and the body.
   if split then
     -- The response is kept in a key of its own (see complete.lua), its
     -- headers and body already one string.
