@@ -15,7 +15,7 @@ use crate::{
     runtime::{
         RUNNING_RETRY_AFTER, Runtime, deadline_after, store_call, wait_bound, wait_for_change,
     },
-    storm::{Role, Shared, follow},
+    storm::{Flight, Role, Shared, follow},
 };
 
 /// What a request's reservation came to.
@@ -111,7 +111,7 @@ pub(crate) async fn admit<S: Store>(
 /// (wait mode).
 async fn follow_counted<S>(
     rt: &Runtime<S>,
-    answer: tokio::sync::watch::Receiver<Option<Shared>>,
+    answer: std::sync::Arc<Flight>,
     deadline: Option<tokio::time::Instant>,
 ) -> Option<Shared> {
     let _waiting = deadline.map(|_| rt.flights.wait());

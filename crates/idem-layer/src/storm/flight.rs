@@ -22,14 +22,14 @@
 use std::{
     collections::HashMap,
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
 };
 
 use idem_core::{Fingerprint, ScopeHash};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 use crate::found::Found;
 
@@ -44,11 +44,43 @@ pub(crate) enum Shared {
     Alone,
 }
 
-/// One reservation round in flight.
-struct Flight {
+/// One reservation round in flight: one allocation (a fresh key's round
+/// has no follower, and costs no more).
+pub(crate) struct Flight {
     fingerprint: Fingerprint,
-    answer: watch::Sender<Option<Shared>>,
+    /// What the leader was answered, once it was.
+    answer: OnceLock<Shared>,
+    /// Wakes the followers once the answer is set.
+    answered: Notify,
 }
+
+impl Flight {
+    /// Sets the answer (the first one set stands) and wakes the followers.
+    fn answer(&self, answer: Shared) {
+        let _ = self.answer.set(answer);
+        self.answered.notify_waiters();
+    }
+}
+
+/// Hashes a scope by its first eight bytes: a scope hash is already a
+/// uniform digest, so hashing it again would only cost.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct ScopeHasher(u64);
+
+impl std::hash::Hasher for ScopeHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        let mut first = [0u8; 8];
+        let n = bytes.len().min(8);
+        first[..n].copy_from_slice(&bytes[..n]);
+        self.0 ^= u64::from_le_bytes(first);
+    }
+}
+
+type ByScope = HashMap<ScopeHash, Arc<Flight>, std::hash::BuildHasherDefault<ScopeHasher>>;
 
 /// The shards' count: duplicates of different keys rarely share a lock.
 const SHARDS: usize = 16;
@@ -56,7 +88,7 @@ const SHARDS: usize = 16;
 /// The flights of one layer, by scope.
 #[derive(Default)]
 pub(crate) struct Flights {
-    shards: [Mutex<HashMap<ScopeHash, Arc<Flight>>>; SHARDS],
+    shards: [Mutex<ByScope>; SHARDS],
     /// Requests waiting for an attempt to end (see [`Flights::waiting`]).
     waiting: AtomicUsize,
 }
@@ -75,13 +107,13 @@ pub(crate) enum Role<'a> {
     /// It reserves, and publishes what it was answered.
     Lead(Leader<'a>),
     /// It waits for the leader's answer.
-    Follow(watch::Receiver<Option<Shared>>),
+    Follow(Arc<Flight>),
     /// A round of another fingerprint flies: it asks the store alone.
     Alone,
 }
 
 impl Flights {
-    fn shard(&self, scope: &ScopeHash) -> &Mutex<HashMap<ScopeHash, Arc<Flight>>> {
+    fn shard(&self, scope: &ScopeHash) -> &Mutex<ByScope> {
         &self.shards[usize::from(scope.as_bytes()[0]) % SHARDS]
     }
 
@@ -106,14 +138,15 @@ impl Flights {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(flight) = flights.get(scope) {
             return if flight.fingerprint == *fingerprint {
-                Role::Follow(flight.answer.subscribe())
+                Role::Follow(Arc::clone(flight))
             } else {
                 Role::Alone
             };
         }
         let flight = Arc::new(Flight {
             fingerprint: *fingerprint,
-            answer: watch::Sender::new(None),
+            answer: OnceLock::new(),
+            answered: Notify::new(),
         });
         flights.insert(*scope, Arc::clone(&flight));
         Role::Lead(Leader {
@@ -135,7 +168,7 @@ pub(crate) struct Leader<'a> {
 impl Leader<'_> {
     /// Gives the followers `answer` and ends the round.
     pub(crate) fn publish(self, answer: Shared) {
-        self.flight.answer.send_replace(Some(answer));
+        self.flight.answer(answer);
     }
 }
 
@@ -154,27 +187,26 @@ impl Drop for Leader<'_> {
         }
         // A leader that did not publish (its request went away): its
         // followers ask for themselves.
-        self.flight.answer.send_if_modified(|answer| {
-            if answer.is_some() {
-                return false;
-            }
-            *answer = Some(Shared::Alone);
-            true
-        });
+        self.flight.answer(Shared::Alone);
     }
 }
 
 /// Waits for the leader's answer until `deadline` (none: until it comes);
 /// `None` when the deadline came first.
 pub(crate) async fn follow(
-    mut answer: watch::Receiver<Option<Shared>>,
+    flight: Arc<Flight>,
     deadline: Option<tokio::time::Instant>,
 ) -> Option<Shared> {
     let wait = async {
-        match answer.wait_for(Option::is_some).await {
-            Ok(answer) => answer.clone().unwrap_or(Shared::Alone),
-            // The leader went away without a word.
-            Err(_) => Shared::Alone,
+        loop {
+            let answered = flight.answered.notified();
+            let mut answered = std::pin::pin!(answered);
+            // Registered before the check: an answer set in between wakes it.
+            answered.as_mut().enable();
+            if let Some(answer) = flight.answer.get() {
+                return answer.clone();
+            }
+            answered.await;
         }
     };
     match deadline {

@@ -7,4 +7,4 @@ mod cache;
 mod flight;
 
 pub(crate) use cache::ReplayCache;
-pub(crate) use flight::{Flights, Role, Shared, follow};
+pub(crate) use flight::{Flight, Flights, Role, Shared, follow};
