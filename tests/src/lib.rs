@@ -4,6 +4,7 @@
 pub mod cutter;
 pub mod layer_suite;
 pub mod nats_server;
+pub mod pgbouncer;
 pub mod postgres_server;
 pub mod process;
 pub mod redis_server;

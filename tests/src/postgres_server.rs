@@ -192,7 +192,7 @@ impl PgServer {
         self.wait_ready();
     }
 
-    fn command(as_postgres: bool, program: &Path) -> Command {
+    pub(crate) fn command(as_postgres: bool, program: &Path) -> Command {
         if as_postgres {
             let mut command = Command::new("runuser");
             command.args(["-u", "postgres", "--"]).arg(program);

@@ -19,7 +19,7 @@ use idem_core::{
 };
 use idem_layer::{IdempotencyLayer, TenantFromHeader};
 use idem_postgres::{CommitError, IdemTransaction, PgStore};
-use idem_tests::postgres_server::PgServer;
+use idem_tests::{pgbouncer::PgBouncer, postgres_server::PgServer};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
@@ -49,6 +49,8 @@ async fn create(
     mut tx: IdemTransaction,
 ) -> (StatusCode, String) {
     let id: i64 = sqlx::query_scalar("INSERT INTO orders (note) VALUES ('x') RETURNING id")
+        // Unnamed: the app runs behind PgBouncer too.
+        .persistent(false)
         .fetch_one(&mut *tx)
         .await
         .expect("insert");
@@ -83,6 +85,20 @@ struct App {
 async fn app() -> Option<App> {
     let server = PgServer::shared()?;
     let store = PgStore::from_url(&server.database()).expect("store");
+    app_on(store).await
+}
+
+/// The app on a store reached through PgBouncer in transaction pooling
+/// mode, set up for it (`transaction_pooler`), with fewer server
+/// connections than the store's pool.
+async fn app_behind_pgbouncer() -> Option<(App, PgBouncer)> {
+    let server = PgServer::shared()?;
+    let bouncer = PgBouncer::spawn(server, 4)?;
+    let store = bouncer.store(server);
+    Some((app_on(store).await?, bouncer))
+}
+
+async fn app_on(store: PgStore) -> Option<App> {
     store.migrate().await.expect("migrate");
     sqlx::query("CREATE TABLE orders (id bigserial PRIMARY KEY, note text)")
         .execute(store.pool())
@@ -109,6 +125,7 @@ async fn app() -> Option<App> {
 impl App {
     async fn orders(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM orders")
+            .persistent(false)
             .fetch_one(self.store.pool())
             .await
             .expect("count")
@@ -154,6 +171,28 @@ async fn call(router: &Router, key: Option<&str>, extra: &[(&str, &str)]) -> Rep
 #[tokio::test]
 async fn the_order_and_the_outcome_commit_together() {
     let Some(app) = app().await else { return };
+    commit_together(&app).await;
+}
+
+/// The same behind PgBouncer in transaction pooling mode.
+#[tokio::test]
+async fn the_order_and_the_outcome_commit_together_behind_pgbouncer() {
+    let Some((app, _bouncer)) = app_behind_pgbouncer().await else {
+        return;
+    };
+    commit_together(&app).await;
+}
+
+/// The same rollbacks behind PgBouncer in transaction pooling mode.
+#[tokio::test]
+async fn a_handler_panic_or_error_rolls_the_order_back_behind_pgbouncer() {
+    let Some((app, _bouncer)) = app_behind_pgbouncer().await else {
+        return;
+    };
+    roll_back_on_panic_or_error(&app).await;
+}
+
+async fn commit_together(app: &App) {
     let first = call(&app.router, Some("k1"), &[]).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(app.orders().await, 1);
@@ -169,6 +208,7 @@ async fn the_order_and_the_outcome_commit_together() {
     );
     assert_eq!(app.orders().await, 1);
     let state: String = sqlx::query_scalar("SELECT state FROM idem_records")
+        .persistent(false)
         .fetch_one(app.store.pool())
         .await
         .expect("record");
@@ -198,6 +238,10 @@ async fn a_temporary_failure_rolls_the_order_back() {
 #[tokio::test]
 async fn a_handler_panic_or_error_rolls_the_order_back() {
     let Some(app) = app().await else { return };
+    roll_back_on_panic_or_error(&app).await;
+}
+
+async fn roll_back_on_panic_or_error(app: &App) {
     for (key, failure) in [("k-panic", "x-panic"), ("k-error", "x-error")] {
         let failed = call(&app.router, Some(key), &[(failure, "1")]).await;
         assert_eq!(
@@ -208,6 +252,7 @@ async fn a_handler_panic_or_error_rolls_the_order_back() {
         assert_eq!(app.orders().await, 0, "{failure}: the insert was committed");
         let processing: i64 =
             sqlx::query_scalar("SELECT count(*) FROM idem_records WHERE state = 'processing'")
+                .persistent(false)
                 .fetch_one(app.store.pool())
                 .await
                 .expect("count");

@@ -23,6 +23,7 @@ pub struct PgStoreBuilder {
     pub(crate) max_connections: u32,
     pub(crate) sweep_every: Option<Duration>,
     pub(crate) sweep_batch: u32,
+    pub(crate) pooled: bool,
 }
 
 impl PgStoreBuilder {
@@ -50,6 +51,21 @@ impl PgStoreBuilder {
     /// holds an [`IdemTransaction`](crate::IdemTransaction) holds one connection while it runs.
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
+        self
+    }
+
+    /// Whether the store reaches PostgreSQL through a pooler in
+    /// transaction mode, such as PgBouncer with `pool_mode = transaction`
+    /// (default `false`). There each transaction may run on another server
+    /// connection, so nothing may outlive one: the store then prepares its
+    /// statements unnamed (no statement cache) and runs each inside a
+    /// transaction of its own (the extended protocol's two steps, parse and
+    /// execute, on one server connection), which costs a `BEGIN` and a
+    /// `COMMIT` per call. An [`IdemTransaction`](crate::IdemTransaction) is
+    /// one transaction either way; statements a handler runs in it should
+    /// be unnamed too (`.persistent(false)`).
+    pub fn transaction_pooler(mut self, pooled: bool) -> Self {
+        self.pooled = pooled;
         self
     }
 
@@ -81,7 +97,11 @@ impl PgStoreBuilder {
                 PgPoolOptions::new()
                     .max_connections(self.max_connections)
                     .acquire_timeout(Duration::from_secs(5))
-                    .connect_lazy_with(options.application_name("idem"))
+                    .connect_lazy_with(
+                        options
+                            .application_name("idem")
+                            .statement_cache_capacity(if self.pooled { 0 } else { 100 }),
+                    )
             }
             (None, None) => return Err(PgConfigError::NoDatabase),
         };
@@ -95,6 +115,7 @@ impl PgStoreBuilder {
                     pool: pool.clone(),
                     sql: sql.sweep.clone(),
                     batch: sweep_batch,
+                    pooled: self.pooled,
                 };
                 Sweeper(runtime.spawn(sweeping.every(every)))
             });
@@ -103,6 +124,7 @@ impl PgStoreBuilder {
                 pool,
                 sql,
                 sweep_batch,
+                pooled: self.pooled,
                 _sweeper: sweeper,
                 given_up: closed_tracker(),
             }),

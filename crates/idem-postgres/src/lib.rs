@@ -97,6 +97,9 @@ struct Inner {
     pool: PgPool,
     sql: Sql,
     sweep_batch: i64,
+    /// Behind a pooler in transaction mode (see
+    /// [`PgStoreBuilder::transaction_pooler`]).
+    pooled: bool,
     _sweeper: Option<Sweeper>,
     /// Tasks freeing reservations whose calls were given up.
     given_up: tokio_util::task::TaskTracker,
@@ -116,6 +119,28 @@ impl fmt::Debug for PgStore {
     }
 }
 
+/// Runs `$query` with `$run` (`fetch_one`, `execute`, ...) on the pool, or,
+/// behind a pooler in transaction mode, unnamed inside a transaction of its
+/// own (see [`PgStoreBuilder::transaction_pooler`]); a `sqlx::Error` on
+/// failure.
+macro_rules! on_pool {
+    ($inner:expr, $query:expr, $run:ident) => {{
+        let inner = &$inner;
+        if inner.pooled {
+            async {
+                let mut tx = inner.pool.begin().await?;
+                let out = $query.persistent(false).$run(&mut *tx).await?;
+                tx.commit().await?;
+                Ok::<_, sqlx::Error>(out)
+            }
+            .await
+        } else {
+            $query.$run(&inner.pool).await
+        }
+    }};
+}
+pub(crate) use on_pool;
+
 impl PgStore {
     /// A builder with the defaults.
     pub fn builder() -> PgStoreBuilder {
@@ -124,6 +149,7 @@ impl PgStore {
             pool: None,
             table: "idem_records".to_owned(),
             max_connections: 16,
+            pooled: false,
             sweep_every: Some(Duration::from_secs(60)),
             sweep_batch: 1_000,
         }
@@ -184,13 +210,12 @@ impl PgStore {
              RETURNING holder"
         );
         let millis = claim_ms(ttl);
-        let claimed: Option<String> = sqlx::query_scalar(&claim)
+        let query = sqlx::query_scalar(&claim)
             .bind(duty)
             .bind(holder)
-            .bind(millis)
-            .fetch_optional(self.pool())
-            .await
-            .map_err(failed)?;
+            .bind(millis);
+        let claimed: Option<String> =
+            on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
         Ok(claimed.is_some())
     }
 
@@ -222,20 +247,18 @@ impl PgStore {
              RETURNING marker"
         );
         let millis = claim_ms(ttl);
-        let claimed: Option<String> = sqlx::query_scalar(&claim)
+        let query = sqlx::query_scalar(&claim)
             .bind(marker)
             .bind(millis)
-            .bind(replace)
-            .fetch_optional(self.pool())
-            .await
-            .map_err(failed)?;
+            .bind(replace);
+        let claimed: Option<String> =
+            on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
         if claimed.is_some() {
             return Ok(IdentityClaim::Held);
         }
-        let held: Option<String> = sqlx::query_scalar(&format!("SELECT marker FROM {table}"))
-            .fetch_optional(self.pool())
-            .await
-            .map_err(failed)?;
+        let read = format!("SELECT marker FROM {table}");
+        let query = sqlx::query_scalar(&read);
+        let held: Option<String> = on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
         Ok(match held {
             Some(other) if other != marker => IdentityClaim::Other(other),
             // A twin claimed it with the same marker meanwhile (nothing
@@ -251,6 +274,7 @@ impl PgStore {
             pool: self.inner.pool.clone(),
             sql: self.inner.sql.sweep.clone(),
             batch: self.inner.sweep_batch,
+            pooled: self.inner.pooled,
         }
         .run()
         .await
@@ -265,6 +289,7 @@ impl PgStore {
     ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
         let (status, stored, names, values, body) = row::outcome_columns(outcome);
         sqlx::query(&self.inner.sql.complete)
+            .persistent(!self.inner.pooled)
             .bind(lease.scope.as_bytes().to_vec())
             .bind(row::ms(lease.generation))
             .bind(lease.token.0)
@@ -288,7 +313,7 @@ impl PgStore {
         let retention_ms =
             row::ms(u64::try_from(request.retention.as_millis()).unwrap_or(u64::MAX));
         for _ in 0..RESERVE_TRIES {
-            let found = sqlx::query(&self.inner.sql.reserve)
+            let query = sqlx::query(&self.inner.sql.reserve)
                 .bind(scope.as_bytes().to_vec())
                 .bind(row::stored_tenant(request.scope.tenant()))
                 .bind(request.scope.operation())
@@ -297,10 +322,19 @@ impl PgStore {
                 .bind(token.0)
                 .bind(lease_ms)
                 .bind(retention_ms)
-                .bind(attempt.0)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(failed)?;
+                .bind(attempt.0);
+            let found = if self.inner.pooled {
+                let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(failed)?;
+                let found = query
+                    .persistent(false)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(failed)?;
+                tx.commit().await.map_err(failed)?;
+                found
+            } else {
+                query.fetch_one(&mut *conn).await.map_err(failed)?
+            };
             let inserted: i64 = found.try_get("inserted").map_err(failed)?;
             if inserted == 1 {
                 return Ok(Reservation::Acquired(Lease {
@@ -362,6 +396,7 @@ impl PgStore {
     {
         let mut tx = sqlx::Connection::begin(conn).await.map_err(failed)?;
         let found = sqlx::query(&self.inner.sql.lock)
+            .persistent(!self.inner.pooled)
             .bind(scope.as_bytes().to_vec())
             .fetch_optional(&mut *tx)
             .await
@@ -377,7 +412,8 @@ impl PgStore {
         match &slot {
             Some(record) if *record == before => {}
             Some(record) => {
-                row::bind_record(sqlx::query(&self.inner.sql.update), record)?
+                let update = sqlx::query(&self.inner.sql.update).persistent(!self.inner.pooled);
+                row::bind_record(update, record)?
                     .bind(row::ms(before.generation))
                     .execute(&mut *tx)
                     .await
@@ -385,6 +421,7 @@ impl PgStore {
             }
             None => {
                 sqlx::query(&self.inner.sql.delete)
+                    .persistent(!self.inner.pooled)
                     .bind(scope.as_bytes().to_vec())
                     .execute(&mut *tx)
                     .await
@@ -414,9 +451,7 @@ impl PgStore {
         &self,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<bool, StoreError> {
-        let done = query
-            .execute(&self.inner.pool)
-            .await
+        let done = on_pool!(self.inner, query, execute)
             .map_err(failed)?
             .rows_affected();
         Ok(done == 1)

@@ -11,7 +11,7 @@ use idem_core::{
     machine,
 };
 
-use crate::{PgStore, given_up::GivenUp, row, sql::failed};
+use crate::{PgStore, given_up::GivenUp, on_pool, row, sql::failed};
 use sqlx::Row;
 
 impl Store for PgStore {
@@ -94,11 +94,8 @@ impl Store for PgStore {
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        let found = sqlx::query(&self.inner.sql.read)
-            .bind(scope.as_bytes().to_vec())
-            .fetch_optional(&self.inner.pool)
-            .await
-            .map_err(failed)?;
+        let query = sqlx::query(&self.inner.sql.read).bind(scope.as_bytes().to_vec());
+        let found = on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
         let Some(found) = found else {
             return Ok(None);
         };
@@ -113,15 +110,13 @@ impl RecordsAdmin for PgStore {
         let older = query.older_than.map_or(0, |age| {
             row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
         });
-        let rows = sqlx::query(&self.inner.sql.list)
+        let list = sqlx::query(&self.inner.sql.list)
             .bind(query.tenant.as_deref().map(row::stored_tenant))
             .bind(query.state.map(|state| state.as_str()))
             .bind(older)
             .bind(query.lapsed)
-            .bind(i64::try_from(query.limit).unwrap_or(i64::MAX))
-            .fetch_all(&self.inner.pool)
-            .await
-            .map_err(failed)?;
+            .bind(i64::try_from(query.limit).unwrap_or(i64::MAX));
+        let rows = on_pool!(self.inner, list, fetch_all).map_err(failed)?;
         rows.iter().map(row::decode).collect()
     }
 

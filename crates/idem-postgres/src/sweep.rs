@@ -20,6 +20,8 @@ impl Drop for Sweeper {
 /// not keep the store alive).
 pub(crate) struct Sweeping {
     pub(crate) pool: PgPool,
+    /// Behind a pooler in transaction mode (`PgStoreBuilder::transaction_pooler`).
+    pub(crate) pooled: bool,
     pub(crate) sql: String,
     pub(crate) batch: i64,
 }
@@ -44,10 +46,8 @@ impl Sweeping {
     pub(crate) async fn run(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let deleted = sqlx::query(&self.sql)
-                .bind(self.batch)
-                .execute(&self.pool)
-                .await
+            let statement = sqlx::query(&self.sql).bind(self.batch);
+            let deleted = crate::on_pool!(self, statement, execute)
                 .map_err(failed)?
                 .rows_affected();
             total += deleted;

@@ -1,0 +1,31 @@
+//! The store conformance suite through PgBouncer in transaction pooling
+//! mode (the distribution's PgBouncer 1.18, which keeps no prepared
+//! statement across transactions): the store set up for it
+//! (`transaction_pooler`) passes it whole, as it does on a direct
+//! connection.
+
+use std::sync::OnceLock;
+
+use idem_postgres::PgStore;
+use idem_tests::{RealClock, pgbouncer::PgBouncer, postgres_server::PgServer};
+
+static BOUNCER: OnceLock<Option<PgBouncer>> = OnceLock::new();
+
+/// A store on a fresh database of the shared server, through this test
+/// binary's PgBouncer (fewer server connections than the store's pool);
+/// `None` skips (no PostgreSQL or PgBouncer, outside CI).
+async fn store() -> Option<PgStore> {
+    let server = PgServer::shared()?;
+    let bouncer = BOUNCER
+        .get_or_init(|| PgBouncer::spawn(server, 4))
+        .as_ref()?;
+    let store = bouncer.store(server);
+    store.migrate().await.expect("migrate");
+    Some(store)
+}
+
+async fn harness() -> Option<RealClock<PgStore>> {
+    Some(RealClock::new(store().await?, ()))
+}
+
+idem_core::conformance_tests!(harness, records_admin);
