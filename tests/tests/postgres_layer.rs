@@ -420,6 +420,23 @@ async fn the_gateway_runs_on_postgres() {
             .await
             .expect("count");
     assert_eq!(completed, 1);
+    // Its pool shows on /metrics from the start.
+    let metrics = idem_tests::send(
+        &idem_tests::client(),
+        Request::get(format!("http://{}/metrics", gateway.addr))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    for name in [
+        "idem_store_pool_connections{state=\"in_use\"}",
+        "idem_store_pool_connections{state=\"idle\"}",
+        "idem_store_pool_max 16",
+        "idem_store_pool_timeouts_total",
+    ] {
+        assert!(metrics.contains(name), "{name} missing:\n{metrics}");
+    }
     // The first gateway (a generated tenant secret) claimed the database:
     // one with another secret would see other tenants, and is refused.
     let config = idem_tests::gateway_config(
@@ -813,4 +830,64 @@ async fn a_second_layer_after_a_restart_replays_the_outcome_the_first_held() {
     assert!(retry.headers.contains_key("idempotent-replayed"));
     assert_eq!(retry.body, first.body);
     assert_eq!(a_runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// Every connection of the pool in use (a handler holds the only one in
+/// its transaction): another keyed request waits the pool timeout, then
+/// gets 503 with `Retry-After`, fail-open or not (the database is up and
+/// busy), and runs nothing; once the connection is back it runs.
+#[tokio::test]
+async fn a_busy_pool_is_a_503_never_a_run_unprotected() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let store = PgStore::builder()
+        .url(server.database())
+        .max_connections(1)
+        .pool_timeout(Duration::from_millis(200))
+        .build()
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let app = app_on(store.clone()).await.expect("app");
+    let router = Router::new()
+        .route("/orders", post(create))
+        .with_state(app.state.clone())
+        .layer(
+            IdempotencyLayer::new(store)
+                .tenant(TenantFromHeader::from_static("x-tenant-id"))
+                .fail_open(true),
+        );
+    let holder = {
+        let router = router.clone();
+        tokio::spawn(async move { call(&router, Some("holds"), &[("x-wait", "1")]).await })
+    };
+    // The handler holds the pool's one connection in its transaction.
+    app.state.waiting.acquire().await.expect("waiting").forget();
+    let started = std::time::Instant::now();
+    let busy = call(&router, Some("waits"), &[]).await;
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        busy.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(
+        busy.headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "waited past the store timeout: {:?}",
+        started.elapsed()
+    );
+    app.state.gate.add_permits(1);
+    assert_eq!(holder.await.expect("join").status, StatusCode::CREATED);
+    let retry = call(&router, Some("waits"), &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    // The holder's order and the retry's: the busy answer ran nothing.
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .persistent(false)
+        .fetch_one(app.store.pool())
+        .await
+        .expect("count");
+    assert_eq!(orders, 2);
 }

@@ -183,6 +183,16 @@ pub enum StoreError {
     /// A stored record could not be decoded.
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+    /// Every connection to the backend was taken for as long as the store
+    /// waits for one (a busy pool): the backend is up and serving other
+    /// calls. Fail-open never covers it (running unprotected under load is
+    /// how a storm of retries would run twice); the layer answers
+    /// `503 idempotency_store_unavailable` with this `Retry-After`.
+    #[error("every connection to the store is in use; retry after {retry_after:?}")]
+    Busy {
+        /// When to try again.
+        retry_after: Duration,
+    },
 }
 
 impl StoreError {

@@ -372,6 +372,11 @@ pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBod
             "the idempotency store is full; retry after records expire",
             *retry_after,
         ),
+        StoreError::Busy { retry_after } => (
+            ProblemCode::StoreUnavailable,
+            "every connection to the idempotency store is in use; retry shortly",
+            *retry_after,
+        ),
         StoreError::QuotaExceeded { retry_after, .. } => (
             ProblemCode::QuotaExceeded,
             "the caller holds its quota of idempotency records; retry after its oldest expire",

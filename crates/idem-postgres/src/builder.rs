@@ -24,6 +24,7 @@ pub struct PgStoreBuilder {
     pub(crate) sweep_every: Option<Duration>,
     pub(crate) sweep_batch: u32,
     pub(crate) pooled: bool,
+    pub(crate) pool_timeout: Duration,
 }
 
 impl PgStoreBuilder {
@@ -51,6 +52,18 @@ impl PgStoreBuilder {
     /// holds an [`IdemTransaction`](crate::IdemTransaction) holds one connection while it runs.
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max.max(1);
+        self
+    }
+
+    /// How long a store call waits for a connection of the pool when
+    /// every one is in use (default 500 ms; connecting by URL). Then the
+    /// call fails as [`StoreError::Busy`](idem_core::StoreError::Busy): the
+    /// layer answers `503` with `Retry-After: 1`, and fail-open does not
+    /// run the request unprotected (the database is up, only busy). Keep
+    /// it below the layer's store timeout (1 s by default): a call the
+    /// layer times out first is a timeout, which fail-open covers.
+    pub fn pool_timeout(mut self, timeout: Duration) -> Self {
+        self.pool_timeout = timeout;
         self
     }
 
@@ -96,7 +109,7 @@ impl PgStoreBuilder {
                 let options: PgConnectOptions = url.parse().map_err(PgConfigError::Url)?;
                 PgPoolOptions::new()
                     .max_connections(self.max_connections)
-                    .acquire_timeout(Duration::from_secs(5))
+                    .acquire_timeout(self.pool_timeout)
                     .connect_lazy_with(
                         options
                             .application_name("idem")

@@ -150,6 +150,7 @@ impl PgStore {
             table: "idem_records".to_owned(),
             max_connections: 16,
             pooled: false,
+            pool_timeout: Duration::from_millis(500),
             sweep_every: Some(Duration::from_secs(60)),
             sweep_batch: 1_000,
         }

@@ -126,6 +126,9 @@ pub(crate) fn valid_table(name: &str) -> bool {
         && name.len() <= 50
 }
 
+/// The `Retry-After` of a call that found every connection in use.
+const BUSY_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A driver error as a store error: a row that cannot be decoded is
 /// corrupt, anything else is the database being unavailable.
 /// A driver error in the store's terms: a server that could not be
@@ -150,6 +153,15 @@ pub(crate) fn failed(error: sqlx::Error) -> StoreError {
         | sqlx::Error::ColumnIndexOutOfBounds { .. }
         | sqlx::Error::TypeNotFound { .. }
         | sqlx::Error::RowNotFound => StoreError::refused(error),
+        // The pool's wait ran out (PgStoreBuilder::pool_timeout): the
+        // database is up and busy, which fail-open does not cover.
+        sqlx::Error::PoolTimedOut => {
+            tracing::warn!("every connection of the idempotency store's pool is in use");
+            metrics::counter!("idem_store_pool_timeouts_total").increment(1);
+            StoreError::Busy {
+                retry_after: BUSY_RETRY_AFTER,
+            }
+        }
         other => StoreError::unavailable(other),
     }
 }

@@ -61,3 +61,33 @@ pub(crate) fn prometheus() -> &'static PrometheusHandle {
         handle
     })
 }
+
+/// The gauges of a PostgreSQL store's connection pool, set now and every
+/// second after: `idem_store_pool_connections{state="in_use"|"idle"}` and
+/// `idem_store_pool_max`. With `idem_store_pool_timeouts_total` (calls
+/// that found every connection in use for the store's pool timeout, and
+/// were answered 503), they show a pool too small for the load.
+pub(crate) fn watch_pool(pool: sqlx::PgPool) {
+    // The recorder first: gauges set before it is installed are lost.
+    prometheus();
+    let max = f64::from(pool.options().get_max_connections());
+    let set = move |pool: &sqlx::PgPool| {
+        let (size, idle) = (
+            pool.size(),
+            u32::try_from(pool.num_idle()).unwrap_or(u32::MAX),
+        );
+        metrics::gauge!("idem_store_pool_connections", "state" => "in_use")
+            .set(f64::from(size.saturating_sub(idle)));
+        metrics::gauge!("idem_store_pool_connections", "state" => "idle").set(f64::from(idle));
+        metrics::gauge!("idem_store_pool_max").set(max);
+    };
+    set(&pool);
+    metrics::counter!("idem_store_pool_timeouts_total").increment(0);
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            every.tick().await;
+            set(&pool);
+        }
+    });
+}

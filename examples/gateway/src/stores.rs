@@ -88,6 +88,7 @@ pub(crate) async fn store_router(
         store.migrate().await.map_err(|error| {
             StartError::Postgres(format!("could not create the records table: {error}"))
         })?;
+        crate::metrics::watch_pool(store.pool().clone());
         let place = format!("the table {}_identity", store.table());
         let store = std::sync::Arc::new(store);
         claim_store(&store, place, config, tenants).await?;
