@@ -1,11 +1,12 @@
 //! A TCP proxy on loopback that can swallow the next reply and drop the
 //! connection: a reply lost after the server applied the command, as a
-//! broken network does it.
+//! broken network does it; and that can move to another server, as a
+//! virtual address moves to a promoted standby.
 
 use std::{
     net::SocketAddr,
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicBool, AtomicUsize, Ordering},
     },
 };
@@ -13,6 +14,7 @@ use std::{
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
+    sync::Notify,
 };
 
 /// The proxy; stops accepting on drop.
@@ -23,6 +25,8 @@ pub struct ReplyCutter {
     armed: Arc<AtomicBool>,
     refusing: Arc<AtomicBool>,
     cuts: Arc<AtomicUsize>,
+    target: Arc<Mutex<SocketAddr>>,
+    moved: Arc<Notify>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -34,9 +38,12 @@ impl ReplyCutter {
         let armed = Arc::new(AtomicBool::new(false));
         let refusing = Arc::new(AtomicBool::new(false));
         let cuts = Arc::new(AtomicUsize::new(0));
+        let target = Arc::new(Mutex::new(target));
+        let moved = Arc::new(Notify::new());
         let task = tokio::spawn({
             let (armed, cuts) = (Arc::clone(&armed), Arc::clone(&cuts));
-            let refusing = Arc::clone(&refusing);
+            let (refusing, target) = (Arc::clone(&refusing), Arc::clone(&target));
+            let moved = Arc::clone(&moved);
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     if refusing.load(Ordering::SeqCst) {
@@ -44,10 +51,18 @@ impl ReplyCutter {
                         drop(client);
                         continue;
                     }
-                    let Ok(server) = TcpStream::connect(target).await else {
+                    let to = *target
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let Ok(server) = TcpStream::connect(to).await else {
                         continue;
                     };
-                    tokio::spawn(pipe(client, server, Arc::clone(&armed), Arc::clone(&cuts)));
+                    let ends = Ends {
+                        armed: Arc::clone(&armed),
+                        cuts: Arc::clone(&cuts),
+                        moved: Arc::clone(&moved),
+                    };
+                    tokio::spawn(pipe(client, server, ends));
                 }
             }
         });
@@ -56,8 +71,20 @@ impl ReplyCutter {
             armed,
             refusing,
             cuts,
+            target,
+            moved,
             task,
         }
+    }
+
+    /// New connections go to `target` from now on, and the connections
+    /// made before are closed: the address moved to another server.
+    pub fn move_to(&self, target: SocketAddr) {
+        *self
+            .target
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = target;
+        self.moved.notify_waiters();
     }
 
     /// The next reply from the server, on any connection, is dropped with
@@ -87,15 +114,22 @@ impl Drop for ReplyCutter {
     }
 }
 
-async fn pipe(
-    mut client: TcpStream,
-    mut server: TcpStream,
+/// What a connection's pipe shares with the proxy.
+struct Ends {
     armed: Arc<AtomicBool>,
     cuts: Arc<AtomicUsize>,
-) {
+    moved: Arc<Notify>,
+}
+
+async fn pipe(mut client: TcpStream, mut server: TcpStream, ends: Ends) {
+    let Ends { armed, cuts, moved } = ends;
     let (mut up, mut down) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
+    let moved = moved.notified();
+    let mut moved = std::pin::pin!(moved);
+    moved.as_mut().enable();
     loop {
         tokio::select! {
+            () = moved.as_mut() => return,
             read = client.read(&mut up) => match read {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {

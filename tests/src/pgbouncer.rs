@@ -14,7 +14,7 @@
 
 use std::{
     path::PathBuf,
-    process::{Child, ChildStdin, Command, Stdio},
+    process::{Child, ChildStdin, Stdio},
     sync::Mutex,
     time::{Duration, Instant},
 };
@@ -64,16 +64,7 @@ impl PgBouncer {
         std::fs::write(dir.join("pgbouncer.ini"), ini).expect("pgbouncer.ini");
         std::fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n").expect("users.txt");
         let as_postgres = server.runs_as_postgres();
-        if as_postgres {
-            let chown = Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(&dir)
-                .status();
-            assert!(
-                chown.is_ok_and(|s| s.success()),
-                "chown PgBouncer's directory"
-            );
-        }
+        PgServer::make_dir(&dir, as_postgres);
         let script = format!(
             "'{binary}' -d '{dir}/pgbouncer.ini' >'{dir}/out' 2>&1\n\
              cat >/dev/null\nkill \"$(cat '{dir}/pid')\" 2>/dev/null\nsleep 0.2\nrm -rf '{dir}'\n",

@@ -79,14 +79,7 @@ impl PgServer {
         let as_postgres = is_root();
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("idem-pg-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        if as_postgres {
-            let chown = Command::new("chown")
-                .args(["postgres:postgres"])
-                .arg(&dir)
-                .status();
-            assert!(chown.is_ok_and(|s| s.success()), "chown the data directory");
-        }
+        Self::make_dir(&dir, as_postgres);
         let data = dir.join("data");
         let initdb = Self::command(as_postgres, &bin.join("initdb"))
             .arg("-D")
@@ -99,6 +92,13 @@ impl PgServer {
             "initdb failed: {}",
             String::from_utf8_lossy(&initdb.stderr)
         );
+        Some(Self::launch(bin, dir, port, as_postgres, durable))
+    }
+
+    /// Starts the postmaster on `dir`'s data under the stopping shell
+    /// (see the module's docs) and waits until it answers.
+    fn launch(bin: PathBuf, dir: PathBuf, port: u16, as_postgres: bool, durable: bool) -> Self {
+        let data = dir.join("data");
         // The shell stops the server when the test binary's end of the
         // pipe closes (whichever postmaster runs on the data directory
         // then: a test may have stopped and started it again).
@@ -129,7 +129,57 @@ impl PgServer {
             _shell: Mutex::new((shell, stdin)),
         };
         server.wait_ready();
-        Some(server)
+        server
+    }
+
+    /// A streaming standby of this server (which must be durable: a
+    /// [`private`](Self::private) one), on a port of its own, named
+    /// `standby` to the primary (for `synchronous_standby_names`); `None`
+    /// when PostgreSQL is not installed (outside CI).
+    pub fn standby(&self) -> Option<PgServer> {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("idem-pg-{}-{port}", std::process::id()));
+        Self::make_dir(&dir, self.as_postgres);
+        let backup = Self::command(self.as_postgres, &self.bin.join("pg_basebackup"))
+            .arg("-D")
+            .arg(dir.join("data"))
+            .arg("-d")
+            .arg(format!(
+                "host=127.0.0.1 port={} user=postgres application_name=standby",
+                self.port
+            ))
+            .args(["-R", "-X", "stream", "--no-sync"])
+            .output()
+            .expect("run pg_basebackup");
+        assert!(
+            backup.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&backup.stderr)
+        );
+        Some(Self::launch(
+            self.bin.clone(),
+            dir,
+            port,
+            self.as_postgres,
+            true,
+        ))
+    }
+
+    /// Promotes this standby to a primary and waits until it takes writes.
+    pub fn promote(&self) {
+        self.pg_ctl(&["-w", "promote"]);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self
+            .psql("postgres", "SELECT pg_is_in_recovery()")
+            .as_deref()
+            != Ok("f")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the standby did not leave recovery"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The postmaster's command-line options. `fsync` is off either way
@@ -157,39 +207,47 @@ impl PgServer {
     /// Stops the server as a crash would (`pg_ctl -m immediate`: no
     /// shutdown checkpoint; committed data is kept, the start recovers).
     pub fn crash(&self) {
-        let stopped = Self::command(self.as_postgres, &self.bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
-            .output()
-            .expect("run pg_ctl stop");
-        assert!(
-            stopped.status.success(),
-            "pg_ctl stop: {}",
-            String::from_utf8_lossy(&stopped.stderr)
-        );
+        self.pg_ctl(&["-m", "immediate", "-w", "stop"]);
     }
 
     /// Starts the server again on its data and port, and waits until it
     /// answers: a new postmaster start.
     pub fn start_again(&self) {
         let data = self.dir.join("data");
-        let started = Self::command(self.as_postgres, &self.bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(&data)
-            .arg("-o")
-            .arg(Self::options(&data, self.port, &self.dir, self.durable))
-            .arg("-l")
-            .arg(self.dir.join("log"))
-            .args(["-w", "start"])
-            .output()
-            .expect("run pg_ctl start");
-        assert!(
-            started.status.success(),
-            "pg_ctl start: {}",
-            String::from_utf8_lossy(&started.stderr)
-        );
+        let options = Self::options(&data, self.port, &self.dir, self.durable);
+        let log = self.dir.join("log");
+        let log = log.to_string_lossy();
+        self.pg_ctl(&["-o", &options, "-l", &log, "-w", "start"]);
         self.wait_ready();
+    }
+
+    /// Runs `pg_ctl` on the data directory with `args`; fails the test
+    /// when it fails.
+    fn pg_ctl(&self, args: &[&str]) {
+        let ran = Self::command(self.as_postgres, &self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(args)
+            .output()
+            .expect("run pg_ctl");
+        assert!(
+            ran.status.success(),
+            "pg_ctl {args:?}: {}",
+            String::from_utf8_lossy(&ran.stderr)
+        );
+    }
+
+    /// Creates `dir`, owned by the `postgres` user when the server runs
+    /// as it.
+    pub(crate) fn make_dir(dir: &Path, as_postgres: bool) {
+        std::fs::create_dir_all(dir).expect("temp dir");
+        if as_postgres {
+            let chown = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir)
+                .status();
+            assert!(chown.is_ok_and(|s| s.success()), "chown {}", dir.display());
+        }
     }
 
     pub(crate) fn command(as_postgres: bool, program: &Path) -> Command {

@@ -891,3 +891,42 @@ async fn a_busy_pool_is_a_503_never_a_run_unprotected() {
         .expect("count");
     assert_eq!(orders, 2);
 }
+
+/// A database that cannot be reached is not a busy pool: the pool's wait
+/// runs out without a connection, and fail-open covers it (the request
+/// runs unprotected, counted), where a busy pool's never does.
+#[tokio::test]
+async fn an_unreachable_database_fails_open_when_asked() {
+    let Some(_server) = PgServer::shared() else {
+        return;
+    };
+    let port = idem_tests::redis_server::free_port();
+    let store = PgStore::builder()
+        .url(format!("postgres://postgres@127.0.0.1:{port}/nothing"))
+        .pool_timeout(Duration::from_millis(200))
+        .build()
+        .expect("store");
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let router = |open: bool| {
+        let runs = Arc::clone(&runs);
+        Router::new()
+            .route(
+                "/orders",
+                post(move || {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    async { StatusCode::CREATED }
+                }),
+            )
+            .layer(
+                IdempotencyLayer::new(store.clone())
+                    .tenant(TenantFromHeader::from_static("x-tenant-id"))
+                    .fail_open(open),
+            )
+    };
+    let closed = call(&router(false), Some("down"), &[]).await;
+    assert_eq!(closed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let open = call(&router(true), Some("down"), &[]).await;
+    assert_eq!(open.status, StatusCode::CREATED);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

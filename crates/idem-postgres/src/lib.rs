@@ -447,6 +447,31 @@ impl PgStore {
         })
     }
 
+    /// `call`'s answer, with a pool's wait that ran out told apart: busy
+    /// ([`StoreError::Busy`], never failed open) when every connection the
+    /// pool may open is open, or unavailable when it could not open one (a
+    /// database that cannot be reached makes the wait run out too).
+    pub(crate) async fn classified<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match call.await {
+            Err(StoreError::Busy { retry_after }) => {
+                let pool = &self.inner.pool;
+                if pool.size() < pool.options().get_max_connections() {
+                    Err(StoreError::unavailable(
+                        "could not open a connection to PostgreSQL within the pool timeout",
+                    ))
+                } else {
+                    tracing::warn!("every connection of the idempotency store's pool is in use");
+                    metrics::counter!("idem_store_pool_timeouts_total").increment(1);
+                    Err(StoreError::Busy { retry_after })
+                }
+            }
+            answer => answer,
+        }
+    }
+
     /// A fenced one-statement write: whether the row was written.
     async fn fenced_write(
         &self,

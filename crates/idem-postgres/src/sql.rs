@@ -153,15 +153,12 @@ pub(crate) fn failed(error: sqlx::Error) -> StoreError {
         | sqlx::Error::ColumnIndexOutOfBounds { .. }
         | sqlx::Error::TypeNotFound { .. }
         | sqlx::Error::RowNotFound => StoreError::refused(error),
-        // The pool's wait ran out (PgStoreBuilder::pool_timeout): the
-        // database is up and busy, which fail-open does not cover.
-        sqlx::Error::PoolTimedOut => {
-            tracing::warn!("every connection of the idempotency store's pool is in use");
-            metrics::counter!("idem_store_pool_timeouts_total").increment(1);
-            StoreError::Busy {
-                retry_after: BUSY_RETRY_AFTER,
-            }
-        }
+        // The pool's wait ran out (PgStoreBuilder::pool_timeout): busy,
+        // or, when the pool could not open a connection, unavailable
+        // (PgStore::classified tells them apart).
+        sqlx::Error::PoolTimedOut => StoreError::Busy {
+            retry_after: BUSY_RETRY_AFTER,
+        },
         other => StoreError::unavailable(other),
     }
 }

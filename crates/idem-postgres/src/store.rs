@@ -30,98 +30,118 @@ impl Store for PgStore {
     }
 
     async fn reserve(&self, request: &ReserveRequest) -> Result<Reservation, StoreError> {
-        let attempt = idem_core::AttemptId::new();
-        let token = OwnerToken::new();
-        let conn = self.inner.pool.acquire().await.map_err(failed)?;
-        // From here a statement may reach the server: given up (dropped)
-        // before its answer, the guard frees what it may have reserved.
-        let mut guard = GivenUp {
-            store: self.clone(),
-            conn: None,
-            scope: *request.scope.hash(),
-            attempt,
-            token,
-            within: request.lease,
-        };
-        let conn = guard.conn.insert(conn);
-        let answer = self.reserve_on(conn, request, attempt, token).await;
-        // Answered: the caller owns what it reserved. An error leaves the
-        // guard armed: whatever landed before it is freed.
-        if answer.is_ok() {
-            guard.conn = None;
-        }
-        answer
+        self.classified(async {
+            let attempt = idem_core::AttemptId::new();
+            let token = OwnerToken::new();
+            let conn = self.inner.pool.acquire().await.map_err(failed)?;
+            // From here a statement may reach the server: given up (dropped)
+            // before its answer, the guard frees what it may have reserved.
+            let mut guard = GivenUp {
+                store: self.clone(),
+                conn: None,
+                scope: *request.scope.hash(),
+                attempt,
+                token,
+                within: request.lease,
+            };
+            let conn = guard.conn.insert(conn);
+            let answer = self.reserve_on(conn, request, attempt, token).await;
+            // Answered: the caller owns what it reserved. An error leaves the
+            // guard armed: whatever landed before it is freed.
+            if answer.is_ok() {
+                guard.conn = None;
+            }
+            answer
+        })
+        .await
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        let ttl = row::ms(u64::try_from(lease.ttl.as_millis()).unwrap_or(u64::MAX));
-        let query = sqlx::query(&self.inner.sql.renew)
-            .bind(lease.scope.as_bytes().to_vec())
-            .bind(row::ms(lease.generation))
-            .bind(lease.token.0)
-            .bind(ttl);
-        if self.fenced_write(query).await? {
-            return Ok(Renewal::Renewed);
-        }
-        self.transition(&lease.scope, |slot, now_ms| {
-            machine::renew(slot, lease, now_ms)
+        self.classified(async {
+            let ttl = row::ms(u64::try_from(lease.ttl.as_millis()).unwrap_or(u64::MAX));
+            let query = sqlx::query(&self.inner.sql.renew)
+                .bind(lease.scope.as_bytes().to_vec())
+                .bind(row::ms(lease.generation))
+                .bind(lease.token.0)
+                .bind(ttl);
+            if self.fenced_write(query).await? {
+                return Ok(Renewal::Renewed);
+            }
+            self.transition(&lease.scope, |slot, now_ms| {
+                machine::renew(slot, lease, now_ms)
+            })
+            .await
         })
         .await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
-        if self
-            .fenced_write(self.complete_query(lease, outcome))
-            .await?
-        {
-            return Ok(Completion::Recorded);
-        }
-        self.transition(&lease.scope, |slot, now_ms| {
-            machine::complete(slot, lease, outcome, now_ms)
+        self.classified(async {
+            if self
+                .fenced_write(self.complete_query(lease, outcome))
+                .await?
+            {
+                return Ok(Completion::Recorded);
+            }
+            self.transition(&lease.scope, |slot, now_ms| {
+                machine::complete(slot, lease, outcome, now_ms)
+            })
+            .await
         })
         .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, StoreError> {
-        self.transition(&lease.scope, |slot, now_ms| {
-            machine::release(slot, lease, now_ms)
+        self.classified(async {
+            self.transition(&lease.scope, |slot, now_ms| {
+                machine::release(slot, lease, now_ms)
+            })
+            .await
         })
         .await
     }
 
     async fn cancel(&self, scope: &ScopeHash) -> Result<Cancellation, StoreError> {
-        self.transition(scope, machine::cancel).await
+        self.classified(async { self.transition(scope, machine::cancel).await })
+            .await
     }
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
-        let query = sqlx::query(&self.inner.sql.read).bind(scope.as_bytes().to_vec());
-        let found = on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
-        let Some(found) = found else {
-            return Ok(None);
-        };
-        let now: i64 = found.try_get("now_ms").map_err(failed)?;
-        let record = row::decode(&found)?;
-        Ok((!record.is_expired(u64::try_from(now).unwrap_or(0))).then_some(record))
+        self.classified(async {
+            let query = sqlx::query(&self.inner.sql.read).bind(scope.as_bytes().to_vec());
+            let found = on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
+            let Some(found) = found else {
+                return Ok(None);
+            };
+            let now: i64 = found.try_get("now_ms").map_err(failed)?;
+            let record = row::decode(&found)?;
+            Ok((!record.is_expired(u64::try_from(now).unwrap_or(0))).then_some(record))
+        })
+        .await
     }
 }
 
 impl RecordsAdmin for PgStore {
     async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
-        let older = query.older_than.map_or(0, |age| {
-            row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
-        });
-        let list = sqlx::query(&self.inner.sql.list)
-            .bind(query.tenant.as_deref().map(row::stored_tenant))
-            .bind(query.state.map(|state| state.as_str()))
-            .bind(older)
-            .bind(query.lapsed)
-            .bind(i64::try_from(query.limit).unwrap_or(i64::MAX));
-        let rows = on_pool!(self.inner, list, fetch_all).map_err(failed)?;
-        rows.iter().map(row::decode).collect()
+        self.classified(async {
+            let older = query.older_than.map_or(0, |age| {
+                row::ms(u64::try_from(age.as_millis()).unwrap_or(u64::MAX))
+            });
+            let list = sqlx::query(&self.inner.sql.list)
+                .bind(query.tenant.as_deref().map(row::stored_tenant))
+                .bind(query.state.map(|state| state.as_str()))
+                .bind(older)
+                .bind(query.lapsed)
+                .bind(i64::try_from(query.limit).unwrap_or(i64::MAX));
+            let rows = on_pool!(self.inner, list, fetch_all).map_err(failed)?;
+            rows.iter().map(row::decode).collect()
+        })
+        .await
     }
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        self.transition(scope, machine::force_release).await
+        self.classified(async { self.transition(scope, machine::force_release).await })
+            .await
     }
 }
 
