@@ -21,8 +21,11 @@ use idem_postgres::PgStore;
 use idem_tests::postgres_server::PgServer;
 
 /// The table's, its primary key's and its expiry index's sizes, and its
-/// dead rows, as one line.
+/// dead rows (after an `ANALYZE`), as one line.
 fn sizes(server: &PgServer, database: &str) -> String {
+    server
+        .psql(database, "ANALYZE idem_records")
+        .expect("analyze");
     let query = "SELECT pg_size_pretty(pg_relation_size('idem_records')) || ' table, ' || \
                  pg_size_pretty(pg_relation_size('idem_records_pkey')) || ' primary key, ' || \
                  pg_size_pretty(pg_relation_size('idem_records_expires_at')) || ' expiry index, ' || \
@@ -86,7 +89,6 @@ fn main() {
         "written: {rows} expired records in {took:.2?} ({:.0} rows/s, one statement)",
         per_second(rows, took)
     );
-    server.psql(&database, "ANALYZE idem_records").expect("analyze");
     println!("  {}", sizes(&server, &database));
 
     let started = Instant::now();
@@ -99,9 +101,10 @@ fn main() {
     println!("  {}", sizes(&server, &database));
 
     let started = Instant::now();
-    server.psql(&database, "VACUUM idem_records").expect("vacuum");
+    server
+        .psql(&database, "VACUUM idem_records")
+        .expect("vacuum");
     println!("vacuumed in {:.2?}", started.elapsed());
-    server.psql(&database, "ANALYZE idem_records").expect("analyze");
     println!("  {}", sizes(&server, &database));
 
     let took = fill(&server, &database, rows, rows, false);
@@ -109,7 +112,6 @@ fn main() {
         "written again: {rows} live records in {took:.2?} ({:.0} rows/s)",
         per_second(rows, took)
     );
-    server.psql(&database, "ANALYZE idem_records").expect("analyze");
     println!("  {}", sizes(&server, &database));
 
     let started = Instant::now();
