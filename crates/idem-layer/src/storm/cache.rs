@@ -137,12 +137,6 @@ impl ReplayCache {
             }),
         );
     }
-
-    /// Forgets `scope` (its record was erased here).
-    #[allow(dead_code)]
-    pub(crate) fn forget(&self, scope: &ScopeHash) {
-        self.entries.remove(scope);
-    }
 }
 
 #[cfg(test)]
@@ -190,8 +184,6 @@ mod tests {
         cache.keep(&soon, &fp, &replay(b"{}", Some(Duration::from_millis(1))));
         std::thread::sleep(Duration::from_millis(5));
         assert!(cache.get(&soon, &fp).is_none());
-        cache.forget(&scope);
-        assert!(cache.get(&scope, &fp).is_none());
         assert!(ReplayCache::new(0, Duration::from_secs(1)).is_none());
         assert!(ReplayCache::new(1, Duration::ZERO).is_none());
     }
