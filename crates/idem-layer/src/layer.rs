@@ -40,6 +40,7 @@ use crate::{
 /// | [`store_timeout`](Self::store_timeout) | 1 s per store call |
 /// | [`fail_open`](Self::fail_open) | off: 503 when the store fails |
 /// | [`on_disconnect`](Self::on_disconnect) | [`OnDisconnect::Detach`] |
+/// | [`replay_cache`](Self::replay_cache) | 16 MiB, an entry at most 60 s (`0`: none) |
 ///
 /// Call [`validate`](Self::validate) at start: it refuses a retention not
 /// longer than the lease, a zero lease or store timeout, and durations
