@@ -1213,3 +1213,49 @@ async fn waiting_duplicates_share_one_reservation() {
     // from duplicates whose wait woke between rounds): not 40.
     assert!(scripts <= 8, "{scripts} script calls for 40 duplicates");
 }
+
+/// The gateway's replay cache: on by default (a key's later replays cost
+/// Redis nothing), sized and timed by its flags, off with
+/// `--replay-cache-bytes 0` (every replay is a script call).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_replay_cache_follows_its_flags() {
+    use idem_tests::{TestServer, client, send, start_gateway, upstream::Upstream};
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let url = server.url();
+    let secret = ["--tenant-secret", "the replay cache test's shared secret"];
+    let cached = start_gateway(&origin, &[&["--store", &url][..], &secret].concat()).await;
+    let uncached = start_gateway(
+        &origin,
+        &[&["--store", &url, "--replay-cache-bytes", "0"][..], &secret].concat(),
+    )
+    .await;
+    let post = |gateway: std::net::SocketAddr| {
+        Request::post(format!("http://{gateway}/orders"))
+            .header("idempotency-key", "cached-1")
+            .header("authorization", "Bearer alice")
+            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+            .expect("request")
+    };
+    let first = send(&client(), post(cached.addr)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // Replays after the first: the store's calls each gateway makes.
+    for (gateway, scripts) in [(cached.addr, 1), (uncached.addr, 3)] {
+        let before = server.command_stats();
+        for _ in 0..3 {
+            let replay = send(&client(), post(gateway)).await;
+            assert!(replay.replayed());
+            assert_eq!(replay.body, first.body);
+        }
+        let after = server.command_stats();
+        assert_eq!(
+            calls_between(&before, &after, "evalsha"),
+            scripts,
+            "{gateway}"
+        );
+    }
+    assert_eq!(upstream.runs(), 1);
+}

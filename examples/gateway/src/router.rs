@@ -82,6 +82,7 @@ pub(crate) fn layer<S: Store>(
         .body_timeout(config.body_timeout)
         .max_response(config.max_body)
         .store_timeout(store_timeout)
+        .replay_cache(config.replay_cache_bytes, config.replay_cache_ttl)
         .allow_anonymous(config.allow_anonymous)
         .require_key(config.require_key)
         .fail_open(config.fail_open);
