@@ -105,8 +105,9 @@ pub(crate) fn replay_response<B>(replay: Replay) -> Response<ResponseBody<B>> {
         Outcome::NotStored { status } => {
             let detail = format!(
                 "the request with this Idempotency-Key completed with status {status}, but its \
-                 response was not stored (it exceeded the storable limit, or its body failed \
-                 before it was read whole) and cannot be replayed"
+                 response was not stored (it exceeded the storable limit, its body failed \
+                 before it was read whole, or the service asked not to store it) and cannot \
+                 be replayed"
             );
             let mut response = problem(ProblemCode::ResponseNotStored, &detail, None);
             response

@@ -117,19 +117,30 @@ where
     B: Body<Data = Bytes> + Unpin,
 {
     Ok(match buffered {
-        Buffered::Complete { parts, body } => {
+        Buffered::Complete { mut parts, body } => {
+            let status = parts.status.as_u16();
+            if crate::headers::opted_out(&mut parts) {
+                // The handler said not to store it: the action ran, so the
+                // key stays taken, and a retry is told so.
+                return Ok((
+                    parts,
+                    ResponseBody::full(body),
+                    Outcome::NotStored { status },
+                ));
+            }
             let stored = StoredResponse {
-                status: parts.status.as_u16(),
+                status,
                 headers: Vec::new(),
                 body: body.clone(),
             };
             (parts, ResponseBody::full(body), Outcome::Stored(stored))
         }
         Buffered::TooLarge {
-            parts,
+            mut parts,
             prefix,
             rest,
         } => {
+            crate::headers::opted_out(&mut parts);
             let status = parts.status.as_u16();
             (
                 parts,

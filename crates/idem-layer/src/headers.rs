@@ -36,6 +36,27 @@ pub(crate) fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, Ke
     IdempotencyKey::parse(value.as_bytes()).map(Some)
 }
 
+/// A response header of idem's own by which a handler (or an upstream
+/// behind the gateway) opts its response out of storage, whatever its
+/// value: the layer removes it before the client sees the response,
+/// records the outcome as not stored (the action ran, so the key stays
+/// taken), and answers a retry `idempotency_response_not_stored`. The
+/// response extension [`NoStore`] does the same. `Cache-Control: no-store`
+/// does not: frameworks set it on every response.
+pub const NO_STORE: HeaderName = HeaderName::from_static("idem-no-store");
+
+/// A response extension that opts a response out of storage, as the
+/// [`NO_STORE`] header does (for a handler behind the library layer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NoStore;
+
+/// Whether the response opted out of storage ([`NO_STORE`] or
+/// [`NoStore`]); the header is removed either way.
+pub(crate) fn opted_out(parts: &mut http::response::Parts) -> bool {
+    let header = parts.headers.remove(NO_STORE).is_some();
+    header || parts.extensions.get::<NoStore>().is_some()
+}
+
 /// The request header that carries the records API's admin credential. A
 /// proxy in front of an upstream removes it before forwarding: the
 /// credential is the proxy's own.

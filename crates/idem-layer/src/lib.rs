@@ -197,7 +197,9 @@ pub use config::{
 };
 pub use context::IdempotencyContext;
 pub use disconnect::ResponseFuture;
-pub use headers::{ADMIN_TOKEN, HOP_BY_HOP, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use headers::{
+    ADMIN_TOKEN, HOP_BY_HOP, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, NO_STORE, NoStore,
+};
 /// The idem-core types a handler meets, re-exported so that a service
 /// needs no direct idem-core dependency.
 pub use idem_core::{

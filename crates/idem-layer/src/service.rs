@@ -125,7 +125,7 @@ where
                 return self.refuse(ProblemCode::MethodCaseMismatch, &detail);
             }
             let future = inner.call(request);
-            return ResponseFuture::new(async move { Ok(future.await?.map(ResponseBody::inner)) });
+            return ResponseFuture::new(async move { Ok(without_no_store(future.await?)) });
         }
         if self.misconfigured {
             let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
@@ -180,7 +180,15 @@ async fn passthrough<I, ReqBody, ResBody>(
 where
     I: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
-    Ok(inner.call(request).await?.map(ResponseBody::inner))
+    Ok(without_no_store(inner.call(request).await?))
+}
+
+/// A response passed through, without idem's own opt-out header (see
+/// [`NO_STORE`](crate::NO_STORE)): it is never meant for the client.
+fn without_no_store<B>(response: Response<B>) -> Response<ResponseBody<B>> {
+    let mut response = response.map(ResponseBody::inner);
+    response.headers_mut().remove(crate::NO_STORE);
+    response
 }
 
 // An async block, not an `async fn`: an `async fn` keeps its arguments
