@@ -99,11 +99,13 @@ impl Upstream {
     /// * `POST /orders`: 201, `Location`, `Set-Cookie`, a body naming the run.
     /// * `POST /status/{code}`: that status.
     /// * `POST /slow`: waits for a gate permit, then 201.
+    /// * `POST /no-store`: 201 with `idem-no-store: 1` (not to be stored).
     /// * any other request: 201, a body naming the path as received and
     ///   the run.
     pub fn router(&self) -> Router {
         Router::new()
             .route("/orders", post(orders))
+            .route("/no-store", post(no_store))
             .route("/status/{code}", post(status))
             .route("/slow", post(slow))
             .fallback(any_path)
@@ -137,6 +139,15 @@ async fn status(
     (
         StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
         format!("status {code} run {n}"),
+    )
+}
+
+async fn no_store(State(up): State<Upstream>, headers: HeaderMap) -> impl IntoResponse {
+    let n = up.record("/no-store".to_owned(), &headers);
+    (
+        StatusCode::CREATED,
+        [("idem-no-store", "1")],
+        format!("one-time secret {n}"),
     )
 }
 

@@ -104,6 +104,25 @@ async fn setup(flags: &[&str]) -> (Upstream, TestServer, Gateway) {
 
 // ===== behaviour, shared by the memory and Redis runs =====
 
+/// An upstream answer sent with `idem-no-store`: its client gets it without
+/// that header, it is not stored, and a retry is told so without calling
+/// the upstream again.
+async fn an_opted_out_answer_is_not_stored(flags: &[&str]) {
+    let (upstream, _server, gw) = setup(flags).await;
+    let first = post(&gw, "/no-store", "secret-1", "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(first.body.starts_with(b"one-time secret"));
+    assert_eq!(first.header("idem-no-store"), None);
+    let retry = post(&gw, "/no-store", "secret-1", "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(
+        retry.code().as_deref(),
+        Some("idempotency_response_not_stored")
+    );
+    assert!(!retry.body.windows(6).any(|w| w == b"secret"));
+    assert_eq!(upstream.runs(), 1);
+}
+
 async fn replay_conflict_and_headers(flags: &[&str]) {
     let (upstream, _server, gw) = setup(flags).await;
     let first = post(&gw, "/orders", "k1", r#"{"sku":"book","qty":1}"#).await;
@@ -328,6 +347,7 @@ on_memory!(
     memory_outcomes_and_tenants => outcomes_and_tenants(&["--max-body", "1024"]),
     memory_records_api_and_cancel => records_api_and_cancel(&[]),
     memory_client_disconnect => client_disconnect_records_the_outcome(&[]),
+    memory_opted_out_answer => an_opted_out_answer_is_not_stored(&[]),
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -447,6 +467,7 @@ on_redis!(
     concurrent_duplicates_execute_once
 );
 on_redis!(redis_records_api_and_cancel, records_api_and_cancel);
+on_redis!(redis_opted_out_answer, an_opted_out_answer_is_not_stored);
 on_redis!(
     redis_client_disconnect,
     client_disconnect_records_the_outcome
