@@ -12,12 +12,12 @@ use idem_tests::{RealClock, pgbouncer::PgBouncer, postgres_server::PgServer};
 static BOUNCER: OnceLock<Option<PgBouncer>> = OnceLock::new();
 
 /// A store on a fresh database of the shared server, through this test
-/// binary's PgBouncer (fewer server connections than the store's pool);
+/// binary's PgBouncer (as many server connections as the store's pool);
 /// `None` skips (no PostgreSQL or PgBouncer, outside CI).
 async fn store() -> Option<PgStore> {
     let server = PgServer::shared()?;
     let bouncer = BOUNCER
-        .get_or_init(|| PgBouncer::spawn(server, 4))
+        .get_or_init(|| PgBouncer::spawn(server, 8))
         .as_ref()?;
     let store = bouncer.store(server);
     store.migrate().await.expect("migrate");

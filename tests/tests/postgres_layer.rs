@@ -124,11 +124,25 @@ async fn app_on(store: PgStore) -> Option<App> {
 
 impl App {
     async fn orders(&self) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM orders")
+        self.read("SELECT count(*) FROM orders").await
+    }
+
+    /// One value read in a transaction of its own, unnamed: behind
+    /// PgBouncer in transaction mode an unnamed statement outside a
+    /// transaction may be parsed on one server connection and run on
+    /// another (another client's statement, with this one's parameters).
+    async fn read<T>(&self, sql: &'static str) -> T
+    where
+        T: Send + Unpin + for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+    {
+        let mut tx = self.store.pool().begin().await.expect("begin");
+        let value = sqlx::query_scalar(sql)
             .persistent(false)
-            .fetch_one(self.store.pool())
+            .fetch_one(&mut *tx)
             .await
-            .expect("count")
+            .expect(sql);
+        tx.commit().await.expect("commit");
+        value
     }
 }
 
@@ -207,11 +221,7 @@ async fn commit_together(app: &App) {
         Some(&b"true"[..])
     );
     assert_eq!(app.orders().await, 1);
-    let state: String = sqlx::query_scalar("SELECT state FROM idem_records")
-        .persistent(false)
-        .fetch_one(app.store.pool())
-        .await
-        .expect("record");
+    let state: String = app.read("SELECT state FROM idem_records").await;
     assert_eq!(state, "completed");
 }
 
@@ -250,12 +260,9 @@ async fn roll_back_on_panic_or_error(app: &App) {
             "{failure}"
         );
         assert_eq!(app.orders().await, 0, "{failure}: the insert was committed");
-        let processing: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM idem_records WHERE state = 'processing'")
-                .persistent(false)
-                .fetch_one(app.store.pool())
-                .await
-                .expect("count");
+        let processing: i64 = app
+            .read("SELECT count(*) FROM idem_records WHERE state = 'processing'")
+            .await;
         assert_eq!(processing, 0, "{failure}: the record was not released");
     }
     for key in ["k-panic", "k-error"] {
@@ -884,12 +891,7 @@ async fn a_busy_pool_is_a_503_never_a_run_unprotected() {
     let retry = call(&router, Some("waits"), &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     // The holder's order and the retry's: the busy answer ran nothing.
-    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
-        .persistent(false)
-        .fetch_one(app.store.pool())
-        .await
-        .expect("count");
-    assert_eq!(orders, 2);
+    assert_eq!(app.orders().await, 2);
 }
 
 /// A database that cannot be reached is not a busy pool: the pool's wait
