@@ -36,6 +36,26 @@ struct App {
     layer: IdempotencyLayer<RedisStore>,
 }
 
+impl App {
+    /// Sends `/slow` under `key` in a task of its own and waits, within
+    /// `within`, until its handler has run it: the one run after those
+    /// so far.
+    async fn slow_running(
+        &self,
+        key: &'static str,
+        within: Duration,
+    ) -> tokio::task::JoinHandle<Reply> {
+        let before = self.runs.load(Ordering::SeqCst);
+        let router = self.router.clone();
+        let task = tokio::spawn(async move { call(&router, "/slow", key, "{}").await });
+        wait_until(within, "the slow request to run", async || {
+            self.runs.load(Ordering::SeqCst) == before + 1
+        })
+        .await;
+        task
+    }
+}
+
 fn app(store: RedisStore) -> App {
     app_with(store, InFlight::Reject)
 }
@@ -226,14 +246,7 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits_on(packed: bool) 
         StatusCode::CREATED
     );
     app.runs.store(0, Ordering::SeqCst);
-    let router = app.router.clone();
-    let first = tokio::spawn(async move { call(&router, "/slow", "waited-on", "{}").await });
-    wait_until(
-        Duration::from_secs(30),
-        "the first request to run",
-        async || app.runs.load(Ordering::SeqCst) == 1,
-    )
-    .await;
+    let first = app.slow_running("waited-on", Duration::from_secs(30)).await;
 
     let before = server.command_stats();
     let router = app.router.clone();
@@ -356,14 +369,7 @@ async fn round_trips_per_request_and_redis_time() {
         "conflict: two round trips"
     );
 
-    let router = app.router.clone();
-    let slow = tokio::spawn(async move { call(&router, "/slow", "s", "{}").await });
-    wait_until(
-        Duration::from_secs(30),
-        "the slow request to run",
-        async || app.runs.load(Ordering::SeqCst) >= 10,
-    )
-    .await;
+    let slow = app.slow_running("s", Duration::from_secs(30)).await;
     let before = server.command_stats();
     let busy = call(&app.router, "/slow", "s", "{}").await;
     assert_eq!(busy.code.as_deref(), Some("idempotency_in_progress"));
@@ -616,14 +622,7 @@ async fn running_on_a_killed_redis() -> Option<(RedisServer, App, tokio::task::J
             .store_timeout(Duration::from_millis(300))
             .lease(Duration::from_secs(1)),
     );
-    let router = app.router.clone();
-    let first = tokio::spawn(async move { call(&router, "/slow", "k", "{}").await });
-    poll_until(
-        Duration::from_secs(10),
-        async || app.runs.load(Ordering::SeqCst),
-        |runs| *runs == 1,
-    )
-    .await;
+    let first = app.slow_running("k", Duration::from_secs(10)).await;
     server.kill();
     Some((server, app, first))
 }
@@ -740,14 +739,7 @@ async fn a_second_layer_after_a_restart_replays_the_outcome_the_first_held() {
     };
     let (a, b) = (app_of(layer(&server)), app_of(layer(&server)));
     b.gate.add_permits(10);
-    let router = a.router.clone();
-    let first = tokio::spawn(async move { call(&router, "/slow", "k", "{}").await });
-    poll_until(
-        Duration::from_secs(10),
-        async || a.runs.load(Ordering::SeqCst),
-        |runs| *runs == 1,
-    )
-    .await;
+    let first = a.slow_running("k", Duration::from_secs(10)).await;
     server.kill();
     a.gate.add_permits(1);
     let first = first.await.expect("join");
@@ -1179,14 +1171,7 @@ async fn waiting_duplicates_share_one_reservation() {
             .in_flight(InFlight::Wait(Duration::from_secs(20)))
             .replay_cache(0, Duration::ZERO),
     );
-    let router = app.router.clone();
-    let first = tokio::spawn(async move { call(&router, "/slow", "together", "{}").await });
-    wait_until(
-        Duration::from_secs(30),
-        "the first request to run",
-        async || app.runs.load(Ordering::SeqCst) >= 1,
-    )
-    .await;
+    let first = app.slow_running("together", Duration::from_secs(30)).await;
     let duplicates: Vec<_> = (0..40)
         .map(|_| {
             let router = app.router.clone();
