@@ -246,6 +246,27 @@ async fn an_unreachable_database_is_unavailable() {
         matches!(error, idem_core::StoreError::Unavailable(_)),
         "{error:?}"
     );
+    // The fleet's claims and the sweep likewise: the pool's wait ran out
+    // without a connection, which is not a busy pool.
+    let claim = store
+        .claim_duty("chore", "me", Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(claim, Err(idem_core::StoreError::Unavailable(_))),
+        "{claim:?}"
+    );
+    let identity = store
+        .claim_identity("v1:a", Duration::from_secs(1), false)
+        .await;
+    assert!(
+        matches!(identity, Err(idem_core::StoreError::Unavailable(_))),
+        "{identity:?}"
+    );
+    let swept = store.sweep().await;
+    assert!(
+        matches!(swept, Err(idem_core::StoreError::Unavailable(_))),
+        "{swept:?}"
+    );
 }
 
 /// A stored header name that is no header name (written by hand: the layer

@@ -201,23 +201,26 @@ impl PgStore {
         holder: &str,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let table = format!("{}_duties", self.table());
-        let claim = format!(
-            "INSERT INTO {table} AS held (name, holder, expires_at_ms) \
-             VALUES ($1, $2, {NOW_MS} + $3) \
-             ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, \
-               expires_at_ms = EXCLUDED.expires_at_ms \
-             WHERE held.holder = EXCLUDED.holder OR held.expires_at_ms <= {NOW_MS} \
-             RETURNING holder"
-        );
-        let millis = claim_ms(ttl);
-        let query = sqlx::query_scalar(&claim)
-            .bind(duty)
-            .bind(holder)
-            .bind(millis);
-        let claimed: Option<String> =
-            on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
-        Ok(claimed.is_some())
+        self.classified(async {
+            let table = format!("{}_duties", self.table());
+            let claim = format!(
+                "INSERT INTO {table} AS held (name, holder, expires_at_ms) \
+                 VALUES ($1, $2, {NOW_MS} + $3) \
+                 ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, \
+                   expires_at_ms = EXCLUDED.expires_at_ms \
+                 WHERE held.holder = EXCLUDED.holder OR held.expires_at_ms <= {NOW_MS} \
+                 RETURNING holder"
+            );
+            let millis = claim_ms(ttl);
+            let query = sqlx::query_scalar(&claim)
+                .bind(duty)
+                .bind(holder)
+                .bind(millis);
+            let claimed: Option<String> =
+                on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
+            Ok(claimed.is_some())
+        })
+        .await
     }
 
     /// Claims the table for `marker`, a short text naming how the
@@ -236,48 +239,55 @@ impl PgStore {
         ttl: Duration,
         replace: bool,
     ) -> Result<IdentityClaim, StoreError> {
-        let table = format!("{}_identity", self.table());
-        let claim = format!(
-            "INSERT INTO {table} AS held (id, marker, expires_at_ms) \
-             VALUES (true, $1, {NOW_MS} + $2) \
-             ON CONFLICT (id) DO UPDATE SET marker = EXCLUDED.marker, \
-               expires_at_ms = CASE WHEN held.marker = EXCLUDED.marker \
-                 THEN GREATEST(held.expires_at_ms, EXCLUDED.expires_at_ms) \
-                 ELSE EXCLUDED.expires_at_ms END \
-             WHERE $3 OR held.marker = EXCLUDED.marker OR held.expires_at_ms <= {NOW_MS} \
-             RETURNING marker"
-        );
-        let millis = claim_ms(ttl);
-        let query = sqlx::query_scalar(&claim)
-            .bind(marker)
-            .bind(millis)
-            .bind(replace);
-        let claimed: Option<String> =
-            on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
-        if claimed.is_some() {
-            return Ok(IdentityClaim::Held);
-        }
-        let read = format!("SELECT marker FROM {table}");
-        let query = sqlx::query_scalar(&read);
-        let held: Option<String> = on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
-        Ok(match held {
-            Some(other) if other != marker => IdentityClaim::Other(other),
-            // A twin claimed it with the same marker meanwhile (nothing
-            // deletes the row, so it is there).
-            _ => IdentityClaim::Held,
+        self.classified(async {
+            let table = format!("{}_identity", self.table());
+            let claim = format!(
+                "INSERT INTO {table} AS held (id, marker, expires_at_ms) \
+                 VALUES (true, $1, {NOW_MS} + $2) \
+                 ON CONFLICT (id) DO UPDATE SET marker = EXCLUDED.marker, \
+                   expires_at_ms = CASE WHEN held.marker = EXCLUDED.marker \
+                     THEN GREATEST(held.expires_at_ms, EXCLUDED.expires_at_ms) \
+                     ELSE EXCLUDED.expires_at_ms END \
+                 WHERE $3 OR held.marker = EXCLUDED.marker OR held.expires_at_ms <= {NOW_MS} \
+                 RETURNING marker"
+            );
+            let millis = claim_ms(ttl);
+            let query = sqlx::query_scalar(&claim)
+                .bind(marker)
+                .bind(millis)
+                .bind(replace);
+            let claimed: Option<String> =
+                on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
+            if claimed.is_some() {
+                return Ok(IdentityClaim::Held);
+            }
+            let read = format!("SELECT marker FROM {table}");
+            let query = sqlx::query_scalar(&read);
+            let held: Option<String> =
+                on_pool!(self.inner, query, fetch_optional).map_err(failed)?;
+            Ok(match held {
+                Some(other) if other != marker => IdentityClaim::Other(other),
+                // A twin claimed it with the same marker meanwhile (nothing
+                // deletes the row, so it is there).
+                _ => IdentityClaim::Held,
+            })
         })
+        .await
     }
 
     /// Deletes every expired record (in batches) and answers how many. A
     /// record whose attempt still holds a live lease is never deleted.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
-        Sweeping {
-            pool: self.inner.pool.clone(),
-            sql: self.inner.sql.sweep.clone(),
-            batch: self.inner.sweep_batch,
-            pooled: self.inner.pooled,
-        }
-        .run()
+        self.classified(async {
+            Sweeping {
+                pool: self.inner.pool.clone(),
+                sql: self.inner.sql.sweep.clone(),
+                batch: self.inner.sweep_batch,
+                pooled: self.inner.pooled,
+            }
+            .run()
+            .await
+        })
         .await
     }
 
@@ -447,7 +457,8 @@ impl PgStore {
         })
     }
 
-    /// `call`'s answer, with a pool's wait that ran out told apart: busy
+    /// `call`'s answer, with a pool's wait that ran out told apart (every
+    /// call of the store that returns its errors goes through here): busy
     /// ([`StoreError::Busy`], never failed open) when every connection the
     /// pool may open is open, or unavailable when it could not open one (a
     /// database that cannot be reached makes the wait run out too).
