@@ -62,15 +62,19 @@ def instructions():
     text = open(newest).read()
     return int(re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M).group(1))
 
-def per_call(script, args, expect):
-    sha = cli("-x", "SCRIPT", "LOAD", stdin=open(script).read())
-    commands = [resp("EVALSHA", sha, *args(i)) for i in range(n)]
+def per_command(args, expect):
+    """Instructions per command, over n pipelined commands args(0..n)."""
+    commands = [resp(*args(i)) for i in range(n)]
     subprocess.run(["callgrind_control", "-z", pid], capture_output=True, check=True)
     replies = pipelined(commands)
     count = instructions() / n
     if replies.count(expect.encode()) < n:
-        sys.exit(f"{script}: expected {n} replies with {expect!r}")
+        sys.exit(f"{args(0)[:2]}: expected {n} replies with {expect!r}")
     return count
+
+def per_call(script, args, expect):
+    sha = cli("-x", "SCRIPT", "LOAD", stdin=open(script).read())
+    return per_command(lambda i: ("EVALSHA", sha, *args(i)), expect)
 
 fp = "f" * 64
 attempt, token = "1" * 8 + "-1111-1111-1111-111111111111", "2" * 8 + "-2222-2222-2222-222222222222"
@@ -110,14 +114,6 @@ rows += [
 ]
 # The floor: a record kept as one string, reserved by one native command
 # (SET NX GET answers nil for a new key, the record for a retry).
-def per_command(args, expect):
-    commands = [resp(*args(i)) for i in range(n)]
-    subprocess.run(["callgrind_control", "-z", pid], capture_output=True, check=True)
-    replies = pipelined(commands)
-    count = instructions() / n
-    if replies.count(expect.encode()) < n:
-        sys.exit(f"{args(0)[0]}: expected {n} replies with {expect!r}")
-    return count
 native = lambda i: ("SET", f"n:{{{run}-{i}}}", "r" * 300, "NX", "PX", 86400000, "GET")
 rows += [
     ("native", "new key", per_command(native, "$-1\r\n")),

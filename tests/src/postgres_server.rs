@@ -134,9 +134,8 @@ impl PgServer {
 
     /// A streaming standby of this server (which must be durable: a
     /// [`private`](Self::private) one), on a port of its own, named
-    /// `standby` to the primary (for `synchronous_standby_names`); `None`
-    /// when PostgreSQL is not installed (outside CI).
-    pub fn standby(&self) -> Option<PgServer> {
+    /// `standby` to the primary (for `synchronous_standby_names`).
+    pub fn standby(&self) -> PgServer {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("idem-pg-{}-{port}", std::process::id()));
         Self::make_dir(&dir, self.as_postgres);
@@ -156,13 +155,7 @@ impl PgServer {
             "pg_basebackup failed: {}",
             String::from_utf8_lossy(&backup.stderr)
         );
-        Some(Self::launch(
-            self.bin.clone(),
-            dir,
-            port,
-            self.as_postgres,
-            true,
-        ))
+        Self::launch(self.bin.clone(), dir, port, self.as_postgres, true)
     }
 
     /// Promotes this standby to a primary and waits until it takes writes.
