@@ -410,8 +410,9 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
                 Value::Nil => &[],
                 other => return Err(corrupt(format!("expected headers, got {other:?}"))),
             };
+            // A waiter's answer says no expiry (0): nothing keeps it.
             Ok(Current::Completed(replay(
-                status, stored, completed, headers, body,
+                status, stored, completed, 0, headers, body,
             )?))
         }
         other => Err(corrupt(format!("unexpected reply {other}"))),
@@ -460,12 +461,14 @@ pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
         .min(raw.len());
     let raw = Bytes::from(raw);
     let body = raw.slice(headers_end..);
-    let mut replay = replay(status, stored, completed, &raw[at..headers_end], body)?;
-    // Measured, like the age, against this process' clock; a record whose
-    // expiry is unknown (0) is not kept anywhere.
-    replay.expires_in =
-        (expires > 0).then(|| Duration::from_millis(expires.saturating_sub(unix_ms())));
-    Ok(replay)
+    replay(
+        status,
+        stored,
+        completed,
+        expires,
+        &raw[at..headers_end],
+        body,
+    )
 }
 
 /// The stored flag the scripts answer for a completed record whose
@@ -485,24 +488,27 @@ fn incomplete(status: u64) {
     );
 }
 
-/// The replay of a completed record, read from either answer. The age is
-/// measured against this process' clock: a replay reads no clock in Redis
-/// (see head.lua), and skew between the clocks shows in the age alone
-/// (never negative).
+/// The replay of a completed record, read from either answer. The age and
+/// the time to the record's expiry (`expires`, Unix ms; 0: unknown, then
+/// nothing keeps the replay) are measured against this process' clock: a
+/// replay reads no clock in Redis (see head.lua), and skew between the
+/// clocks shows in them alone (never negative).
 fn replay(
     status: u64,
     stored: u64,
     completed: u64,
+    expires: u64,
     headers: &[u8],
     body: Bytes,
 ) -> Result<Replay, StoreError> {
     if stored == INCOMPLETE {
         incomplete(status);
     }
+    let now = unix_ms();
     Ok(Replay {
         outcome: outcome(status, stored == 1, headers, body)?,
-        age: Duration::from_millis(unix_ms().saturating_sub(completed)),
-        expires_in: None,
+        age: Duration::from_millis(now.saturating_sub(completed)),
+        expires_in: (expires > 0).then(|| Duration::from_millis(expires.saturating_sub(now))),
     })
 }
 
