@@ -884,6 +884,24 @@ async fn a_flooding_tenant_leaves_other_tenants_working() {
     // The default quota is a tenth of the capacity.
     assert_eq!(quota_hits, 30);
     assert_eq!(upstream.runs(), 10);
+    // Counted as quota refusals, not as a store failing (an alert on store
+    // errors must not fire for one busy tenant).
+    let metrics = send(
+        &client(),
+        Request::get(format!("http://{}/metrics", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        metrics.contains("idem_requests_total{outcome=\"quota_exceeded\"} 30\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("idem_requests_total{outcome=\"store_error\"} 0\n"),
+        "{metrics}"
+    );
     for n in 0..10 {
         let reply = post(gateway.addr, &format!("calm-{n}"), "Bearer calm").await;
         assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");

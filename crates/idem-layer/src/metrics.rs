@@ -2,7 +2,7 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `idem_requests_total` | counter | `outcome`: executed, replayed, conflict, in_progress, released, takeover, fenced, cancelled, store_error, fail_open, rejected, unknown |
+//! | `idem_requests_total` | counter | `outcome`: executed, replayed, conflict, in_progress, released, takeover, fenced, cancelled, store_error, quota_exceeded, fail_open, rejected, unknown |
 //! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get, list, force_release |
 //! | `idem_replay_age_seconds` | histogram | |
 //! | `idem_outcomes_pending` | gauge | |
@@ -52,6 +52,8 @@ pub(crate) enum Outcome {
     Fenced,
     Cancelled,
     StoreError,
+    /// A new key refused: its tenant holds its quota of live records.
+    QuotaExceeded,
     FailOpen,
     Rejected,
     Unknown,
@@ -98,6 +100,7 @@ keyed_by_variant!(Outcome, REQUESTS_TOTAL, "outcome":
     Fenced => "fenced",
     Cancelled => "cancelled",
     StoreError => "store_error",
+    QuotaExceeded => "quota_exceeded",
     FailOpen => "fail_open",
     Rejected => "rejected",
     Unknown => "unknown",
@@ -251,7 +254,7 @@ mod tests {
         for (index, via) in Saved::ALL.iter().enumerate() {
             assert_eq!(*via as usize, index);
         }
-        assert_eq!(Outcome::ALL.len(), 12);
+        assert_eq!(Outcome::ALL.len(), 13);
         assert_eq!(StoreOp::ALL.len(), 8);
     }
 }

@@ -46,6 +46,11 @@ pub(crate) fn prometheus() -> &'static PrometheusHandle {
         // The recorder stays for the process: the layer's metrics are
         // registered with it once, not looked up per request.
         idem_layer::metrics::register_handles();
+        // The gateway's own names, and the Redis store's, exist from the
+        // start too: the alert rules and the dashboard in `deploy/` query
+        // them before their first event (a test reads them off `/metrics`).
+        let _ = metrics::gauge!("idem_records_lapsed");
+        metrics::counter!("idem_records_incomplete_total").increment(0);
         // Histogram samples are drained into their buckets on a scrape or
         // by upkeep; without upkeep, a gateway nobody scrapes would keep
         // every sample (about 27 bytes a keyed request).

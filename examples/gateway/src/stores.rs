@@ -27,14 +27,20 @@ pub(crate) fn memory_store(config: &Config) -> MemoryStore {
         .max_bytes(config.memory_max_bytes)
         .tenant_quota(quota)
         .build();
+    // Gauges of the memory store, set now (the recorder first: gauges set
+    // before it is installed are lost) and every second after.
+    crate::metrics::prometheus();
+    let set = |store: &MemoryStore| {
+        metrics::gauge!("idem_store_records").set(store.len() as f64);
+        metrics::gauge!("idem_store_bytes").set(store.bytes() as f64);
+        metrics::gauge!("idem_store_full").set(f64::from(u8::from(store.is_full())));
+    };
+    set(&store);
     let watched = store.clone();
     tokio::spawn(async move {
-        // Gauges of the memory store, every second.
         loop {
-            metrics::gauge!("idem_store_records").set(watched.len() as f64);
-            metrics::gauge!("idem_store_bytes").set(watched.bytes() as f64);
-            metrics::gauge!("idem_store_full").set(f64::from(u8::from(watched.is_full())));
             tokio::time::sleep(Duration::from_secs(1)).await;
+            set(&watched);
         }
     });
     store
