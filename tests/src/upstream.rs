@@ -26,6 +26,10 @@ pub struct Seen {
     pub attempt: Option<String>,
     /// The `x-idem-admin-token` it received (a gateway never forwards it).
     pub admin_token: Option<String>,
+    /// The W3C `traceparent` it received.
+    pub traceparent: Option<String>,
+    /// The W3C `tracestate` it received.
+    pub tracestate: Option<String>,
 }
 
 /// The upstream's shared state.
@@ -86,6 +90,8 @@ impl Upstream {
             key: text("idempotency-key"),
             attempt: text("idempotency-attempt"),
             admin_token: text("x-idem-admin-token"),
+            traceparent: text("traceparent"),
+            tracestate: text("tracestate"),
         };
         if let Ok(mut all) = self.seen.lock() {
             all.push(seen);

@@ -188,6 +188,20 @@ pub(crate) fn count(outcome: Outcome) {
                 .increment(1);
         }
     }
+    // The layer's `idempotency` span (DEBUG) carries the outcome too.
+    if tracing::enabled!(tracing::Level::DEBUG)
+        && let Some(label) = outcome.key().labels().next()
+    {
+        tracing::Span::current().record("outcome", label.value());
+    }
+}
+
+/// Records the attempt (its lease generation: 1 for the first) on the
+/// layer's `idempotency` span, when DEBUG spans are on.
+pub(crate) fn trace_attempt(generation: u64) {
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        tracing::Span::current().record("attempt", generation);
+    }
 }
 
 /// A store call, as its latency is labelled.

@@ -256,7 +256,15 @@ where
         };
         let secret = config.scope_secret.as_ref();
         let scope = Scope::hashed_as(config.scope_format, secret, tenant, operation, key);
-        let span = tracing::debug_span!("idempotency", scope = %scope.hash(), operation = scope.operation());
+        // The scope hash, never the raw key; the attempt and the outcome
+        // are recorded as they become known.
+        let span = tracing::debug_span!(
+            "idempotency",
+            scope = %scope.hash(),
+            operation = scope.operation(),
+            attempt = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
         let reserve = ReserveRequest {
             scope,
             fingerprint,
@@ -439,6 +447,7 @@ where
                 ..
             } = self;
             let scope = &reserve.scope;
+            crate::metrics::trace_attempt(lease.generation);
             parts.extensions.insert(IdempotencyContext {
                 key: scope.key().clone(),
                 tenant: Arc::clone(scope.shared_tenant()),

@@ -137,6 +137,9 @@ pub struct Config {
     /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or --blake3-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
     #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
     pub replace_store_identity: bool,
+    /// Export the gateway's span of each request over OTLP/HTTP (protobuf) to this collector (its base URL, such as http://collector:4318; spans go to /v1/traces). Without it, the trace context is passed to the upstream and nothing is exported.
+    #[arg(long, env = "IDEM_OTLP_ENDPOINT", value_parser = parse_otlp_endpoint)]
+    pub otlp_endpoint: Option<Uri>,
     /// Headers that tell the upstream who the client is: x-forwarded (X-Forwarded-For, -Proto, -Host), forwarded (RFC 7239 Forwarded), or none.
     #[arg(long, env = "IDEM_FORWARDED", default_value = "x-forwarded", value_parser = parse_forwarded)]
     pub forwarded: proxy::Forwarded,
@@ -208,6 +211,17 @@ pub(crate) fn parse_upstream(value: &str) -> Result<Uri, String> {
     }
     if uri.path_and_query().is_some_and(|p| p.as_str() != "/") {
         return Err("the upstream URL takes no path or query".to_owned());
+    }
+    Ok(uri)
+}
+
+pub(crate) fn parse_otlp_endpoint(value: &str) -> Result<Uri, String> {
+    let uri: Uri = value.parse().map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+        return Err("expected http://host:port or https://host:port".to_owned());
+    }
+    if uri.query().is_some() {
+        return Err("the collector's URL takes no query".to_owned());
     }
     Ok(uri)
 }

@@ -16,6 +16,7 @@ mod proxy;
 mod router;
 mod stores;
 mod tenants;
+mod trace;
 
 use std::{future::Future, net::SocketAddr, time::Duration};
 
@@ -74,7 +75,12 @@ pub async fn run(
                 .to_owned(),
         ));
     }
-    let (router, drain) = store_router(&config, &tenants, upstream.clone()).await?;
+    let spans = config
+        .otlp_endpoint
+        .as_ref()
+        .map(trace::Spans::start)
+        .transpose()?;
+    let (router, drain) = store_router(&config, &tenants, upstream.clone(), spans.clone()).await?;
     let started = Started {
         addr: listener.local_addr()?,
         upstream,
@@ -94,6 +100,9 @@ pub async fn run(
              (requests whose upstream has not answered, outcomes not yet recorded); \
              their records stay processing until their leases lapse"
         );
+    }
+    if let Some(spans) = spans {
+        spans.shutdown().await;
     }
     drop(demo);
     Ok(())

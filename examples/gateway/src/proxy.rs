@@ -8,6 +8,7 @@ use std::{
     time::Duration,
 };
 
+use crate::trace::Hop;
 use axum::body::Body;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, header};
 use hyper_util::{
@@ -338,8 +339,17 @@ impl Proxy {
             .extensions()
             .get::<IdempotencyContext>()
             .map(|ctx| (ctx.generation, ctx.key.to_sf_string()));
+        let hop = request.extensions_mut().remove::<Hop>();
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
+        // The trace goes on with the gateway's span as the upstream's
+        // parent (a proxy used without the gateway's front starts one).
+        let hop = hop.unwrap_or_else(|| Hop::of(headers, false));
+        hop.write(headers);
+        if let Some(ctx) = request.extensions().get::<IdempotencyContext>() {
+            hop.note(|| ctx.scope.to_string(), ctx.generation);
+        }
+        let headers = request.headers_mut();
         headers.remove(header::HOST);
         add_forwarded(headers, self.0.forwarded, peer, host.as_deref());
         // The gateway owns the attempt header: a client's is never passed on.

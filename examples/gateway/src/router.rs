@@ -11,6 +11,7 @@ use crate::{
     metrics::prometheus,
     proxy::{self, Proxy},
     tenants::{Tenants, generated_secret_warning, scope_secret, tenant_hash},
+    trace::{Spans, traced},
 };
 
 use std::{future::Future, time::Duration};
@@ -118,6 +119,7 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
     store: S,
     health: Option<Health>,
     upstream: Uri,
+    spans: Option<Spans>,
 ) -> Result<(Router, Drain), StartError> {
     let layer = layer(config, tenants, store)?;
     if tenants.generated && config.tenant_header.is_none() {
@@ -170,13 +172,15 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
             Front {
                 guard: ConnectionGuard(std::sync::Arc::new(protected_headers)),
                 jwt,
+                spans,
             },
             front,
         ));
     Ok((router, drain))
 }
 
-/// What the gateway does in front of every route, in this order: the log
+/// What the gateway does in front of every route, in this order: the
+/// trace context and the exported span ([`traced`]), the log
 /// line ([`log_request`]), the `Connection` check
 /// ([`refuse_connection_naming`]) and the JWT tenant ([`tenant_from_jwt`]).
 /// One middleware, not three: each layer of axum's middleware clones and
@@ -185,15 +189,23 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
 pub(crate) struct Front {
     guard: ConnectionGuard,
     jwt: Option<JwtState>,
+    spans: Option<Spans>,
 }
 
 pub(crate) async fn front(State(front): State<Front>, request: Request, next: Next) -> Response {
-    log_request(request, |request| async move {
-        refuse_connection_naming(&front.guard, request, |request| {
-            tenant_from_jwt(front.jwt.as_ref(), request, next)
-        })
-        .await
-    })
+    traced(
+        front.spans.as_ref(),
+        request,
+        |request| {
+            log_request(request, |request| async move {
+                refuse_connection_naming(&front.guard, request, |request| {
+                    tenant_from_jwt(front.jwt.as_ref(), request, next)
+                })
+                .await
+            })
+        },
+        outcome_of,
+    )
     .await
 }
 
@@ -295,20 +307,7 @@ pub(crate) async fn log_request<F: Future<Output = Response>>(
     let path = request.uri().path().to_owned();
     let keyed = request.headers().contains_key(idem_layer::IDEMPOTENCY_KEY);
     let response = next(request).await;
-    let outcome = if let Some(code) = response.extensions().get::<ProblemCode>() {
-        code.as_str()
-    } else if let Some(GatewayCode(code)) = response.extensions().get::<GatewayCode>() {
-        code
-    } else if response
-        .headers()
-        .contains_key(idem_layer::IDEMPOTENT_REPLAYED)
-    {
-        "replayed"
-    } else if keyed {
-        "executed"
-    } else {
-        "passthrough"
-    };
+    let outcome = outcome_of(keyed, &response);
     // The crate's own target (`idem_gateway: request ...`), whichever
     // module writes the line: log pipelines match on it.
     tracing::info!(
@@ -321,6 +320,26 @@ pub(crate) async fn log_request<F: Future<Output = Response>>(
         "request"
     );
     response
+}
+
+/// How a request was answered, for its log line and its span: a problem
+/// code (idem's or the gateway's), `replayed`, `executed` (keyed) or
+/// `passthrough`.
+pub(crate) fn outcome_of(keyed: bool, response: &Response) -> &'static str {
+    if let Some(code) = response.extensions().get::<ProblemCode>() {
+        code.as_str()
+    } else if let Some(GatewayCode(code)) = response.extensions().get::<GatewayCode>() {
+        code
+    } else if response
+        .headers()
+        .contains_key(idem_layer::IDEMPOTENT_REPLAYED)
+    {
+        "replayed"
+    } else if keyed {
+        "executed"
+    } else {
+        "passthrough"
+    }
 }
 
 /// Waits for a layer's background work at shutdown, up to a bound;

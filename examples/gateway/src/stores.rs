@@ -82,11 +82,12 @@ pub(crate) async fn store_router(
     config: &Config,
     tenants: &Tenants,
     upstream: Uri,
+    spans: Option<crate::trace::Spans>,
 ) -> Result<(Router, Drain), StartError> {
     if config.store == "memory" {
         let store = memory_store(config);
         let health = memory_health(&store);
-        return router(config, tenants, store, Some(health), upstream);
+        return router(config, tenants, store, Some(health), upstream, spans);
     }
     if is_postgres(&config.store) {
         let store = idem_postgres::PgStore::from_url(&config.store)
@@ -98,7 +99,7 @@ pub(crate) async fn store_router(
         let place = format!("the table {}_identity", store.table());
         let store = std::sync::Arc::new(store);
         claim_store(&store, place, config, tenants).await?;
-        return router(config, tenants, store, None, upstream);
+        return router(config, tenants, store, None, upstream, spans);
     }
     let mut builder = RedisStore::builder(&config.store)
         .timeout(config.store_timeout)
@@ -115,7 +116,7 @@ pub(crate) async fn store_router(
     claim_store(&store, place, config, tenants).await?;
     check_failover(&store, config.lease).await;
     let health = redis_health(&store);
-    router(config, tenants, store, Some(health), upstream)
+    router(config, tenants, store, Some(health), upstream, spans)
 }
 
 /// The identity of this gateway's records: a keyed hash of what derives

@@ -169,3 +169,281 @@ fn metric_names_are_read_off_a_query() {
         .into();
     assert_eq!(names, expected);
 }
+
+/// A request to the gateway at `addr` with these headers.
+fn request(
+    addr: std::net::SocketAddr,
+    method: http::Method,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Request<Full<Bytes>> {
+    let mut request = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header("authorization", "Bearer alice")
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request
+        .body(Full::new(Bytes::from_static(b"{\"sku\":\"book\"}")))
+        .expect("request")
+}
+
+/// The caller's trace: its id and the caller's span.
+const CALLER: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// The gateway continues a caller's trace with a span of its own as the
+/// upstream's parent, passes `tracestate` on, and starts a trace for a
+/// request without one; keyed or not.
+#[tokio::test]
+async fn the_upstream_continues_the_callers_trace() {
+    use idem_tests::{TestServer, start_gateway, upstream::Upstream};
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&origin, &[]).await;
+    let http = client();
+    let traced = [("traceparent", CALLER), ("tracestate", "vendor=opaque")];
+    let keyed = [
+        ("traceparent", CALLER),
+        ("tracestate", "vendor=opaque"),
+        ("idempotency-key", "trace-1"),
+    ];
+    let first = send(
+        &http,
+        request(gateway.addr, http::Method::POST, "/orders", &keyed),
+    )
+    .await;
+    assert_eq!(first.status, http::StatusCode::CREATED, "{first:?}");
+    let plain = send(
+        &http,
+        request(gateway.addr, http::Method::GET, "/items", &traced),
+    )
+    .await;
+    assert_eq!(plain.status, http::StatusCode::CREATED, "{plain:?}");
+    let fresh = send(
+        &http,
+        request(
+            gateway.addr,
+            http::Method::GET,
+            "/items",
+            &[("tracestate", "a=b")],
+        ),
+    )
+    .await;
+    assert_eq!(fresh.status, http::StatusCode::CREATED, "{fresh:?}");
+    let bad = [
+        ("traceparent", "00-XYZ-00f067aa0ba902b7-01"),
+        ("tracestate", "a=b"),
+    ];
+    let unreadable = send(
+        &http,
+        request(gateway.addr, http::Method::GET, "/items", &bad),
+    )
+    .await;
+    assert_eq!(
+        unreadable.status,
+        http::StatusCode::CREATED,
+        "{unreadable:?}"
+    );
+
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 4, "{seen:?}");
+    let fields = |value: &Option<String>| -> Vec<String> {
+        let value = value.as_deref().expect("a traceparent");
+        assert_eq!(value.len(), 55, "{value}");
+        value.split('-').map(str::to_owned).collect()
+    };
+    let mut spans = Vec::new();
+    for continued in &seen[..2] {
+        let parts = fields(&continued.traceparent);
+        assert_eq!(parts[0], "00");
+        assert_eq!(
+            parts[1], "4bf92f3577b34da6a3ce929d0e0e4736",
+            "the caller's trace"
+        );
+        assert_ne!(
+            parts[2], "00f067aa0ba902b7",
+            "the gateway's span is the parent"
+        );
+        assert_ne!(parts[2], "0000000000000000");
+        assert_eq!(parts[3], "01", "the caller's flags");
+        assert_eq!(continued.tracestate.as_deref(), Some("vendor=opaque"));
+        spans.push(parts[2].clone());
+    }
+    assert_ne!(spans[0], spans[1], "a span per request");
+    for started in &seen[2..] {
+        let parts = fields(&started.traceparent);
+        assert_ne!(parts[1], "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_ne!(parts[1], "00000000000000000000000000000000");
+        assert_eq!(parts[3], "00", "not sampled: nothing is recorded");
+        assert_eq!(started.tracestate, None, "no state without its trace");
+    }
+    assert_ne!(
+        fields(&seen[2].traceparent)[1],
+        fields(&seen[3].traceparent)[1]
+    );
+}
+
+/// A collector of OTLP/HTTP spans on loopback: every span it received.
+async fn collector() -> (
+    idem_tests::TestServer,
+    std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>,
+) {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message;
+    let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = std::sync::Arc::clone(&spans);
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: Bytes| {
+            let kept = std::sync::Arc::clone(&kept);
+            async move {
+                let export = ExportTraceServiceRequest::decode(body).expect("an OTLP export");
+                let mut kept = kept.lock().expect("spans");
+                for resource in export.resource_spans {
+                    let name = resource
+                        .resource
+                        .iter()
+                        .flat_map(|r| &r.attributes)
+                        .any(|kv| kv.key == "service.name");
+                    assert!(name, "the resource names the service");
+                    for scope in resource.scope_spans {
+                        kept.extend(scope.spans);
+                    }
+                }
+                http::StatusCode::OK
+            }
+        }),
+    );
+    (idem_tests::TestServer::start(app).await, spans)
+}
+
+/// An attribute of a span, as text.
+fn attribute(span: &opentelemetry_proto::tonic::trace::v1::Span, key: &str) -> Option<String> {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    let value = span
+        .attributes
+        .iter()
+        .find(|kv| kv.key == key)?
+        .value
+        .as_ref()?;
+    match value.value.as_ref()? {
+        Value::StringValue(text) => Some(text.clone()),
+        Value::IntValue(n) => Some(n.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+/// With `--otlp-endpoint`, the gateway exports its span of each request:
+/// in the caller's trace, the caller's span as its parent, the span the
+/// upstream got as its parent, with the outcome, the scope hash and the
+/// attempt, never the raw key. A trace the caller did not sample is not
+/// exported.
+#[tokio::test]
+async fn the_gateways_spans_are_exported_over_otlp() {
+    use idem_tests::{TestServer, start_gateway, upstream::Upstream};
+    let (collector, spans) = collector().await;
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let endpoint = format!("http://{}", collector.addr);
+    let gateway = start_gateway(&origin, &["--otlp-endpoint", &endpoint]).await;
+    let http = client();
+    let key = "otlp-raw-key-5d2c";
+    let keyed = [("traceparent", CALLER), ("idempotency-key", key)];
+    let first = send(
+        &http,
+        request(gateway.addr, http::Method::POST, "/orders", &keyed),
+    )
+    .await;
+    assert_eq!(first.status, http::StatusCode::CREATED, "{first:?}");
+    let replay = send(
+        &http,
+        request(gateway.addr, http::Method::POST, "/orders", &keyed),
+    )
+    .await;
+    assert!(replay.replayed(), "{replay:?}");
+    let unsampled = [(
+        "traceparent",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+    )];
+    let quiet = send(
+        &http,
+        request(gateway.addr, http::Method::GET, "/items", &unsampled),
+    )
+    .await;
+    assert_eq!(quiet.status, http::StatusCode::CREATED);
+    // A request without a trace starts a sampled one.
+    let fresh = send(
+        &http,
+        request(gateway.addr, http::Method::GET, "/fresh", &[]),
+    )
+    .await;
+    assert_eq!(fresh.status, http::StatusCode::CREATED);
+    assert_eq!(upstream.runs(), 3);
+
+    idem_tests::wait_until(
+        std::time::Duration::from_secs(30),
+        "the collector received three spans",
+        async || spans.lock().expect("spans").len() >= 3,
+    )
+    .await;
+    let spans = spans.lock().expect("spans").clone();
+    assert_eq!(
+        spans.len(),
+        3,
+        "the unsampled trace is not exported: {spans:?}"
+    );
+    let caller_trace = hex_decode("4bf92f3577b34da6a3ce929d0e0e4736");
+    let (mut executed, mut replayed) = (None, None);
+    for span in &spans[..] {
+        if span.trace_id == caller_trace {
+            assert_eq!(span.parent_span_id, hex_decode("00f067aa0ba902b7"));
+            assert_eq!(
+                attribute(span, "http.response.status_code").as_deref(),
+                Some("201")
+            );
+            match attribute(span, "idem.outcome").as_deref() {
+                Some("executed") => executed = Some(span.clone()),
+                Some("replayed") => replayed = Some(span.clone()),
+                other => panic!("outcome {other:?}: {span:?}"),
+            }
+        } else {
+            assert_eq!(
+                attribute(span, "url.path").as_deref(),
+                Some("/fresh"),
+                "{span:?}"
+            );
+            assert!(span.parent_span_id.is_empty(), "a new trace: {span:?}");
+        }
+        assert!(
+            !format!("{span:?}").contains(key),
+            "the raw key is exported: {span:?}"
+        );
+    }
+    let executed = executed.expect("the executed request's span");
+    let replayed = replayed.expect("the replay's span");
+    // The upstream's parent is the gateway's span of the executed request.
+    let seen = upstream.seen.lock().expect("seen").clone();
+    let parent = seen[0].traceparent.as_deref().expect("traceparent");
+    assert_eq!(hex_decode(&parent[36..52]), executed.span_id);
+    let scope = attribute(&executed, "idem.scope").expect("the scope hash");
+    assert_eq!(scope.len(), 64);
+    assert_eq!(attribute(&executed, "idem.attempt").as_deref(), Some("1"));
+    assert_eq!(
+        attribute(&replayed, "idem.scope"),
+        None,
+        "a replay reaches no upstream"
+    );
+    assert_eq!(
+        attribute(&executed, "http.request.method").as_deref(),
+        Some("POST")
+    );
+}
+
+fn hex_decode(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex"))
+        .collect()
+}
