@@ -1,6 +1,7 @@
 //! Shared helpers for idem's end-to-end tests: servers on free loopback
 //! ports and a small HTTP client.
 
+pub mod browser;
 pub mod cutter;
 pub mod layer_suite;
 pub mod nats_server;

@@ -12,6 +12,7 @@ mod error;
 mod jwt;
 mod lapsed;
 mod metrics;
+mod operator;
 mod proxy;
 mod router;
 mod stores;

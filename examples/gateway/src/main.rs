@@ -17,6 +17,13 @@ fn print_banner(config: &Config, started: &Started) {
         }
     );
     println!("  store:    {}", config.store);
+    match &config.records_admin_token {
+        Some(_) => println!(
+            "  operator: http://{addr}{}/operator (sign in with the records admin token)",
+            config.records_prefix
+        ),
+        None => println!("  operator: off (set --records-admin-token to serve the operator page)"),
+    }
     if started.demo {
         let tenant = match &config.tenant_header {
             Some(name) => format!("-H '{name}: demo'"),

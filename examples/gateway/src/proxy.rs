@@ -148,6 +148,8 @@ struct Shared {
     upstream: Uri,
     timeout: Duration,
     forwarded: Forwarded,
+    /// Where unknown outcomes are noted (the operator page).
+    unknowns: Option<crate::operator::Unknowns>,
 }
 
 /// Which headers tell the upstream who the client is.
@@ -291,6 +293,7 @@ impl Proxy {
             upstream,
             timeout,
             forwarded: Forwarded::XForwarded,
+            unknowns: None,
         }))
     }
 
@@ -299,6 +302,23 @@ impl Proxy {
     pub fn forwarded(mut self, style: Forwarded) -> Self {
         std::sync::Arc::make_mut(&mut self.0).forwarded = style;
         self
+    }
+
+    /// Notes each unknown outcome (for the operator page).
+    pub(crate) fn noting_unknowns(mut self, unknowns: crate::operator::Unknowns) -> Self {
+        std::sync::Arc::make_mut(&mut self.0).unknowns = Some(unknowns);
+        self
+    }
+
+    /// Notes an unknown outcome of the keyed request `keyed` describes.
+    fn note_unknown(
+        &self,
+        code: &'static str,
+        keyed: Option<&(std::sync::Arc<str>, idem_core::ScopeHash, u64)>,
+    ) {
+        if let (Some(unknowns), Some((operation, scope, attempt))) = (&self.0.unknowns, keyed) {
+            unknowns.note(code, operation, *scope, *attempt);
+        }
     }
 
     /// The upstream's URL for a request's path and query.
@@ -385,6 +405,13 @@ impl Proxy {
             .extensions()
             .get::<IdempotencyContext>()
             .map(|_| self.0.timeout);
+        let keyed = request.extensions().get::<IdempotencyContext>().map(|ctx| {
+            (
+                std::sync::Arc::clone(&ctx.operation),
+                ctx.scope,
+                ctx.generation,
+            )
+        });
         // The Host the client sent is read before the URI changes.
         self.upstream_headers(&mut request);
         *request.uri_mut() = uri;
@@ -410,6 +437,7 @@ impl Proxy {
                     &detail,
                 );
                 response.extensions_mut().insert(UnknownOutcome::new());
+                self.note_unknown("upstream_answer_invalid", keyed.as_ref());
                 response
             }
             Ok(Ok(response)) => upstream_response(response, stall),
@@ -438,6 +466,7 @@ impl Proxy {
                     &detail,
                 );
                 response.extensions_mut().insert(UnknownOutcome::new());
+                self.note_unknown("upstream_answer_lost", keyed.as_ref());
                 response
             }
             Err(_) => {
@@ -457,6 +486,7 @@ impl Proxy {
                 response
                     .extensions_mut()
                     .insert(UnknownOutcome::with_late_answer(late));
+                self.note_unknown("upstream_timeout", keyed.as_ref());
                 response
             }
         }

@@ -129,7 +129,10 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
     let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
     let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Setting)?;
-    let proxy = Proxy::new(upstream, config.upstream_timeout, tls).forwarded(config.forwarded);
+    let unknowns = crate::operator::Unknowns::default();
+    let proxy = Proxy::new(upstream, config.upstream_timeout, tls)
+        .forwarded(config.forwarded)
+        .noting_unknowns(unknowns.clone());
     let protected = tower::ServiceBuilder::new()
         .layer(layer.clone())
         .service(proxy);
@@ -154,7 +157,32 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
         methods: std::sync::Arc::new(config.methods.clone()),
         records_path: std::sync::Arc::from(records_path.as_str()),
     });
+    // The operator page, behind the records admin token.
+    let operator = match &config.records_admin_token {
+        Some(token) => crate::operator::routes(
+            std::sync::Arc::clone(layer.store()),
+            token.as_bytes(),
+            unknowns,
+            &format!("{}/operator", config.records_prefix),
+        ),
+        // Not forwarded to the upstream either: the path is the gateway's.
+        None => {
+            let off = || async {
+                problem(
+                    StatusCode::NOT_FOUND,
+                    "operator_page_off",
+                    "No operator page",
+                    "the operator page is served only with --records-admin-token",
+                )
+            };
+            let path = format!("{}/operator", config.records_prefix);
+            Router::new()
+                .route(&path, axum::routing::any(off))
+                .route(&format!("{path}/{{*rest}}"), axum::routing::any(off))
+        }
+    };
     let router = Router::new()
+        .merge(operator)
         .route(
             "/healthz",
             get(move || {

@@ -447,3 +447,269 @@ fn hex_decode(text: &str) -> Vec<u8> {
         .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex"))
         .collect()
 }
+
+/// The records admin token of the operator page's tests.
+const ADMIN: &str = "operator-token-0123456789";
+
+/// A gateway whose keyed `/slow` requests go stuck: the upstream holds
+/// them, the gateway stops waiting after 100 ms, and the lease (1 s)
+/// lapses; with the operator page on.
+async fn stuck_gateway() -> (
+    idem_tests::upstream::Upstream,
+    idem_tests::TestServer,
+    idem_gateway::Started,
+) {
+    use idem_tests::{TestServer, start_gateway, upstream::Upstream};
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(
+        &origin,
+        &[
+            "--records-admin-token",
+            ADMIN,
+            "--lease",
+            "1s",
+            "--upstream-timeout",
+            "100ms",
+            "--unknown-outcome-wait",
+            "100ms",
+        ],
+    )
+    .await;
+    (upstream, origin, gateway)
+}
+
+/// A keyed `POST /slow` with this raw key header value.
+async fn post_slow(addr: std::net::SocketAddr, key: &str) -> idem_tests::Reply {
+    send(
+        &client(),
+        request(
+            addr,
+            http::Method::POST,
+            "/slow",
+            &[("idempotency-key", key)],
+        ),
+    )
+    .await
+}
+
+/// The lapsed records of the gateway's store (the records API, with the
+/// admin token).
+async fn lapsed_records(addr: std::net::SocketAddr) -> Vec<serde_json::Value> {
+    let listing = send(
+        &client(),
+        request(
+            addr,
+            http::Method::GET,
+            "/_idempotency/records?lapsed=true",
+            &[("x-idem-admin-token", ADMIN)],
+        ),
+    )
+    .await;
+    serde_json::from_slice::<serde_json::Value>(&listing.body)
+        .ok()
+        .and_then(|body| body["records"].as_array().cloned())
+        .unwrap_or_default()
+}
+
+/// Waits until the gateway's store holds `n` lapsed records.
+async fn wait_for_lapsed(addr: std::net::SocketAddr, n: usize) {
+    idem_tests::wait_until(
+        std::time::Duration::from_secs(30),
+        "the record's lease lapsed",
+        async || lapsed_records(addr).await.len() == n,
+    )
+    .await;
+}
+
+/// In a real headless Chromium: the page asks for the admin token, lists
+/// the stuck record the test made (its key escaped, never markup) and the
+/// unknown outcome behind it, and its release button frees the key: the
+/// retry runs as attempt 2. A screenshot is kept in the target folder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_page_releases_a_stuck_record_in_a_real_browser() {
+    let Some(browser) = idem_tests::browser::Browser::start().await else {
+        return;
+    };
+    let (upstream, _origin, gateway) = stuck_gateway().await;
+    let key = "\"<i>stuck</i>-1\"";
+    let first = post_slow(gateway.addr, key).await;
+    assert_eq!(first.status, http::StatusCode::GATEWAY_TIMEOUT, "{first:?}");
+    wait_for_lapsed(gateway.addr, 1).await;
+
+    let page = format!("http://{}/_idempotency/operator", gateway.addr);
+    browser.goto(&page).await;
+    let signing_in = browser.source_with("name=\"token\"").await;
+    assert!(signing_in.contains("name=\"token\""), "{signing_in}");
+    assert!(!signing_in.contains("Lapsed records"), "{signing_in}");
+    browser.type_into("input[name=token]", ADMIN).await;
+    browser.click("button[type=submit]").await;
+    let listed = browser.source_with("Lapsed records").await;
+    assert!(listed.contains("Lapsed records"), "{listed}");
+    assert!(
+        listed.contains("&lt;i&gt;stuck&lt;/i&gt;-1"),
+        "the stuck record, escaped: {listed}"
+    );
+    assert!(
+        !listed.contains("<i>stuck"),
+        "the key was written as markup"
+    );
+    assert!(
+        listed.contains("upstream_timeout"),
+        "the unknown outcome: {listed}"
+    );
+    assert!(listed.contains("POST /slow"), "{listed}");
+
+    let png = browser.screenshot().await;
+    assert_eq!(&png[1..4], b"PNG", "a PNG");
+    let artifact = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("operator-page.png");
+    std::fs::write(&artifact, &png).expect("keep the screenshot");
+
+    browser.click("form.release button").await;
+    browser.source_with("Released POST /slow").await;
+    assert!(
+        browser.url().await.starts_with(&page),
+        "back on the page after the release"
+    );
+    browser.close().await;
+
+    // The key is free: the retry runs, as attempt 2.
+    upstream.gate.add_permits(2);
+    let retry = post_slow(gateway.addr, key).await;
+    assert_eq!(retry.status, http::StatusCode::CREATED, "{retry:?}");
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[1].attempt.as_deref(), Some("2"));
+}
+
+/// The page and its actions need the admin token: a wrong token signs
+/// nothing in, a release without a session or without the session's
+/// anti-forgery token is refused and releases nothing, and the session
+/// cookie is `HttpOnly` and `SameSite=Strict`. Without
+/// `--records-admin-token` there is no page (and the request never
+/// reaches the upstream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_page_needs_the_admin_token() {
+    let (upstream, origin, gateway) = stuck_gateway().await;
+    let first = post_slow(gateway.addr, "held-1").await;
+    assert_eq!(first.status, http::StatusCode::GATEWAY_TIMEOUT);
+    wait_for_lapsed(gateway.addr, 1).await;
+    let lapsed = lapsed_records(gateway.addr).await;
+    let scope = lapsed[0]["scope"].as_str().expect("scope").to_owned();
+
+    let form = |path: &str, body: String, cookie: Option<&str>| {
+        let mut request = Request::post(format!("http://{}{path}", gateway.addr))
+            .header("content-type", "application/x-www-form-urlencoded");
+        if let Some(cookie) = cookie {
+            request = request.header("cookie", cookie);
+        }
+        request.body(Full::new(Bytes::from(body))).expect("request")
+    };
+    let http = client();
+    // Not signed in: the sign-in form, no records.
+    let page = send(
+        &http,
+        request(
+            gateway.addr,
+            http::Method::GET,
+            "/_idempotency/operator",
+            &[],
+        ),
+    )
+    .await;
+    assert_eq!(page.status, http::StatusCode::OK);
+    let text = String::from_utf8_lossy(&page.body);
+    assert!(
+        text.contains("name=\"token\"") && !text.contains("held-1"),
+        "{text}"
+    );
+    // A wrong token.
+    let wrong = send(
+        &http,
+        form(
+            "/_idempotency/operator/sign-in",
+            "token=not-it".into(),
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(wrong.status, http::StatusCode::FORBIDDEN);
+    assert!(wrong.header("set-cookie").is_none());
+    // A release without a session.
+    let release = format!("scope={scope}&csrf=whatever");
+    let refused = send(
+        &http,
+        form("/_idempotency/operator/release", release.clone(), None),
+    )
+    .await;
+    assert_eq!(refused.status, http::StatusCode::FORBIDDEN);
+    // Signed in: the cookie's attributes.
+    let signed = send(
+        &http,
+        form(
+            "/_idempotency/operator/sign-in",
+            format!("token={ADMIN}"),
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(signed.status, http::StatusCode::SEE_OTHER);
+    let cookie = signed
+        .header("set-cookie")
+        .expect("a session cookie")
+        .to_owned();
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/_idempotency/operator"] {
+        assert!(cookie.contains(attribute), "{cookie}");
+    }
+    let session = cookie.split(';').next().expect("name=value").to_owned();
+    // A session, but a form from elsewhere (no anti-forgery token).
+    let forged = send(
+        &http,
+        form("/_idempotency/operator/release", release, Some(&session)),
+    )
+    .await;
+    assert_eq!(forged.status, http::StatusCode::FORBIDDEN);
+    // Still stuck: nothing was released.
+    wait_for_lapsed(gateway.addr, 1).await;
+    let page = send(
+        &http,
+        request(
+            gateway.addr,
+            http::Method::GET,
+            "/_idempotency/operator",
+            &[("cookie", &session)],
+        ),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&page.body).into_owned();
+    assert!(text.contains("held-1"), "{text}");
+    assert_eq!(page.header("cache-control"), Some("no-store"));
+    let csrf = text
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("the page's anti-forgery token")
+        .to_owned();
+    let released = send(
+        &http,
+        form(
+            "/_idempotency/operator/release",
+            format!("scope={scope}&csrf={csrf}"),
+            Some(&session),
+        ),
+    )
+    .await;
+    assert_eq!(released.status, http::StatusCode::SEE_OTHER, "{released:?}");
+    wait_for_lapsed(gateway.addr, 0).await;
+    assert_eq!(upstream.runs(), 1);
+
+    // Without the admin token, no page; the upstream never sees the path.
+    let plain = idem_tests::start_gateway(&origin, &[]).await;
+    let none = send(
+        &http,
+        request(plain.addr, http::Method::GET, "/_idempotency/operator", &[]),
+    )
+    .await;
+    assert_eq!(none.status, http::StatusCode::NOT_FOUND, "{none:?}");
+    assert_eq!(upstream.runs(), 1);
+}
