@@ -713,3 +713,43 @@ async fn the_operator_page_needs_the_admin_token() {
     assert_eq!(none.status, http::StatusCode::NOT_FOUND, "{none:?}");
     assert_eq!(upstream.runs(), 1);
 }
+
+/// The start-up lines link the operator page (or say how to turn it on).
+#[test]
+fn the_start_up_lines_link_the_operator_page() {
+    use std::io::{BufRead, BufReader};
+    for (args, expected) in [
+        (
+            vec!["--records-admin-token", ADMIN],
+            "/_idempotency/operator (sign in with the records admin token)",
+        ),
+        (vec![], "operator: off (set --records-admin-token"),
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(&args)
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the gateway");
+        let stdout = child.stdout.take().expect("stdout");
+        let lines: Vec<String> = BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .take_while(|line| !line.starts_with("Try it"))
+            .collect();
+        let _ = child.kill();
+        let _ = child.wait();
+        let addr = lines[0]
+            .strip_prefix("idem-gateway listening on http://")
+            .expect("the first line");
+        let operator = lines
+            .iter()
+            .find(|line| line.trim_start().starts_with("operator:"))
+            .unwrap_or_else(|| panic!("no operator line: {lines:?}"));
+        assert!(operator.contains(expected), "{operator}");
+        if !args.is_empty() {
+            assert!(operator.contains(&format!("http://{addr}/")), "{operator}");
+        }
+    }
+}
