@@ -1,5 +1,5 @@
 //! What a busy records table costs PostgreSQL, measured on a private
-//! server (the figures in docs/postgres.md, "Sizing"):
+//! server (the figures in crates/idem-postgres/src/docs/guide.md, "Sizing"):
 //!
 //! 1. `ROWS` expired records (default 1,000,000; gateway-shaped: a hashed
 //!    tenant, two headers, a 100-byte body) written in one statement, and

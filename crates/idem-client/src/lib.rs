@@ -66,6 +66,12 @@
 //! `idem_client_limit_cooldowns_total{boundary}`,
 //! `idem_client_limit_refusals_total{boundary}`.
 
+/// The crate's guide, shown on docs.rs; its examples are compiled as
+/// doctests.
+pub mod guide {
+    #![doc = include_str!("docs/guide.md")]
+}
+
 pub mod backoff;
 mod body;
 mod config;

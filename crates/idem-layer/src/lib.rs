@@ -145,20 +145,16 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
-/// The guides' examples, compiled as doctests wherever the text moved.
-#[cfg(doctest)]
-#[doc = include_str!("../../../docs/postgres.md")]
-pub struct PostgresGuideDoctests;
+/// Guides to the layer, shown on docs.rs; their examples are compiled as
+/// doctests.
+pub mod guide {
+    #![doc = include_str!("docs/layer.md")]
 
-/// See [`PostgresGuideDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../../../docs/commands.md")]
-pub struct CommandsGuideDoctests;
-
-/// See [`PostgresGuideDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../../../docs/client.md")]
-pub struct ClientGuideDoctests;
+    /// Commands without HTTP.
+    pub mod commands {
+        #![doc = include_str!("docs/commands.md")]
+    }
+}
 
 mod answer;
 mod attempt;

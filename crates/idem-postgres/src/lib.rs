@@ -48,6 +48,12 @@
 //! neither. An attempt that lost its lease (taken over, cancelled) commits
 //! nothing. Without the layer (an unkeyed request) `commit` commits at once.
 
+/// The crate's guide, shown on docs.rs; its examples are compiled as
+/// doctests.
+pub mod guide {
+    #![doc = include_str!("docs/guide.md")]
+}
+
 mod builder;
 mod given_up;
 mod row;

@@ -98,6 +98,12 @@
 //! still pick a replica that missed the write. It costs one more round trip
 //! per call.
 
+/// The crate's guide, shown on docs.rs; its examples are compiled as
+/// doctests.
+pub mod guide {
+    #![doc = include_str!("docs/guide.md")]
+}
+
 use std::time::Duration;
 
 use idem_core::{Record, ScopeHash, StoreError};
