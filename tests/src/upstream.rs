@@ -106,12 +106,15 @@ impl Upstream {
     /// * `POST /status/{code}`: that status.
     /// * `POST /slow`: waits for a gate permit, then 201.
     /// * `POST /no-store`: 201 with `idem-no-store: 1` (not to be stored).
+    /// * `POST /echo`: 201 whose body is the request's body, with
+    ///   `x-order-ref: REFMARK-<run>`.
     /// * any other request: 201, a body naming the path as received and
     ///   the run.
     pub fn router(&self) -> Router {
         Router::new()
             .route("/orders", post(orders))
             .route("/no-store", post(no_store))
+            .route("/echo", post(echo))
             .route("/status/{code}", post(status))
             .route("/slow", post(slow))
             .fallback(any_path)
@@ -133,6 +136,22 @@ async fn orders(
             (header::CONTENT_TYPE, "application/json".to_owned()),
         ],
         format!("{{\"id\":{n},\"bytes\":{}}}", body.len()),
+    )
+}
+
+async fn echo(
+    State(up): State<Upstream>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> impl IntoResponse {
+    let n = up.record("/echo".to_owned(), &headers);
+    (
+        StatusCode::CREATED,
+        [
+            ("x-order-ref", format!("REFMARK-{n}")),
+            ("content-type", "application/json".to_owned()),
+        ],
+        body,
     )
 }
 

@@ -319,8 +319,12 @@ async fn settle_in_transaction<S: Store, B>(
     deferred: Box<dyn DeferredCompletion>,
     outcome: Outcome,
 ) -> Option<Response<ResponseBody<B>>> {
+    let outcome = rt.sealed(lease, &outcome).unwrap_or(outcome);
     let commit = deferred.commit(lease.clone(), outcome);
-    match commit_call(&rt.config, commit).await {
+    let committed = commit_call(&rt.config, commit)
+        .await
+        .and_then(|completion| rt.opened(completion, &lease.scope));
+    match committed {
         Ok(Completion::Recorded) => {
             m::count(Counted::Executed);
             None

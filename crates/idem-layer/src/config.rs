@@ -81,6 +81,10 @@ pub(crate) struct Config {
     pub(crate) should_store: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
     pub(crate) replay_denylist: Vec<HeaderName>,
     pub(crate) fail_open: bool,
+    /// Seals stored responses at rest (see [`sealing`](crate::sealing)).
+    pub(crate) sealing: Option<crate::sealing::Keyring>,
+    /// Whether new responses are sealed (else the keyring only opens).
+    pub(crate) seal_new: bool,
     pub(crate) store_timeout: Duration,
     /// The store's own bound on its hot calls ([`idem_core::Store::call_bound`]).
     pub(crate) store_bound: Option<Duration>,

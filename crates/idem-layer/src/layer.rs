@@ -98,6 +98,8 @@ impl<S: Store> IdempotencyLayer<S> {
             should_store: Arc::new(default_should_store),
             replay_denylist: default_replay_denylist(),
             fail_open: false,
+            sealing: None,
+            seal_new: false,
             store_timeout: Duration::from_secs(1),
             store_bound: None,
             on_disconnect: OnDisconnect::Detach,
@@ -407,6 +409,38 @@ impl<S: Store> IdempotencyLayer<S> {
     /// `503 idempotency_store_unavailable` (default `false`).
     pub fn fail_open(self, open: bool) -> Self {
         self.with(|c| c.fail_open = open)
+    }
+
+    /// Seals every response this layer stores with `keyring` (the
+    /// current key), and opens sealed records with any of its keys: the
+    /// store holds the status and a ciphertext, never the response's
+    /// headers or body. Records stored without sealing still replay. A
+    /// sealed record that does not open is never replayed (503). See
+    /// [`sealing`](crate::sealing).
+    ///
+    /// ```
+    /// use idem_layer::{IdempotencyLayer, sealing::Keyring};
+    /// use idem_memory::MemoryStore;
+    ///
+    /// let keyring = Keyring::derived(b"the deployment secret from your vault");
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).sealing(keyring);
+    /// ```
+    pub fn sealing(self, keyring: crate::sealing::Keyring) -> Self {
+        self.with(|c| {
+            c.sealing = Some(keyring);
+            c.seal_new = true;
+        })
+    }
+
+    /// Opens records sealed with `keyring`'s keys, and stores new
+    /// responses in clear: how sealing is turned off without losing the
+    /// records sealed before. Without a keyring, a sealed record is never
+    /// replayed (503).
+    pub fn unsealing(self, keyring: crate::sealing::Keyring) -> Self {
+        self.with(|c| {
+            c.sealing = Some(keyring);
+            c.seal_new = false;
+        })
     }
 }
 

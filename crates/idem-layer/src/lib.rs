@@ -178,6 +178,7 @@ pub mod problem;
 mod recent;
 pub mod records;
 mod runtime;
+pub mod sealing;
 mod service;
 mod storm;
 pub mod tenant;

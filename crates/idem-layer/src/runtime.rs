@@ -120,13 +120,62 @@ impl<S> std::ops::Deref for Runtime<S> {
 }
 
 impl<S: Store> Runtime<S> {
+    /// The store's `complete` under the layer's bound: with a keyring, the
+    /// response sealed for this lease's record and generation, and a
+    /// stored response in the answer opened.
+    pub(crate) async fn complete(
+        &self,
+        lease: &Lease,
+        outcome: &idem_core::Outcome,
+    ) -> Result<idem_core::Completion, StoreError> {
+        let sealed = self.sealed(lease, outcome);
+        let stored = sealed.as_ref().unwrap_or(outcome);
+        let completion = store_call(
+            &self.config,
+            StoreOp::Complete,
+            self.store.complete(lease, stored),
+        )
+        .await?;
+        self.opened(completion, &lease.scope)
+    }
+
+    /// `outcome` as the store is to keep it under `lease`: its response
+    /// sealed with the layer's keyring; `None` when it is kept as it is
+    /// (no keyring, or no response).
+    pub(crate) fn sealed(
+        &self,
+        lease: &Lease,
+        outcome: &idem_core::Outcome,
+    ) -> Option<idem_core::Outcome> {
+        use idem_core::Outcome;
+        match (&self.config.sealing, outcome) {
+            (Some(keyring), Outcome::Stored(response)) if self.config.seal_new => Some(
+                Outcome::Stored(keyring.seal(&lease.scope, lease.generation, response)),
+            ),
+            _ => None,
+        }
+    }
+
+    /// A store's answer with every sealed response in it opened (as it
+    /// is without a keyring); one that does not open is an error.
+    pub(crate) fn opened<T: crate::sealing::Opens>(
+        &self,
+        answer: T,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<T, StoreError> {
+        answer.opened(self.config.sealing.as_ref(), scope)
+    }
+
     /// Releases the key after a temporary failure or a dropped attempt.
     /// Answers what the record says now when the lease was lost (the
     /// attempt was superseded or cancelled), so the attempt's client can
     /// get that instead.
     pub(crate) async fn release(&self, lease: &Lease) -> Option<Current> {
         m::count(Counted::Released);
-        match store_call(&self.config, StoreOp::Release, self.store.release(lease)).await {
+        let released = store_call(&self.config, StoreOp::Release, self.store.release(lease))
+            .await
+            .and_then(|answer| self.opened(answer, &lease.scope));
+        match released {
             Ok(Release::Released) => None,
             Ok(Release::Fenced(current)) => {
                 m::count(Counted::Fenced);

@@ -65,7 +65,8 @@ async fn spans_name_the_scope_hash_not_the_key() {
         output.contains(&hash),
         "the spans name the scope hash:\n{output}"
     );
-    let in_span = format!("idempotency{{scope={hash} operation=\"POST /orders\"}}");
+    // The attempt is recorded on the span once it runs (the outcome after).
+    let in_span = format!("idempotency{{scope={hash} operation=\"POST /orders\" attempt=1}}");
     let handler_lines: Vec<&str> = output
         .lines()
         .filter(|line| line.contains("the handler runs"))

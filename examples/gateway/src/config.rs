@@ -137,6 +137,12 @@ pub struct Config {
     /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or --blake3-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
     #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
     pub replace_store_identity: bool,
+    /// Store responses in clear instead of sealed at rest (by default every stored response's headers and body are encrypted with a key derived from the tenant secret).
+    #[arg(long, env = "IDEM_NO_SEALING", action = ArgAction::SetTrue)]
+    pub no_sealing: bool,
+    /// A sealing key ID:HEX (a number, then 64 hex digits), repeatable or comma-separated: the one with the highest id seals new records, every one (and the key derived from the tenant secret, id 0) opens the records sealed before. Add a key to rotate; remove an old one once its records expired.
+    #[arg(long, env = "IDEM_SEALING_KEYS", value_delimiter = ',', value_parser = parse_sealing_key, hide_env_values = true)]
+    pub sealing_key: Vec<SealingKey>,
     /// Export the gateway's span of each request over OTLP/HTTP (protobuf) to this collector (its base URL, such as http://collector:4318; spans go to /v1/traces). Without it, the trace context is passed to the upstream and nothing is exported.
     #[arg(long, env = "IDEM_OTLP_ENDPOINT", value_parser = parse_otlp_endpoint)]
     pub otlp_endpoint: Option<Uri>,
@@ -213,6 +219,41 @@ pub(crate) fn parse_upstream(value: &str) -> Result<Uri, String> {
         return Err("the upstream URL takes no path or query".to_owned());
     }
     Ok(uri)
+}
+
+/// A sealing key from `--sealing-key`: its id and its 32 bytes.
+#[derive(Clone)]
+pub struct SealingKey {
+    /// The key's id (1 and up; 0 is the key derived from the tenant secret).
+    pub id: u32,
+    /// The key.
+    pub key: [u8; 32],
+}
+
+impl std::fmt::Debug for SealingKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SealingKey({}, <redacted>)", self.id)
+    }
+}
+
+pub(crate) fn parse_sealing_key(value: &str) -> Result<SealingKey, String> {
+    let (id, key) = value
+        .split_once(':')
+        .ok_or("expected ID:HEX, such as 1:<64 hex digits>")?;
+    let id: u32 = id
+        .trim()
+        .parse()
+        .map_err(|_| "the id is a number from 1 up".to_owned())?;
+    if id == 0 {
+        return Err(
+            "id 0 is the key derived from the tenant secret; give ids from 1 up".to_owned(),
+        );
+    }
+    let bytes = hex::decode(key.trim()).map_err(|_| "the key is 64 hex digits".to_owned())?;
+    let key: [u8; 32] = bytes
+        .try_into()
+        .map_err(|_| "the key is 64 hex digits (32 bytes)".to_owned())?;
+    Ok(SealingKey { id, key })
 }
 
 pub(crate) fn parse_otlp_endpoint(value: &str) -> Result<Uri, String> {

@@ -24,7 +24,7 @@ use std::{future::Future, net::SocketAddr, time::Duration};
 use axum::{Router, extract::Request, http::Uri};
 use tokio::net::TcpListener;
 
-pub use config::{Config, Secret};
+pub use config::{Config, SealingKey, Secret};
 pub use error::StartError;
 pub use proxy::{Forwarded, IDEMPOTENCY_ATTEMPT, PeerAddr, Proxy, tls_config};
 pub use tenants::scope_secret;
@@ -76,11 +76,14 @@ pub async fn run(
                 .to_owned(),
         ));
     }
-    let spans = config
-        .otlp_endpoint
-        .as_ref()
-        .map(trace::Spans::start)
-        .transpose()?;
+    // An https collector is verified against the system's roots.
+    let spans = match &config.otlp_endpoint {
+        Some(endpoint) => Some(trace::Spans::start(
+            endpoint,
+            proxy::tls_config(None).map_err(StartError::Setting)?,
+        )?),
+        None => None,
+    };
     let (router, drain) = store_router(&config, &tenants, upstream.clone(), spans.clone()).await?;
     let started = Started {
         addr: listener.local_addr()?,

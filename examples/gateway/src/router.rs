@@ -62,6 +62,37 @@ pub(crate) async fn health_answer<S: Store>(
     }
 }
 
+/// Whether stored responses are sealed: unless `--no-sealing`, with a
+/// key every gateway of the store shares (the tenant secret's, or a
+/// `--sealing-key`). A secret generated at start would give each gateway,
+/// and each start, a key of its own, and their records would not open
+/// for one another: then responses are stored in clear, with a warning.
+pub(crate) fn seals(config: &Config, tenants: &Tenants) -> bool {
+    if config.no_sealing {
+        return false;
+    }
+    let shared_key = !tenants.generated || !config.sealing_key.is_empty();
+    if !shared_key && config.store != "memory" {
+        tracing::warn!(
+            "stored responses are kept in clear: sealing them needs a key every gateway of the              store shares (--tenant-secret-file, or --sealing-key)"
+        );
+        return false;
+    }
+    true
+}
+
+/// The sealing keyring the flags describe: key 0 derived from the tenant
+/// secret, then each `--sealing-key` in order of id, the highest sealing.
+pub(crate) fn keyring(config: &Config, tenants: &Tenants) -> idem_layer::sealing::Keyring {
+    let mut keyring = idem_layer::sealing::Keyring::derived(&tenants.secret);
+    let mut keys = config.sealing_key.clone();
+    keys.sort_by_key(|key| key.id);
+    for key in keys {
+        keyring = keyring.rotated_to(key.id, key.key);
+    }
+    keyring
+}
+
 /// The idempotency layer the flags describe.
 pub(crate) fn layer<S: Store>(
     config: &Config,
@@ -109,6 +140,13 @@ pub(crate) fn layer<S: Store>(
     if config.blake3_fingerprints || config.store == "memory" {
         layer = layer.fingerprint_format(idem_layer::fingerprint::FingerprintFormat::Blake3);
     }
+    // Sealed records open on every gateway that holds their key, whether
+    // it seals new ones or not.
+    layer = if seals(config, tenants) {
+        layer.sealing(keyring(config, tenants))
+    } else {
+        layer.unsealing(keyring(config, tenants))
+    };
     layer.validate()?;
     Ok(layer)
 }

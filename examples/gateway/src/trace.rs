@@ -233,13 +233,15 @@ impl opentelemetry_http::HttpClient for OnRuntime {
 impl Spans {
     /// An exporter to the OTLP/HTTP collector at `endpoint` (its base
     /// URL: spans go to `{endpoint}/v1/traces`), batched, sent about
-    /// every second. Call on the runtime the exports should run on.
-    pub(crate) fn start(endpoint: &http::Uri) -> Result<Self, StartError> {
+    /// every second; an `https` collector is verified with `tls`. Call on
+    /// the runtime the exports should run on.
+    pub(crate) fn start(
+        endpoint: &http::Uri,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, StartError> {
         use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
         let base = endpoint.to_string();
         let url = format!("{}/v1/traces", base.trim_end_matches('/'));
-        // An https collector is verified against the system's roots.
-        let tls = crate::proxy::tls_config(None).map_err(StartError::Setting)?;
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()

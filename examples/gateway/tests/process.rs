@@ -1364,7 +1364,11 @@ async fn one_gateway_of_a_fleet_counts_the_lapsed_records() {
     let both = poll_until(
         Duration::from_secs(20),
         async || (lapsed(&gateways[0]).await, lapsed(&gateways[1]).await),
-        |(a, b)| a.is_some() && b.is_some(),
+        // Both show the gauge from the start (0); the one that counts
+        // shows the record once it has counted.
+        |(a, b)| {
+            a.is_some() && b.is_some() && (a.as_deref() == Some("1") || b.as_deref() == Some("1"))
+        },
     )
     .await;
     let mut shown = [both.0, both.1];

@@ -156,7 +156,10 @@ async fn round<S: Store>(
         let reservation = match store_call(config, StoreOp::Reserve, store.reserve(request)).await {
             Ok(reservation) => {
                 rt.pending.store_answered();
-                reservation
+                match rt.opened(reservation, request.scope.hash()) {
+                    Ok(reservation) => reservation,
+                    Err(error) => return Some(Admission::Failed(error)),
+                }
             }
             Err(error) => return Some(Admission::Failed(error)),
         };

@@ -30,13 +30,7 @@ pub(crate) async fn settle<S: Store>(
     if !(rt.config.should_store)(status) {
         return rt.release(lease).await;
     }
-    match store_call(
-        &rt.config,
-        StoreOp::Complete,
-        rt.store.complete(lease, &outcome),
-    )
-    .await
-    {
+    match rt.complete(lease, &outcome).await {
         Ok(completion) => completed(rt, request, &outcome, completion).await,
         Err(error) => {
             // The action ran; its client gets the real response, and the
@@ -93,7 +87,7 @@ async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: 
             return;
         }
     };
-    match store_call(config, StoreOp::Complete, store.complete(&lease, outcome)).await {
+    match rt.complete(&lease, outcome).await {
         Ok(Completion::Recorded) => tracing::warn!(
             status = outcome.status(),
             "the record vanished under the completion (a failover may have lost it); made \
@@ -176,8 +170,7 @@ async fn try_record<S: Store>(
     lease: &Lease,
     outcome: &Outcome,
 ) -> Result<(), StoreError> {
-    let call = rt.store.complete(lease, outcome);
-    let completion = store_call(&rt.config, StoreOp::Complete, call).await?;
+    let completion = rt.complete(lease, outcome).await?;
     if completed(rt, request, outcome, completion).await.is_none() {
         tracing::info!("outcome recorded after a store error");
     }

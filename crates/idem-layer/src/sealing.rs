@@ -1,0 +1,460 @@
+//! Stored responses sealed at rest.
+//!
+//! With a [`Keyring`] on the layer ([`IdempotencyLayer::sealing`](crate::IdempotencyLayer::sealing)),
+//! the headers and body of every response the layer stores are encrypted
+//! with XChaCha20-Poly1305 before they reach the store, and opened when a
+//! retry replays them. Whoever reads the store (its memory, an AOF, a
+//! backup, a replica, the PostgreSQL table) reads the status and
+//! ciphertext, never the response.
+//!
+//! * **What is sealed.** A stored response keeps its status in clear (the
+//!   records API and the store's own logic read it); its headers and body
+//!   become one ciphertext. The stored headers are then one field,
+//!   `idem-sealed`, whose value names the key (a name idem reserves).
+//! * **Bound to its record.** The associated data is the scope hash, the
+//!   lease generation that stored it, the status and the key id: a sealed
+//!   response copied into another record, or given another status, does
+//!   not open.
+//! * **Nonces.** Each seal draws a fresh 192-bit nonce: random nonces of
+//!   that size stay safe however many records are sealed under one key.
+//! * **Keys.** A keyring holds the key new records are sealed with (the
+//!   current one) and older keys that still open records sealed before a
+//!   rotation, until those expire. Rotating never changes tenant or scope
+//!   hashes (they have their own secret). [`Keyring::derived`] derives a
+//!   key from a deployment secret under a label of its own, so one secret
+//!   can serve both without one revealing the other.
+//! * **A record that does not open is never replayed**: its key is not in
+//!   the keyring, or the ciphertext or its binding was changed. The retry
+//!   gets `503 idempotency_store_unavailable` (the store answered, so a
+//!   layer that fails open does not run it either), and
+//!   `idem_records_unopened_total` counts it.
+//! * **Records stored without sealing** (before it was turned on, or by a
+//!   process without it) replay as they are, so sealing can be turned on
+//!   in a running fleet.
+//!
+//! Sealing a 1 KB response costs about a microsecond of CPU here, and no
+//! store round trip (`cargo bench -p idem-layer --bench layer_overhead`).
+
+use std::{collections::BTreeMap, fmt, sync::Arc};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use chacha20poly1305::{
+    KeyInit, XChaCha20Poly1305, XNonce,
+    aead::{Aead, Payload},
+};
+use http::HeaderName;
+use idem_core::{
+    Completion, Current, Outcome, Release, Replay, Reservation, ScopeHash, StoreError,
+    StoredResponse,
+};
+
+/// The header a sealed response is stored under; its value is the key id.
+pub const SEALED: HeaderName = HeaderName::from_static("idem-sealed");
+
+/// The HKDF label of a key derived from a deployment secret.
+const DERIVED_LABEL: &[u8] = b"idem sealing key v1";
+/// The version byte of a sealed body.
+const ENVELOPE: u8 = 1;
+/// The bytes before the ciphertext: version, generation, nonce.
+const HEAD: usize = 1 + 8 + 24;
+
+/// The keys that seal and open stored responses: the current one seals,
+/// every one opens. Cloning shares the keys.
+#[derive(Clone)]
+pub struct Keyring {
+    current: u32,
+    keys: Arc<BTreeMap<u32, XChaCha20Poly1305>>,
+}
+
+impl fmt::Debug for Keyring {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Keyring")
+            .field("current", &self.current)
+            .field("ids", &self.keys.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Keyring {
+    /// A keyring whose key `id` seals new records.
+    pub fn new(id: u32, key: [u8; 32]) -> Self {
+        let mut keys = BTreeMap::new();
+        keys.insert(id, XChaCha20Poly1305::new(&key.into()));
+        Self {
+            current: id,
+            keys: Arc::new(keys),
+        }
+    }
+
+    /// The key a deployment secret gives (HKDF-SHA256 under a label of its
+    /// own), as key `0`: the same secret gives the same key in every
+    /// process, and nothing about the secret or its other uses (tenant and
+    /// scope hashes) can be learnt from it.
+    pub fn derived(secret: &[u8]) -> Self {
+        Self::new(0, derive(secret))
+    }
+
+    /// Adds key `id` and makes it the one new records are sealed with; the
+    /// keys already here still open the records they sealed (a rotation).
+    #[must_use]
+    pub fn rotated_to(mut self, id: u32, key: [u8; 32]) -> Self {
+        Arc::make_mut(&mut self.keys).insert(id, XChaCha20Poly1305::new(&key.into()));
+        self.current = id;
+        self
+    }
+
+    /// The id of the key new records are sealed with.
+    pub fn current(&self) -> u32 {
+        self.current
+    }
+
+    /// `response`, sealed for the record `scope` at `generation`.
+    pub(crate) fn seal(
+        &self,
+        scope: &ScopeHash,
+        generation: u64,
+        response: &StoredResponse,
+    ) -> StoredResponse {
+        let mut plain = BytesMut::with_capacity(
+            response.body.len()
+                + response
+                    .headers
+                    .iter()
+                    .map(|(n, v)| 6 + n.as_str().len() + v.len())
+                    .sum::<usize>()
+                + 4,
+        );
+        plain.put_u32(u32::try_from(response.headers.len()).unwrap_or(u32::MAX));
+        for (name, value) in &response.headers {
+            let name = name.as_str().as_bytes();
+            // Header names are short and values bounded by the server's
+            // head limit: the lengths fit.
+            plain.put_u16(u16::try_from(name.len()).unwrap_or(u16::MAX));
+            plain.put_slice(name);
+            plain.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
+            plain.put_slice(value);
+        }
+        plain.put_slice(&response.body);
+        let nonce: [u8; 24] = rand::random();
+        let aad = associated(scope, generation, response.status, self.current);
+        let key = &self.keys[&self.current];
+        // Encryption fails only for a message beyond the cipher's limit
+        // (256 GiB), far past any storable response.
+        let sealed = key
+            .encrypt(
+                XNonce::from_slice(&nonce),
+                Payload {
+                    msg: &plain,
+                    aad: &aad,
+                },
+            )
+            .unwrap_or_default();
+        let mut body = BytesMut::with_capacity(HEAD + sealed.len());
+        body.put_u8(ENVELOPE);
+        body.put_u64(generation);
+        body.put_slice(&nonce);
+        body.put_slice(&sealed);
+        StoredResponse {
+            status: response.status,
+            headers: vec![(SEALED, Bytes::from(self.current.to_string()))],
+            body: body.freeze(),
+        }
+    }
+
+    /// `response` opened, if it was sealed; as it is, if it was not.
+    pub(crate) fn open(
+        &self,
+        scope: &ScopeHash,
+        response: StoredResponse,
+    ) -> Result<StoredResponse, Unopened> {
+        let [(name, id)] = &response.headers[..] else {
+            return Ok(response);
+        };
+        if *name != SEALED {
+            return Ok(response);
+        }
+        let id: u32 = std::str::from_utf8(id)
+            .ok()
+            .and_then(|id| id.parse().ok())
+            .ok_or(Unopened::Damaged)?;
+        let key = self.keys.get(&id).ok_or(Unopened::UnknownKey(id))?;
+        let body = &response.body;
+        if body.len() < HEAD || body[0] != ENVELOPE {
+            return Err(Unopened::Damaged);
+        }
+        let generation = u64::from_be_bytes(body[1..9].try_into().map_err(|_| Unopened::Damaged)?);
+        let aad = associated(scope, generation, response.status, id);
+        let plain = key
+            .decrypt(
+                XNonce::from_slice(&body[9..HEAD]),
+                Payload {
+                    msg: &body[HEAD..],
+                    aad: &aad,
+                },
+            )
+            .map_err(|_| Unopened::Damaged)?;
+        let plain = Bytes::from(plain);
+        let mut at = 0;
+        let mut take = |n: usize| -> Result<Bytes, Unopened> {
+            let end = at + n;
+            let part = plain.get(at..end).ok_or(Unopened::Damaged)?;
+            at = end;
+            Ok(plain.slice_ref(part))
+        };
+        let count = u32::from_be_bytes(take(4)?[..].try_into().map_err(|_| Unopened::Damaged)?);
+        let mut headers = Vec::with_capacity(count.min(256) as usize);
+        for _ in 0..count {
+            let len = u16::from_be_bytes(take(2)?[..].try_into().map_err(|_| Unopened::Damaged)?);
+            let name =
+                HeaderName::from_bytes(&take(usize::from(len))?).map_err(|_| Unopened::Damaged)?;
+            let len = u32::from_be_bytes(take(4)?[..].try_into().map_err(|_| Unopened::Damaged)?);
+            headers.push((name, take(len as usize)?));
+        }
+        let body = plain.slice(at..);
+        Ok(StoredResponse {
+            status: response.status,
+            headers,
+            body,
+        })
+    }
+}
+
+/// A stored response read without a keyring: as it is, unless it is
+/// sealed (it does not open without its key, and its ciphertext is no
+/// response to replay).
+fn unsealed(response: StoredResponse) -> Result<StoredResponse, Unopened> {
+    match &response.headers[..] {
+        [(name, id)] if *name == SEALED => Err(Unopened::UnknownKey(
+            std::str::from_utf8(id)
+                .ok()
+                .and_then(|id| id.parse().ok())
+                .unwrap_or(u32::MAX),
+        )),
+        _ => Ok(response),
+    }
+}
+
+/// The 32-byte key HKDF-SHA256 gives `secret` under idem's sealing label.
+fn derive(secret: &[u8]) -> [u8; 32] {
+    let mut key = [0; 32];
+    // 32 bytes is far below HKDF-SHA256's limit of 8,160.
+    let _ = hkdf::Hkdf::<sha2::Sha256>::new(None, secret).expand(DERIVED_LABEL, &mut key);
+    key
+}
+
+/// The associated data a sealed response is bound by.
+fn associated(scope: &ScopeHash, generation: u64, status: u16, key: u32) -> [u8; 62] {
+    let mut aad = [0; 62];
+    aad[..16].copy_from_slice(b"idem-sealed-v1\0\0");
+    aad[16..48].copy_from_slice(scope.as_bytes());
+    aad[48..56].copy_from_slice(&generation.to_be_bytes());
+    aad[56..58].copy_from_slice(&status.to_be_bytes());
+    aad[58..62].copy_from_slice(&key.to_be_bytes());
+    aad
+}
+
+/// Why a sealed response did not open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Unopened {
+    /// Sealed under a key this keyring does not hold.
+    #[error(
+        "a stored response is sealed under key {0}, which this process's keyring does not hold"
+    )]
+    UnknownKey(u32),
+    /// Changed, moved to another record, or not sealed by idem.
+    #[error("a stored response did not open: it was changed, or belongs to another record")]
+    Damaged,
+}
+
+impl From<Unopened> for StoreError {
+    fn from(unopened: Unopened) -> Self {
+        metrics::counter!(UNOPENED).increment(1);
+        tracing::error!(%unopened, "a stored response did not open; it is not replayed");
+        StoreError::refused(unopened)
+    }
+}
+
+/// The counter of stored responses that did not open.
+pub const UNOPENED: &str = "idem_records_unopened_total";
+
+/// Store answers that may carry a stored response: opened in place.
+pub(crate) trait Opens: Sized {
+    /// `self` with every sealed response in it opened (without a keyring,
+    /// a sealed response is an error).
+    fn opened(self, keyring: Option<&Keyring>, scope: &ScopeHash) -> Result<Self, StoreError>;
+}
+
+impl Opens for Replay {
+    fn opened(mut self, keyring: Option<&Keyring>, scope: &ScopeHash) -> Result<Self, StoreError> {
+        if let Outcome::Stored(stored) = self.outcome {
+            self.outcome = Outcome::Stored(match keyring {
+                Some(keyring) => keyring.open(scope, stored)?,
+                None => unsealed(stored)?,
+            });
+        }
+        Ok(self)
+    }
+}
+
+impl Opens for Current {
+    fn opened(self, keyring: Option<&Keyring>, scope: &ScopeHash) -> Result<Self, StoreError> {
+        match self {
+            Current::Completed(replay) => Ok(Current::Completed(replay.opened(keyring, scope)?)),
+            other => Ok(other),
+        }
+    }
+}
+
+impl Opens for Reservation {
+    fn opened(self, keyring: Option<&Keyring>, scope: &ScopeHash) -> Result<Self, StoreError> {
+        match self {
+            Reservation::Completed(replay) => {
+                Ok(Reservation::Completed(replay.opened(keyring, scope)?))
+            }
+            other => Ok(other),
+        }
+    }
+}
+
+impl Opens for Completion {
+    fn opened(self, keyring: Option<&Keyring>, scope: &ScopeHash) -> Result<Self, StoreError> {
+        match self {
+            Completion::Fenced(current) => Ok(Completion::Fenced(current.opened(keyring, scope)?)),
+            Completion::Recorded => Ok(Completion::Recorded),
+        }
+    }
+}
+
+impl Opens for Release {
+    fn opened(self, keyring: Option<&Keyring>, scope: &ScopeHash) -> Result<Self, StoreError> {
+        match self {
+            Release::Fenced(current) => Ok(Release::Fenced(current.opened(keyring, scope)?)),
+            Release::Released => Ok(Release::Released),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response() -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: vec![
+                (http::header::LOCATION, Bytes::from_static(b"/orders/7")),
+                (
+                    HeaderName::from_static("x-card"),
+                    Bytes::from_static(b"4242"),
+                ),
+            ],
+            body: Bytes::from_static(b"{\"sku\":\"MARKER\"}"),
+        }
+    }
+
+    fn scope(n: u8) -> ScopeHash {
+        ScopeHash::from_bytes([n; 32])
+    }
+
+    #[test]
+    fn a_sealed_response_opens_byte_for_byte_and_shows_nothing() {
+        let keyring = Keyring::derived(b"a deployment secret of some length");
+        let sealed = keyring.seal(&scope(1), 3, &response());
+        assert_eq!(sealed.status, 201);
+        assert_eq!(sealed.headers, vec![(SEALED, Bytes::from_static(b"0"))]);
+        let raw = format!("{:?}", sealed.body);
+        for clear in ["MARKER", "orders", "4242", "x-card"] {
+            assert!(!raw.contains(clear), "{clear} in {raw}");
+        }
+        assert_eq!(keyring.open(&scope(1), sealed).expect("opens"), response());
+        // Two seals of one response differ (fresh nonces).
+        assert_ne!(
+            keyring.seal(&scope(1), 3, &response()).body,
+            keyring.seal(&scope(1), 3, &response()).body
+        );
+    }
+
+    #[test]
+    fn a_sealed_response_opens_only_in_its_own_record_with_its_key() {
+        let keyring = Keyring::derived(b"a deployment secret of some length");
+        let sealed = keyring.seal(&scope(1), 1, &response());
+        // Another record.
+        assert_eq!(
+            keyring.open(&scope(2), sealed.clone()),
+            Err(Unopened::Damaged)
+        );
+        // Another status.
+        let mut restatused = sealed.clone();
+        restatused.status = 200;
+        assert_eq!(keyring.open(&scope(1), restatused), Err(Unopened::Damaged));
+        // Another generation.
+        let mut moved = sealed.clone();
+        let mut body = moved.body.to_vec();
+        body[8] ^= 1;
+        moved.body = body.into();
+        assert_eq!(keyring.open(&scope(1), moved), Err(Unopened::Damaged));
+        // A flipped ciphertext bit.
+        let mut flipped = sealed.clone();
+        let mut body = flipped.body.to_vec();
+        let last = body.len() - 1;
+        body[last] ^= 1;
+        flipped.body = body.into();
+        assert_eq!(keyring.open(&scope(1), flipped), Err(Unopened::Damaged));
+        // Another secret: its key 0 is another key.
+        let other = Keyring::derived(b"another deployment secret entirely");
+        assert_eq!(
+            other.open(&scope(1), sealed.clone()),
+            Err(Unopened::Damaged)
+        );
+        // A key the ring does not hold.
+        let mut renamed = sealed;
+        renamed.headers = vec![(SEALED, Bytes::from_static(b"9"))];
+        assert_eq!(
+            keyring.open(&scope(1), renamed),
+            Err(Unopened::UnknownKey(9))
+        );
+    }
+
+    #[test]
+    fn after_a_rotation_both_keys_open_and_the_new_one_seals() {
+        let before = Keyring::derived(b"a deployment secret of some length");
+        let old = before.seal(&scope(1), 1, &response());
+        let after = before.clone().rotated_to(7, [7; 32]);
+        assert_eq!(after.current(), 7);
+        let new = after.seal(&scope(1), 2, &response());
+        assert_eq!(new.headers[0].1, Bytes::from_static(b"7"));
+        assert_eq!(
+            after.open(&scope(1), old).expect("old key"),
+            response()
+        );
+        assert_eq!(
+            after.open(&scope(1), new.clone()).expect("new key"),
+            response()
+        );
+        // The ring before the rotation does not know key 7.
+        assert_eq!(before.open(&scope(1), new), Err(Unopened::UnknownKey(7)));
+    }
+
+    #[test]
+    fn an_unsealed_response_is_left_as_it_is() {
+        let keyring = Keyring::new(1, [1; 32]);
+        assert_eq!(
+            keyring.open(&scope(1), response()).expect("as is"),
+            response()
+        );
+        let empty = StoredResponse {
+            status: 204,
+            headers: Vec::new(),
+            body: Bytes::new(),
+        };
+        let sealed = keyring.seal(&scope(1), 1, &empty);
+        assert_eq!(keyring.open(&scope(1), sealed).expect("opens"), empty);
+    }
+
+    #[test]
+    fn a_derived_key_depends_on_the_secret_only() {
+        assert_eq!(derive(b"one secret"), derive(b"one secret"));
+        assert_ne!(derive(b"one secret"), derive(b"two secret"));
+        assert_ne!(derive(b"one secret"), [0; 32]);
+    }
+}
