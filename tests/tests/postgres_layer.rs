@@ -225,6 +225,42 @@ async fn commit_together(app: &App) {
     assert_eq!(state, "completed");
 }
 
+/// A completion committed in the handler's transaction is sealed like any
+/// other: the row holds no part of the response in clear, and the
+/// duplicate replays it byte for byte.
+#[tokio::test]
+async fn a_transactional_completion_is_sealed_at_rest() {
+    let Some(mut app) = app().await else { return };
+    let layer = IdempotencyLayer::new(app.store.clone())
+        .tenant(TenantFromHeader::from_static("x-tenant-id"))
+        .sealing(idem_layer::sealing::Keyring::derived(
+            b"a deployment secret of thirty-two bytes",
+        ));
+    app.router = Router::new()
+        .route("/orders", post(create))
+        .with_state(app.state.clone())
+        .layer(layer);
+    let first = call(&app.router, Some("sealed-1"), &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(first.body.starts_with(b"{\"order\":"), "{:?}", first.body);
+    let row: String = app.read("SELECT t::text FROM idem_records t").await;
+    for clear in ["{\"order\"", "text/plain"] {
+        assert!(!row.contains(clear), "{clear} in clear: {row}");
+        assert!(
+            !row.contains(&hex::encode(clear)),
+            "{clear} in clear: {row}"
+        );
+    }
+    assert!(
+        row.contains(&hex::encode("idem-sealed")) || row.contains("idem-sealed"),
+        "{row}"
+    );
+    let replay = call(&app.router, Some("sealed-1"), &[]).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.orders().await, 1);
+}
+
 /// A response the layer does not record (a 5xx) rolls the order back and
 /// releases the key: the retry runs again and leaves exactly one order.
 #[tokio::test]

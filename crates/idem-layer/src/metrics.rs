@@ -7,6 +7,7 @@
 //! | `idem_replay_age_seconds` | histogram | |
 //! | `idem_outcomes_pending` | gauge | |
 //! | `idem_store_calls_saved_total` | counter | `via`: cache (a replay from the replay cache), flight (a duplicate answered from the reservation of the same key in flight) |
+//! | `idem_records_unopened_total` | counter | none: sealed records that did not open ([`sealing`](crate::sealing)), never replayed |
 //!
 //! `idem_outcomes_pending` counts the outcomes this process holds that a
 //! store error kept from being recorded yet (tried again in the

@@ -423,10 +423,7 @@ mod tests {
         assert_eq!(after.current(), 7);
         let new = after.seal(&scope(1), 2, &response());
         assert_eq!(new.headers[0].1, Bytes::from_static(b"7"));
-        assert_eq!(
-            after.open(&scope(1), old).expect("old key"),
-            response()
-        );
+        assert_eq!(after.open(&scope(1), old).expect("old key"), response());
         assert_eq!(
             after.open(&scope(1), new.clone()).expect("new key"),
             response()
