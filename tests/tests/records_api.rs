@@ -392,3 +392,119 @@ async fn a_listing_outlasts_the_store_timeout() {
         "the listing took {took:?}: it proves nothing about the bound"
     );
 }
+
+/// A `422` names the record its key collided with: a link into the
+/// records API that the caller can follow as its own tenant, the record's
+/// state and when its key was first seen; a `409` links the record in
+/// progress. With `--problem-type-base` a web address, the answers link
+/// their documentation (`rel="describedby"`); with the default URN, not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_points_to_the_record_it_collided_with() {
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(
+        &origin,
+        &[
+            "--tenant-header",
+            "x-tenant",
+            "--problem-type-base",
+            "https://docs.example.com/problems/",
+        ],
+    )
+    .await;
+    let post = |path: &'static str, key: &'static str, body: &'static str| {
+        Request::post(format!("http://{}{path}", gateway.addr))
+            .header("idempotency-key", key)
+            .header("x-tenant", "acme")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("request")
+    };
+    let http = client();
+    let first = send(&http, post("/orders", "order-77", "{\"qty\":1}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let conflict = send(&http, post("/orders", "order-77", "{\"qty\":2}")).await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        conflict.header("link"),
+        Some("<https://docs.example.com/problems/idempotency_conflict>; rel=\"describedby\"")
+    );
+    let body: serde_json::Value = serde_json::from_slice(&conflict.body).expect("json");
+    assert_eq!(body["code"], "idempotency_conflict");
+    assert_eq!(
+        body["type"],
+        "https://docs.example.com/problems/idempotency_conflict"
+    );
+    let record = &body["record"];
+    assert_eq!(record["state"], "completed", "{body}");
+    let first_seen = record["first_seen"].as_str().expect("first_seen");
+    assert!(
+        first_seen.starts_with("20") && first_seen.ends_with('Z'),
+        "{first_seen}"
+    );
+    let href = record["href"].as_str().expect("href");
+    assert!(
+        href.starts_with("/_idempotency/records?method=POST&path=%2Forders&key="),
+        "{href}"
+    );
+    // The caller follows the link as itself and finds the record.
+    let followed = send(
+        &http,
+        Request::get(format!("http://{}{href}", gateway.addr))
+            .header("x-tenant", "acme")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(followed.status, StatusCode::OK, "{followed:?}");
+    let found: serde_json::Value = serde_json::from_slice(&followed.body).expect("json");
+    assert_eq!(found["key"], "order-77");
+    assert_eq!(found["state"], "completed");
+    assert_eq!(found["status"], 201);
+    // Another tenant following it finds nothing: the link is the caller's.
+    let other = send(
+        &http,
+        Request::get(format!("http://{}{href}", gateway.addr))
+            .header("x-tenant", "globex")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::NOT_FOUND);
+
+    // A request in progress: 409 with the link, no store read for it.
+    let slow = tokio::spawn(send(&http, post("/slow", "slow-1", "{}")));
+    upstream.wait_runs(2).await;
+    let busy = send(&http, post("/slow", "slow-1", "{}")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    let body: serde_json::Value = serde_json::from_slice(&busy.body).expect("json");
+    assert_eq!(body["code"], "idempotency_in_progress");
+    assert_eq!(body["record"]["state"], "processing");
+    assert!(
+        body["record"]["href"]
+            .as_str()
+            .is_some_and(|href| href.contains("path=%2Fslow")),
+        "{body}"
+    );
+    assert!(
+        busy.header("link")
+            .is_some_and(|l| l.contains("idempotency_in_progress"))
+    );
+    upstream.gate.add_permits(1);
+    assert_eq!(slow.await.expect("slow").status, StatusCode::CREATED);
+
+    // With the default type (a URN), no documentation link.
+    let plain = start_gateway(&origin, &["--tenant-header", "x-tenant"]).await;
+    let to_plain = |body: &'static [u8]| {
+        Request::post(format!("http://{}/orders", plain.addr))
+            .header("idempotency-key", "order-78")
+            .header("x-tenant", "acme")
+            .body(Full::new(Bytes::from_static(body)))
+            .expect("request")
+    };
+    let created = send(&http, to_plain(b"1")).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let again = send(&http, to_plain(b"2")).await;
+    assert_eq!(again.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(again.header("link"), None);
+}

@@ -45,10 +45,18 @@ const IN_PROGRESS_HINT: Duration = Duration::from_secs(2);
 /// (rounded down). Most attempts finish well before their lease; a hint
 /// of the whole lease (30 s by default) would outlast a client's deadline.
 pub(crate) fn in_progress<B>(lease_left: Duration) -> Response<ResponseBody<B>> {
+    in_progress_about(lease_left, None)
+}
+
+/// [`in_progress`] pointing to the record it collided with.
+pub(crate) fn in_progress_about<B>(
+    lease_left: Duration,
+    record: Option<crate::problem::RecordRef>,
+) -> Response<ResponseBody<B>> {
     m::count(Counted::InProgress);
     let detail = "a request with this Idempotency-Key is being processed; retry later";
     let hint = Duration::from_secs(lease_left.min(IN_PROGRESS_HINT).as_secs().max(1));
-    problem(ProblemCode::InProgress, detail, Some(hint))
+    crate::problem::problem_about(ProblemCode::InProgress, detail, Some(hint), record)
 }
 
 pub(crate) fn cancelled<B>() -> Response<ResponseBody<B>> {

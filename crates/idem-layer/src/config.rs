@@ -91,6 +91,8 @@ pub(crate) struct Config {
     pub(crate) on_disconnect: OnDisconnect,
     pub(crate) unknown_wait: Duration,
     pub(crate) problem_type_base: Option<Arc<str>>,
+    /// Where the records API is mounted, for links to a record.
+    pub(crate) records_path: Option<Arc<str>>,
     pub(crate) problem_hook: Option<Arc<ProblemHook>>,
     /// SHA-256 of the records API's admin credential, if one is set.
     pub(crate) admin_token: Option<[u8; 32]>,

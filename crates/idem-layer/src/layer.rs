@@ -105,6 +105,7 @@ impl<S: Store> IdempotencyLayer<S> {
             on_disconnect: OnDisconnect::Detach,
             unknown_wait: Duration::from_secs(60),
             problem_type_base: None,
+            records_path: None,
             problem_hook: None,
             admin_token: None,
             scope_secret: None,
@@ -481,6 +482,16 @@ impl<S: Store> IdempotencyLayer<S> {
     ) -> Self {
         let hook: Arc<ProblemHook> = Arc::new(hook);
         self.with(|c| c.problem_hook = Some(hook))
+    }
+
+    /// Where the [records API](crate::records) is mounted
+    /// (`/_idempotency/records`, say): a `422` or `409` then links the
+    /// record its key collided with, in its `record.href`, as the caller
+    /// reads it there (its own tenant). Without it the answer still says
+    /// the record's state (and for a `422` when it was first seen).
+    pub fn records_path(self, path: impl Into<String>) -> Self {
+        let path: Arc<str> = Arc::from(path.into());
+        self.with(|c| c.records_path = Some(path))
     }
 
     /// An admin credential for the records API: a request whose

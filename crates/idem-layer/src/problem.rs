@@ -194,17 +194,27 @@ pub const DEFAULT_TYPE_BASE: &str = "urn:idem:problem:";
 /// component writes it (`type` is `urn:idem:problem:<code>`). For codes of
 /// other components too, such as the gateway's `upstream_unreachable`.
 pub fn problem_document(status: StatusCode, code: &str, title: &str, detail: &str) -> Bytes {
-    document(DEFAULT_TYPE_BASE, status, code, title, detail)
+    document(DEFAULT_TYPE_BASE, status, code, title, detail, None)
 }
 
-fn document(type_base: &str, status: StatusCode, code: &str, title: &str, detail: &str) -> Bytes {
-    let body = serde_json::json!({
+fn document(
+    type_base: &str,
+    status: StatusCode,
+    code: &str,
+    title: &str,
+    detail: &str,
+    record: Option<&RecordRef>,
+) -> Bytes {
+    let mut body = serde_json::json!({
         "type": format!("{type_base}{code}"),
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
         "code": code,
     });
+    if let (Some(record), Some(members)) = (record, body.as_object_mut()) {
+        members.insert("record".to_owned(), serde_json::json!(record));
+    }
     Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
 }
 
@@ -224,6 +234,25 @@ pub struct Problem {
     pub detail: String,
     /// The `Retry-After` in seconds, when there is one.
     pub retry_after: Option<u64>,
+    /// The record a conflict or a request in progress collided with (422
+    /// and 409), written as the document's `record` member.
+    pub record: Option<RecordRef>,
+}
+
+/// The record a key collided with, as a `422` or `409` answer points to it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RecordRef {
+    /// The record in the records API, as the caller's own tenant reads it
+    /// (when the layer knows where the API is:
+    /// [`records_path`](crate::IdempotencyLayer::records_path)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub href: Option<String>,
+    /// Its state: `processing`, `completed`, `cancelled` or `released`.
+    pub state: &'static str,
+    /// When its key was first seen (RFC 3339, UTC), when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_seen: Option<String>,
 }
 
 impl Problem {
@@ -235,6 +264,7 @@ impl Problem {
             self.code.as_str(),
             self.title,
             &self.detail,
+            self.record.as_ref(),
         )
     }
 }
@@ -261,6 +291,14 @@ pub(crate) fn shape<B>(
     }
     if let Some(base) = type_base {
         *response.body_mut() = ResponseBody::full(problem.document(base));
+        // A type that is a web address documents the problem: linked as
+        // the draft suggests.
+        if base.starts_with("https://") || base.starts_with("http://") {
+            let link = format!("<{base}{}>; rel=\"describedby\"", problem.code.as_str());
+            if let Ok(link) = HeaderValue::try_from(link) {
+                response.headers_mut().insert(header::LINK, link);
+            }
+        }
     }
     response
 }
@@ -276,7 +314,24 @@ pub(crate) fn problem<B>(
     detail: &str,
     retry_after: Option<Duration>,
 ) -> Response<ResponseBody<B>> {
-    let bytes = problem_document(code.status(), code.as_str(), code.title(), detail);
+    problem_about(code, detail, retry_after, None)
+}
+
+/// [`problem`] pointing to the record the request collided with.
+pub(crate) fn problem_about<B>(
+    code: ProblemCode,
+    detail: &str,
+    retry_after: Option<Duration>,
+    record: Option<RecordRef>,
+) -> Response<ResponseBody<B>> {
+    let bytes = document(
+        DEFAULT_TYPE_BASE,
+        code.status(),
+        code.as_str(),
+        code.title(),
+        detail,
+        record.as_ref(),
+    );
     let mut response = Response::new(ResponseBody::full(bytes));
     *response.status_mut() = code.status();
     let retry_after = retry_after.map(retry_after_secs);
@@ -287,6 +342,7 @@ pub(crate) fn problem<B>(
         title: code.title(),
         detail: detail.to_owned(),
         retry_after,
+        record,
     });
     response
         .headers_mut()

@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use crate::{
     IdempotencyContext, OnDisconnect, ResponseBody,
-    answer::{cancelled, in_progress, replay_to},
+    answer::{cancelled, in_progress_about, replay_to},
     attempt::attempt,
     body::BoxError,
     disconnect::{ReleaseOnDrop, ResponseFuture, attempt_started},
@@ -25,7 +25,7 @@ use crate::{
     headers::read_key,
     metrics::{self as m, Outcome as Counted},
     normalize_path,
-    problem::{ProblemCode, problem},
+    problem::{ProblemCode, RecordRef, problem, problem_about},
     runtime::{Runtime, shared_operation_name, store_unavailable, within},
 };
 
@@ -288,6 +288,53 @@ where
     }
 }
 
+/// Where the record of `request` is in the records API (when the layer
+/// knows where it is mounted), as its own caller reads it, with the state
+/// and first sighting given.
+fn pointer(
+    config: &crate::config::Config,
+    request: &ReserveRequest,
+    state: &'static str,
+    first_seen: Option<String>,
+) -> RecordRef {
+    let href = config.records_path.as_deref().map(|records| {
+        let operation = request.scope.operation();
+        let (method, path) = operation.split_once(' ').unwrap_or((operation, ""));
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("method", method)
+            .append_pair("path", path)
+            .append_pair("key", &request.scope.key().to_sf_string())
+            .finish();
+        format!("{records}?{query}")
+    });
+    RecordRef {
+        href,
+        state,
+        first_seen,
+    }
+}
+
+/// The record a conflicting request collided with: read once more (a
+/// conflict is rare, and the caller is told what its key already names).
+/// `None` when the read fails or finds nothing any more: the `422` stands
+/// without it.
+async fn conflicting<S: Store>(rt: &Runtime<S>, request: &ReserveRequest) -> Option<RecordRef> {
+    let read = crate::runtime::store_call(
+        &rt.config,
+        crate::metrics::StoreOp::Get,
+        rt.store.get(request.scope.hash()),
+    )
+    .await;
+    let record = read.ok()??;
+    let first_seen = std::time::UNIX_EPOCH + Duration::from_millis(record.created_at_ms);
+    Some(pointer(
+        &rt.config,
+        request,
+        record.state.as_str(),
+        Some(humantime::format_rfc3339_millis(first_seen).to_string()),
+    ))
+}
+
 /// Reads a keyed request's body within the limit, or the refusal.
 async fn read_body<B, R>(
     parts: &Parts,
@@ -402,7 +449,11 @@ where
             .await;
             match admission {
                 Admission::Run { lease, superseded } => self.execute(lease, superseded).await,
-                Admission::Found(Found::InProgress(retry_after)) => Ok(in_progress(retry_after)),
+                Admission::Found(Found::InProgress(retry_after)) => {
+                    // The record it collided with, linked: no store call.
+                    let record = pointer(config, &self.reserve, "processing", None);
+                    Ok(in_progress_about(retry_after, Some(record)))
+                }
                 Admission::Found(Found::Completed(replay)) => {
                     Ok(replay_to(&self.parts.headers, replay, config.max_response))
                 }
@@ -410,7 +461,8 @@ where
                 Admission::Found(Found::Conflict) => {
                     m::count(Counted::Conflict);
                     let detail = "this Idempotency-Key was used with a different request payload";
-                    Ok(problem(ProblemCode::Conflict, detail, None))
+                    let record = conflicting(&rt, &self.reserve).await;
+                    Ok(problem_about(ProblemCode::Conflict, detail, None, record))
                 }
                 Admission::Held(error) => Ok(store_unavailable(&error)),
                 // Fail-open covers a store that cannot be reached, never one

@@ -137,6 +137,9 @@ pub struct Config {
     /// Start even though the store (Redis or PostgreSQL) holds records of gateways that derive tenants or scopes differently (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or --blake3-scopes), and make this gateway's settings the store's. Retries of requests those gateways handled do not find their records here and run again; gateways with the old settings no longer start. Use it once, for the switch: left on, it takes the store over at every start.
     #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
     pub replace_store_identity: bool,
+    /// The base of the `type` of idem's problem answers (`https://docs.example.com/problems/`: the type is the base followed by the code); a web address is also sent as `Link: <type>; rel="describedby"`. Default: `urn:idem:problem:`.
+    #[arg(long, env = "IDEM_PROBLEM_TYPE_BASE")]
+    pub problem_type_base: Option<String>,
     /// Store responses in clear instead of sealed at rest (by default every stored response's headers and body are encrypted with a key derived from the tenant secret).
     #[arg(long, env = "IDEM_NO_SEALING", action = ArgAction::SetTrue)]
     pub no_sealing: bool,

@@ -115,6 +115,7 @@ pub(crate) fn layer<S: Store>(
         .max_response(config.max_body)
         .store_timeout(store_timeout)
         .replay_cache(config.replay_cache_bytes, config.replay_cache_ttl)
+        .records_path(format!("{}/records", config.records_prefix))
         .allow_anonymous(config.allow_anonymous)
         .require_key(config.require_key)
         .fail_open(config.fail_open);
@@ -128,6 +129,9 @@ pub(crate) fn layer<S: Store>(
     };
     if let Some(token) = &config.records_admin_token {
         layer = layer.records_admin_token(token.as_bytes());
+    }
+    if let Some(base) = &config.problem_type_base {
+        layer = layer.problem_type_base(base.clone());
     }
     // The memory store's records live in this process only: keying their
     // scopes changes no stored identity.
