@@ -508,3 +508,110 @@ async fn a_conflict_points_to_the_record_it_collided_with() {
     assert_eq!(again.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(again.header("link"), None);
 }
+
+/// An operator erases one record (a 4xx stored by mistake, a
+/// data-protection request) or every record of a tenant, with the admin
+/// credential only: an erased key is new (its retry runs again), a
+/// processing record is never erased, other tenants' records stay, and
+/// each erasure is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_erases_a_record_or_a_tenants_records() {
+    let Some(OnRedis {
+        redis: _redis,
+        upstream,
+        gateway,
+        _origin,
+    }) = gateway_on_redis(&["--records-admin-token", ADMIN]).await
+    else {
+        return;
+    };
+    let base = format!("http://{}", gateway.addr);
+    let http = client();
+    let post = |tenant: &str, path: &str, key: &str| {
+        let mut post = request("POST", format!("{base}{path}"), tenant, false);
+        post.headers_mut()
+            .insert("idempotency-key", key.parse().expect("key"));
+        send(&http, post)
+    };
+    for (tenant, key) in [("acme", "k1"), ("acme", "k2"), ("globex", "k3")] {
+        assert_eq!(
+            post(tenant, "/orders", key).await.status,
+            StatusCode::CREATED
+        );
+    }
+    let slow = tokio::spawn(post("acme", "/slow", "k4"));
+    upstream.wait_runs(4).await;
+    let erase = |query: &str, admin: bool| {
+        send(
+            &http,
+            request(
+                "POST",
+                format!("{base}/_idempotency/records?{query}&action=erase"),
+                "acme",
+                admin,
+            ),
+        )
+    };
+    // The caller itself may not erase: erasing needs the admin credential.
+    let refused = erase("method=POST&path=/orders&key=k1", false).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert_eq!(
+        refused.code().as_deref(),
+        Some("idempotency_admin_required")
+    );
+    assert!(post("acme", "/orders", "k1").await.replayed());
+
+    let one = erase("method=POST&path=/orders&key=k1&tenant=acme", true).await;
+    assert_eq!(one.status, StatusCode::OK, "{one:?}");
+    let json: serde_json::Value = serde_json::from_slice(&one.body).expect("json");
+    assert_eq!(json["result"], "erased");
+    assert_eq!(json["record"]["key"], "k1");
+    // Its key is new: the retry runs again.
+    let again = post("acme", "/orders", "k1").await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(!again.replayed());
+    assert_eq!(upstream.runs(), 5);
+    // A processing record is not erased.
+    let busy = erase("method=POST&path=/slow&key=k4&tenant=acme", true).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    let json: serde_json::Value = serde_json::from_slice(&busy.body).expect("json");
+    assert_eq!(json["result"], "processing");
+    let absent = erase("method=POST&path=/orders&key=none&tenant=acme", true).await;
+    assert_eq!(absent.status, StatusCode::NOT_FOUND);
+
+    // Every record of acme: k1 (again) and k2 erased, k4 left processing.
+    let all = erase("tenant=acme", true).await;
+    assert_eq!(all.status, StatusCode::OK, "{all:?}");
+    let json: serde_json::Value = serde_json::from_slice(&all.body).expect("json");
+    assert_eq!(
+        (json["erased"].as_u64(), json["processing"].as_u64()),
+        (Some(2), Some(1))
+    );
+    let without_tenant = erase("x=1", true).await;
+    assert_eq!(without_tenant.status, StatusCode::BAD_REQUEST);
+    assert!(
+        !post("acme", "/orders", "k2").await.replayed(),
+        "k2 ran again"
+    );
+    assert_eq!(upstream.runs(), 6);
+    // Another tenant's record stays.
+    assert!(post("globex", "/orders", "k3").await.replayed());
+    assert_eq!(upstream.runs(), 6);
+    let busy = post("acme", "/slow", "k4").await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    upstream.gate.add_permits(1);
+    assert_eq!(slow.await.expect("slow").status, StatusCode::CREATED);
+
+    let metrics = send(
+        &http,
+        Request::get(format!("{base}/metrics"))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        metrics.contains("idem_records_erased_total 3\n"),
+        "{metrics}"
+    );
+}

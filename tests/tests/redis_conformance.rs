@@ -114,6 +114,13 @@ impl RecordsAdmin for Alternating {
     ) -> Result<idem_core::ForceRelease, idem_core::StoreError> {
         self.pick().force_release(scope).await
     }
+
+    async fn erase(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<idem_core::Erasure, idem_core::StoreError> {
+        self.pick().erase(scope).await
+    }
 }
 
 /// Alternating stores on a fresh single server, the packing one first

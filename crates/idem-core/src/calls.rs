@@ -142,6 +142,19 @@ pub enum ForceRelease {
     NotFound,
 }
 
+/// The answer to [`RecordsAdmin::erase`](crate::RecordsAdmin::erase).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Erasure {
+    /// The record is gone (as it was before): its key is new.
+    Erased(Record),
+    /// The record is processing and was left as it is: erasing it would
+    /// let a retry run while its attempt may still act.
+    Processing(Record),
+    /// No live record.
+    NotFound,
+}
+
 /// A store call failed; the layer answers `503 idempotency_store_unavailable`
 /// (or runs unprotected when configured to fail open).
 #[derive(Debug, thiserror::Error)]

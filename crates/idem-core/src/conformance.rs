@@ -17,9 +17,9 @@ use std::{future::Future, sync::Arc, time::Duration};
 use bytes::Bytes;
 
 use crate::{
-    ATTEMPT_HISTORY, AttemptOutcome, Cancellation, Completion, Current, Fingerprint, ForceRelease,
-    IdempotencyKey, LateEvidence, Outcome, RecordQuery, RecordState, RecordsAdmin, Release,
-    Renewal, Reservation, ReserveRequest, Scope, Store, StoredResponse,
+    ATTEMPT_HISTORY, AttemptOutcome, Cancellation, Completion, Current, Erasure, Fingerprint,
+    ForceRelease, IdempotencyKey, LateEvidence, Outcome, RecordQuery, RecordState, RecordsAdmin,
+    Release, Renewal, Reservation, ReserveRequest, Scope, Store, StoredResponse,
 };
 
 // ===== waiting in tests on real servers =====
@@ -755,6 +755,48 @@ where
     );
 }
 
+/// An operator erases a finished record: it is gone, and its key is new
+/// (the next request runs as a first attempt, under any payload). A
+/// processing record is left as it is, its owner's lease intact.
+pub async fn erase_frees_a_finished_key_and_leaves_a_processing_one<H: Harness>(h: &H)
+where
+    H::Store: RecordsAdmin,
+{
+    let scope = fresh_scope("erased");
+    let lease = acquire(h, &scope, 1).await;
+    let kept = h.store().erase(scope.hash()).await.expect("erase");
+    let Erasure::Processing(record) = kept else {
+        panic!("expected Processing, got {kept:?}");
+    };
+    assert_eq!(record.state, RecordState::Processing);
+    // The owner still holds its lease: its completion is recorded.
+    assert_eq!(
+        complete(h, &lease, &response(201, b"stored")).await,
+        Completion::Recorded
+    );
+    let erased = h.store().erase(scope.hash()).await.expect("erase");
+    let Erasure::Erased(record) = erased else {
+        panic!("expected Erased, got {erased:?}");
+    };
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.key, scope.key().shared().clone());
+    assert!(h.store().get(scope.hash()).await.expect("get").is_none());
+    // The key is new: another payload is no conflict, and it runs as a
+    // first attempt.
+    let other = request(h, &scope, 9);
+    let Reservation::Acquired(again) = h.store().reserve(&other).await.expect("reserve") else {
+        panic!("an erased key is new");
+    };
+    assert_eq!(again.generation, 1);
+    assert_eq!(
+        h.store()
+            .erase(fresh_scope("none").hash())
+            .await
+            .expect("erase"),
+        Erasure::NotFound
+    );
+}
+
 /// Listing finds a tenant's records by state and lapsed lease, oldest
 /// first, and never another tenant's.
 pub async fn list_finds_a_tenants_records<H: Harness>(h: &H)
@@ -919,6 +961,7 @@ where
     the_binding_outlasts_the_attempt_history(h).await;
     tenants_are_isolated(h).await;
     force_release_frees_a_stuck_key(h).await;
+    erase_frees_a_finished_key_and_leaves_a_processing_one(h).await;
     list_finds_a_tenants_records(h).await;
     any_tenant_text_is_stored(h).await;
     any_tenant_text_is_listed(h).await;
@@ -938,6 +981,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!($make);
         $crate::conformance_tests!(@each $make;
             force_release_frees_a_stuck_key,
+            erase_frees_a_finished_key_and_leaves_a_processing_one,
             list_finds_a_tenants_records,
             any_tenant_text_is_listed
         );

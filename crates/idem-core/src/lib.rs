@@ -35,8 +35,8 @@ mod store;
 pub mod conformance;
 
 pub use calls::{
-    Cancellation, Completion, Current, ForceRelease, IdentityClaim, Release, Renewal, Replay,
-    Reservation, ReserveRequest, StoreError,
+    Cancellation, Completion, Current, Erasure, ForceRelease, IdentityClaim, Release, Renewal,
+    Replay, Reservation, ReserveRequest, StoreError,
 };
 pub use handoff::{CompletionSlot, DeferredCompletion};
 /// The name of a stored response header ([`StoredResponse::headers`]).

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use crate::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, Cancellation, Completion, Current,
-    ForceRelease, LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, Release, Renewal,
-    Replay, Reservation, ReserveRequest,
+    Erasure, ForceRelease, LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, Release,
+    Renewal, Replay, Reservation, ReserveRequest,
 };
 
 fn millis(duration: Duration) -> u64 {
@@ -491,6 +491,19 @@ pub fn force_release(slot: &mut Option<Record>, now_ms: u64) -> ForceRelease {
     record.owner = None;
     record.updated_at_ms = now_ms;
     ForceRelease::Released(record.clone())
+}
+
+/// Erases a live record that is not processing (an operator's erasure):
+/// the slot is left empty, so its key is new.
+pub fn erase(slot: &mut Option<Record>, now_ms: u64) -> Erasure {
+    expire(slot, now_ms);
+    match slot.as_ref() {
+        None => Erasure::NotFound,
+        Some(record) if record.state == RecordState::Processing => {
+            Erasure::Processing(record.clone())
+        }
+        Some(_) => slot.take().map_or(Erasure::NotFound, Erasure::Erased),
+    }
 }
 
 #[cfg(test)]

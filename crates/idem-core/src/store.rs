@@ -39,8 +39,8 @@
 use std::{future::Future, time::Duration};
 
 use crate::{
-    Cancellation, Completion, ForceRelease, IdentityClaim, Lease, Outcome, Record, RecordQuery,
-    Release, Renewal, Reservation, ReserveRequest, ScopeHash, StoreError,
+    Cancellation, Completion, Erasure, ForceRelease, IdentityClaim, Lease, Outcome, Record,
+    RecordQuery, Release, Renewal, Reservation, ReserveRequest, ScopeHash, StoreError,
 };
 
 /// Persistence for idempotency records.
@@ -173,6 +173,12 @@ pub trait RecordsAdmin: Store {
         &self,
         scope: &ScopeHash,
     ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send;
+
+    /// Erases a live record that is not processing (an operator's erasure
+    /// for data protection, or of an answer stored by mistake): its key is
+    /// new afterwards, and a retry runs again. A processing record is
+    /// left as it is.
+    fn erase(&self, scope: &ScopeHash) -> impl Future<Output = Result<Erasure, StoreError>> + Send;
 }
 
 /// The duties of a store shared between processes: claiming the store for
@@ -282,6 +288,10 @@ impl<S: RecordsAdmin> RecordsAdmin for std::sync::Arc<S> {
         scope: &ScopeHash,
     ) -> impl Future<Output = Result<ForceRelease, StoreError>> + Send {
         (**self).force_release(scope)
+    }
+
+    fn erase(&self, scope: &ScopeHash) -> impl Future<Output = Result<Erasure, StoreError>> + Send {
+        (**self).erase(scope)
     }
 
     fn count_lapsed(&self, limit: usize) -> impl Future<Output = Result<usize, StoreError>> + Send {

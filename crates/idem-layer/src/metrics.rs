@@ -3,10 +3,11 @@
 //! | name | kind | labels |
 //! |---|---|---|
 //! | `idem_requests_total` | counter | `outcome`: executed, replayed, conflict, in_progress, released, takeover, fenced, cancelled, store_error, quota_exceeded, fail_open, rejected, unknown |
-//! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get, list, force_release |
+//! | `idem_store_duration_seconds` | histogram | `op`: reserve, renew, complete, release, cancel, get, list, force_release, erase |
 //! | `idem_replay_age_seconds` | histogram | |
 //! | `idem_outcomes_pending` | gauge | |
 //! | `idem_store_calls_saved_total` | counter | `via`: cache (a replay from the replay cache), flight (a duplicate answered from the reservation of the same key in flight) |
+//! | `idem_records_erased_total` | counter | none: records an operator erased through the records API |
 //! | `idem_records_unopened_total` | counter | none: sealed records that did not open ([`sealing`](crate::sealing)), never replayed |
 //!
 //! `idem_outcomes_pending` counts the outcomes this process holds that a
@@ -37,6 +38,8 @@ pub const STORE_DURATION: &str = "idem_store_duration_seconds";
 pub const REPLAY_AGE: &str = "idem_replay_age_seconds";
 /// The name of the gauge of outcomes held for a background completion.
 pub const OUTCOMES_PENDING: &str = "idem_outcomes_pending";
+/// The name of the counter of records erased through the records API.
+pub const RECORDS_ERASED: &str = "idem_records_erased_total";
 /// The name of the counter of store calls saved (the replay cache, single
 /// flight).
 pub const CALLS_SAVED: &str = "idem_store_calls_saved_total";
@@ -216,6 +219,7 @@ pub(crate) enum StoreOp {
     Get,
     List,
     ForceRelease,
+    Erase,
 }
 
 keyed_by_variant!(StoreOp, STORE_DURATION, "op":
@@ -227,6 +231,7 @@ keyed_by_variant!(StoreOp, STORE_DURATION, "op":
     Get => "get",
     List => "list",
     ForceRelease => "force_release",
+    Erase => "erase",
 );
 
 pub(crate) fn store_latency(op: StoreOp, elapsed: Duration) {
@@ -270,6 +275,6 @@ mod tests {
             assert_eq!(*via as usize, index);
         }
         assert_eq!(Outcome::ALL.len(), 13);
-        assert_eq!(StoreOp::ALL.len(), 8);
+        assert_eq!(StoreOp::ALL.len(), 9);
     }
 }

@@ -58,6 +58,20 @@
 //!   header `x-idem-admin-token`), `tenant=` acts for another tenant and a
 //!   list without `tenant` covers every tenant; `tenant=` without the
 //!   credential is `403 idempotency_admin_required`.
+//! * With the admin credential, `POST ?method=…&path=…&key=…&tenant=…&action=erase`
+//!   erases one record that is not processing (data protection, or an
+//!   answer stored by mistake): `200 {"result": "erased", "record": …}`
+//!   (the record as it was), `409 {"result": "processing", …}` for a
+//!   processing record (erasing it would let a retry run while its attempt
+//!   may still act; release it first if its owner is gone), `404` for
+//!   none. `POST ?tenant=…&action=erase` erases every record of the
+//!   tenant that is not processing, a listing at a time (budgeted as
+//!   listings are): `200 {"result": "erased", "erased": N, "processing": M}`.
+//!   An erased key is new: a retry of it runs again. Each erasure is
+//!   counted (`idem_records_erased_total`) and logged with the scope hash
+//!   and the tenant, never the key, and this layer's replay cache forgets
+//!   the record (another process's cache may still replay it for up to
+//!   its bound).
 //!
 //! `DELETE` answers `200` with `{"result": …, "record": …}`, where `result`
 //! says which side won: `cancelled` (the record was processing and is now
@@ -77,7 +91,7 @@ use futures_util::future::BoxFuture;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
 use http_body_util::Empty;
 use idem_core::{
-    Attempt, Cancellation, ForceRelease, IdempotencyKey, Record, RecordQuery, RecordState,
+    Attempt, Cancellation, Erasure, ForceRelease, IdempotencyKey, Record, RecordQuery, RecordState,
     RecordsAdmin, Scope, ScopeHash, Store,
 };
 use serde_json::{Value, json};
@@ -287,6 +301,95 @@ impl<S: RecordsAdmin> RecordsService<S> {
         })
     }
 
+    /// Erases one record (not a processing one): counted and logged by
+    /// its scope hash, never its key; this layer's replay cache forgets it.
+    async fn erase_one(&self, scope: &ScopeHash) -> Response<RecordsBody> {
+        let config = &self.rt.config;
+        match store_call(config, StoreOp::Erase, self.rt.store.erase(scope)).await {
+            Ok(Erasure::Erased(record)) => {
+                self.erased(&record);
+                json_response(
+                    StatusCode::OK,
+                    &json!({ "result": "erased", "record": record_json(&record) }),
+                )
+            }
+            Ok(Erasure::Processing(record)) => json_response(
+                StatusCode::CONFLICT,
+                &json!({ "result": "processing", "record": record_json(&record) }),
+            ),
+            Ok(Erasure::NotFound) => {
+                problem(ProblemCode::RecordNotFound, "no record for this key", None)
+            }
+            Err(error) => unavailable_problem(&error),
+        }
+    }
+
+    /// An erased record, counted and logged (its scope hash and tenant,
+    /// never its key); the replay cache forgets it.
+    fn erased(&self, record: &idem_core::Record) {
+        metrics::counter!(crate::metrics::RECORDS_ERASED).increment(1);
+        tracing::warn!(scope = %record.scope, tenant = &*record.tenant, "an operator erased a record");
+        if let Some(cache) = self.rt.replays() {
+            cache.forget(&record.scope);
+        }
+    }
+
+    /// Erases every record of `tenant` that is not processing, a listing
+    /// at a time (listings are budgeted as the records API's are): the
+    /// answer counts the records erased and those left processing.
+    async fn erase_tenant(&self, tenant: String) -> Response<RecordsBody> {
+        let _listing = match Listing::begin(&self.rt.listings) {
+            Ok(listing) => listing,
+            Err(wait) => {
+                let detail = "records are listed at most one at a time and for a twentieth \
+                              of the time; erase again after Retry-After";
+                return problem(ProblemCode::ListingBusy, detail, Some(wait));
+            }
+        };
+        let config = &self.rt.config;
+        let mut erased = 0usize;
+        let processing = loop {
+            let query = RecordQuery {
+                tenant: Some(tenant.clone()),
+                limit: LIST_LIMIT,
+                ..RecordQuery::default()
+            };
+            let records = match list_call(config, self.rt.store.list(&query)).await {
+                Ok(records) => records,
+                Err(error) => return unavailable_problem(&error),
+            };
+            let listed = records.len();
+            let (mut erased_now, mut processing) = (0, 0);
+            for record in records {
+                match store_call(config, StoreOp::Erase, self.rt.store.erase(&record.scope)).await {
+                    Ok(Erasure::Erased(record)) => {
+                        self.erased(&record);
+                        erased_now += 1;
+                    }
+                    Ok(Erasure::Processing(_)) => processing += 1,
+                    Ok(Erasure::NotFound) => {}
+                    Err(error) => return unavailable_problem(&error),
+                }
+            }
+            erased += erased_now;
+            // A page of records that are all processing (or fewer than a
+            // page): nothing more to erase now.
+            if listed < LIST_LIMIT || erased_now == 0 {
+                break processing;
+            }
+        };
+        tracing::warn!(
+            tenant,
+            erased,
+            processing,
+            "an operator erased a tenant's records"
+        );
+        json_response(
+            StatusCode::OK,
+            &json!({ "result": "erased", "erased": erased, "processing": processing }),
+        )
+    }
+
     async fn answer<B>(&self, request: Request<B>) -> Response<RecordsBody> {
         let (parts, _) = request.into_parts();
         match self.act(&parts).await {
@@ -374,7 +477,24 @@ impl<S: RecordsAdmin> RecordsService<S> {
                     Err(error) => unavailable(error),
                 }
             }
-            (&Method::POST, _) => return Err(invalid("POST takes action=release")),
+            (&Method::POST, _) if query.action.as_deref() == Some("erase") => {
+                if !self.is_admin(parts) {
+                    let detail = "erasing records needs the admin credential";
+                    return Err((ProblemCode::AdminRequired, detail.to_owned()));
+                }
+                if one {
+                    let scope = self.scope(tenant, &query)?;
+                    self.erase_one(&scope).await
+                } else {
+                    let Some(tenant) = tenant else {
+                        return Err(invalid("name the tenant whose records to erase"));
+                    };
+                    self.erase_tenant(tenant).await
+                }
+            }
+            (&Method::POST, _) => {
+                return Err(invalid("POST takes action=release or action=erase"));
+            }
             _ => {
                 let mut response = json_response(
                     StatusCode::METHOD_NOT_ALLOWED,

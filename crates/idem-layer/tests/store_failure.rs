@@ -127,6 +127,10 @@ impl idem_core::RecordsAdmin for Switched {
         self.gate().await?;
         self.inner.force_release(scope).await
     }
+    async fn erase(&self, scope: &ScopeHash) -> Result<idem_core::Erasure, StoreError> {
+        self.gate().await?;
+        self.inner.erase(scope).await
+    }
 }
 
 fn switched_layer(store: &Switched) -> IdempotencyLayer<Switched> {

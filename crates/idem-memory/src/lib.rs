@@ -288,6 +288,31 @@ impl MemoryStore {
         reserving_for: Option<&ReserveRequest>,
         apply: impl FnOnce(&mut Option<Record>, u64) -> T,
     ) -> Result<T, Refused> {
+        self.with_slot_removing(scope, reserving_for, false, apply)
+    }
+
+    /// An operator's erasure: the record leaves its slot, and its place
+    /// (and its tenant's) is given back.
+    pub(crate) fn erasing(&self, scope: &ScopeHash) -> idem_core::Erasure {
+        let mut apply = Some(idem_core::machine::erase);
+        match self.with_slot_removing(scope, None, true, |slot, now| {
+            apply.take().map(|apply| apply(slot, now))
+        }) {
+            Ok(Some(erasure)) => erasure,
+            // Refused only for reservations, and `apply` runs once.
+            _ => idem_core::Erasure::NotFound,
+        }
+    }
+
+    /// [`with_slot`](Self::with_slot); `removing` when `apply` may empty a
+    /// live slot (the tenant's count is then taken from the record before).
+    fn with_slot_removing<T>(
+        &self,
+        scope: &ScopeHash,
+        reserving_for: Option<&ReserveRequest>,
+        removing: bool,
+        apply: impl FnOnce(&mut Option<Record>, u64) -> T,
+    ) -> Result<T, Refused> {
         let now_ms = self.now_ms();
         let mut state = self.shard(scope).state.lock();
         state.sweep(now_ms, SWEEP_PER_WRITE, &mut |record| self.forget(record));
@@ -320,7 +345,9 @@ impl MemoryStore {
             _ if !counted => None,
             (true, Some(record), _) => Some(self.tenant_key(&record.tenant)),
             (true, None, Some(request)) => Some(self.tenant_key(request.scope.tenant())),
-            (false, Some(record), _) if leaving => Some(self.tenant_key(&record.tenant)),
+            (false, Some(record), _) if leaving || (removing && before_live) => {
+                Some(self.tenant_key(&record.tenant))
+            }
             _ => None,
         };
         if let (true, Some(request)) = (took, reserving_for) {

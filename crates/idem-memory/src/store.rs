@@ -4,9 +4,9 @@
 use std::{sync::Arc, time::Duration};
 
 use idem_core::{
-    AttemptId, Cancellation, Completion, Fleet, ForceRelease, IdentityClaim, Lease, OldestRecords,
-    Outcome, OwnerToken, Record, RecordQuery, RecordsAdmin, Release, Renewal, Reservation,
-    ReserveRequest, ScopeHash, Store, StoreError, machine,
+    AttemptId, Cancellation, Completion, Erasure, Fleet, ForceRelease, IdentityClaim, Lease,
+    OldestRecords, Outcome, OwnerToken, Record, RecordQuery, RecordsAdmin, Release, Renewal,
+    Reservation, ReserveRequest, ScopeHash, Store, StoreError, machine,
 };
 
 use crate::{MemoryStore, Refused, weight::outcome_weight};
@@ -129,6 +129,10 @@ impl RecordsAdmin for MemoryStore {
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
         Ok(self.with_existing(scope, machine::force_release))
+    }
+
+    async fn erase(&self, scope: &ScopeHash) -> Result<Erasure, StoreError> {
+        Ok(self.erasing(scope))
     }
 }
 

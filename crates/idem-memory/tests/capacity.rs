@@ -334,3 +334,39 @@ async fn reading_every_record_lets_other_tasks_run_between_shards() {
         "the other task ran {during} times while 8 shards were read"
     );
 }
+
+/// An erased record gives its place back, in the store and in its
+/// tenant's quota: the tenant's next new key is taken.
+#[tokio::test(start_paused = true)]
+async fn an_erased_record_frees_its_place_in_the_quota() {
+    use idem_core::{Erasure, RecordsAdmin};
+    let store = MemoryStore::builder()
+        .capacity(100)
+        .tenant_quota(Some(2))
+        .build();
+    let hour = Duration::from_secs(3600);
+    let mut scopes = Vec::new();
+    for n in 0..2 {
+        let request = tenant_request("quota", n, hour);
+        let Ok(Reservation::Acquired(lease)) = store.reserve(&request).await else {
+            panic!("a place in the quota");
+        };
+        let outcome = idem_core::Outcome::NotStored { status: 400 };
+        let _ = store.complete(&lease, &outcome).await.expect("complete");
+        scopes.push(*request.scope.hash());
+    }
+    assert!(matches!(
+        store.reserve(&tenant_request("quota", 9, hour)).await,
+        Err(StoreError::QuotaExceeded { .. })
+    ));
+    assert_eq!(store.len(), 2);
+    assert!(matches!(
+        store.erase(&scopes[0]).await.expect("erase"),
+        Erasure::Erased(_)
+    ));
+    assert_eq!(store.len(), 1);
+    assert!(matches!(
+        store.reserve(&tenant_request("quota", 9, hour)).await,
+        Ok(Reservation::Acquired(_))
+    ));
+}

@@ -6,9 +6,9 @@ use idem_core::IdentityClaim;
 use std::time::Duration;
 
 use idem_core::{
-    Cancellation, Completion, Fleet, ForceRelease, Lease, Outcome, OwnerToken, Record, RecordQuery,
-    RecordsAdmin, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
-    machine,
+    Cancellation, Completion, Erasure, Fleet, ForceRelease, Lease, Outcome, OwnerToken, Record,
+    RecordQuery, RecordsAdmin, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store,
+    StoreError, machine,
 };
 
 use crate::{PgStore, given_up::GivenUp, on_pool, row, sql::failed};
@@ -141,6 +141,11 @@ impl RecordsAdmin for PgStore {
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
         self.classified(async { self.transition(scope, machine::force_release).await })
+            .await
+    }
+
+    async fn erase(&self, scope: &ScopeHash) -> Result<Erasure, StoreError> {
+        self.classified(async { self.transition(scope, machine::erase).await })
             .await
     }
 }

@@ -84,6 +84,7 @@ pub(crate) struct Scripts {
     /// up (cloning a `Script` copies its source).
     pub(crate) abandon: std::sync::Arc<Script>,
     pub(crate) force_release: Script,
+    pub(crate) erase: Script,
     /// Marks a record as waited on and reads its state (no prologue).
     pub(crate) watch: Script,
     /// Counts the lapsed records of a `SCAN` page (no prologue).
@@ -104,6 +105,7 @@ impl Scripts {
             get: script("get"),
             abandon: std::sync::Arc::new(script("abandon")),
             force_release: script("force_release"),
+            erase: script("erase"),
             watch: Script::new(&format::substitute(include_str!("lua/watch.lua"))),
             count_lapsed: Script::new(&format::substitute(include_str!("lua/count_lapsed.lua"))),
         }
@@ -121,6 +123,7 @@ pub(crate) fn body(name: &str) -> &'static str {
         "get" => include_str!("lua/get.lua"),
         "abandon" => include_str!("lua/abandon.lua"),
         "force_release" => include_str!("lua/force_release.lua"),
+        "erase" => include_str!("lua/erase.lua"),
         _ => "",
     }
 }
@@ -130,7 +133,7 @@ mod tests {
     use super::*;
 
     /// Every script with a body of its own.
-    const BODIES: [&str; 8] = [
+    const BODIES: [&str; 9] = [
         "reserve",
         "renew",
         "complete",
@@ -139,6 +142,7 @@ mod tests {
         "get",
         "abandon",
         "force_release",
+        "erase",
     ];
 
     /// Where each part lands: a replay before the clock, a new key, a

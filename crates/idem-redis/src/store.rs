@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use idem_core::{
-    Attempt, AttemptId, Cancellation, Completion, Current, ForceRelease, Lease, OldestRecords,
-    Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release, Renewal,
-    Reservation, ReserveRequest, ScopeHash, Store, StoreError,
+    Attempt, AttemptId, Cancellation, Completion, Current, Erasure, ForceRelease, Lease,
+    OldestRecords, Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release,
+    Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
 };
 use redis::Value;
 
@@ -258,6 +258,26 @@ impl Store for RedisStore {
     }
 }
 
+/// An operator's act on one record (force release, erasure): the kind
+/// its script answered, and the record when it sent one.
+async fn operator_act(
+    store: &RedisStore,
+    script: &redis::Script,
+    scope: &ScopeHash,
+) -> Result<(String, Option<Record>), StoreError> {
+    let invocation = Invocation::on_record(script, &store.prefix, scope);
+    let reply = items(store.run(invocation, false).await?.0)?;
+    let Some((kind, pairs)) = reply.split_first() else {
+        return Err(corrupt("an operator's script answered nothing"));
+    };
+    let record = if pairs.is_empty() {
+        None
+    } else {
+        Some(decode_record(*scope, pairs)?)
+    };
+    Ok((text(kind)?, record))
+}
+
 impl RecordsAdmin for RedisStore {
     async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
         let clock: Vec<u64> = self.command(redis::cmd("TIME")).await?;
@@ -340,15 +360,20 @@ impl RecordsAdmin for RedisStore {
     }
 
     async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        let invocation = Invocation::on_record(&self.scripts.force_release, &self.prefix, scope);
-        let reply = items(self.run(invocation, false).await?.0)?;
-        let Some((kind, pairs)) = reply.split_first() else {
-            return Err(corrupt("empty force-release reply"));
-        };
-        Ok(match text(kind)?.as_str() {
-            "released" => ForceRelease::Released(decode_record(*scope, pairs)?),
-            "not_processing" => ForceRelease::NotProcessing(decode_record(*scope, pairs)?),
+        let (kind, record) = operator_act(self, &self.scripts.force_release, scope).await?;
+        Ok(match (kind.as_str(), record) {
+            ("released", Some(record)) => ForceRelease::Released(record),
+            ("not_processing", Some(record)) => ForceRelease::NotProcessing(record),
             _ => ForceRelease::NotFound,
+        })
+    }
+
+    async fn erase(&self, scope: &ScopeHash) -> Result<Erasure, StoreError> {
+        let (kind, record) = operator_act(self, &self.scripts.erase, scope).await?;
+        Ok(match (kind.as_str(), record) {
+            ("erased", Some(record)) => Erasure::Erased(record),
+            ("processing", Some(record)) => Erasure::Processing(record),
+            _ => Erasure::NotFound,
         })
     }
 }

@@ -52,6 +52,7 @@ pub(crate) fn prometheus() -> &'static PrometheusHandle {
         let _ = metrics::gauge!("idem_records_lapsed");
         metrics::counter!("idem_records_incomplete_total").increment(0);
         metrics::counter!(idem_layer::sealing::UNOPENED).increment(0);
+        metrics::counter!(idem_layer::metrics::RECORDS_ERASED).increment(0);
         // Histogram samples are drained into their buckets on a scrape or
         // by upkeep; without upkeep, a gateway nobody scrapes would keep
         // every sample (about 27 bytes a keyed request).

@@ -103,6 +103,11 @@ impl ReplayCache {
         })
     }
 
+    /// Forgets what is kept for `scope` (its record was erased).
+    pub(crate) fn forget(&self, scope: &ScopeHash) {
+        self.entries.remove(scope);
+    }
+
     /// Keeps `replay`, which the store answered a request with
     /// `fingerprint` for `scope`, if the store said when it expires.
     pub(crate) fn keep(&self, scope: &ScopeHash, fingerprint: &Fingerprint, replay: &Replay) {
