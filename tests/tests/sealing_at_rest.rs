@@ -105,7 +105,14 @@ where
     let sealed = start_gateway(&origin, &["--store", store, "--tenant-secret", SECRET]).await;
     let clear = start_gateway(
         &origin,
-        &["--store", store, "--tenant-secret", SECRET, "--no-sealing"],
+        &[
+            "--store",
+            store,
+            "--tenant-secret",
+            SECRET,
+            "--no-sealing",
+            "--unkeyed-fingerprints",
+        ],
     )
     .await;
     let hidden = echo(sealed.addr, "sealed-1", "SEALEDMARK-41c7").await;
@@ -126,6 +133,36 @@ where
     for secret in ["SEALEDMARK-41c7", "REFMARK-1"] {
         assert!(!holds(&stored, secret), "{secret} is stored in clear");
     }
+    // Fingerprints: the control's is the plain hash of its request; the
+    // sealed gateway's is keyed, so its plain hash is nowhere.
+    let plain = |marker: &str| {
+        let parts = Request::post("/echo")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts()
+            .0;
+        let body = format!("{{\"sku\":\"{marker}\"}}");
+        idem_layer::fingerprint::fingerprint(
+            "POST /echo",
+            &parts,
+            &[http::header::CONTENT_TYPE],
+            body.as_bytes(),
+        )
+    };
+    let has_fingerprint = |fingerprint: idem_core::Fingerprint| {
+        let raw = fingerprint.as_bytes();
+        let hex = hex::encode(raw);
+        stored.windows(32).any(|w| w == raw) || stored.windows(64).any(|w| w == hex.as_bytes())
+    };
+    assert!(
+        has_fingerprint(plain("CLEARMARK-9e02")),
+        "the control's plain fingerprint"
+    );
+    assert!(
+        !has_fingerprint(plain("SEALEDMARK-41c7")),
+        "a plain fingerprint is stored"
+    );
     // Both replay byte for byte, from either gateway (no replay cache
     // holds the other's record).
     for (gateway, key, marker, first) in [

@@ -72,6 +72,11 @@ pub(crate) struct Config {
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,
     pub(crate) fingerprint_format: crate::fingerprint::FingerprintFormat,
+    /// The key of keyed fingerprints, when they are keyed or read keyed.
+    pub(crate) fingerprint_key: Option<[u8; 32]>,
+    /// Whether new records get keyed fingerprints (else the key only
+    /// reads records keyed before).
+    pub(crate) fingerprint_keyed: bool,
     pub(crate) max_body: usize,
     pub(crate) body_timeout: Duration,
     pub(crate) max_response: usize,

@@ -89,6 +89,8 @@ impl<S: Store> IdempotencyLayer<S> {
             fingerprint_headers: vec![header::CONTENT_TYPE],
             fingerprint_fn: None,
             fingerprint_format: crate::fingerprint::FingerprintFormat::Sha256,
+            fingerprint_key: None,
+            fingerprint_keyed: false,
             max_body: 1024 * 1024,
             body_timeout: Duration::from_secs(30),
             max_response: 1024 * 1024,
@@ -285,6 +287,39 @@ impl<S: Store> IdempotencyLayer<S> {
     /// [`fingerprint_fn`](Self::fingerprint_fn) replaces both.
     pub fn fingerprint_format(self, format: crate::fingerprint::FingerprintFormat) -> Self {
         self.with(|c| c.fingerprint_format = format)
+    }
+
+    /// Keys the default fingerprint with a key derived from `secret`
+    /// (HKDF-SHA256 under a label of its own; HMAC-SHA256 over the
+    /// SHA-256 fingerprint, BLAKE3's keyed hash over a BLAKE3 one): a
+    /// record's fingerprint no longer lets whoever reads the store confirm
+    /// a guess of a short request body by hashing it. Records written
+    /// before (unkeyed) still replay: a reservation that meets another
+    /// fingerprint is tried unkeyed, then in the other format, before the
+    /// layer answers `422` (store calls on conflicts only). Instances of
+    /// a version before this one do not key theirs: a retry of a keyed
+    /// record that reaches one gets `422` (never a second run), so key
+    /// fingerprints once every instance sharing the store runs this
+    /// version. Use a secret of at least 32 random bytes, the same on
+    /// every instance.
+    pub fn fingerprint_secret(self, secret: impl AsRef<[u8]>) -> Self {
+        let key = fingerprint_key(secret.as_ref());
+        self.with(|c| {
+            c.fingerprint_key = Some(key);
+            c.fingerprint_keyed = true;
+        })
+    }
+
+    /// Writes fingerprints unkeyed, and still reads records whose
+    /// fingerprints were keyed with `secret` (see
+    /// [`fingerprint_secret`](Self::fingerprint_secret)): how keying is
+    /// turned off without a `422` for a retry of a record keyed before.
+    pub fn fingerprint_secret_for_reading(self, secret: impl AsRef<[u8]>) -> Self {
+        let key = fingerprint_key(secret.as_ref());
+        self.with(|c| {
+            c.fingerprint_key = Some(key);
+            c.fingerprint_keyed = false;
+        })
     }
 
     /// Replaces the default fingerprint: `f(operation, request head, body)`.
@@ -535,4 +570,14 @@ impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
             });
         Idempotency::new(inner, self.runtime.clone(), !valid)
     }
+}
+
+/// The key of keyed fingerprints that `secret` gives (HKDF-SHA256 under a
+/// label of its own).
+fn fingerprint_key(secret: &[u8]) -> [u8; 32] {
+    let mut key = [0; 32];
+    // 32 bytes is far below HKDF-SHA256's limit.
+    let _ =
+        hkdf::Hkdf::<sha2::Sha256>::new(None, secret).expand(b"idem fingerprint key v1", &mut key);
+    key
 }

@@ -247,7 +247,11 @@ where
         let operation = operation(&parts);
         let fingerprint = match &config.fingerprint_fn {
             Some(f) => f(&operation, &parts, &body),
-            None => config.fingerprint_format.fingerprint(
+            None => config.fingerprint_format.of(
+                config
+                    .fingerprint_key
+                    .as_ref()
+                    .filter(|_| config.fingerprint_keyed),
                 &operation,
                 &parts,
                 &config.fingerprint_headers,
@@ -286,6 +290,29 @@ where
             keyed.run().instrument(span).await
         }
     }
+}
+
+/// The forms of the default fingerprint a record may have been written in
+/// besides the one this layer writes, in the order they are tried: this
+/// format the other way (keyed or not, when the layer has a key), then
+/// the other format, the way this layer writes first.
+fn other_fingerprints(
+    config: &crate::config::Config,
+) -> impl Iterator<Item = (crate::fingerprint::FingerprintFormat, Option<[u8; 32]>)> {
+    let format = config.fingerprint_format;
+    let other = format.other();
+    let (written, unwritten) = match config.fingerprint_key {
+        Some(key) if config.fingerprint_keyed => (Some(key), Some(None)),
+        Some(key) => (None, Some(Some(key))),
+        None => (None, None),
+    };
+    [
+        unwritten.map(|key| (format, key)),
+        Some((other, written)),
+        unwritten.map(|key| (other, key)),
+    ]
+    .into_iter()
+    .flatten()
 }
 
 /// Where the record of `request` is in the records API (when the layer
@@ -427,18 +454,22 @@ where
         async move {
             let rt = self.rt.clone();
             let config = &*rt.config;
-            // The default fingerprint is read in both formats: a record
-            // written in the other one is tried once before a conflict.
-            let mut other_format = config
+            // The default fingerprint is read in every form it was written
+            // in: a record written unkeyed (before fingerprints were keyed)
+            // or in the other format is tried before a conflict.
+            let mut others = config
                 .fingerprint_fn
                 .is_none()
-                .then(|| config.fingerprint_format.other());
+                .then(|| other_fingerprints(config))
+                .into_iter()
+                .flatten();
             let (parts, body) = (&self.parts, &self.body);
             let admission = admit(&rt, &mut self.reserve, |request| {
-                let Some(format) = other_format.take() else {
+                let Some((format, key)) = others.next() else {
                     return false;
                 };
-                request.fingerprint = format.fingerprint(
+                request.fingerprint = format.of(
+                    key.as_ref(),
                     request.scope.operation(),
                     parts,
                     &config.fingerprint_headers,

@@ -219,3 +219,105 @@ async fn records_stored_before_sealing_still_replay() {
     assert_eq!(replay.headers["x-card"], "4242-CARDMARK");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A layer with a fingerprint secret keys the fingerprints it writes: the
+/// stored one is not the plain hash of the request (so a short body
+/// cannot be confirmed by hashing guesses), retries replay, a changed
+/// payload still conflicts, and records written unkeyed before still
+/// replay through it.
+#[tokio::test]
+async fn fingerprints_are_keyed_and_unkeyed_records_still_replay() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let keyed = |secret: &'static [u8]| {
+        Router::new()
+            .route("/orders", post(create))
+            .with_state(Arc::clone(&runs))
+            .layer(
+                IdempotencyLayer::new(store.clone())
+                    .tenant(TenantFromHeader::from_static("x-tenant"))
+                    .fingerprint_secret(secret),
+            )
+    };
+    let send = |app: Router, key: &'static str, body: &'static str| async move {
+        let response = app
+            .oneshot(
+                Request::post("/orders")
+                    .header("x-tenant", "acme")
+                    .header("idempotency-key", key)
+                    .body(Body::from(body))
+                    .expect("request"),
+            )
+            .await
+            .expect("infallible");
+        (
+            response.status(),
+            response.headers().contains_key("idempotent-replayed"),
+        )
+    };
+    // Written unkeyed, replayed keyed.
+    let (status, _) = send(app(&store, None, &runs), "plain", "1").await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(
+        send(keyed(SECRET), "plain", "1").await,
+        (StatusCode::CREATED, true)
+    );
+    assert_eq!(
+        send(keyed(SECRET), "plain", "2").await.0,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    // Written keyed.
+    assert_eq!(
+        send(keyed(SECRET), "keyed", "1").await,
+        (StatusCode::CREATED, false)
+    );
+    assert_eq!(
+        send(keyed(SECRET), "keyed", "1").await,
+        (StatusCode::CREATED, true)
+    );
+    assert_eq!(
+        send(keyed(SECRET), "keyed", "2").await.0,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let records = store
+        .list(&RecordQuery {
+            limit: 10,
+            ..RecordQuery::default()
+        })
+        .await
+        .expect("list");
+    let fingerprint_of = |key: &str| {
+        records
+            .iter()
+            .find(|record| &*record.key == key)
+            .expect("record")
+            .fingerprint
+    };
+    let parts = Request::post("/orders")
+        .header("x-tenant", "acme")
+        .body(())
+        .expect("request")
+        .into_parts()
+        .0;
+    let plain = idem_layer::fingerprint::fingerprint(
+        "POST /orders",
+        &parts,
+        &[http::header::CONTENT_TYPE],
+        b"1",
+    );
+    assert_eq!(fingerprint_of("plain"), plain, "the unkeyed one as it was");
+    assert_ne!(
+        fingerprint_of("keyed"),
+        plain,
+        "the keyed one is not the plain hash"
+    );
+    // Another secret reads the keyed record as another payload.
+    assert_eq!(
+        send(keyed(b"another secret altogether, 32 bytes"), "keyed", "1")
+            .await
+            .0,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}

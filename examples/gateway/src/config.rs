@@ -140,6 +140,9 @@ pub struct Config {
     /// The base of the `type` of idem's problem answers (`https://docs.example.com/problems/`: the type is the base followed by the code); a web address is also sent as `Link: <type>; rel="describedby"`. Default: `urn:idem:problem:`.
     #[arg(long, env = "IDEM_PROBLEM_TYPE_BASE")]
     pub problem_type_base: Option<String>,
+    /// Write fingerprints unkeyed (plain SHA-256 or BLAKE3 of the request): by default they are keyed with a key derived from the tenant secret, so whoever reads the store cannot confirm a guess of a short request body. Keyed or not, records written either way are read.
+    #[arg(long, env = "IDEM_UNKEYED_FINGERPRINTS", action = ArgAction::SetTrue)]
+    pub unkeyed_fingerprints: bool,
     /// Store responses in clear instead of sealed at rest (by default every stored response's headers and body are encrypted with a key derived from the tenant secret).
     #[arg(long, env = "IDEM_NO_SEALING", action = ArgAction::SetTrue)]
     pub no_sealing: bool,

@@ -62,6 +62,12 @@ pub(crate) async fn health_answer<S: Store>(
     }
 }
 
+/// Whether the tenant secret is one every gateway of the store shares: given
+/// (not generated at start), or the store is this process's memory.
+fn shares_a_key(config: &Config, tenants: &Tenants) -> bool {
+    !tenants.generated || config.store == "memory"
+}
+
 /// Whether stored responses are sealed: unless `--no-sealing`, with a
 /// key every gateway of the store shares (the tenant secret's, or a
 /// `--sealing-key`). A secret generated at start would give each gateway,
@@ -71,10 +77,10 @@ pub(crate) fn seals(config: &Config, tenants: &Tenants) -> bool {
     if config.no_sealing {
         return false;
     }
-    let shared_key = !tenants.generated || !config.sealing_key.is_empty();
-    if !shared_key && config.store != "memory" {
+    if !shares_a_key(config, tenants) && config.sealing_key.is_empty() {
         tracing::warn!(
-            "stored responses are kept in clear: sealing them needs a key every gateway of the              store shares (--tenant-secret-file, or --sealing-key)"
+            "stored responses are kept in clear: sealing them needs a key every gateway of \
+             the store shares (--tenant-secret-file, or --sealing-key)"
         );
         return false;
     }
@@ -143,6 +149,15 @@ pub(crate) fn layer<S: Store>(
     }
     if config.blake3_fingerprints || config.store == "memory" {
         layer = layer.fingerprint_format(idem_layer::fingerprint::FingerprintFormat::Blake3);
+    }
+    // Fingerprints are keyed like responses are sealed: with a key every
+    // gateway of the store shares.
+    if shares_a_key(config, tenants) {
+        layer = if config.unkeyed_fingerprints {
+            layer.fingerprint_secret_for_reading(&tenants.secret)
+        } else {
+            layer.fingerprint_secret(&tenants.secret)
+        };
     }
     // Sealed records open on every gateway that holds their key, whether
     // it seals new ones or not.

@@ -137,6 +137,51 @@ impl FingerprintFormat {
         });
         Fingerprint::from_bytes(bytes)
     }
+
+    /// `fingerprint` (of this format) keyed with `key`: HMAC-SHA256 for
+    /// SHA-256, BLAKE3's keyed hash for BLAKE3. Without the key, nobody
+    /// can confirm a guess of a short request body by hashing it.
+    pub(crate) fn keyed(self, key: &[u8; 32], fingerprint: &Fingerprint) -> Fingerprint {
+        const LABEL: &[u8] = b"idem-fingerprint-keyed-v1";
+        let bytes: [u8; 32] = match self {
+            Self::Sha256 => {
+                use hmac::{Hmac, Mac};
+                match <Hmac<Sha256> as Mac>::new_from_slice(key) {
+                    Ok(mut mac) => {
+                        mac.update(LABEL);
+                        mac.update(fingerprint.as_bytes());
+                        mac.finalize().into_bytes().into()
+                    }
+                    // HMAC takes keys of every length: not reached.
+                    Err(_) => *fingerprint.as_bytes(),
+                }
+            }
+            Self::Blake3 => {
+                let mut hasher = blake3::Hasher::new_keyed(key);
+                hasher.update(LABEL);
+                hasher.update(fingerprint.as_bytes());
+                *hasher.finalize().as_bytes()
+            }
+        };
+        Fingerprint::from_bytes(bytes)
+    }
+
+    /// The request's fingerprint in this format, keyed with `key` when
+    /// there is one.
+    pub(crate) fn of(
+        self,
+        key: Option<&[u8; 32]>,
+        operation: &str,
+        parts: &Parts,
+        headers: &[HeaderName],
+        body: &[u8],
+    ) -> Fingerprint {
+        let plain = self.fingerprint(operation, parts, headers, body);
+        match key {
+            Some(key) => self.keyed(key, &plain),
+            None => plain,
+        }
+    }
 }
 
 thread_local! {
