@@ -32,21 +32,21 @@
 //!   process without it) replay as they are, so sealing can be turned on
 //!   in a running fleet.
 //!
-//! Sealing a 1 KB response costs about a microsecond of CPU here, and no
-//! store round trip (`cargo bench -p idem-layer --bench layer_overhead`).
+//! XChaCha20-Poly1305 is ring's ChaCha20-Poly1305 under the subkey
+//! HChaCha20 derives from the key and the nonce's first 16 bytes (the
+//! standard construction). Sealing a 1 KB response costs about 0.7 µs of
+//! CPU here, opening it about 1 µs, and no store round trip
+//! (`cargo bench -p idem-layer --bench sealing`).
 
 use std::{collections::BTreeMap, fmt, sync::Arc};
 
-use bytes::{BufMut, Bytes, BytesMut};
-use chacha20poly1305::{
-    KeyInit, XChaCha20Poly1305, XNonce,
-    aead::{Aead, Payload},
-};
+use bytes::{BufMut, Bytes};
 use http::HeaderName;
 use idem_core::{
     Completion, Current, Outcome, Release, Replay, Reservation, ScopeHash, StoreError,
     StoredResponse,
 };
+use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
 
 /// The header a sealed response is stored under; its value is the key id.
 pub const SEALED: HeaderName = HeaderName::from_static("idem-sealed");
@@ -57,13 +57,15 @@ const DERIVED_LABEL: &[u8] = b"idem sealing key v1";
 const ENVELOPE: u8 = 1;
 /// The bytes before the ciphertext: version, generation, nonce.
 const HEAD: usize = 1 + 8 + 24;
+/// The Poly1305 tag after it.
+const TAG: usize = 16;
 
 /// The keys that seal and open stored responses: the current one seals,
 /// every one opens. Cloning shares the keys.
 #[derive(Clone)]
 pub struct Keyring {
     current: u32,
-    keys: Arc<BTreeMap<u32, XChaCha20Poly1305>>,
+    keys: Arc<BTreeMap<u32, [u8; 32]>>,
 }
 
 impl fmt::Debug for Keyring {
@@ -79,7 +81,7 @@ impl Keyring {
     /// A keyring whose key `id` seals new records.
     pub fn new(id: u32, key: [u8; 32]) -> Self {
         let mut keys = BTreeMap::new();
-        keys.insert(id, XChaCha20Poly1305::new(&key.into()));
+        keys.insert(id, key);
         Self {
             current: id,
             keys: Arc::new(keys),
@@ -98,7 +100,7 @@ impl Keyring {
     /// keys already here still open the records they sealed (a rotation).
     #[must_use]
     pub fn rotated_to(mut self, id: u32, key: [u8; 32]) -> Self {
-        Arc::make_mut(&mut self.keys).insert(id, XChaCha20Poly1305::new(&key.into()));
+        Arc::make_mut(&mut self.keys).insert(id, key);
         self.current = id;
         self
     }
@@ -115,49 +117,46 @@ impl Keyring {
         generation: u64,
         response: &StoredResponse,
     ) -> StoredResponse {
-        let mut plain = BytesMut::with_capacity(
-            response.body.len()
-                + response
-                    .headers
-                    .iter()
-                    .map(|(n, v)| 6 + n.as_str().len() + v.len())
-                    .sum::<usize>()
-                + 4,
-        );
-        plain.put_u32(u32::try_from(response.headers.len()).unwrap_or(u32::MAX));
+        let plain_len = 4
+            + response
+                .headers
+                .iter()
+                .map(|(n, v)| 6 + n.as_str().len() + v.len())
+                .sum::<usize>()
+            + response.body.len();
+        // One buffer: the envelope's head, then the plaintext sealed in
+        // place, then the tag.
+        let mut body = Vec::with_capacity(HEAD + plain_len + TAG);
+        let nonce: [u8; 24] = rand::random();
+        body.put_u8(ENVELOPE);
+        body.put_u64(generation);
+        body.put_slice(&nonce);
+        body.put_u32(u32::try_from(response.headers.len()).unwrap_or(u32::MAX));
         for (name, value) in &response.headers {
             let name = name.as_str().as_bytes();
             // Header names are short and values bounded by the server's
             // head limit: the lengths fit.
-            plain.put_u16(u16::try_from(name.len()).unwrap_or(u16::MAX));
-            plain.put_slice(name);
-            plain.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
-            plain.put_slice(value);
+            body.put_u16(u16::try_from(name.len()).unwrap_or(u16::MAX));
+            body.put_slice(name);
+            body.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
+            body.put_slice(value);
         }
-        plain.put_slice(&response.body);
-        let nonce: [u8; 24] = rand::random();
+        body.put_slice(&response.body);
         let aad = associated(scope, generation, response.status, self.current);
-        let key = &self.keys[&self.current];
-        // Encryption fails only for a message beyond the cipher's limit
+        let key = cipher(&self.keys[&self.current], &nonce);
+        // Sealing fails only for a message beyond the cipher's limit
         // (256 GiB), far past any storable response.
-        let sealed = key
-            .encrypt(
-                XNonce::from_slice(&nonce),
-                Payload {
-                    msg: &plain,
-                    aad: &aad,
-                },
-            )
-            .unwrap_or_default();
-        let mut body = BytesMut::with_capacity(HEAD + sealed.len());
-        body.put_u8(ENVELOPE);
-        body.put_u64(generation);
-        body.put_slice(&nonce);
-        body.put_slice(&sealed);
+        if let Ok(tag) = key
+            .0
+            .seal_in_place_separate_tag(key.1, Aad::from(&aad), &mut body[HEAD..])
+        {
+            body.extend_from_slice(tag.as_ref());
+        }
+        let body = Bytes::from(body);
         StoredResponse {
             status: response.status,
             headers: vec![(SEALED, Bytes::from(self.current.to_string()))],
-            body: body.freeze(),
+            body,
         }
     }
 
@@ -179,21 +178,21 @@ impl Keyring {
             .ok_or(Unopened::Damaged)?;
         let key = self.keys.get(&id).ok_or(Unopened::UnknownKey(id))?;
         let body = &response.body;
-        if body.len() < HEAD || body[0] != ENVELOPE {
+        if body.len() < HEAD + TAG || body[0] != ENVELOPE {
             return Err(Unopened::Damaged);
         }
         let generation = u64::from_be_bytes(body[1..9].try_into().map_err(|_| Unopened::Damaged)?);
+        let nonce: [u8; 24] = body[9..HEAD].try_into().map_err(|_| Unopened::Damaged)?;
         let aad = associated(scope, generation, response.status, id);
-        let plain = key
-            .decrypt(
-                XNonce::from_slice(&body[9..HEAD]),
-                Payload {
-                    msg: &body[HEAD..],
-                    aad: &aad,
-                },
-            )
-            .map_err(|_| Unopened::Damaged)?;
-        let plain = Bytes::from(plain);
+        let mut sealed = body[HEAD..].to_vec();
+        let key = cipher(key, &nonce);
+        let opened = key
+            .0
+            .open_in_place(key.1, Aad::from(&aad), &mut sealed)
+            .map_err(|_| Unopened::Damaged)?
+            .len();
+        sealed.truncate(opened);
+        let plain = Bytes::from(sealed);
         let mut at = 0;
         let mut take = |n: usize| -> Result<Bytes, Unopened> {
             let end = at + n;
@@ -232,6 +231,26 @@ fn unsealed(response: StoredResponse) -> Result<StoredResponse, Unopened> {
         )),
         _ => Ok(response),
     }
+}
+
+/// XChaCha20-Poly1305 for `key` and a 192-bit `nonce`: ChaCha20-Poly1305
+/// under the subkey HChaCha20 derives from the key and the nonce's first
+/// 16 bytes, with the nonce's last 8 as its own (after four zero bytes).
+fn cipher(key: &[u8; 32], nonce: &[u8; 24]) -> (LessSafeKey, Nonce) {
+    use chacha20::cipher::{consts::U10, generic_array::GenericArray};
+    let subkey = chacha20::hchacha::<U10>(
+        GenericArray::from_slice(key),
+        GenericArray::from_slice(&nonce[..16]),
+    );
+    let mut inner = [0; 12];
+    inner[4..].copy_from_slice(&nonce[16..]);
+    // A 32-byte key is what ChaCha20-Poly1305 takes: never refused.
+    let unbound = UnboundKey::new(&CHACHA20_POLY1305, &subkey)
+        .unwrap_or_else(|_| unreachable!("a 32-byte key"));
+    (
+        LessSafeKey::new(unbound),
+        Nonce::assume_unique_for_key(inner),
+    )
 }
 
 /// The 32-byte key HKDF-SHA256 gives `secret` under idem's sealing label.
