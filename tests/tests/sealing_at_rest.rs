@@ -175,6 +175,45 @@ where
         assert_eq!(replay.header("x-order-ref"), first.header("x-order-ref"));
     }
     assert_eq!(upstream.runs(), 2);
+
+    // A rotation: a gateway given key 1 seals new records with it and
+    // still opens key 0's; one without key 1 replays nothing of key 1's
+    // and runs nothing again.
+    let key = "1:".to_owned() + &"5a".repeat(32);
+    let rotated = start_gateway(
+        &origin,
+        &[
+            "--store",
+            store,
+            "--tenant-secret",
+            SECRET,
+            "--sealing-key",
+            &key,
+        ],
+    )
+    .await;
+    let old = echo(rotated.addr, "sealed-1", "SEALEDMARK-41c7").await;
+    assert!(old.replayed(), "{old:?}");
+    assert_eq!(old.body, hidden.body);
+    let new = echo(rotated.addr, "rotated-1", "ROTATEDMARK-77aa").await;
+    assert_eq!(new.status, StatusCode::CREATED);
+    assert!(
+        echo(rotated.addr, "rotated-1", "ROTATEDMARK-77aa")
+            .await
+            .replayed()
+    );
+    let without_key = echo(sealed.addr, "rotated-1", "ROTATEDMARK-77aa").await;
+    assert_eq!(
+        without_key.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{without_key:?}"
+    );
+    assert_eq!(
+        without_key.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(upstream.runs(), 3, "nothing ran again");
+    assert!(!holds(&read().await, "ROTATEDMARK-77aa"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
