@@ -163,6 +163,24 @@ enum Produced<B> {
     Answer(Buffered<B>),
     /// A response whose outcome the inner service does not know.
     Unknown(Response<B>, UnknownOutcome),
+    /// A stream of events (`text/event-stream`): passed on as it comes,
+    /// never stored.
+    Streaming(Response<B>),
+}
+
+/// Whether a response is a stream of events (server-sent events), which
+/// the layer passes on as it comes instead of reading it whole: a stream
+/// may not end, and its first caller must not wait for the limit to fill.
+pub(crate) fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| {
+            value
+                .split(';')
+                .next()
+                .is_some_and(|kind| kind.trim().eq_ignore_ascii_case("text/event-stream"))
+        })
 }
 
 /// One execution of the handler under `lease`, and the recording of its
@@ -207,6 +225,9 @@ where
             if response.status().is_informational() {
                 return Ok(Produced::Unknown(response, UnknownOutcome::new()));
             }
+            if is_event_stream(response.headers()) {
+                return Ok(Produced::Streaming(response));
+            }
             Ok(Produced::Answer(buffer(response, max_response).await))
         })
         .catch_unwind();
@@ -232,6 +253,22 @@ where
                     .spawn(await_late(rt.clone(), reserved, lease, late).in_current_span());
                 return Ok(response.map(ResponseBody::inner));
             }
+            Ok(Ok(Produced::Streaming(response))) => {
+                // The action ran and its answer streams: recorded at once
+                // as answered but not stored (a retry gets `409
+                // idempotency_response_not_stored`, never a stream cut
+                // short), and the stream goes to its client as it comes.
+                let status = response.status();
+                tracing::info!(
+                    status = status.as_u16(),
+                    "an event stream: passed on, not stored"
+                );
+                let outcome = Outcome::NotStored {
+                    status: status.as_u16(),
+                };
+                let answer = record(&rt, &reserved, &lease, slot.as_ref(), status, outcome).await;
+                return Ok(answer.unwrap_or_else(|| response.map(ResponseBody::inner)));
+            }
             Ok(Err(error)) => {
                 return match rt.release(&lease).await.and_then(answer_current) {
                     Some(answer) => Ok(answer),
@@ -256,17 +293,31 @@ where
         if let Outcome::Stored(stored) = &mut outcome {
             stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
         }
-        let answer = match slot.and_then(|slot| slot.take()) {
-            Some(deferred) if (config.should_store)(parts.status) => {
-                settle_in_transaction(&rt, &lease, deferred, outcome).await
-            }
-            // Not recorded: a deferred transaction is dropped, which rolls
-            // back what the handler wrote, and the key is released.
-            _ => settle(&rt, &reserved, &lease, parts.status, outcome)
-                .await
-                .and_then(answer_current),
-        };
+        let answer = record(&rt, &reserved, &lease, slot.as_ref(), parts.status, outcome).await;
         Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
+    }
+}
+
+/// Records an attempt's outcome: through the transaction the handler
+/// left, if it left one and the status is stored; else in the store (or
+/// the key is released, for a status not stored: a deferred transaction
+/// is then dropped, which rolls back what the handler wrote). `Some` with
+/// what the record says now when the attempt was fenced.
+async fn record<S: Store, B>(
+    rt: &Runtime<S>,
+    reserved: &ReserveRequest,
+    lease: &Lease,
+    slot: Option<&CompletionSlot>,
+    status: http::StatusCode,
+    outcome: Outcome,
+) -> Option<Response<ResponseBody<B>>> {
+    match slot.and_then(CompletionSlot::take) {
+        Some(deferred) if (rt.config.should_store)(status) => {
+            settle_in_transaction(rt, lease, deferred, outcome).await
+        }
+        _ => settle(rt, reserved, lease, status, outcome)
+            .await
+            .and_then(answer_current),
     }
 }
 
