@@ -153,13 +153,19 @@ impl Hop {
     /// The `traceparent` the upstream gets: this trace, the gateway's
     /// span as the parent.
     pub(crate) fn traceparent(&self) -> HeaderValue {
-        let value = format!(
-            "00-{}-{}-{:02x}",
-            hex::encode(self.trace_id),
-            hex::encode(self.span_id),
-            self.flags
-        );
-        HeaderValue::try_from(value).expect("hex digits and dashes are a valid header value")
+        // Written in place: no string is built per request.
+        let mut text = [0u8; 55];
+        text[..3].copy_from_slice(b"00-");
+        let _ = hex::encode_to_slice(self.trace_id, &mut text[3..35]);
+        text[35] = b'-';
+        let _ = hex::encode_to_slice(self.span_id, &mut text[36..52]);
+        text[52] = b'-';
+        let _ = hex::encode_to_slice([self.flags], &mut text[53..55]);
+        // Hex digits and dashes are a valid header value: the fallback is
+        // never taken.
+        HeaderValue::from_bytes(&text).unwrap_or_else(|_| {
+            HeaderValue::from_static("00-00000000000000000000000000000001-0000000000000001-00")
+        })
     }
 
     /// Sets the upstream's trace headers: its `traceparent`, and the
