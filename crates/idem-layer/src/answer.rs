@@ -30,9 +30,12 @@ pub(crate) fn storable_headers(
     headers: &HeaderMap,
     denylist: &[HeaderName],
 ) -> Vec<(HeaderName, Bytes)> {
+    // `idem-sealed` is idem's own name for a sealed response: a handler's
+    // header of that name is never stored, so no stored response is taken
+    // for a sealed one.
     headers
         .iter()
-        .filter(|(name, _)| !denylist.contains(name))
+        .filter(|(name, _)| !denylist.contains(name) && **name != crate::sealing::SEALED)
         .map(|(name, value)| (name.clone(), Bytes::copy_from_slice(value.as_bytes())))
         .collect()
 }

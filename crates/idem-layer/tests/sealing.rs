@@ -321,3 +321,29 @@ async fn fingerprints_are_keyed_and_unkeyed_records_still_replay() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// A handler's own `idem-sealed` header is never stored: a layer without
+/// a keyring still replays its answer (without that header) instead of
+/// taking it for a sealed record.
+#[tokio::test]
+async fn a_handlers_idem_sealed_header_is_never_taken_for_a_seal() {
+    async fn mimic(State(runs): State<Arc<AtomicUsize>>) -> impl IntoResponse {
+        runs.fetch_add(1, Ordering::SeqCst);
+        (StatusCode::CREATED, [("idem-sealed", "0")], "not sealed")
+    }
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route("/orders", post(mimic))
+        .with_state(Arc::clone(&runs))
+        .layer(
+            IdempotencyLayer::new(store.clone()).tenant(TenantFromHeader::from_static("x-tenant")),
+        );
+    let first = post_order(&app, "mimic").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = post_order(&app, "mimic").await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.body, "not sealed");
+    assert!(!replay.headers.contains_key("idem-sealed"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
