@@ -100,10 +100,16 @@ async fn app_behind_pgbouncer() -> Option<(App, PgBouncer)> {
 
 async fn app_on(store: PgStore) -> Option<App> {
     store.migrate().await.expect("migrate");
+    // In a transaction, unnamed: behind PgBouncer in transaction mode a
+    // statement outside one may be prepared on one server connection and
+    // run on another ("prepared statement does not exist").
+    let mut tx = store.pool().begin().await.expect("begin");
     sqlx::query("CREATE TABLE orders (id bigserial PRIMARY KEY, note text)")
-        .execute(store.pool())
+        .persistent(false)
+        .execute(&mut *tx)
         .await
         .expect("orders table");
+    tx.commit().await.expect("commit");
     let state = AppState {
         store: store.clone(),
         gate: Arc::new(Semaphore::new(0)),
