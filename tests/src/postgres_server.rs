@@ -77,27 +77,52 @@ impl PgServer {
             return None;
         };
         let as_postgres = is_root();
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("idem-pg-{}-{port}", std::process::id()));
-        Self::make_dir(&dir, as_postgres);
-        let data = dir.join("data");
-        let initdb = Self::command(as_postgres, &bin.join("initdb"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
-            .output()
-            .expect("run initdb");
-        assert!(
-            initdb.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&initdb.stderr)
-        );
-        Some(Self::launch(bin, dir, port, as_postgres, durable))
+        // A port found free may be taken before the postmaster binds it
+        // (another test's server, or an outgoing connection's ephemeral
+        // port): then a new one, in a new directory, a few times.
+        for attempt in 1.. {
+            let port = free_port();
+            let dir = std::env::temp_dir().join(format!("idem-pg-{}-{port}", std::process::id()));
+            Self::make_dir(&dir, as_postgres);
+            let data = dir.join("data");
+            let initdb = Self::command(as_postgres, &bin.join("initdb"))
+                .arg("-D")
+                .arg(&data)
+                .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+                .output()
+                .expect("run initdb");
+            assert!(
+                initdb.status.success(),
+                "initdb failed: {}",
+                String::from_utf8_lossy(&initdb.stderr)
+            );
+            let server = Self::launch_unchecked(bin.clone(), dir, port, as_postgres, durable);
+            match server.ready() {
+                Ok(()) => return Some(server),
+                Err(log) if attempt < 4 && log.contains("Address already in use") => continue,
+                Err(log) => panic!("postgres on port {port} did not start:\n{log}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
     }
 
     /// Starts the postmaster on `dir`'s data under the stopping shell
     /// (see the module's docs) and waits until it answers.
     fn launch(bin: PathBuf, dir: PathBuf, port: u16, as_postgres: bool, durable: bool) -> Self {
+        let server = Self::launch_unchecked(bin, dir, port, as_postgres, durable);
+        server.wait_ready();
+        server
+    }
+
+    /// [`launch`](Self::launch) without waiting: the server may not have
+    /// started (see [`ready`](Self::ready)).
+    fn launch_unchecked(
+        bin: PathBuf,
+        dir: PathBuf,
+        port: u16,
+        as_postgres: bool,
+        durable: bool,
+    ) -> Self {
         let data = dir.join("data");
         // The shell stops the server when the test binary's end of the
         // pipe closes (whichever postmaster runs on the data directory
@@ -120,16 +145,14 @@ impl PgServer {
             .spawn()
             .expect("start postgres");
         let stdin = shell.stdin.take().expect("the shell's stdin");
-        let server = PgServer {
+        PgServer {
             port,
             bin,
             dir,
             as_postgres,
             durable,
             _shell: Mutex::new((shell, stdin)),
-        };
-        server.wait_ready();
-        server
+        }
     }
 
     /// A streaming standby of this server (which must be durable: a
@@ -254,18 +277,27 @@ impl PgServer {
     }
 
     fn wait_ready(&self) {
+        if let Err(log) = self.ready() {
+            panic!("postgres on port {} did not start:\n{log}", self.port);
+        }
+    }
+
+    /// Waits (at most 30 s) until the server answers; its log if it does
+    /// not (at once when the log says it could not bind its port).
+    fn ready(&self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(30);
+        let log = || std::fs::read_to_string(self.dir.join("log")).unwrap_or_default();
         while Instant::now() < deadline {
             if self.psql("postgres", "SELECT 1").is_ok() {
-                return;
+                return Ok(());
+            }
+            let said = log();
+            if said.contains("could not create any TCP/IP sockets") {
+                return Err(said);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!(
-            "postgres on port {} did not start:\n{}",
-            self.port,
-            std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
-        );
+        Err(log())
     }
 
     /// Runs one SQL command with `psql` on `database`; its output, or its
