@@ -102,20 +102,37 @@ impl RedisServer {
         if !redis_available() {
             return None;
         }
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("idem-redis-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let mut server = Self {
-            port,
-            child: None,
-            dir,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-        };
-        server.start();
-        Some(server)
+        // A port found free may be taken before the server binds it (an
+        // outgoing connection's ephemeral port, say): then a new one, a
+        // few times.
+        for attempt in 1.. {
+            let port = free_port();
+            let dir =
+                std::env::temp_dir().join(format!("idem-redis-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let mut server = Self {
+                port,
+                child: None,
+                dir,
+                extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            };
+            server.launch();
+            match server.ready() {
+                Ok(()) => return Some(server),
+                Err(log) if attempt < 4 && log.contains("Address already in use") => continue,
+                Err(log) => panic!("redis-server on port {port} did not start:\n{log}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
     }
 
     fn start(&mut self) {
+        self.launch();
+        self.wait_ready();
+    }
+
+    /// Starts the process, without waiting for it.
+    fn launch(&mut self) {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -132,10 +149,17 @@ impl RedisServer {
             .spawn()
             .expect("spawn redis-server");
         self.child = Some(child);
-        self.wait_ready();
     }
 
     fn wait_ready(&self) {
+        if let Err(log) = self.ready() {
+            panic!("redis-server on port {} did not start:\n{log}", self.port);
+        }
+    }
+
+    /// Waits (at most 10 s) until the server answers; its log if it does
+    /// not (at once when it could not bind its port).
+    fn ready(&self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             // A server with a password answers NOAUTH: it is up.
@@ -143,15 +167,15 @@ impl RedisServer {
                 .command("PING")
                 .is_ok_and(|reply| reply.starts_with("+PONG") || reply.starts_with("-NOAUTH"))
             {
-                return;
+                return Ok(());
+            }
+            let log = self.log();
+            if log.contains("Address already in use") {
+                return Err(log);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!(
-            "redis-server on port {} did not start:\n{}",
-            self.port,
-            self.log()
-        );
+        Err(self.log())
     }
 
     /// Sends one inline command and returns the raw first reply chunk.
