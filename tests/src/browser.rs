@@ -40,8 +40,12 @@ impl Browser {
                 return None;
             }
         }
+        use std::os::unix::process::CommandExt;
         let port = free_port();
+        // A process group of its own: stopping it stops the browser the
+        // driver started too, whatever state the test left them in.
         let driver = Command::new("chromedriver")
+            .process_group(0)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -218,6 +222,10 @@ impl Browser {
     }
 
     fn stop(&mut self) {
+        // The whole group: the driver and every browser process under it.
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.driver.id())])
+            .status();
         let _ = self.driver.kill();
         let _ = self.driver.wait();
         let _ = std::fs::remove_dir_all(&self.profile);
