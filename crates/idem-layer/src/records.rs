@@ -340,11 +340,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
     async fn erase_tenant(&self, tenant: String) -> Response<RecordsBody> {
         let _listing = match Listing::begin(&self.rt.listings) {
             Ok(listing) => listing,
-            Err(wait) => {
-                let detail = "records are listed at most one at a time and for a twentieth \
-                              of the time; erase again after Retry-After";
-                return problem(ProblemCode::ListingBusy, detail, Some(wait));
-            }
+            Err(wait) => return listing_busy("erase", wait),
         };
         let config = &self.rt.config;
         let mut erased = 0usize;
@@ -417,11 +413,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
                 let list = Self::list_query(tenant, &query)?;
                 let _listing = match Listing::begin(&self.rt.listings) {
                     Ok(listing) => listing,
-                    Err(wait) => {
-                        let detail = "records are listed at most one at a time and for a \
-                                      twentieth of the time; list again after Retry-After";
-                        return Ok(problem(ProblemCode::ListingBusy, detail, Some(wait)));
-                    }
+                    Err(wait) => return Ok(listing_busy("list", wait)),
                 };
                 match list_call(config, self.rt.store.list(&list)).await {
                     Ok(records) => json_response(
@@ -514,6 +506,16 @@ fn answer_cancel(result: &str, record: &Record) -> Response<RecordsBody> {
         StatusCode::OK,
         &json!({ "result": result, "record": record_json(record) }),
     )
+}
+
+/// `429 idempotency_listing_busy`: a listing outside the budget, told
+/// when to `act` again.
+fn listing_busy(act: &str, wait: Duration) -> Response<RecordsBody> {
+    let detail = format!(
+        "records are listed at most one at a time and for a twentieth of the time; {act} again \
+         after Retry-After"
+    );
+    problem(ProblemCode::ListingBusy, &detail, Some(wait))
 }
 
 fn timestamp(ms: u64) -> Value {

@@ -294,14 +294,7 @@ impl MemoryStore {
     /// An operator's erasure: the record leaves its slot, and its place
     /// (and its tenant's) is given back.
     pub(crate) fn erasing(&self, scope: &ScopeHash) -> idem_core::Erasure {
-        let mut apply = Some(idem_core::machine::erase);
-        match self.with_slot_removing(scope, None, true, |slot, now| {
-            apply.take().map(|apply| apply(slot, now))
-        }) {
-            Ok(Some(erasure)) => erasure,
-            // Refused only for reservations, and `apply` runs once.
-            _ => idem_core::Erasure::NotFound,
-        }
+        self.with_existing_removing(scope, true, idem_core::machine::erase)
     }
 
     /// [`with_slot`](Self::with_slot); `removing` when `apply` may empty a
@@ -400,8 +393,19 @@ impl MemoryStore {
         scope: &ScopeHash,
         apply: impl FnOnce(&mut Option<Record>, u64) -> T,
     ) -> T {
+        self.with_existing_removing(scope, false, apply)
+    }
+
+    /// [`with_existing`](Self::with_existing); `removing` as
+    /// [`with_slot_removing`](Self::with_slot_removing) takes it.
+    fn with_existing_removing<T>(
+        &self,
+        scope: &ScopeHash,
+        removing: bool,
+        apply: impl FnOnce(&mut Option<Record>, u64) -> T,
+    ) -> T {
         let mut apply = Some(apply);
-        match self.with_slot(scope, None, |slot, now| {
+        match self.with_slot_removing(scope, None, removing, |slot, now| {
             apply.take().map(|apply| apply(slot, now))
         }) {
             Ok(Some(result)) => result,
