@@ -57,6 +57,9 @@ where
     R: Body<Data = Bytes>,
     R::Error: Into<BoxError>,
 {
+    if let Some(reason) = grpc_reason(response.headers()) {
+        return Ok((response.map(ReplayBody::once), reason));
+    }
     let status = response.status();
     match status.as_u16() {
         408 | 425 | 429 | 502 | 503 | 504 => Ok((
@@ -101,6 +104,68 @@ where
     }
 }
 
+/// Whether `headers` are a gRPC message's (`application/grpc`, with or
+/// without a `+format`; not gRPC-Web).
+fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| idem_core::protocol::is_grpc_content_type(value.as_bytes()))
+}
+
+/// A gRPC answer whose status is in its head (a trailers-only answer, as
+/// every unary failure is): `Some` with why it may be retried, or
+/// `Some(None)` when it may not. The statuses retried are those an
+/// idempotency layer releases the key for and a retry may cure, as
+/// `408`, `429`, `502`, `503`, `504` and `409 idempotency_in_progress` are
+/// for HTTP: `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
+/// `ABORTED` (the layer's "in progress"). `None` for any other answer.
+fn grpc_reason(headers: &http::HeaderMap) -> Option<Option<String>> {
+    if !is_grpc(headers) {
+        return None;
+    }
+    let status: u32 = headers
+        .get("grpc-status")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(match status {
+        14 => Some("grpc_unavailable".to_owned()),
+        4 => Some("grpc_deadline_exceeded".to_owned()),
+        8 => Some("grpc_resource_exhausted".to_owned()),
+        10 => Some(
+            match headers
+                .get(idem_core::protocol::GRPC_PROBLEM)
+                .map(http::HeaderValue::as_bytes)
+            {
+                Some(code) if code == idem_core::protocol::codes::IN_PROGRESS.as_bytes() => {
+                    "in_progress"
+                }
+                _ => "grpc_aborted",
+            }
+            .to_owned(),
+        ),
+        _ => None,
+    })
+}
+
+/// gRPC's retry pushback (`grpc-retry-pushback-ms`), as a delay.
+fn grpc_pushback(headers: &http::HeaderMap) -> Option<Duration> {
+    let millis: u64 = headers
+        .get("grpc-retry-pushback-ms")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(Duration::from_millis(millis))
+}
+
+/// How long a gRPC request body may pause before it is taken for a
+/// stream (see [`buffer_body`]).
+const GRPC_STREAM_GRACE: Duration = Duration::from_millis(100);
+
 /// The request's key: its own, or a fresh one for a method of
 /// [`RetryLayer::key_methods`] (kept for every attempt).
 fn ensure_key(config: &Config, parts: &mut Parts) -> Option<String> {
@@ -119,8 +184,16 @@ fn ensure_key(config: &Config, parts: &mut Parts) -> Option<String> {
 }
 
 /// The body, buffered when it is small enough and of known length (so it
-/// can be sent again); otherwise handed back to be sent once.
-async fn buffer_body<B>(config: &Config, body: B) -> Result<(Option<Bytes>, Option<B>), BoxError>
+/// can be sent again); otherwise handed back to be sent once. A gRPC
+/// call's body announces no length: it is read until it ends, and sent
+/// once, what was read first, if it grows over the limit or pauses for
+/// [`GRPC_STREAM_GRACE`] (a streaming call's messages come as the caller
+/// makes them; a unary call's one message is there at once).
+async fn buffer_body<B>(
+    config: &Config,
+    parts: &Parts,
+    body: B,
+) -> Result<(Option<Bytes>, Option<ReplayBody<B>>), BoxError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -129,14 +202,38 @@ where
         .size_hint()
         .upper()
         .is_some_and(|upper| upper <= config.body_limit as u64);
-    if !replayable {
-        return Ok((None, Some(body)));
+    if replayable {
+        let bytes = Limited::new(body, config.body_limit)
+            .collect()
+            .await?
+            .to_bytes();
+        return Ok((Some(bytes), None));
     }
-    let bytes = Limited::new(body, config.body_limit)
-        .collect()
-        .await?
-        .to_bytes();
-    Ok((Some(bytes), None))
+    if !is_grpc(&parts.headers) {
+        return Ok((None, Some(ReplayBody::once(body))));
+    }
+    let mut body = Box::pin(body);
+    let mut read = BytesMut::new();
+    loop {
+        let next = if read.is_empty() {
+            Ok(body.frame().await)
+        } else {
+            tokio::time::timeout(GRPC_STREAM_GRACE, body.frame()).await
+        };
+        match next {
+            Ok(None) => return Ok((Some(read.freeze()), None)),
+            Ok(Some(frame)) => {
+                if let Ok(data) = frame.map_err(Into::into)?.into_data() {
+                    read.extend_from_slice(&data);
+                }
+            }
+            Err(_paused) => break,
+        }
+        if read.len() > config.body_limit {
+            break;
+        }
+    }
+    Ok((None, Some(ReplayBody::prefixed(read.freeze(), body))))
 }
 
 /// Waits for the boundary's turn (see [`Limits`]); the time held, or the
@@ -193,7 +290,8 @@ where
             let retry_after = response
                 .headers()
                 .get(header::RETRY_AFTER)
-                .and_then(|v| parse_retry_after(v.as_bytes(), SystemTime::now()));
+                .and_then(|v| parse_retry_after(v.as_bytes(), SystemTime::now()))
+                .or_else(|| grpc_pushback(response.headers()));
             let (response, reason) = classify(response).await.map_err(Error::Body)?;
             (Attempt::Answer(response), reason, retry_after)
         }
@@ -294,7 +392,9 @@ where
     let (mut parts, body) = request.into_parts();
     let key = ensure_key(&config, &mut parts);
     let safe = key.is_some() || is_idempotent(&parts.method);
-    let (buffered, mut once) = buffer_body(&config, body).await.map_err(Error::Body)?;
+    let (buffered, mut once) = buffer_body(&config, &parts, body)
+        .await
+        .map_err(Error::Body)?;
     config.budget.deposit();
     let limits = config.limits.as_ref();
     let place = limits.and_then(|limits| limits.place(&parts));
@@ -319,7 +419,7 @@ where
         metrics::counter!("idem_client_attempts_total").increment(1);
         let body = match (&buffered, once.take()) {
             (Some(bytes), _) => ReplayBody::buffered(bytes.clone()),
-            (None, Some(body)) => ReplayBody::once(body),
+            (None, Some(body)) => body,
             // A body sent once is never retried (see `stop_reason`).
             (None, None) => ReplayBody::buffered(Bytes::new()),
         };

@@ -28,3 +28,17 @@ pub mod codes {
     /// 503: the store failed; retry after `Retry-After`.
     pub const STORE_UNAVAILABLE: &str = "idempotency_store_unavailable";
 }
+
+/// The metadata entry in which a gRPC caller gets a refusal's problem
+/// `code` (the layer answers gRPC calls with gRPC statuses).
+pub const GRPC_PROBLEM: &str = "idem-problem";
+
+/// Whether a `content-type` value names a gRPC message: `application/grpc`,
+/// with or without a `+format` or parameters; not gRPC-Web, whose trailers
+/// travel in its body.
+pub fn is_grpc_content_type(value: &[u8]) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
+    value.len() >= GRPC.len()
+        && value[..GRPC.len()].eq_ignore_ascii_case(GRPC)
+        && matches!(value.get(GRPC.len()), None | Some(b'+' | b';' | b' '))
+}

@@ -35,7 +35,11 @@ pub(crate) fn storable_headers(
     // for a sealed one.
     headers
         .iter()
-        .filter(|(name, _)| !denylist.contains(name) && **name != crate::sealing::SEALED)
+        .filter(|(name, _)| {
+            !denylist.contains(name)
+                && **name != crate::sealing::SEALED
+                && **name != crate::headers::STORED_TRAILER
+        })
         .map(|(name, value)| (name.clone(), Bytes::copy_from_slice(value.as_bytes())))
         .collect()
 }
@@ -127,15 +131,17 @@ pub(crate) fn replay_response<B>(replay: Replay) -> Response<ResponseBody<B>> {
             return response;
         }
     };
-    let mut response = Response::new(ResponseBody::full(stored.body));
+    let mut headers = stored.headers;
+    let trailers = crate::headers::take_trailers(&mut headers);
+    let mut response = Response::new(ResponseBody::full_with_trailers(stored.body, trailers));
     *response.status_mut() = http::StatusCode::from_u16(stored.status)
         .unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
-    let headers = response.headers_mut();
-    for (name, value) in stored.headers {
+    let out = response.headers_mut();
+    for (name, value) in headers {
         if let Ok(value) = HeaderValue::from_maybe_shared(value) {
-            headers.append(name, value);
+            out.append(name, value);
         }
     }
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    out.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
 }

@@ -33,8 +33,11 @@ enum Buffered<B> {
     Complete {
         parts: http::response::Parts,
         body: Bytes,
+        trailers: Option<http::HeaderMap>,
     },
-    TooLarge {
+    /// Passed on as it comes, not stored: over the storable limit, or a
+    /// gRPC answer that streams (see [`grpc`](crate::grpc)).
+    Passed {
         parts: http::response::Parts,
         prefix: VecDeque<Bytes>,
         rest: B,
@@ -47,41 +50,99 @@ enum Buffered<B> {
     },
 }
 
+impl<B> Buffered<B> {
+    /// Whether the outcome is stored (else the key is released), as the
+    /// layer's predicates say: for a gRPC answer by its `grpc-status`, an
+    /// answer without one releasing; for a gRPC stream (its status still
+    /// to come) stored, since the call ran and answered; otherwise by the
+    /// HTTP status.
+    fn stores(&self, config: &crate::config::Config) -> bool {
+        match self {
+            Buffered::Complete {
+                parts, trailers, ..
+            } if crate::grpc::is_grpc(&parts.headers) => {
+                crate::grpc::status(&parts.headers, trailers.as_ref())
+                    .is_some_and(|status| (config.grpc_should_store)(status))
+            }
+            Buffered::Passed { parts, .. } if crate::grpc::is_grpc(&parts.headers) => true,
+            Buffered::Complete { parts, .. }
+            | Buffered::Passed { parts, .. }
+            | Buffered::Failed { parts, .. } => (config.should_store)(parts.status),
+        }
+    }
+}
+
+/// The next frame of `body`: `Err` with a description when it fails or
+/// panics (a body that panics fails like one that errs: its head, the
+/// handler's answer, has come, so the status decides, not the panic).
+async fn next_frame<B>(body: &mut B) -> Result<Option<http_body::Frame<Bytes>>, BoxError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    match AssertUnwindSafe(body.frame()).catch_unwind().await {
+        Ok(None) => Ok(None),
+        Ok(Some(Ok(frame))) => Ok(Some(frame)),
+        Ok(Some(Err(error))) => Err(error.into()),
+        Err(_panic) => Err("the response body panicked".into()),
+    }
+}
+
 async fn buffer<B>(response: Response<B>, limit: usize) -> Buffered<B>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     let (parts, mut body) = response.into_parts();
+    // A gRPC answer is read as messages: a second one, or a status that
+    // lags the first, makes it a stream.
+    let mut framing = crate::grpc::is_grpc(&parts.headers).then(crate::grpc::Framing::default);
     let mut chunks = VecDeque::new();
     let mut total = 0usize;
-    // A body that panics fails like one that errs: its head (the
-    // handler's answer) has come, so the status decides, not the panic.
+    let mut trailers: Option<http::HeaderMap> = None;
     loop {
-        let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
+        let next = match &framing {
+            Some(framing) if framing.begun == 1 && framing.at_boundary() => {
+                match tokio::time::timeout(crate::grpc::STREAM_GRACE, next_frame(&mut body)).await {
+                    Ok(next) => next,
+                    // The status did not follow the first message: a
+                    // stream, passed on from here.
+                    Err(_) => {
+                        return Buffered::Passed {
+                            parts,
+                            prefix: chunks,
+                            rest: body,
+                        };
+                    }
+                }
+            }
+            _ => next_frame(&mut body).await,
+        };
+        let frame = match next {
             Ok(None) => break,
-            Ok(Some(Ok(frame))) => frame,
-            Ok(Some(Err(error))) => {
-                return Buffered::Failed {
-                    parts,
-                    error: error.into(),
-                };
-            }
-            Err(_panic) => {
-                return Buffered::Failed {
-                    parts,
-                    error: "the response body panicked".into(),
-                };
+            Ok(Some(frame)) => frame,
+            Err(error) => return Buffered::Failed { parts, error },
+        };
+        let data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(more) = frame.into_trailers() {
+                    match &mut trailers {
+                        Some(trailers) => trailers.extend(more),
+                        None => trailers = Some(more),
+                    }
+                }
+                continue;
             }
         };
-        // Trailers are not stored.
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
+        if let Some(framing) = &mut framing {
+            framing.feed(&data);
+        }
+        let streams = framing.as_ref().is_some_and(|f| f.begun > 1);
         total += data.len();
         chunks.push_back(data);
-        if total > limit {
-            return Buffered::TooLarge {
+        if total > limit || streams {
+            return Buffered::Passed {
                 parts,
                 prefix: chunks,
                 rest: body,
@@ -99,7 +160,23 @@ where
             joined.freeze()
         }
     };
-    Buffered::Complete { parts, body }
+    Buffered::Complete {
+        parts,
+        body,
+        trailers,
+    }
+}
+
+/// Puts the response's storable headers before the trailers a stored
+/// response already keeps.
+fn with_headers(
+    stored: &mut StoredResponse,
+    head: &http::HeaderMap,
+    denylist: &[http::HeaderName],
+) {
+    let trailers = std::mem::take(&mut stored.headers);
+    stored.headers = storable_headers(head, denylist);
+    stored.headers.extend(trailers);
 }
 
 /// A response whose body failed after its head: the status the handler
@@ -117,25 +194,39 @@ where
     B: Body<Data = Bytes> + Unpin,
 {
     Ok(match buffered {
-        Buffered::Complete { mut parts, body } => {
+        Buffered::Complete {
+            mut parts,
+            body,
+            trailers,
+        } => {
             let status = parts.status.as_u16();
             if crate::headers::opted_out(&mut parts) {
                 // The handler said not to store it: the action ran, so the
                 // key stays taken, and a retry is told so.
                 return Ok((
                     parts,
-                    ResponseBody::full(body),
+                    ResponseBody::full_with_trailers(body, trailers),
                     Outcome::NotStored { status },
                 ));
             }
+            // The stored headers are filled in by the caller, the
+            // trailers after them.
+            let mut headers = Vec::new();
+            if let Some(trailers) = &trailers {
+                crate::headers::store_trailers(trailers, &mut headers);
+            }
             let stored = StoredResponse {
                 status,
-                headers: Vec::new(),
+                headers,
                 body: body.clone(),
             };
-            (parts, ResponseBody::full(body), Outcome::Stored(stored))
+            (
+                parts,
+                ResponseBody::full_with_trailers(body, trailers),
+                Outcome::Stored(stored),
+            )
         }
-        Buffered::TooLarge {
+        Buffered::Passed {
             mut parts,
             prefix,
             rest,
@@ -266,7 +357,8 @@ where
                 let outcome = Outcome::NotStored {
                     status: status.as_u16(),
                 };
-                let answer = record(&rt, &reserved, &lease, slot.as_ref(), status, outcome).await;
+                let stores = (config.should_store)(status);
+                let answer = record(&rt, &reserved, &lease, slot.as_ref(), stores, outcome).await;
                 return Ok(answer.unwrap_or_else(|| response.map(ResponseBody::inner)));
             }
             Ok(Err(error)) => {
@@ -277,6 +369,7 @@ where
             }
             Err(_panic) => return Ok(failed("the handler panicked".to_owned()).await),
         };
+        let stores = buffered.stores(config);
         let (parts, body, mut outcome) = match outcome_of(buffered) {
             Ok(produced) => produced,
             Err(lost) => {
@@ -287,13 +380,13 @@ where
                     let detail = format!("the handler's response body failed: {}", lost.error);
                     return Ok(failed(detail).await);
                 }
-                return Ok(body_lost(&rt, &reserved, &lease, lost).await);
+                return Ok(body_lost(&rt, &reserved, &lease, lost, stores).await);
             }
         };
         if let Outcome::Stored(stored) = &mut outcome {
-            stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
+            with_headers(stored, &parts.headers, &config.replay_denylist);
         }
-        let answer = record(&rt, &reserved, &lease, slot.as_ref(), parts.status, outcome).await;
+        let answer = record(&rt, &reserved, &lease, slot.as_ref(), stores, outcome).await;
         Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
     }
 }
@@ -308,14 +401,12 @@ async fn record<S: Store, B>(
     reserved: &ReserveRequest,
     lease: &Lease,
     slot: Option<&CompletionSlot>,
-    status: http::StatusCode,
+    stores: bool,
     outcome: Outcome,
 ) -> Option<Response<ResponseBody<B>>> {
     match slot.and_then(CompletionSlot::take) {
-        Some(deferred) if (rt.config.should_store)(status) => {
-            settle_in_transaction(rt, lease, deferred, outcome).await
-        }
-        _ => settle(rt, reserved, lease, status, outcome)
+        Some(deferred) if stores => settle_in_transaction(rt, lease, deferred, outcome).await,
+        _ => settle(rt, reserved, lease, stores, outcome)
             .await
             .and_then(answer_current),
     }
@@ -334,13 +425,13 @@ async fn body_lost<S: Store, B>(
     request: &ReserveRequest,
     lease: &Lease,
     lost: BodyFailed,
+    stored: bool,
 ) -> Response<ResponseBody<B>> {
     let BodyFailed { status, error } = lost;
     let code = status.as_u16();
-    let stored = (rt.config.should_store)(status);
     tracing::warn!(%error, status = code, stored, "the response body failed after its head");
     let outcome = Outcome::NotStored { status: code };
-    if let Some(answer) = settle(rt, request, lease, status, outcome)
+    if let Some(answer) = settle(rt, request, lease, stored, outcome)
         .await
         .and_then(answer_current)
     {
@@ -433,8 +524,8 @@ async fn await_late<S: Store>(
         let response = late.await?;
         Some(buffer(response, max_response).await)
     });
-    let produced = match renewing(config, &*rt.store, &lease, None, answer).await {
-        Ok(Some(buffered)) => outcome_of(buffered),
+    let (stores, produced) = match renewing(config, &*rt.store, &lease, None, answer).await {
+        Ok(Some(buffered)) => (buffered.stores(config), outcome_of(buffered)),
         Ok(None) | Err(_) => {
             tracing::warn!("no late answer came; the lease will lapse and a retry takes over");
             return;
@@ -443,16 +534,16 @@ async fn await_late<S: Store>(
     match produced {
         Ok((parts, _, mut outcome)) => {
             if let Outcome::Stored(stored) = &mut outcome {
-                stored.headers = storable_headers(&parts.headers, &config.replay_denylist);
+                with_headers(stored, &parts.headers, &config.replay_denylist);
             }
             tracing::info!(
                 status = parts.status.as_u16(),
                 "late answer arrived; recording it"
             );
-            let _ = settle(&rt, &request, &lease, parts.status, outcome).await;
+            let _ = settle(&rt, &request, &lease, stores, outcome).await;
         }
         Err(lost) => {
-            let _ = body_lost::<_, ()>(&rt, &request, &lease, lost).await;
+            let _ = body_lost::<_, ()>(&rt, &request, &lease, lost, stores).await;
         }
     }
 }

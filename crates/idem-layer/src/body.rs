@@ -26,7 +26,7 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<B> {
-        Full { data: Option<Bytes> },
+        Full { data: Option<Bytes>, trailers: Option<Box<http::HeaderMap>> },
         Stream { prefix: VecDeque<Bytes>, #[pin] rest: B },
     }
 }
@@ -34,9 +34,16 @@ pin_project! {
 impl<B> ResponseBody<B> {
     /// A body of known bytes.
     pub fn full(data: Bytes) -> Self {
+        Self::full_with_trailers(data, None)
+    }
+
+    /// A body of known bytes, then `trailers` (a gRPC answer's status
+    /// travels in them).
+    pub fn full_with_trailers(data: Bytes, trailers: Option<http::HeaderMap>) -> Self {
         Self {
             kind: Kind::Full {
                 data: (!data.is_empty()).then_some(data),
+                trailers: trailers.map(Box::new),
             },
         }
     }
@@ -67,7 +74,10 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
-            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Full { data, trailers } => Poll::Ready(match data.take() {
+                Some(data) => Some(Ok(Frame::data(data))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(*t))),
+            }),
             KindProj::Stream { prefix, rest } => {
                 if let Some(chunk) = prefix.pop_front() {
                     return Poll::Ready(Some(Ok(Frame::data(chunk))));
@@ -79,14 +89,14 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Full { data } => data.is_none(),
+            Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             Kind::Stream { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Full { data } => {
+            Kind::Full { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Kind::Stream { prefix, rest } => {
@@ -106,9 +116,10 @@ where
 impl<B> std::fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.kind {
-            Kind::Full { data } => f
+            Kind::Full { data, trailers } => f
                 .debug_struct("ResponseBody::Full")
                 .field("len", &data.as_ref().map_or(0, Bytes::len))
+                .field("trailers", &trailers.as_ref().map_or(0, |t| t.len()))
                 .finish(),
             Kind::Stream { prefix, .. } => f
                 .debug_struct("ResponseBody::Stream")

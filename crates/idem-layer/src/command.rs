@@ -318,7 +318,8 @@ impl<S: Store> IdempotencyLayer<S> {
             }
         };
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-        match settle(&self.runtime, &request, &lease, status, outcome).await {
+        let stores = (self.runtime.config.should_store)(status);
+        match settle(&self.runtime, &request, &lease, stores, outcome).await {
             // Fenced: a newer attempt or a cancellation owns the record;
             // its answer is the command's.
             Some(current) => answer(current),

@@ -23,6 +23,46 @@ pub const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// The name under which a response's trailers are kept in its stored
+/// headers: one entry per trailer field, its value `name:value` (a field
+/// name holds no colon). A handler's own header of this name is never
+/// stored, so no stored header is taken for a trailer.
+pub(crate) const STORED_TRAILER: HeaderName = HeaderName::from_static("idem-trailer");
+
+/// Appends `trailers` to stored headers, as [`STORED_TRAILER`] entries.
+pub(crate) fn store_trailers(trailers: &HeaderMap, stored: &mut Vec<(HeaderName, bytes::Bytes)>) {
+    for (name, value) in trailers {
+        let mut entry = Vec::with_capacity(name.as_str().len() + 1 + value.len());
+        entry.extend_from_slice(name.as_str().as_bytes());
+        entry.push(b':');
+        entry.extend_from_slice(value.as_bytes());
+        stored.push((STORED_TRAILER, bytes::Bytes::from(entry)));
+    }
+}
+
+/// Takes the [`STORED_TRAILER`] entries out of stored headers: the
+/// trailers they keep, in order (`None` when there are none).
+pub(crate) fn take_trailers(stored: &mut Vec<(HeaderName, bytes::Bytes)>) -> Option<HeaderMap> {
+    if !stored.iter().any(|(name, _)| *name == STORED_TRAILER) {
+        return None;
+    }
+    let mut trailers = HeaderMap::new();
+    stored.retain(|(name, entry)| {
+        if *name != STORED_TRAILER {
+            return true;
+        }
+        let split = entry.iter().position(|byte| *byte == b':');
+        if let Some(at) = split
+            && let Ok(name) = HeaderName::from_bytes(&entry[..at])
+            && let Ok(value) = http::HeaderValue::from_maybe_shared(entry.slice(at + 1..))
+        {
+            trailers.append(name, value);
+        }
+        false
+    });
+    Some(trailers)
+}
+
 /// The request's key: `None` without one; a repeated or malformed key
 /// is an error.
 pub(crate) fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyError> {

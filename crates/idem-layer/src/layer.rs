@@ -98,6 +98,7 @@ impl<S: Store> IdempotencyLayer<S> {
             retention: Duration::from_secs(24 * 3600),
             in_flight: InFlight::Reject,
             should_store: Arc::new(default_should_store),
+            grpc_should_store: Arc::new(crate::grpc::default_grpc_should_store),
             replay_denylist: default_replay_denylist(),
             fail_open: false,
             sealing: None,
@@ -388,6 +389,19 @@ impl<S: Store> IdempotencyLayer<S> {
     ) -> Self {
         let predicate: Arc<dyn Fn(StatusCode) -> bool + Send + Sync> = Arc::new(predicate);
         self.with(|c| c.should_store = predicate)
+    }
+
+    /// Which gRPC statuses (`grpc-status`, as a number) of a gRPC answer
+    /// are stored and replayed; the others release the key. A gRPC failure
+    /// travels as HTTP 200, so gRPC answers are judged by this predicate,
+    /// not [`store_outcome_if`](Self::store_outcome_if). See
+    /// [`default_grpc_should_store`](crate::grpc::default_grpc_should_store).
+    pub fn grpc_should_store(
+        self,
+        predicate: impl Fn(u32) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        let predicate: Arc<dyn Fn(u32) -> bool + Send + Sync> = Arc::new(predicate);
+        self.with(|c| c.grpc_should_store = predicate)
     }
 
     /// The largest response stored for replay (default 1 MiB). A larger

@@ -168,6 +168,7 @@ mod encoding;
 mod engine;
 pub mod fingerprint;
 mod found;
+pub mod grpc;
 mod headers;
 mod layer;
 mod listing;

@@ -78,6 +78,10 @@ pub enum ProblemCode {
     /// (only `gzip` and `deflate` are decoded, within the storable limit).
     /// The action ran; the retry never runs it again.
     ReplayNotAcceptable,
+    /// 400 (gRPC `UNIMPLEMENTED`): a keyed gRPC call whose request carries
+    /// more than one message, a streaming call; only unary calls are
+    /// protected (see [`grpc`](crate::grpc)). Nothing ran.
+    StreamRefused,
 }
 
 impl ProblemCode {
@@ -104,6 +108,7 @@ impl ProblemCode {
         ProblemCode::ListingBusy,
         ProblemCode::Misconfigured,
         ProblemCode::ReplayNotAcceptable,
+        ProblemCode::StreamRefused,
     ];
 
     /// The `code` member.
@@ -130,6 +135,7 @@ impl ProblemCode {
             ProblemCode::ListingBusy => "idempotency_listing_busy",
             ProblemCode::Misconfigured => "idempotency_misconfigured",
             ProblemCode::ReplayNotAcceptable => "idempotency_replay_not_acceptable",
+            ProblemCode::StreamRefused => "idempotency_stream_refused",
         }
     }
 
@@ -140,7 +146,8 @@ impl ProblemCode {
             | ProblemCode::KeyInvalid
             | ProblemCode::BodyInvalid
             | ProblemCode::RecordQueryInvalid
-            | ProblemCode::MethodCaseMismatch => StatusCode::BAD_REQUEST,
+            | ProblemCode::MethodCaseMismatch
+            | ProblemCode::StreamRefused => StatusCode::BAD_REQUEST,
             ProblemCode::TenantMissing => StatusCode::UNAUTHORIZED,
             ProblemCode::InProgress | ProblemCode::ResponseNotStored => StatusCode::CONFLICT,
             ProblemCode::Cancelled => StatusCode::GONE,
@@ -183,6 +190,7 @@ impl ProblemCode {
             ProblemCode::ReplayNotAcceptable => {
                 "The stored response's content coding is not acceptable"
             }
+            ProblemCode::StreamRefused => "Streaming calls are not protected",
         }
     }
 }
@@ -391,8 +399,9 @@ mod tests {
             ProblemCode::ListingBusy => 18,
             ProblemCode::Misconfigured => 19,
             ProblemCode::ReplayNotAcceptable => 20,
+            ProblemCode::StreamRefused => 21,
         };
-        assert_eq!(ProblemCode::ALL.len(), 21);
+        assert_eq!(ProblemCode::ALL.len(), 22);
         for (i, code) in ProblemCode::ALL.iter().enumerate() {
             assert_eq!(position(*code), i, "{code:?}");
         }

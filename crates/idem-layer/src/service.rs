@@ -66,13 +66,17 @@ impl<I, S> Idempotency<I, S> {
         &self,
         code: ProblemCode,
         detail: &str,
+        grpc: bool,
     ) -> ResponseFuture<Response<ResponseBody<B>>, E>
     where
         B: Send + 'static,
         E: 'static,
     {
         m::count(Counted::Rejected);
-        let refusal = self.rt.config.shape(problem(code, detail, None));
+        let mut refusal = self.rt.config.shape(problem(code, detail, None));
+        if grpc {
+            refusal = crate::grpc::refusal(refusal);
+        }
         ResponseFuture::new(async move { Ok(refusal) })
     }
 
@@ -122,20 +126,28 @@ where
                 let detail = format!(
                     "the method {method:?} differs from a protected method only by case; send it in upper case"
                 );
-                return self.refuse(ProblemCode::MethodCaseMismatch, &detail);
+                let grpc = crate::grpc::is_grpc(request.headers());
+                return self.refuse(ProblemCode::MethodCaseMismatch, &detail, grpc);
             }
             let future = inner.call(request);
             return ResponseFuture::new(async move { Ok(without_no_store(future.await?)) });
         }
+        // A gRPC caller gets the layer's refusals as gRPC statuses.
+        let grpc = crate::grpc::is_grpc(request.headers());
         if self.misconfigured {
             let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
-            return self.refuse(ProblemCode::Misconfigured, detail);
+            return self.refuse(ProblemCode::Misconfigured, detail, grpc);
         }
         let rt = self.rt.clone();
-        if rt.config.shapes_problems() {
+        if rt.config.shapes_problems() || grpc {
             let config = Arc::clone(&rt.config);
-            return ResponseFuture::new_with(|| async move {
-                Ok(config.shape(handle(rt, inner, request).await?))
+            return ResponseFuture::new_with(move || async move {
+                let response = config.shape(handle(rt, inner, request).await?);
+                Ok(if grpc {
+                    crate::grpc::refusal(response)
+                } else {
+                    response
+                })
             });
         }
         ResponseFuture::new_with(|| handle(rt, inner, request))
@@ -244,9 +256,19 @@ where
                 return Ok(refusal);
             }
         };
+        // A gRPC call is fingerprinted over its message uncompressed; a
+        // streaming call is refused before anything runs.
+        let print = match grpc_fingerprinted(&parts, &body, config.max_body) {
+            Ok(print) => print,
+            Err((code, detail)) => {
+                m::count(Counted::Rejected);
+                return Ok(problem(code, &detail, None));
+            }
+        };
+        let printed = print.as_ref().unwrap_or(&body);
         let operation = operation(&parts);
         let fingerprint = match &config.fingerprint_fn {
-            Some(f) => f(&operation, &parts, &body),
+            Some(f) => f(&operation, &parts, printed),
             None => config.fingerprint_format.of(
                 config
                     .fingerprint_key
@@ -255,7 +277,7 @@ where
                 &operation,
                 &parts,
                 &config.fingerprint_headers,
-                &body,
+                printed,
             ),
         };
         let secret = config.scope_secret.as_ref();
@@ -280,6 +302,7 @@ where
             inner,
             parts,
             body,
+            print,
             reserve,
             request_body: std::marker::PhantomData,
         };
@@ -362,6 +385,28 @@ async fn conflicting<S: Store>(rt: &Runtime<S>, request: &ReserveRequest) -> Opt
     ))
 }
 
+/// What a gRPC call's fingerprint covers when it is not its body as it
+/// came (see [`grpc::fingerprinted`](crate::grpc)), or why it is refused:
+/// a streaming call, or a body that is no gRPC message.
+fn grpc_fingerprinted(
+    parts: &Parts,
+    body: &Bytes,
+    limit: usize,
+) -> Result<Option<Bytes>, (ProblemCode, String)> {
+    if !crate::grpc::is_grpc(&parts.headers) {
+        return Ok(None);
+    }
+    crate::grpc::fingerprinted(&parts.headers, body, limit).map_err(|unreadable| match unreadable {
+        crate::grpc::Unreadable::Stream => (
+            ProblemCode::StreamRefused,
+            "the keyed gRPC call carries more than one request message; only unary calls are \
+             protected: call streaming methods without an idempotency-key"
+                .to_owned(),
+        ),
+        crate::grpc::Unreadable::Malformed(detail) => (ProblemCode::BodyInvalid, detail),
+    })
+}
+
 /// Reads a keyed request's body within the limit, or the refusal.
 async fn read_body<B, R>(
     parts: &Parts,
@@ -434,6 +479,9 @@ struct Keyed<I, S, ReqBody> {
     inner: I,
     parts: Parts,
     body: Bytes,
+    /// What the fingerprint covers when it is not `body` (a compressed
+    /// gRPC message, uncompressed).
+    print: Option<Bytes>,
     reserve: ReserveRequest,
     request_body: std::marker::PhantomData<fn() -> ReqBody>,
 }
@@ -463,7 +511,7 @@ where
                 .then(|| other_fingerprints(config))
                 .into_iter()
                 .flatten();
-            let (parts, body) = (&self.parts, &self.body);
+            let (parts, body) = (&self.parts, self.print.as_ref().unwrap_or(&self.body));
             let admission = admit(&rt, &mut self.reserve, |request| {
                 let Some((format, key)) = others.next() else {
                     return false;

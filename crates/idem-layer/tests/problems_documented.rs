@@ -1,5 +1,6 @@
 //! Every problem code the layer can answer is in `docs/problems.md`, with
-//! the status it is sent with: a new code cannot go undocumented.
+//! the status it is sent with and the gRPC status a gRPC caller gets: a
+//! new code cannot go undocumented.
 
 use idem_layer::ProblemCode;
 
@@ -21,6 +22,15 @@ fn every_problem_code_is_documented_with_its_status() {
             row.starts_with(&status),
             "{name} is sent with {}, the docs say: {row}",
             code.status()
+        );
+        let grpc = idem_layer::grpc::status_for(*code);
+        let grpc = format!(
+            "{name} | `{}` |",
+            idem_layer::grpc::status_name(grpc).expect("a gRPC status")
+        );
+        assert!(
+            row.contains(&grpc),
+            "{name} is sent to gRPC callers as {grpc}, the docs say: {row}"
         );
     }
 }

@@ -17,17 +17,17 @@ use crate::{
 };
 
 /// Records what an attempt produced: stores the outcome, or releases the
-/// key when the predicate calls the status temporary. Answers what the
+/// key when the predicate called its status temporary (`stores` false). Answers what the
 /// record says now when the attempt was fenced. A completion that hits a
 /// store error is retried in the background (see `record_later`).
 pub(crate) async fn settle<S: Store>(
     rt: &Runtime<S>,
     request: &ReserveRequest,
     lease: &Lease,
-    status: http::StatusCode,
+    stores: bool,
     outcome: Outcome,
 ) -> Option<Current> {
-    if !(rt.config.should_store)(status) {
+    if !stores {
         return rt.release(lease).await;
     }
     match rt.complete(lease, &outcome).await {
