@@ -257,11 +257,12 @@ impl Payments {
         let key = context.key.as_str();
         // A takeover: the attempt before may have charged and crashed
         // before answering. The ledger says whether it did.
-        let made = match context.superseded.is_some() {
-            true => self.ledger.find(key),
-            false => None,
-        };
-        let made = match made {
+        let found = context
+            .superseded
+            .is_some()
+            .then(|| self.ledger.find(key))
+            .flatten();
+        let made = match found {
             Some(charge) => charge,
             None => self
                 .ledger
@@ -270,8 +271,10 @@ impl Payments {
         };
         #[cfg(feature = "test-hooks")]
         if crash {
-            // A crash between the charge and the answer.
-            std::process::abort();
+            // Held between the charge and the answer until the test kills
+            // the process.
+            eprintln!("grpc-payments: charged {}, holding the answer", made.id);
+            std::future::pending::<()>().await;
         }
         let hold = *self.hold.lock().unwrap_or_else(|e| e.into_inner());
         if !hold.is_zero() {
@@ -430,9 +433,9 @@ pub async fn serve<S: Store>(
 /// Crash points for the process tests.
 #[cfg(feature = "test-hooks")]
 mod hooks {
-    /// Whether the call asks the process to crash between the charge and
-    /// the answer (`x-test-crash: after-charge`, with
-    /// `PAYMENTS_TEST_HOOKS=1`).
+    /// Whether the call asks the process to hold its answer after the
+    /// charge, for the test to kill it there (`x-test-crash:
+    /// after-charge`, with `PAYMENTS_TEST_HOOKS=1`).
     pub(crate) fn crash_asked(metadata: &tonic::metadata::MetadataMap) -> bool {
         std::env::var("PAYMENTS_TEST_HOOKS").is_ok_and(|v| v == "1")
             && metadata

@@ -1,0 +1,457 @@
+//! gRPC answers through the layer, at the level of HTTP frames: trailing
+//! metadata stored and replayed byte for byte, outcomes judged by
+//! `grpc-status`, answers that stream passed on as they come and never
+//! replayed, compressed request messages fingerprinted uncompressed, and
+//! the trailers of plain HTTP answers kept too.
+
+use std::{
+    convert::Infallible,
+    io::Write,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_memory::MemoryStore;
+use tokio::sync::mpsc;
+use tower::{Service, ServiceExt};
+
+/// What the handler answers this time.
+#[derive(Clone)]
+enum Answer {
+    /// One message, then these trailers.
+    Unary {
+        status: &'static str,
+        trailers: Vec<(&'static str, &'static str)>,
+    },
+    /// A trailers-only answer: the status in the head.
+    TrailersOnly { status: &'static str },
+    /// Messages fed by the test, as they come.
+    Stream,
+    /// A plain HTTP answer with trailers.
+    Http,
+}
+
+#[derive(Clone)]
+struct Handler {
+    answer: Arc<Mutex<Answer>>,
+    runs: Arc<AtomicUsize>,
+    senders: Arc<Mutex<Vec<mpsc::UnboundedSender<Frame<Bytes>>>>>,
+}
+
+impl Handler {
+    fn new(answer: Answer) -> Self {
+        Self {
+            answer: Arc::new(Mutex::new(answer)),
+            runs: Arc::default(),
+            senders: Arc::default(),
+        }
+    }
+
+    fn answer(&self, answer: Answer) {
+        *self.answer.lock().expect("answer") = answer;
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    fn respond(&self) -> Response<Body> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let answer = self.answer.lock().expect("answer").clone();
+        let grpc = Response::builder()
+            .header("content-type", "application/grpc")
+            .header("x-run", self.runs().to_string());
+        match answer {
+            Answer::Unary { status, trailers } => {
+                let mut map = HeaderMap::new();
+                map.insert("grpc-status", HeaderValue::from_static(status));
+                for (name, value) in trailers {
+                    map.append(name, HeaderValue::from_static(value));
+                }
+                let frames = vec![Frame::data(message(b"paid")), Frame::trailers(map)];
+                let stream =
+                    futures_util::stream::iter(frames.into_iter().map(Ok::<_, Infallible>));
+                grpc.body(Body::new(http_body_util::StreamBody::new(stream)))
+            }
+            Answer::TrailersOnly { status } => grpc
+                .header("grpc-status", status)
+                .header("grpc-message", "refused")
+                .body(Body::empty()),
+            Answer::Stream => {
+                let (sender, mut receiver) = mpsc::unbounded_channel();
+                self.senders.lock().expect("senders").push(sender);
+                let stream = futures_util::stream::poll_fn(move |cx| {
+                    receiver.poll_recv(cx).map(|f| f.map(Ok::<_, Infallible>))
+                });
+                grpc.body(Body::new(http_body_util::StreamBody::new(stream)))
+            }
+            Answer::Http => {
+                let mut map = HeaderMap::new();
+                map.insert("x-checksum", HeaderValue::from_static("abc123"));
+                let frames = vec![
+                    Frame::data(Bytes::from_static(b"{\"ok\":true}")),
+                    Frame::trailers(map),
+                ];
+                let stream =
+                    futures_util::stream::iter(frames.into_iter().map(Ok::<_, Infallible>));
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("content-type", "application/json")
+                    .body(Body::new(http_body_util::StreamBody::new(stream)))
+            }
+        }
+        .expect("response")
+    }
+
+    /// Sends `frame` on the open stream.
+    fn send(&self, frame: Frame<Bytes>) {
+        let senders = self.senders.lock().expect("senders");
+        let sender = senders.last().expect("an open stream");
+        let _ = sender.send(frame);
+    }
+}
+
+/// One length-prefixed, uncompressed message.
+fn message(bytes: &[u8]) -> Bytes {
+    framed(false, bytes)
+}
+
+fn framed(compressed: bool, bytes: &[u8]) -> Bytes {
+    let mut out = vec![u8::from(compressed)];
+    out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+    out.extend_from_slice(bytes);
+    Bytes::from(out)
+}
+
+type App = tower::util::BoxCloneService<
+    Request<Body>,
+    Response<idem_layer::ResponseBody<Body>>,
+    Infallible,
+>;
+
+fn app(handler: &Handler) -> App {
+    let handler = handler.clone();
+    let service = tower::service_fn(move |_request: Request<Body>| {
+        let handler = handler.clone();
+        async move { Ok::<_, Infallible>(handler.respond()) }
+    });
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).tenant(TenantFromHeader::from_static("x-tenant"));
+    tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service))
+}
+
+fn call_request(key: &str, body: Bytes, grpc: bool) -> Request<Body> {
+    let mut request = Request::post("/payments.v1.Payments/Charge")
+        .header("x-tenant", "acme")
+        .header("idempotency-key", key);
+    if grpc {
+        request = request.header("content-type", "application/grpc");
+    }
+    request.body(Body::from(body)).expect("request")
+}
+
+struct Got {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+async fn call(app: &mut App, request: Request<Body>) -> Got {
+    let response = app
+        .ready()
+        .await
+        .expect("ready")
+        .call(request)
+        .await
+        .expect("infallible");
+    let (parts, body) = response.into_parts();
+    let collected = body.collect().await.expect("body");
+    Got {
+        status: parts.status,
+        headers: parts.headers,
+        trailers: collected.trailers().cloned(),
+        body: collected.to_bytes(),
+    }
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+#[tokio::test]
+async fn trailing_metadata_is_replayed_byte_for_byte() {
+    let handler = Handler::new(Answer::Unary {
+        status: "0",
+        trailers: vec![
+            ("x-ledger-balance", "1250"),
+            ("x-audit", "a"),
+            ("x-audit", "b"),
+        ],
+    });
+    let mut app = app(&handler);
+    let first = call(&mut app, call_request("t-1", message(b"charge"), true)).await;
+    let replay = call(&mut app, call_request("t-1", message(b"charge"), true)).await;
+    assert_eq!(handler.runs(), 1);
+    assert_eq!(first.status, StatusCode::OK);
+    let trailers = first.trailers.expect("the first caller gets the trailers");
+    assert_eq!(header(&trailers, "x-ledger-balance"), Some("1250"));
+    let audit: Vec<_> = trailers.get_all("x-audit").iter().collect();
+    assert_eq!(audit, ["a", "b"]);
+    assert_eq!(replay.trailers, Some(trailers), "every trailer, in order");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.body, message(b"paid"));
+    assert_eq!(header(&replay.headers, "idempotent-replayed"), Some("true"));
+    assert_eq!(header(&replay.headers, "x-run"), Some("1"));
+    assert_eq!(header(&replay.headers, "idem-trailer"), None, "kept apart");
+}
+
+#[tokio::test]
+async fn a_status_a_retry_may_cure_releases_the_key_and_one_it_would_repeat_is_stored() {
+    let handler = Handler::new(Answer::Unary {
+        status: "14",
+        trailers: vec![],
+    });
+    let mut app = app(&handler);
+    // UNAVAILABLE in the trailers, after a message: released.
+    let down = call(&mut app, call_request("r-1", message(b"x"), true)).await;
+    assert_eq!(
+        header(down.trailers.as_ref().expect("trailers"), "grpc-status"),
+        Some("14")
+    );
+    handler.answer(Answer::Unary {
+        status: "0",
+        trailers: vec![],
+    });
+    let ran = call(&mut app, call_request("r-1", message(b"x"), true)).await;
+    assert_eq!(handler.runs(), 2);
+    assert_eq!(header(&ran.headers, "idempotent-replayed"), None);
+
+    // A trailers-only FAILED_PRECONDITION: stored, replayed as it was.
+    handler.answer(Answer::TrailersOnly { status: "9" });
+    let refused = call(&mut app, call_request("r-2", message(b"y"), true)).await;
+    let again = call(&mut app, call_request("r-2", message(b"y"), true)).await;
+    assert_eq!(handler.runs(), 3);
+    assert_eq!(header(&refused.headers, "grpc-status"), Some("9"));
+    assert_eq!(header(&again.headers, "grpc-status"), Some("9"));
+    assert_eq!(header(&again.headers, "grpc-message"), Some("refused"));
+    assert_eq!(header(&again.headers, "idempotent-replayed"), Some("true"));
+    assert!(again.body.is_empty() && again.trailers.is_none());
+
+    // An answer without any status is a broken call: released.
+    handler.answer(Answer::TrailersOnly { status: "nope" });
+    call(&mut app, call_request("r-3", message(b"z"), true)).await;
+    call(&mut app, call_request("r-3", message(b"z"), true)).await;
+    assert_eq!(handler.runs(), 5);
+}
+
+#[tokio::test]
+async fn the_grpc_predicate_is_configurable() {
+    let handler = Handler::new(Answer::TrailersOnly { status: "9" });
+    let service = {
+        let handler = handler.clone();
+        tower::service_fn(move |_request: Request<Body>| {
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler.respond()) }
+        })
+    };
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(TenantFromHeader::from_static("x-tenant"))
+        .grpc_should_store(|status| status == 0);
+    let mut app: App = tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service));
+    call(&mut app, call_request("p-1", message(b"x"), true)).await;
+    call(&mut app, call_request("p-1", message(b"x"), true)).await;
+    assert_eq!(handler.runs(), 2, "FAILED_PRECONDITION now releases");
+}
+
+fn grpc_end() -> Frame<Bytes> {
+    let mut end = HeaderMap::new();
+    end.insert("grpc-status", HeaderValue::from_static("0"));
+    Frame::trailers(end)
+}
+
+#[tokio::test]
+async fn an_answer_that_streams_is_passed_on_and_never_replayed() {
+    let handler = Handler::new(Answer::Stream);
+    let app = app(&handler);
+    let mut first_app = app.clone();
+    let response = tokio::spawn(async move {
+        first_app
+            .ready()
+            .await
+            .expect("ready")
+            .call(call_request("s-1", message(b"watch"), true))
+            .await
+            .expect("infallible")
+    });
+    wait_for_sender(&handler).await;
+    // The first message comes, and the status lags it: the caller gets it
+    // while the stream is open (after the grace, not when a limit fills).
+    handler.send(Frame::data(message(b"one")));
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .expect("the answer is not held back")
+        .expect("task");
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a frame").expect("data");
+    assert_eq!(first.into_data().ok(), Some(message(b"one")));
+    // Meanwhile a retry runs nothing, and is told the answer is not kept.
+    let mut retry_app = app.clone();
+    let retry = call(&mut retry_app, call_request("s-1", message(b"watch"), true)).await;
+    assert_eq!(
+        header(&retry.headers, "grpc-status"),
+        Some("6"),
+        "ALREADY_EXISTS"
+    );
+    assert_eq!(
+        header(&retry.headers, "idem-problem"),
+        Some("idempotency_response_not_stored")
+    );
+    assert_eq!(handler.runs(), 1);
+    // The rest of the stream reaches the first caller whole.
+    handler.send(Frame::data(message(b"two")));
+    handler.send(grpc_end());
+    handler.senders.lock().expect("senders").clear();
+    let rest = body.collect().await.expect("rest");
+    assert_eq!(
+        header(rest.trailers().expect("trailers"), "grpc-status"),
+        Some("0")
+    );
+    assert_eq!(rest.to_bytes(), message(b"two"));
+}
+
+#[tokio::test]
+async fn two_messages_make_a_stream_at_once() {
+    let handler = Handler::new(Answer::Stream);
+    let app = app(&handler);
+    let mut first_app = app.clone();
+    let task = tokio::spawn(async move {
+        call(&mut first_app, call_request("s-2", message(b"watch"), true)).await
+    });
+    wait_for_sender(&handler).await;
+    let mut two = message(b"a").to_vec();
+    two.extend_from_slice(&message(b"b"));
+    handler.send(Frame::data(Bytes::from(two.clone())));
+    handler.send(grpc_end());
+    handler.senders.lock().expect("senders").clear();
+    let got = task.await.expect("task");
+    assert_eq!(got.body, Bytes::from(two), "the caller gets every message");
+    let mut app = app;
+    let retry = call(&mut app, call_request("s-2", message(b"watch"), true)).await;
+    assert_eq!(
+        header(&retry.headers, "idem-problem"),
+        Some("idempotency_response_not_stored")
+    );
+    assert_eq!(handler.runs(), 1);
+}
+
+async fn wait_for_sender(handler: &Handler) {
+    idem_core::conformance::wait_until(Duration::from_secs(10), "the stream opened", async || {
+        !handler.senders.lock().expect("senders").is_empty()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_compressed_message_is_the_same_request_as_the_plain_one() {
+    let handler = Handler::new(Answer::Unary {
+        status: "0",
+        trailers: vec![],
+    });
+    let mut app = app(&handler);
+    let plain = call(&mut app, call_request("z-1", message(b"charge 100"), true)).await;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    encoder.write_all(b"charge 100").expect("gzip");
+    let gzipped = encoder.finish().expect("gzip");
+    let mut request = call_request("z-1", framed(true, &gzipped), true);
+    request
+        .headers_mut()
+        .insert("grpc-encoding", HeaderValue::from_static("gzip"));
+    let replay = call(&mut app, request).await;
+    assert_eq!(handler.runs(), 1);
+    assert_eq!(header(&replay.headers, "idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, plain.body);
+    // Another message, compressed: a conflict.
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    encoder.write_all(b"charge 999").expect("gzip");
+    let mut request = call_request("z-1", framed(true, &encoder.finish().expect("gzip")), true);
+    request
+        .headers_mut()
+        .insert("grpc-encoding", HeaderValue::from_static("gzip"));
+    let conflict = call(&mut app, request).await;
+    assert_eq!(header(&conflict.headers, "grpc-status"), Some("9"));
+    assert_eq!(
+        header(&conflict.headers, "idem-problem"),
+        Some("idempotency_conflict")
+    );
+    assert_eq!(handler.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_body_that_is_no_grpc_message_is_refused_before_it_runs() {
+    let handler = Handler::new(Answer::Unary {
+        status: "0",
+        trailers: vec![],
+    });
+    let mut app = app(&handler);
+    let cut = call(
+        &mut app,
+        call_request("m-1", Bytes::from_static(&[0, 0, 0, 0, 9, 1]), true),
+    )
+    .await;
+    assert_eq!(cut.status, StatusCode::OK);
+    assert_eq!(
+        header(&cut.headers, "grpc-status"),
+        Some("3"),
+        "INVALID_ARGUMENT"
+    );
+    assert_eq!(
+        header(&cut.headers, "idem-problem"),
+        Some("request_body_invalid")
+    );
+    assert!(header(&cut.headers, "grpc-message").is_some_and(|m| m.contains("cut short")));
+    assert_eq!(
+        header(&cut.headers, "content-type"),
+        Some("application/grpc")
+    );
+    assert_eq!(handler.runs(), 0);
+}
+
+#[tokio::test]
+async fn plain_http_trailers_are_kept_too() {
+    let handler = Handler::new(Answer::Http);
+    let mut app = app(&handler);
+    let first = call(
+        &mut app,
+        call_request("h-1", Bytes::from_static(b"{}"), false),
+    )
+    .await;
+    let replay = call(
+        &mut app,
+        call_request("h-1", Bytes::from_static(b"{}"), false),
+    )
+    .await;
+    assert_eq!(handler.runs(), 1);
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.body, first.body);
+    let trailers = first.trailers.expect("trailers");
+    assert_eq!(header(&trailers, "x-checksum"), Some("abc123"));
+    assert_eq!(replay.trailers, Some(trailers));
+    // An HTTP caller still gets problem documents.
+    let conflict = call(
+        &mut app,
+        call_request("h-1", Bytes::from_static(b"{\"a\":1}"), false),
+    )
+    .await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+}
