@@ -32,6 +32,11 @@
 //! `410`. A request of [`RetryLayer::key_methods`] (default POST and PATCH)
 //! without a key gets a fresh UUIDv4 key, kept for all its attempts.
 //!
+//! A gRPC answer (`application/grpc`, its status in its head) is retried
+//! for `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
+//! `ABORTED`, after `grpc-retry-pushback-ms` when it says one; see
+//! [the guide](guide).
+//!
 //! # When it stops
 //!
 //! After [`max_attempts`](RetryLayer::max_attempts) (default 4), when the

@@ -154,6 +154,11 @@ pub mod guide {
     pub mod commands {
         #![doc = include_str!("docs/commands.md")]
     }
+
+    /// Unary gRPC calls, and streams.
+    pub mod grpc {
+        #![doc = include_str!("docs/grpc.md")]
+    }
 }
 
 mod answer;
