@@ -4,7 +4,9 @@
 //! Environment: `IDEM_LISTEN` (default `127.0.0.1:50051`), `IDEM_STORE`
 //! (`memory`, the default; a `redis://` or `redis+cluster://` URL; or a
 //! `postgres://` URL), `IDEM_LEASE` (default `30s`) and `PAYMENTS_LEDGER`
-//! (a file the charges are appended to; in memory without it).
+//! (a file the charges are appended to; in memory without it). Built with
+//! the `bench` feature, `IDEM_LAYER=off` serves the service without the
+//! layer (the baseline of `bench/grpc.sh`).
 
 use std::time::Duration;
 
@@ -38,6 +40,17 @@ async fn main() {
     let addr = listener.local_addr().unwrap_or_else(|error| exit(error));
     let shown = store.split('@').next_back().unwrap_or(&store).to_owned();
     println!("grpc-payments listening on http://{addr} (idempotency layer on, {shown} store)");
+    #[cfg(feature = "bench")]
+    if std::env::var("IDEM_LAYER").is_ok_and(|v| v == "off") {
+        let served = tonic::transport::Server::builder()
+            .add_service(payments)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await;
+        if let Err(error) = served {
+            exit(error);
+        }
+        return;
+    }
     let served = if store == "memory" {
         serve(
             listener,
