@@ -455,3 +455,86 @@ async fn plain_http_trailers_are_kept_too() {
     .await;
     assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
 }
+
+#[tokio::test]
+async fn a_cancelled_record_is_failed_precondition() {
+    // The handler keeps the scope its call ran under, for the cancel.
+    let store = MemoryStore::new();
+    let scope = Arc::new(Mutex::new(None));
+    // The call runs while its answer has not come: its record is
+    // processing when it is cancelled.
+    let handler = Handler::new(Answer::Stream);
+    let service = {
+        let (handler, scope) = (handler.clone(), scope.clone());
+        tower::service_fn(move |request: Request<Body>| {
+            let context = request.extensions().get::<idem_layer::IdempotencyContext>();
+            *scope.lock().expect("scope") = context.map(|c| c.scope);
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler.respond()) }
+        })
+    };
+    let layer =
+        IdempotencyLayer::new(store.clone()).tenant(TenantFromHeader::from_static("x-tenant"));
+    let mut app: App = tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service));
+    let mut first_app = app.clone();
+    let first = tokio::spawn(async move {
+        call(&mut first_app, call_request("c-1", message(b"x"), true)).await
+    });
+    wait_for_sender(&handler).await;
+    let scope = scope.lock().expect("scope").expect("the call ran keyed");
+    let cancelled = idem_core::Store::cancel(&store, &scope)
+        .await
+        .expect("cancel");
+    assert!(
+        matches!(cancelled, idem_core::Cancellation::Cancelled(_)),
+        "{cancelled:?}"
+    );
+    let cancelled = call(&mut app, call_request("c-1", message(b"x"), true)).await;
+    handler.send(grpc_end());
+    handler.senders.lock().expect("senders").clear();
+    first.await.expect("the first call ends");
+    assert_eq!(
+        header(&cancelled.headers, "grpc-status"),
+        Some("9"),
+        "FAILED_PRECONDITION"
+    );
+    assert_eq!(
+        header(&cancelled.headers, "idem-problem"),
+        Some("idempotency_cancelled")
+    );
+    assert_eq!(handler.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_store_down_is_unavailable_with_the_pushback() {
+    let handler = Handler::new(Answer::TrailersOnly { status: "0" });
+    // Nothing listens on the store's port: UNAVAILABLE, with the pushback.
+    let down = idem_redis::RedisStore::from_url("redis://127.0.0.1:1").expect("store");
+    let layer = IdempotencyLayer::new(down).tenant(TenantFromHeader::from_static("x-tenant"));
+    let service = {
+        let handler = handler.clone();
+        tower::service_fn(move |_request: Request<Body>| {
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler.respond()) }
+        })
+    };
+    let mut app: App = tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service));
+    let refused = call(&mut app, call_request("d-1", message(b"x"), true)).await;
+    assert_eq!(refused.status, StatusCode::OK);
+    assert_eq!(
+        header(&refused.headers, "grpc-status"),
+        Some("14"),
+        "UNAVAILABLE"
+    );
+    assert_eq!(
+        header(&refused.headers, "idem-problem"),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(
+        header(&refused.headers, "grpc-retry-pushback-ms"),
+        Some("1000")
+    );
+    assert_eq!(header(&refused.headers, "retry-after"), Some("1"));
+    assert!(refused.body.is_empty() && refused.trailers.is_none());
+    assert_eq!(handler.runs(), 0, "the handler never ran");
+}
