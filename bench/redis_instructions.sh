@@ -8,7 +8,8 @@
 # (the crates.io `idempotent` 2.0.0 crate, found in cargo's registry once
 # bench/peer has been built), the same rows for the peer: its claim,
 # completion and replay. The "native" rows: the floor, a record kept as one
-# string and reserved by one native SET NX PX GET. The "v1" rows: the same idem calls by a store that
+# string and reserved by one native SET NX PX GET. The "sketch" rows: such a
+# one-string record (not built) completed by a compare-and-set script. The "v1" rows: the same idem calls by a store that
 # writes record format 1 (RedisStoreBuilder::record_format; the idem rows
 # write format 2, the default).
 #   bench/redis_instructions.sh [calls]
@@ -119,6 +120,28 @@ rows += [
     ("native", "new key", per_command(native, "$-1\r\n")),
     ("native", "replay", per_command(native, "$300\r\n")),
 ]
+# A sketch of a record format kept as one string (not built): reserved and
+# replayed by that native command, completed by a compare-and-set script
+# that checks the attempt's generation and owner at the head of the record
+# and writes the completed record, built by the store, in its place
+# (KEEPTTL). What it would cost Redis, next to idem's scripts.
+cas = os.path.join(work, "cas.lua")
+open(cas, "w").write(
+    "local raw = redis.call('GET', KEYS[1])\n"
+    "if not raw then return 0 end\n"
+    "local gen, owner = string.match(raw, '^3:p:(%d+):([^:]*):')\n"
+    "if gen ~= ARGV[1] or owner ~= ARGV[2] then return -1 end\n"
+    "redis.call('SET', KEYS[1], ARGV[3], 'KEEPTTL')\n"
+    "return 1\n")
+processing = "3:p:1:" + token + ":" + "r" * 230
+sketch = lambda i: ("SET", f"s:{{{run}-{i}}}", processing, "NX", "PX", 86400000, "GET")
+completed = "3:c:1::" + fp + ":201:1:1700000000000:content-type: application/json:" + '{"id":"1"}'
+rows += [
+    ("sketch", "new key", per_command(sketch, "$-1\r\n")),
+    ("sketch", "completion", per_call(cas, lambda i: (1, f"s:{{{run}-{i}}}", "1", token, completed),
+                                       ":1\r\n")),
+    ("sketch", "replay", per_command(sketch, "$%d\r\n" % len(completed))),
+]
 if peer:
     data = "x" * 120
     pkey = lambda i: f"p:{{{run}-{i}}}"
@@ -132,7 +155,7 @@ if peer:
 print(f"{'layer':<6} {'call':<26} {'instructions/call':>18}")
 for layer, call, count in rows:
     print(f"{layer:<6} {call:<26} {count:>18.0f}")
-for layer in ("idem", "v1", "peer", "native"):
+for layer in ("idem", "v1", "peer", "native", "sketch"):
     got = {call: count for l, call, count in rows if l == layer}
     if got and "completion" not in got:
         print(f"{layer}: new key {got['new key']:.0f}, replay {got['replay']:.0f}")
