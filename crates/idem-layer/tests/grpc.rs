@@ -138,15 +138,35 @@ type App = tower::util::BoxCloneService<
     Infallible,
 >;
 
-fn app(handler: &Handler) -> App {
-    let handler = handler.clone();
-    let service = tower::service_fn(move |_request: Request<Body>| {
+/// Where a test keeps the scope its keyed call ran under.
+type Scope = Arc<Mutex<Option<idem_layer::ScopeHash>>>;
+
+/// `handler` behind `layer`, noting each call's scope in `scope`.
+fn layered<S: idem_core::Store>(
+    layer: &IdempotencyLayer<S>,
+    handler: &Handler,
+    scope: &Scope,
+) -> App {
+    let (handler, scope) = (handler.clone(), scope.clone());
+    let service = tower::service_fn(move |request: Request<Body>| {
+        let context = request.extensions().get::<idem_layer::IdempotencyContext>();
+        *scope.lock().expect("scope") = context.map(|c| c.scope);
         let handler = handler.clone();
         async move { Ok::<_, Infallible>(handler.respond()) }
     });
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).tenant(TenantFromHeader::from_static("x-tenant"));
-    tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service))
+    tower::util::BoxCloneService::new(tower::Layer::layer(layer, service))
+}
+
+fn tenant_layer<S: idem_core::Store>(store: S) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(store).tenant(TenantFromHeader::from_static("x-tenant"))
+}
+
+fn app(handler: &Handler) -> App {
+    layered(
+        &tenant_layer(MemoryStore::new()),
+        handler,
+        &Scope::default(),
+    )
 }
 
 fn call_request(key: &str, body: Bytes, grpc: bool) -> Request<Body> {
@@ -257,17 +277,8 @@ async fn a_status_a_retry_may_cure_releases_the_key_and_one_it_would_repeat_is_s
 #[tokio::test]
 async fn the_grpc_predicate_is_configurable() {
     let handler = Handler::new(Answer::TrailersOnly { status: "9" });
-    let service = {
-        let handler = handler.clone();
-        tower::service_fn(move |_request: Request<Body>| {
-            let handler = handler.clone();
-            async move { Ok::<_, Infallible>(handler.respond()) }
-        })
-    };
-    let layer = IdempotencyLayer::new(MemoryStore::new())
-        .tenant(TenantFromHeader::from_static("x-tenant"))
-        .grpc_should_store(|status| status == 0);
-    let mut app: App = tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service));
+    let layer = tenant_layer(MemoryStore::new()).grpc_should_store(|status| status == 0);
+    let mut app = layered(&layer, &handler, &Scope::default());
     call(&mut app, call_request("p-1", message(b"x"), true)).await;
     call(&mut app, call_request("p-1", message(b"x"), true)).await;
     assert_eq!(handler.runs(), 2, "FAILED_PRECONDITION now releases");
@@ -460,22 +471,11 @@ async fn plain_http_trailers_are_kept_too() {
 async fn a_cancelled_record_is_failed_precondition() {
     // The handler keeps the scope its call ran under, for the cancel.
     let store = MemoryStore::new();
-    let scope = Arc::new(Mutex::new(None));
+    let scope = Scope::default();
     // The call runs while its answer has not come: its record is
     // processing when it is cancelled.
     let handler = Handler::new(Answer::Stream);
-    let service = {
-        let (handler, scope) = (handler.clone(), scope.clone());
-        tower::service_fn(move |request: Request<Body>| {
-            let context = request.extensions().get::<idem_layer::IdempotencyContext>();
-            *scope.lock().expect("scope") = context.map(|c| c.scope);
-            let handler = handler.clone();
-            async move { Ok::<_, Infallible>(handler.respond()) }
-        })
-    };
-    let layer =
-        IdempotencyLayer::new(store.clone()).tenant(TenantFromHeader::from_static("x-tenant"));
-    let mut app: App = tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service));
+    let mut app = layered(&tenant_layer(store.clone()), &handler, &scope);
     let mut first_app = app.clone();
     let first = tokio::spawn(async move {
         call(&mut first_app, call_request("c-1", message(b"x"), true)).await
@@ -510,15 +510,7 @@ async fn a_store_down_is_unavailable_with_the_pushback() {
     let handler = Handler::new(Answer::TrailersOnly { status: "0" });
     // Nothing listens on the store's port: UNAVAILABLE, with the pushback.
     let down = idem_redis::RedisStore::from_url("redis://127.0.0.1:1").expect("store");
-    let layer = IdempotencyLayer::new(down).tenant(TenantFromHeader::from_static("x-tenant"));
-    let service = {
-        let handler = handler.clone();
-        tower::service_fn(move |_request: Request<Body>| {
-            let handler = handler.clone();
-            async move { Ok::<_, Infallible>(handler.respond()) }
-        })
-    };
-    let mut app: App = tower::util::BoxCloneService::new(tower::Layer::layer(&layer, service));
+    let mut app = layered(&tenant_layer(down), &handler, &Scope::default());
     let refused = call(&mut app, call_request("d-1", message(b"x"), true)).await;
     assert_eq!(refused.status, StatusCode::OK);
     assert_eq!(
@@ -537,4 +529,46 @@ async fn a_store_down_is_unavailable_with_the_pushback() {
     assert_eq!(header(&refused.headers, "retry-after"), Some("1"));
     assert!(refused.body.is_empty() && refused.trailers.is_none());
     assert_eq!(handler.runs(), 0, "the handler never ran");
+}
+
+#[tokio::test]
+async fn sealed_trailers_are_kept_sealed_and_replayed_whole() {
+    let store = MemoryStore::new();
+    let scope = Scope::default();
+    let handler = Handler::new(Answer::Unary {
+        status: "0",
+        trailers: vec![("x-ledger-balance", "918273")],
+    });
+    // No replay cache: the replay is read from the store and opened.
+    let layer = tenant_layer(store.clone())
+        .sealing(idem_layer::sealing::Keyring::derived(
+            b"a deployment secret",
+        ))
+        .replay_cache(0, Duration::from_secs(1));
+    let mut app = layered(&layer, &handler, &scope);
+    let first = call(&mut app, call_request("k-1", message(b"x"), true)).await;
+    let scope = scope.lock().expect("scope").expect("the call ran keyed");
+    let record = idem_core::Store::get(&store, &scope)
+        .await
+        .expect("read")
+        .expect("a record");
+    let Some(idem_core::Outcome::Stored(stored)) = &record.outcome else {
+        panic!("a stored outcome: {record:?}");
+    };
+    let kept = format!("{:?}{:?}", stored.headers, stored.body);
+    assert!(
+        !kept.contains("918273") && !kept.contains("idem-trailer"),
+        "{kept}"
+    );
+    let replay = call(&mut app, call_request("k-1", message(b"x"), true)).await;
+    assert_eq!(handler.runs(), 1);
+    assert_eq!(header(&replay.headers, "idempotent-replayed"), Some("true"));
+    assert_eq!(replay.trailers, first.trailers);
+    assert_eq!(
+        header(
+            replay.trailers.as_ref().expect("trailers"),
+            "x-ledger-balance"
+        ),
+        Some("918273")
+    );
 }
