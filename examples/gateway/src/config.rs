@@ -23,6 +23,9 @@ pub struct Config {
     /// Upstream base URL (http://host:port or https://host:port); without it, a built-in demo orders API is started.
     #[arg(long, env = "IDEM_UPSTREAM", value_parser = parse_upstream)]
     pub upstream: Option<Uri>,
+    /// Speak HTTP/2 to the upstream (cleartext with prior knowledge for http://, ALPN for https://): a gRPC upstream needs it. Clients may speak HTTP/1.1 or HTTP/2 to the gateway either way.
+    #[arg(long, env = "IDEM_UPSTREAM_HTTP2", action = ArgAction::SetTrue)]
+    pub upstream_http2: bool,
     /// PEM file of a private CA that an https:// upstream's certificate may chain to, besides the system's roots (or SSL_CERT_FILE).
     #[arg(long, env = "IDEM_UPSTREAM_CA")]
     pub upstream_ca: Option<std::path::PathBuf>,

@@ -150,6 +150,8 @@ struct Shared {
     forwarded: Forwarded,
     /// Where unknown outcomes are noted (the operator page).
     unknowns: Option<crate::operator::Unknowns>,
+    /// Whether the upstream is spoken to in HTTP/2.
+    http2: bool,
 }
 
 /// Which headers tell the upstream who the client is.
@@ -275,26 +277,47 @@ impl Proxy {
     /// verified against `tls`) that waits at most `timeout` for the
     /// response head, and for each part of a keyed request's answer body.
     pub fn new(upstream: Uri, timeout: Duration, tls: rustls::ClientConfig) -> Self {
+        Self(std::sync::Arc::new(Shared {
+            client: Self::client(tls, false),
+            upstream,
+            timeout,
+            forwarded: Forwarded::XForwarded,
+            unknowns: None,
+            http2: false,
+        }))
+    }
+
+    /// The pooled client: HTTP/1.1, or HTTP/2 only (cleartext with prior
+    /// knowledge for `http://`, ALPN for `https://`).
+    fn client(
+        tls: rustls::ClientConfig,
+        http2: bool,
+    ) -> Client<hyper_rustls::HttpsConnector<HttpConnector>, Body> {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
         http.enforce_http(false);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
+            .https_or_http();
+        let mut builder = Client::builder(TokioExecutor::new());
+        if http2 {
+            builder.http2_only(true);
+            return builder.build(connector.enable_http2().wrap_connector(http));
+        }
         // An answer with an obs-folded header is still an answer: unfolded
         // rather than refused, so the action's outcome is not lost.
-        let client = Client::builder(TokioExecutor::new())
-            .http1_allow_obsolete_multiline_headers_in_responses(true)
-            .build(connector);
-        Self(std::sync::Arc::new(Shared {
-            client,
-            upstream,
-            timeout,
-            forwarded: Forwarded::XForwarded,
-            unknowns: None,
-        }))
+        builder.http1_allow_obsolete_multiline_headers_in_responses(true);
+        builder.build(connector.enable_http1().wrap_connector(http))
+    }
+
+    /// Speaks HTTP/2 to the upstream (cleartext with prior knowledge for
+    /// `http://`, `tls` with ALPN for `https://`), as a gRPC upstream
+    /// needs; a client's `TE: trailers` is passed on.
+    pub fn http2(mut self, tls: rustls::ClientConfig) -> Self {
+        let shared = std::sync::Arc::make_mut(&mut self.0);
+        shared.client = Self::client(tls, true);
+        shared.http2 = true;
+        self
     }
 
     /// Which headers tell the upstream who the client is (default
@@ -361,7 +384,17 @@ impl Proxy {
             .map(|ctx| (ctx.generation, ctx.key.to_sf_string()));
         let hop = request.extensions_mut().remove::<Hop>();
         let headers = request.headers_mut();
+        // `TE: trailers` says the client takes trailers (gRPC requires it):
+        // the one TE an HTTP/2 upstream is told again.
+        let trailers = self.0.http2
+            && headers
+                .get_all(header::TE)
+                .iter()
+                .any(|te| te.as_bytes().eq_ignore_ascii_case(b"trailers"));
         strip_hop_by_hop(headers);
+        if trailers {
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         // The trace goes on with the gateway's span as the upstream's
         // parent (a proxy used without the gateway's front starts one).
         let hop = hop.unwrap_or_else(|| Hop::of(headers, false));
@@ -416,8 +449,13 @@ impl Proxy {
         self.upstream_headers(&mut request);
         *request.uri_mut() = uri;
         // The client's protocol is not the upstream connection's: the
-        // pooled client speaks HTTP/1.1 to the upstream.
-        *request.version_mut() = http::Version::HTTP_11;
+        // pooled client speaks HTTP/1.1 (or, told to, HTTP/2) to the
+        // upstream.
+        *request.version_mut() = if self.0.http2 {
+            http::Version::HTTP_2
+        } else {
+            http::Version::HTTP_11
+        };
         let mut pending = Box::pin(self.0.client.request(request));
         match tokio::time::timeout(self.0.timeout, &mut pending).await {
             Ok(Ok(response)) if response.status().is_informational() => {

@@ -187,7 +187,11 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
     let timeout = config.store_timeout;
     let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Setting)?;
     let unknowns = crate::operator::Unknowns::default();
-    let proxy = Proxy::new(upstream, config.upstream_timeout, tls)
+    let mut proxy = Proxy::new(upstream, config.upstream_timeout, tls.clone());
+    if config.upstream_http2 {
+        proxy = proxy.http2(tls);
+    }
+    let proxy = proxy
         .forwarded(config.forwarded)
         .noting_unknowns(unknowns.clone());
     let protected = tower::ServiceBuilder::new()

@@ -10,34 +10,29 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
 use grpc_payments::{
-    CHARGE, Ledger, Payments, PaymentsClient, TENANT, payments_layer,
+    CHARGE, Payments, PaymentsClient, TENANT, payments_layer,
     proto::{ChargeReply, ChargeRequest},
 };
-use http_body_util::{BodyExt, Full};
 use idem_core::Store;
 use idem_memory::MemoryStore;
 use idem_postgres::PgStore;
 use idem_redis::RedisStore;
+mod common;
+
+use common::{charge, charge_request, problem, replayed, wire_call};
 use idem_tests::{
     postgres_server::PgServer,
     redis_server::{RedisCluster, RedisServer},
 };
-use tonic::{Code, Request, Status, transport::Channel};
+use tonic::{Code, Request, transport::Channel};
 
 /// The service on a loopback port, behind the layer on `store`.
 async fn start<S: Store>(store: S) -> (SocketAddr, Payments) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let payments = Payments::new(Ledger::in_memory());
-    let served = payments.clone();
-    tokio::spawn(
-        async move { grpc_payments::serve(listener, served, payments_layer(store)).await },
-    );
-    (addr, payments)
+    common::on_loopback(|listener, payments| async move {
+        grpc_payments::serve(listener, payments, payments_layer(store)).await
+    })
+    .await
 }
 
 async fn channel(addr: SocketAddr) -> Channel {
@@ -50,41 +45,6 @@ async fn channel(addr: SocketAddr) -> Channel {
 
 async fn client(addr: SocketAddr) -> PaymentsClient<Channel> {
     PaymentsClient::new(channel(addr).await)
-}
-
-fn charge_request(key: Option<&str>, amount_cents: i64) -> Request<ChargeRequest> {
-    let mut request = Request::new(ChargeRequest {
-        account: "acct_1".to_owned(),
-        amount_cents,
-    });
-    request
-        .metadata_mut()
-        .insert(TENANT, "acme".parse().expect("tenant"));
-    if let Some(key) = key {
-        request
-            .metadata_mut()
-            .insert("idempotency-key", key.parse().expect("key"));
-    }
-    request
-}
-
-async fn charge(
-    client: &mut PaymentsClient<Channel>,
-    key: Option<&str>,
-    amount_cents: i64,
-) -> Result<tonic::Response<ChargeReply>, Status> {
-    client.charge(charge_request(key, amount_cents)).await
-}
-
-fn problem(status: &Status) -> Option<&str> {
-    status.metadata().get("idem-problem")?.to_str().ok()
-}
-
-fn replayed<T>(response: &tonic::Response<T>) -> bool {
-    response
-        .metadata()
-        .get("idempotent-replayed")
-        .is_some_and(|v| v == "true")
 }
 
 /// Every promise of the unary call on one store.
@@ -250,40 +210,6 @@ async fn charges_once_on_postgres() {
     let store = PgStore::from_url(&server.database()).expect("store");
     store.migrate().await.expect("migrate");
     charges_once(store).await;
-}
-
-/// A raw HTTP/2 call: status, headers, body bytes and trailers as they
-/// came off the wire.
-struct Wire {
-    headers: http::HeaderMap,
-    body: Bytes,
-    trailers: Option<http::HeaderMap>,
-}
-
-async fn wire_call(addr: SocketAddr, key: &str, message: &[u8]) -> Wire {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(true)
-        .build_http::<Full<Bytes>>();
-    let mut framed = vec![0u8];
-    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
-    framed.extend_from_slice(message);
-    let request = http::Request::post(format!("http://{addr}{CHARGE}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header(TENANT, "acme")
-        .header("idempotency-key", key)
-        .body(Full::new(Bytes::from(framed)))
-        .expect("request");
-    let response = client.request(request).await.expect("call");
-    assert_eq!(response.status(), http::StatusCode::OK);
-    let (parts, body) = response.into_parts();
-    let collected = body.collect().await.expect("body");
-    let trailers = collected.trailers().cloned();
-    Wire {
-        headers: parts.headers,
-        body: collected.to_bytes(),
-        trailers,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
