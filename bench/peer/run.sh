@@ -20,6 +20,8 @@
 # fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format);
 # IDEM_TENANT=blake3 or hmac: the tenant from Authorization keyed with BLAKE3
 # or HMAC-SHA256 (TenantFromAuthorization::keyed_as), else plain SHA-256.
+# IDEM_SEALING=1: idem's Redis layer seals stored responses
+# (IdempotencyLayer::sealing; off by default in the layer).
 # Then a retry storm on Redis (storm.lua: 64 connections retrying a pool of
 # STORM_KEYS keys, default 300; STORM_ROUNDS rounds, default 3, 0 skips it):
 # the peer, idem, and idem without its replay cache (IDEM_REPLAY_CACHE=0),

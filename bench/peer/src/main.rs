@@ -133,6 +133,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             if std::env::var("IDEM_REPLAY_CACHE").is_ok_and(|v| v == "0") {
                 layer = layer.replay_cache(0, std::time::Duration::ZERO);
             }
+            // IDEM_SEALING=1: responses sealed at rest (off by default in
+            // the layer; the gateway's default with a shared secret).
+            if std::env::var("IDEM_SEALING").is_ok_and(|v| v == "1") {
+                layer = layer.sealing(idem_layer::sealing::Keyring::derived(
+                    b"the peer bench's sealing secret",
+                ));
+            }
             router.layer(layer)
         }
         other => {
