@@ -101,22 +101,27 @@ where
     let mut total = 0usize;
     let mut trailers: Option<http::HeaderMap> = None;
     loop {
-        let next = match &framing {
-            Some(framing) if framing.begun == 1 && framing.at_boundary() => {
-                match tokio::time::timeout(crate::grpc::STREAM_GRACE, next_frame(&mut body)).await {
-                    Ok(next) => next,
-                    // The status did not follow the first message: a
-                    // stream, passed on from here.
-                    Err(_) => {
-                        return Buffered::Passed {
-                            parts,
-                            prefix: chunks,
-                            rest: body,
-                        };
-                    }
+        // After the first whole message the status is due: it gets the
+        // grace (trailers end an answer, so none is waited once they came).
+        let status_due = trailers.is_none()
+            && framing
+                .as_ref()
+                .is_some_and(|framing| framing.begun == 1 && framing.at_boundary());
+        let next = if status_due {
+            match tokio::time::timeout(crate::grpc::STREAM_GRACE, next_frame(&mut body)).await {
+                Ok(next) => next,
+                // The status did not follow the first message: a stream,
+                // passed on from here.
+                Err(_) => {
+                    return Buffered::Passed {
+                        parts,
+                        prefix: chunks,
+                        rest: body,
+                    };
                 }
             }
-            _ => next_frame(&mut body).await,
+        } else {
+            next_frame(&mut body).await
         };
         let frame = match next {
             Ok(None) => break,

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::BodyExt;
-use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use idem_layer::{IdempotencyLayer, TenantFromHeader, grpc};
 use idem_memory::MemoryStore;
 use tokio::sync::mpsc;
 use tower::{Service, ServiceExt};
@@ -571,4 +571,32 @@ async fn sealed_trailers_are_kept_sealed_and_replayed_whole() {
         ),
         Some("918273")
     );
+}
+
+#[tokio::test]
+async fn an_answer_whose_end_lags_its_trailers_is_still_unary() {
+    let handler = Handler::new(Answer::Stream);
+    let app = app(&handler);
+    let mut first_app = app.clone();
+    let first = tokio::spawn(async move {
+        call(&mut first_app, call_request("e-1", message(b"x"), true)).await
+    });
+    wait_for_sender(&handler).await;
+    handler.send(Frame::data(message(b"paid")));
+    handler.send(grpc_end());
+    // The body ends well after its trailers (longer than the grace): the
+    // trailers ended the answer, so it is not taken for a stream.
+    tokio::time::sleep(grpc::STREAM_GRACE * 3).await;
+    handler.senders.lock().expect("senders").clear();
+    let first = first.await.expect("task");
+    assert_eq!(
+        header(first.trailers.as_ref().expect("trailers"), "grpc-status"),
+        Some("0")
+    );
+    let mut app = app;
+    let replay = call(&mut app, call_request("e-1", message(b"x"), true)).await;
+    assert_eq!(header(&replay.headers, "idempotent-replayed"), Some("true"));
+    assert_eq!(replay.body, message(b"paid"));
+    assert_eq!(replay.trailers, first.trailers);
+    assert_eq!(handler.runs(), 1);
 }
