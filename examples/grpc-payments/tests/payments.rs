@@ -80,7 +80,9 @@ async fn charges_once<S: Store>(store: S) {
 
     // Concurrent duplicates: one runs; the others are told it is in
     // progress, with gRPC's retry pushback.
-    payments.hold_answers(Duration::from_millis(700));
+    // Long enough that every duplicate comes while the charge runs, even
+    // on a loaded machine.
+    payments.hold_answers(Duration::from_millis(1500));
     let calls = (0..8).map(|_| {
         let mut client = client.clone();
         async move { charge(&mut client, Some("order-2"), 500).await }
