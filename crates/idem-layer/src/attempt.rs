@@ -172,18 +172,6 @@ where
     }
 }
 
-/// Puts the response's storable headers before the trailers a stored
-/// response already keeps.
-fn with_headers(
-    stored: &mut StoredResponse,
-    head: &http::HeaderMap,
-    denylist: &[http::HeaderName],
-) {
-    let trailers = std::mem::take(&mut stored.headers);
-    stored.headers = storable_headers(head, denylist);
-    stored.headers.extend(trailers);
-}
-
 /// A response whose body failed after its head: the status the handler
 /// answered, and why its body cannot be read.
 struct BodyFailed {
@@ -191,9 +179,12 @@ struct BodyFailed {
     error: BoxError,
 }
 
-/// The outcome of a buffered response, and the body its client gets.
+/// The outcome of a buffered response (a stored one keeps its headers
+/// but those of `denylist`, then its trailers), and the body its client
+/// gets.
 fn outcome_of<B>(
     buffered: Buffered<B>,
+    denylist: &[http::HeaderName],
 ) -> Result<(http::response::Parts, ResponseBody<B>, Outcome), BodyFailed>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -214,9 +205,7 @@ where
                     Outcome::NotStored { status },
                 ));
             }
-            // The stored headers are filled in by the caller, the
-            // trailers after them.
-            let mut headers = Vec::new();
+            let mut headers = storable_headers(&parts.headers, denylist);
             if let Some(trailers) = &trailers {
                 crate::headers::store_trailers(trailers, &mut headers);
             }
@@ -375,7 +364,7 @@ where
             Err(_panic) => return Ok(failed("the handler panicked".to_owned()).await),
         };
         let stores = buffered.stores(config);
-        let (parts, body, mut outcome) = match outcome_of(buffered) {
+        let (parts, body, outcome) = match outcome_of(buffered, &config.replay_denylist) {
             Ok(produced) => produced,
             Err(lost) => {
                 // A transaction the handler left is rolled back as it is
@@ -388,9 +377,6 @@ where
                 return Ok(body_lost(&rt, &reserved, &lease, lost, stores).await);
             }
         };
-        if let Outcome::Stored(stored) = &mut outcome {
-            with_headers(stored, &parts.headers, &config.replay_denylist);
-        }
         let answer = record(&rt, &reserved, &lease, slot.as_ref(), stores, outcome).await;
         Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
     }
@@ -530,17 +516,17 @@ async fn await_late<S: Store>(
         Some(buffer(response, max_response).await)
     });
     let (stores, produced) = match renewing(config, &*rt.store, &lease, None, answer).await {
-        Ok(Some(buffered)) => (buffered.stores(config), outcome_of(buffered)),
+        Ok(Some(buffered)) => (
+            buffered.stores(config),
+            outcome_of(buffered, &config.replay_denylist),
+        ),
         Ok(None) | Err(_) => {
             tracing::warn!("no late answer came; the lease will lapse and a retry takes over");
             return;
         }
     };
     match produced {
-        Ok((parts, _, mut outcome)) => {
-            if let Outcome::Stored(stored) = &mut outcome {
-                with_headers(stored, &parts.headers, &config.replay_denylist);
-            }
+        Ok((parts, _, outcome)) => {
             tracing::info!(
                 status = parts.status.as_u16(),
                 "late answer arrived; recording it"
