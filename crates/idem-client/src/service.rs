@@ -12,6 +12,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use tower::{Service, ServiceExt, retry::budget::Budget};
 
+use idem_core::protocol::is_grpc;
+
 use crate::{
     backoff::{ceiling, full_jitter, parse_retry_after},
     body::{BoxError, ReplayBody},
@@ -104,14 +106,6 @@ where
     }
 }
 
-/// Whether `headers` are a gRPC message's (`application/grpc`, with or
-/// without a `+format`; not gRPC-Web).
-fn is_grpc(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|value| idem_core::protocol::is_grpc_content_type(value.as_bytes()))
-}
-
 /// A gRPC answer whose status is in its head (a trailers-only answer, as
 /// every unary failure is): `Some` with why it may be retried, or
 /// `Some(None)` when it may not. The statuses retried are those an
@@ -123,14 +117,7 @@ fn grpc_reason(headers: &http::HeaderMap) -> Option<Option<String>> {
     if !is_grpc(headers) {
         return None;
     }
-    let status: u32 = headers
-        .get("grpc-status")?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    Some(match status {
+    Some(match idem_core::protocol::grpc_status(headers)? {
         14 => Some("grpc_unavailable".to_owned()),
         4 => Some("grpc_deadline_exceeded".to_owned()),
         8 => Some("grpc_resource_exhausted".to_owned()),

@@ -33,12 +33,29 @@ pub mod codes {
 /// `code` (the layer answers gRPC calls with gRPC statuses).
 pub const GRPC_PROBLEM: &str = "idem-problem";
 
-/// Whether a `content-type` value names a gRPC message: `application/grpc`,
-/// with or without a `+format` or parameters; not gRPC-Web, whose trailers
-/// travel in its body.
-pub fn is_grpc_content_type(value: &[u8]) -> bool {
+/// Whether `headers` describe a gRPC message: a `content-type` of
+/// `application/grpc`, with or without a `+format` or parameters; not
+/// gRPC-Web, whose trailers travel in its body.
+pub fn is_grpc(headers: &http::HeaderMap) -> bool {
     const GRPC: &[u8] = b"application/grpc";
-    value.len() >= GRPC.len()
-        && value[..GRPC.len()].eq_ignore_ascii_case(GRPC)
-        && matches!(value.get(GRPC.len()), None | Some(b'+' | b';' | b' '))
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|value| {
+            let value = value.as_bytes();
+            value.len() >= GRPC.len()
+                && value[..GRPC.len()].eq_ignore_ascii_case(GRPC)
+                && matches!(value.get(GRPC.len()), None | Some(b'+' | b';' | b' '))
+        })
+}
+
+/// The `grpc-status` in `headers` (a trailers block, or the head of a
+/// trailers-only answer), when there is a readable one.
+pub fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
+    headers
+        .get("grpc-status")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }

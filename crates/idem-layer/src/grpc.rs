@@ -116,14 +116,7 @@ const GRPC_ENCODING: HeaderName = HeaderName::from_static("grpc-encoding");
 /// message may be long in coming, and its first is not held back longer.
 pub const STREAM_GRACE: Duration = Duration::from_millis(100);
 
-/// Whether `headers` describe a gRPC message (`application/grpc`, with or
-/// without a `+format` or parameters; not gRPC-Web, whose trailers travel
-/// in its body).
-pub fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|value| idem_core::protocol::is_grpc_content_type(value.as_bytes()))
-}
+pub use idem_core::protocol::is_grpc;
 
 /// The default gRPC outcome predicate: which statuses are stored (a retry
 /// would only repeat them) and which release the key (a retry may cure
@@ -153,11 +146,10 @@ pub fn default_grpc_should_store(status: u32) -> bool {
 /// The call's `grpc-status`: from the trailers, else from the head (a
 /// trailers-only answer). `None` when neither has a readable one.
 pub(crate) fn status(head: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<u32> {
-    trailers
-        .and_then(|trailers| trailers.get(GRPC_STATUS))
-        .or_else(|| head.get(GRPC_STATUS))
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.trim().parse().ok())
+    let holder = trailers
+        .filter(|trailers| trailers.contains_key(GRPC_STATUS))
+        .unwrap_or(head);
+    idem_core::protocol::grpc_status(holder)
 }
 
 /// The gRPC status each refusal of the layer is sent with.
