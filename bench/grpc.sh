@@ -20,21 +20,8 @@ cd "$(dirname "$0")/.."
 cargo build --release -q -p grpc-payments --features bench --bins
 server=target/release/grpc-payments
 load=target/release/grpc-load
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
-free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-
-store_url=memory
-if [ "$store" = redis ]; then
-  redis_port=$(free_port)
-  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
-    --dir "$work" --logfile "$work/redis.log" &
-  for _ in $(seq 50); do
-    redis-cli -p "$redis_port" ping 2>/dev/null | grep -q PONG && break
-    sleep 0.1
-  done
-  store_url="redis://127.0.0.1:$redis_port"
-fi
+. bench/servers.sh
+use_store "$store"
 
 layered_port=$(free_port)
 bare_port=$(free_port)
