@@ -39,6 +39,23 @@ mod single_node_packed {
     idem_core::conformance_tests!(single_packed, records_admin);
 }
 
+/// A harness on a fresh single server whose store keeps new records as
+/// one string (format 3).
+async fn single_string() -> Option<RealClock<RedisStore>> {
+    let server = RedisServer::spawn()?;
+    let store = RedisStore::builder(&server.url())
+        .record_format(idem_redis::RecordFormat::V3)
+        .build()
+        .expect("store");
+    Some(RealClock::new(store, server))
+}
+
+mod single_node_string {
+    use super::*;
+
+    idem_core::conformance_tests!(single_string, records_admin);
+}
+
 /// Two stores on one Redis, one packing new records and one not, taking
 /// the calls in turn: a record one layout's store wrote is read, completed,
 /// renewed, released, cancelled and listed by the other's (a rolling
@@ -126,14 +143,21 @@ impl RecordsAdmin for Alternating {
 /// Alternating stores on a fresh single server, the packing one first
 /// when `packed_first`.
 async fn alternating(packed_first: bool) -> Option<RealClock<Alternating>> {
+    let formats = [packed_first, !packed_first].map(idem_tests::redis_server::format_of);
+    alternating_formats(formats).await
+}
+
+/// Alternating stores on a fresh single server, writing these formats.
+async fn alternating_formats(
+    formats: [idem_redis::RecordFormat; 2],
+) -> Option<RealClock<Alternating>> {
     let server = RedisServer::spawn()?;
-    let store = |packed: bool| {
+    let stores = formats.map(|format| {
         RedisStore::builder(&server.url())
-            .record_format(idem_tests::redis_server::format_of(packed))
+            .record_format(format)
             .build()
             .expect("store")
-    };
-    let stores = [store(packed_first), store(!packed_first)];
+    });
     let next = std::sync::atomic::AtomicUsize::new(0);
     Some(RealClock::new(Alternating { stores, next }, server))
 }
@@ -148,6 +172,23 @@ mod expanded_then_packed {
     use super::*;
 
     idem_core::conformance_tests!(|| alternating(false), records_admin);
+}
+
+/// A store writing format 3 beside one writing format 2 (the two steps of
+/// a rolling upgrade to format 3, or back): each works on the other's
+/// records, strings and hashes alike.
+mod string_then_packed {
+    use super::*;
+    use idem_redis::RecordFormat::{V2, V3};
+
+    idem_core::conformance_tests!(|| alternating_formats([V3, V2]), records_admin);
+}
+
+mod packed_then_string {
+    use super::*;
+    use idem_redis::RecordFormat::{V2, V3};
+
+    idem_core::conformance_tests!(|| alternating_formats([V2, V3]), records_admin);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -221,6 +262,28 @@ async fn cluster_passes_the_whole_suite_with_either_layout() {
             .expect("store")
     };
     let stores = [store(true), store(false)];
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let harness = Arc::new(RealClock::new(Alternating { stores, next }, cluster));
+    idem_core::conformance::run_all(harness).await;
+}
+
+/// The whole suite on a cluster through a store keeping new records as
+/// strings (format 3) and one writing the expanded layout, taking turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_passes_the_whole_suite_with_string_records() {
+    let Some(cluster) = RedisCluster::spawn() else {
+        return;
+    };
+    let store = |format| {
+        RedisStore::builder(&cluster.url())
+            .record_format(format)
+            .build()
+            .expect("store")
+    };
+    let stores = [
+        store(idem_redis::RecordFormat::V3),
+        store(idem_redis::RecordFormat::V1),
+    ];
     let next = std::sync::atomic::AtomicUsize::new(0);
     let harness = Arc::new(RealClock::new(Alternating { stores, next }, cluster));
     idem_core::conformance::run_all(harness).await;

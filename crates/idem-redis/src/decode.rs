@@ -426,7 +426,17 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
 /// (`p<start>:<lease ms>:<retention ms>`: it expires at start plus
 /// retention). The body is a slice of the reply, not a copy.
 pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
-    let mut at = 0;
+    replay_from(raw, 0, None)
+}
+
+/// A replay as [`decode_replay`] reads it, from `raw[at..]`; with
+/// `expires` given, the text there has no expiry of its own (a string
+/// record's completion, `string_record.rs`).
+pub(crate) fn replay_from(
+    raw: Vec<u8>,
+    mut at: usize,
+    expires: Option<u64>,
+) -> Result<Replay, StoreError> {
     // The next number, and whether `p` led it.
     let mut number = |what: &str| {
         let led = raw.get(at).is_some_and(|&byte| byte == b'p');
@@ -446,12 +456,15 @@ pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
     let (_, status) = number("status")?;
     let (_, stored) = number("stored")?;
     let (_, completed) = number("completion time")?;
-    let expires = match number("expiry")? {
-        (true, started) => {
-            let _lease = number("lease")?;
-            started.saturating_add(number("retention")?.1)
-        }
-        (false, expires) => expires,
+    let expires = match expires {
+        Some(expires) => expires,
+        None => match number("expiry")? {
+            (true, started) => {
+                let _lease = number("lease")?;
+                started.saturating_add(number("retention")?.1)
+            }
+            (false, expires) => expires,
+        },
     };
     let (_, headers) = number("headers' length")?;
     // A response key cut short reads as what it holds, as Lua's

@@ -26,6 +26,16 @@
 //!   and a typical API response kept inside the record instead of a key of
 //!   its own.
 //!
+//! * **Format 3** keeps a new key's record as one string instead of a
+//!   hash (`string_record.rs`): reserved, and replayed, by one
+//!   native `SET … NX PX … GET`, completed by a compare-and-set script
+//!   that reads no clock. Every other path (a renewal, a release, a
+//!   takeover, a wait, a cancel, an operator's act, a read) first rewrites
+//!   the string as the format 2 hash it stands for (`convert.lua`, keeping
+//!   its expiry), and works on that; a record that ever had a second
+//!   attempt is a hash. A store writing format 2 reads format 3 records
+//!   the same way, so format 3 rolls out in the two steps below.
+//!
 //! Every store reads every format up to [`NEWEST`]. A record of a newer
 //! format (written by a later idem) is refused, never misread: the scripts
 //! that meet one answer an error (`503 idempotency_store_unavailable`,
@@ -49,6 +59,9 @@ pub enum RecordFormat {
     /// Packed new keys, compact headers, `v` = `2` (the default).
     #[default]
     V2,
+    /// A new key's record as one string (`string_record.rs`);
+    /// every other path works on the format 2 hash it stands for.
+    V3,
 }
 
 impl RecordFormat {
@@ -57,6 +70,7 @@ impl RecordFormat {
         match self {
             Self::V1 => 1,
             Self::V2 => 2,
+            Self::V3 => 3,
         }
     }
 
@@ -65,6 +79,7 @@ impl RecordFormat {
         match number {
             1 => Some(Self::V1),
             2 => Some(Self::V2),
+            3 => Some(Self::V3),
             _ => None,
         }
     }
@@ -78,10 +93,22 @@ impl RecordFormat {
     pub(crate) fn compact_headers(self) -> bool {
         self >= Self::V2
     }
+
+    /// Whether a new key's record is one string (format 3).
+    pub(crate) fn string_records(self) -> bool {
+        self >= Self::V3
+    }
+
+    /// The format of the hashes this store's scripts write: its own, or
+    /// format 2 for format 3 (whose records become format 2 hashes on
+    /// every path but the hot ones).
+    pub(crate) fn hash_format(self) -> Self {
+        self.min(Self::V2)
+    }
 }
 
 /// The newest format this version of idem reads.
-pub const NEWEST: RecordFormat = RecordFormat::V2;
+pub const NEWEST: RecordFormat = RecordFormat::V3;
 
 macro_rules! fields {
     ($($(#[doc = $doc:literal])* $constant:ident = $name:literal;)*) => {
@@ -215,10 +242,10 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), FIELDS.len());
-        for format in [RecordFormat::V1, RecordFormat::V2] {
+        for format in [RecordFormat::V1, RecordFormat::V2, RecordFormat::V3] {
             assert_eq!(RecordFormat::from_number(format.number()), Some(format));
         }
-        assert_eq!(RecordFormat::default(), NEWEST);
+        assert!(RecordFormat::default() <= NEWEST);
         assert_eq!(RecordFormat::from_number(NEWEST.number() + 1), None);
     }
 }

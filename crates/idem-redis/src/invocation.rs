@@ -16,12 +16,30 @@ use crate::pool::Conn;
 /// The command's buffers are reused: an ended call leaves them to its
 /// thread's next calls (see [`SPARE_COMMANDS`]).
 pub(crate) struct Invocation<'s> {
-    script: &'s Script,
+    /// The script, or `None` for a native command on a record.
+    script: Option<&'s Script>,
+    /// Whether the call's first key is a record's (see [`invoke`](Self::invoke)).
+    record: bool,
     cmd: redis::Cmd,
     /// The bytes of the call's keys and arguments (what follows `EVALSHA`,
     /// the script's hash and the number of keys).
     bytes: usize,
 }
+
+/// What a native command on a record answers when the record is kept as
+/// a hash (Redis' `WRONGTYPE`): `+OK`, which the native commands used on
+/// records (`SET … GET`) never answer.
+pub(crate) const HASH_RECORD: Value = Value::Okay;
+
+/// How many times a script that met a string record converts it and runs
+/// again (see [`Invocation::invoke`]).
+const CONVERSION_ROUNDS: usize = 3;
+
+/// Rewrites a record kept as one string as the hash it stands for
+/// (`convert.lua`), for a script that met it.
+static CONVERT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+    Script::new(&crate::format::substitute(include_str!("lua/convert.lua")))
+});
 
 thread_local! {
     /// Emptied commands of ended calls, their buffers kept for this
@@ -49,11 +67,38 @@ impl<'s> Invocation<'s> {
         invocation
     }
 
+    /// A call of `script` on `key`, a record's key (as
+    /// [`on_record`](Self::on_record) makes one).
+    pub(crate) fn on_record_key(script: &'s Script, key: &str) -> Self {
+        let mut invocation = Self::new(script, &[key]);
+        invocation.record = true;
+        invocation
+    }
+
+    /// The native command `name` on the record key of `scope` under
+    /// `prefix`; arguments follow with [`arg`](Self::arg). A record kept as
+    /// a hash answers it [`HASH_RECORD`] (see [`invoke`](Self::invoke)).
+    pub(crate) fn native(name: &str, prefix: &str, scope: &ScopeHash) -> Self {
+        let cmd = SPARE_COMMANDS
+            .with(|spare| spare.borrow_mut().pop())
+            .unwrap_or_else(|| redis::Cmd::with_capacity(16, 256));
+        let mut invocation = Self {
+            script: None,
+            record: true,
+            cmd,
+            bytes: 0,
+        };
+        invocation.cmd.arg(name);
+        invocation.pieces(&record_key_pieces(prefix, &scope.hex_bytes()));
+        invocation
+    }
+
     /// A call of `script` on one key, the record key of `scope` under
     /// `prefix` (see [`RedisStore::record_key`]), written without an
     /// allocation of its own.
     pub(crate) fn on_record(script: &'s Script, prefix: &str, scope: &ScopeHash) -> Self {
         let mut invocation = Self::of(script, 1);
+        invocation.record = true;
         invocation.pieces(&record_key_pieces(prefix, &scope.hex_bytes()));
         invocation
     }
@@ -65,7 +110,8 @@ impl<'s> Invocation<'s> {
             .unwrap_or_else(|| redis::Cmd::with_capacity(16, 256));
         cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
         Self {
-            script,
+            script: Some(script),
+            record: false,
             cmd,
             bytes: 0,
         }
@@ -135,23 +181,74 @@ impl<'s> Invocation<'s> {
 
     /// Runs the call on `conn`.
     ///
-    /// The calls off the hot path (loading the script, a cluster's query)
-    /// are boxed: a future is as large as its largest state, and every
-    /// store call's future is moved whole at least once.
+    /// A record kept as one string (format 3, `string_record.rs`) meets a
+    /// script with `WRONGTYPE`: `convert.lua` then rewrites it as the hash
+    /// it stands for, and the script runs again. A native command meets a
+    /// record kept as a hash the same way, and is answered
+    /// [`HASH_RECORD`] for its caller to run the script instead.
+    ///
+    /// The calls off the hot path (loading the script, a conversion, a
+    /// cluster's query) are boxed: a future is as large as its largest
+    /// state, and every store call's future is moved whole at least once.
     pub(crate) async fn invoke(&self, conn: &mut Conn) -> redis::RedisResult<Value> {
         match self.query(conn).await {
-            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                Box::pin(async {
-                    match conn {
-                        Conn::Single(c) => self.script.load_async(c).await?,
-                        Conn::Cluster(c) => self.script.load_async(c).await?,
-                    };
-                    self.query(conn).await
-                })
-                .await
-            }
-            other => other,
+            Err(error) => Box::pin(self.recover(error, conn)).await,
+            ok => ok,
         }
+    }
+
+    /// After `error`: loads the script and runs it again (`NOSCRIPT`), or
+    /// converts a string record and runs the script again, or answers
+    /// [`HASH_RECORD`] (`WRONGTYPE`); else the error stands.
+    async fn recover(
+        &self,
+        mut error: redis::RedisError,
+        conn: &mut Conn,
+    ) -> redis::RedisResult<Value> {
+        if let (Some(script), ErrorKind::Server(ServerErrorKind::NoScript)) =
+            (self.script, error.kind())
+        {
+            match conn {
+                Conn::Single(c) => script.load_async(c).await?,
+                Conn::Cluster(c) => script.load_async(c).await?,
+            };
+            match self.query(conn).await {
+                Err(again) => error = again,
+                ok => return ok,
+            }
+        }
+        if !self.record || error.code() != Some("WRONGTYPE") {
+            return Err(error);
+        }
+        if self.script.is_none() {
+            return Ok(HASH_RECORD);
+        }
+        let Some(redis::Arg::Simple(key)) = self.cmd.args_iter().nth(3) else {
+            return Err(error);
+        };
+        let mut convert = Self::of(&CONVERT, 1);
+        convert.arg(key);
+        // Another call may convert the record first (then this one finds a
+        // hash and converts nothing), and a record that expired meanwhile
+        // may be a new string again: a few rounds, each converting what is
+        // there and running the script again.
+        for _ in 0..CONVERSION_ROUNDS {
+            match convert.query(conn).await {
+                Err(missing) if missing.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    match conn {
+                        Conn::Single(c) => CONVERT.load_async(c).await?,
+                        Conn::Cluster(c) => CONVERT.load_async(c).await?,
+                    };
+                    convert.query(conn).await?
+                }
+                other => other?,
+            };
+            match self.query(conn).await {
+                Err(again) if again.code() == Some("WRONGTYPE") => error = again,
+                done => return done,
+            }
+        }
+        Err(error)
     }
 
     async fn query(&self, conn: &mut Conn) -> redis::RedisResult<Value> {

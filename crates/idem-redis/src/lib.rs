@@ -124,6 +124,7 @@ mod pool;
 mod safety;
 mod scripts;
 mod store;
+mod string_record;
 mod watch;
 
 pub use builder::{BuildError, RedisStoreBuilder};
@@ -509,7 +510,7 @@ mod tests {
                 decode_record(scope, &pairs(&fields))
             };
             assert_eq!(with_version("2").expect("format 2"), record);
-            for newer in ["3", "99999999999"] {
+            for newer in ["4", "99999999999"] {
                 match with_version(newer) {
                     Err(StoreError::Refused(error)) => {
                         assert!(error.to_string().contains("newer"), "{error}");

@@ -41,13 +41,15 @@ pub(crate) struct Constants {
 /// the tenant to).
 pub(crate) fn source(body: &str, constants: Constants, tenant_field: &str) -> String {
     let flag = |on: bool| if on { "true" } else { "false" };
-    let written = match constants.format {
+    // A format 3 store's scripts work on format 2 hashes (format.rs).
+    let hashes = constants.format.hash_format();
+    let written = match hashes {
         RecordFormat::V1 => String::new(),
         other => other.number().to_string(),
     };
     let head = HEAD
         .replace("@NOTIFY@", flag(constants.notify))
-        .replace("@PACKED@", flag(constants.format.packed()))
+        .replace("@PACKED@", flag(hashes.packed()))
         .replace("@FORMAT@", &written)
         .replace("@NEWEST@", &format::NEWEST.number().to_string())
         .replace("@HISTORY@", &ATTEMPT_HISTORY.to_string());
@@ -89,6 +91,9 @@ pub(crate) struct Scripts {
     pub(crate) watch: Script,
     /// Counts the lapsed records of a `SCAN` page (no prologue).
     pub(crate) count_lapsed: Script,
+    /// A completion's hot path on a string record (format 3, no
+    /// prologue).
+    pub(crate) complete_string: Script,
 }
 
 impl Scripts {
@@ -108,6 +113,7 @@ impl Scripts {
             erase: script("erase"),
             watch: Script::new(&format::substitute(include_str!("lua/watch.lua"))),
             count_lapsed: Script::new(&format::substitute(include_str!("lua/count_lapsed.lua"))),
+            complete_string: Script::new(include_str!("lua/complete_string.lua")),
         }
     }
 }
@@ -204,6 +210,8 @@ mod tests {
             HOLDER,
             include_str!("lua/watch.lua"),
             include_str!("lua/count_lapsed.lua"),
+            include_str!("lua/convert.lua"),
+            include_str!("lua/complete_string.lua"),
         ]
         .into_iter()
         .chain(BODIES.map(body));

@@ -17,9 +17,10 @@ use crate::{
     abandon::Abandon,
     decode::{self, *},
     errors::corrupt,
-    invocation::Invocation,
+    invocation::{HASH_RECORD, Invocation},
     keys::{millis, record_key_pieces},
     pool::Pool,
+    string_record::{self, Found},
 };
 
 /// How many record reads [`RecordsAdmin::list`](idem_core::RecordsAdmin::list) keeps in
@@ -69,6 +70,68 @@ fn decode_reservation(
     })
 }
 
+impl RedisStore {
+    /// Logs a completion that reached fewer replicas than the store waits
+    /// for (it stands: the handler ran).
+    fn warn_short_of_replicas(&self, acked: Option<usize>) {
+        if let Some((acked, wanted)) = self.short_of_replicas(acked) {
+            tracing::warn!(
+                acked,
+                wanted,
+                "the completion reached fewer replicas than requested"
+            );
+        }
+    }
+
+    /// A format 3 reservation's call: one `SET … NX PX … GET`
+    /// (`string_record.rs`) under the attempt and owner token `guard`
+    /// holds.
+    fn reserve_native(&self, request: &ReserveRequest, guard: &Abandon<'_>) -> Invocation<'_> {
+        let tenant = TenantForm::of_shared(request.scope.shared_tenant());
+        let record = string_record::Reservation {
+            token: &guard.token,
+            attempt: &guard.attempt,
+            fingerprint: &request.fingerprint.hex_bytes(),
+            start_ms: unix_ms(),
+            lease_ms: millis(request.lease),
+            retention_ms: millis(request.retention),
+            tenant: &tenant,
+            operation: request.scope.operation(),
+            key: request.scope.key().as_str(),
+        };
+        let mut invocation = Invocation::native("SET", &self.prefix, request.scope.hash());
+        invocation
+            .write_arg(|out| record.write(out))
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(request.retention))
+            .arg("GET");
+        invocation
+    }
+
+    /// The reserve script's call for `request`, under the attempt and
+    /// owner token `guard` holds.
+    fn reserve_script(&self, request: &ReserveRequest, guard: &Abandon<'_>) -> Invocation<'_> {
+        let tenant = TenantForm::of_shared(request.scope.shared_tenant());
+        let script = if tenant.field() == "tenant_bin" {
+            &self.scripts.reserve_bin
+        } else {
+            &self.scripts.reserve
+        };
+        let mut invocation = Invocation::on_record(script, &self.prefix, request.scope.hash());
+        invocation
+            .arg(&request.fingerprint.hex_bytes()[..])
+            .uuid(&guard.attempt)
+            .uuid(&guard.token)
+            .arg(millis(request.lease))
+            .arg(millis(request.retention))
+            .pieces(&tenant.pieces())
+            .arg(request.scope.operation())
+            .arg(request.scope.key().as_str());
+        invocation
+    }
+}
+
 impl Store for RedisStore {
     /// Each call is bounded by the store's timeout (plus the wait for
     /// replicas, when it waits for them): see [`RedisStoreBuilder::timeout`](crate::RedisStoreBuilder::timeout).
@@ -100,32 +163,6 @@ impl Store for RedisStore {
             conn: None,
             within: request.retention,
         };
-        let invocation = {
-            let tenant = TenantForm::of_shared(request.scope.shared_tenant());
-            let script = if tenant.field() == "tenant_bin" {
-                &self.scripts.reserve_bin
-            } else {
-                &self.scripts.reserve
-            };
-            let mut invocation = Invocation::on_record(script, &self.prefix, scope);
-            invocation
-                .arg(&request.fingerprint.hex_bytes()[..])
-                .uuid(&guard.attempt)
-                .uuid(&guard.token)
-                .arg(millis(request.lease))
-                .arg(millis(request.retention))
-                .pieces(&tenant.pieces())
-                .arg(request.scope.operation())
-                .arg(request.scope.key().as_str());
-            invocation
-        };
-        let (reply, acked) = self
-            .run_on(
-                invocation,
-                self.wait_replicas.is_some(),
-                Some(&mut guard.conn),
-            )
-            .await?;
         let (attempt, token) = (AttemptId(guard.attempt), OwnerToken(guard.token));
         let lease = |generation: u64| Lease {
             scope: *scope,
@@ -134,7 +171,48 @@ impl Store for RedisStore {
             token,
             ttl: request.lease,
         };
-        let reservation = decode_reservation(reply, lease)?;
+        // Format 3: one native command, unless the record it finds is a
+        // hash, or processing for this request under another owner: then
+        // the reserve script decides. One call site, so that the
+        // reservation's future holds one call's state.
+        let mut by_script = !self.format.string_records();
+        let (reservation, acked) = loop {
+            let invocation = if by_script {
+                self.reserve_script(request, &guard)
+            } else {
+                self.reserve_native(request, &guard)
+            };
+            let (reply, acked) = self
+                .run_on(
+                    invocation,
+                    self.wait_replicas.is_some(),
+                    Some(&mut guard.conn),
+                )
+                .await?;
+            if by_script {
+                break (decode_reservation(reply, lease)?, acked);
+            }
+            let found = match reply {
+                Value::Nil => Found::Ours,
+                Value::BulkString(raw) => {
+                    string_record::found(raw, &request.fingerprint, &guard.token)?
+                }
+                HASH_RECORD => Found::Held,
+                other => return Err(corrupt(format!("unexpected reservation reply {other:?}"))),
+            };
+            break (
+                match found {
+                    Found::Ours => Reservation::Acquired(lease(1)),
+                    Found::Replay(replay) => Reservation::Completed(replay),
+                    Found::Conflict => Reservation::Conflict,
+                    Found::Held => {
+                        by_script = true;
+                        continue;
+                    }
+                },
+                acked,
+            );
+        };
         if let (
             Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. },
             Some((acked, wanted)),
@@ -165,6 +243,20 @@ impl Store for RedisStore {
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
+        // Format 3: a compare-and-set on the string record; complete.lua
+        // answers every other case (a hash, a lease no longer held).
+        if self.format.string_records() && lease.generation == 1 {
+            let mut invocation =
+                Invocation::on_record(&self.scripts.complete_string, &self.prefix, &lease.scope);
+            invocation
+                .uuid(&lease.token.0)
+                .write_arg(|out| string_record::write_completion(out, outcome, unix_ms()));
+            let (reply, acked) = self.run(invocation, self.wait_replicas.is_some()).await?;
+            if hot_path(&reply) {
+                self.warn_short_of_replicas(acked);
+                return Ok(Completion::Recorded);
+            }
+        }
         let mut invocation =
             Invocation::on_record(&self.scripts.complete, &self.prefix, &lease.scope);
         lease_args(&mut invocation, lease);
@@ -193,13 +285,7 @@ impl Store for RedisStore {
         // was retried (fence.lua).
         let recorded = hot_path(&reply) || led_by(&reply, "recorded");
         if recorded {
-            if let Some((acked, wanted)) = self.short_of_replicas(acked) {
-                tracing::warn!(
-                    acked,
-                    wanted,
-                    "the completion reached fewer replicas than requested"
-                );
-            }
+            self.warn_short_of_replicas(acked);
             return Ok(Completion::Recorded);
         }
         Ok(Completion::Fenced(decode_current(items(reply)?)?))
@@ -244,7 +330,7 @@ impl Store for RedisStore {
         // Read once subscribed: marks the record as waited on (so that the
         // scripts ending its attempt publish) and answers its state.
         let state = async {
-            let invocation = Invocation::new(&self.scripts.watch, &[&key]);
+            let invocation = Invocation::on_record_key(&self.scripts.watch, &key);
             match self.run(invocation, false).await {
                 Ok((Value::BulkString(state), _)) => String::from_utf8(state).ok(),
                 _ => None,

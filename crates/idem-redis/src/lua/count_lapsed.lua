@@ -13,9 +13,21 @@ local key_length = tonumber(ARGV[4])
 local lapsed = 0
 for _, key in ipairs(page[2]) do
   if #key == key_length then
-    -- pcall: a key of another type that fits the pattern is skipped.
+    -- pcall: a key of another type that fits the pattern is skipped, but
+    -- for a string record.
     local fields = redis.pcall('HMGET', key, @state@, @lease_until@, @expires@, @n@)
-    if type(fields) == 'table' and fields[1] == 'processing' then
+    if type(fields) == 'table' and fields.err then
+      -- A record kept as one string (format 3, string_record.rs): its
+      -- reservation began retention - PTTL ago by Redis' clock.
+      local raw = redis.pcall('GET', key)
+      if type(raw) == 'string' and string.sub(raw, 1, 2) == '3p' then
+        local lease_ms, retention_ms = string.match(raw, '^%d+:(%d+):(%d+):', 139)
+        local pttl = redis.call('PTTL', key)
+        if lease_ms and pttl > 0 and tonumber(retention_ms) - pttl >= tonumber(lease_ms) then
+          lapsed = lapsed + 1
+        end
+      end
+    elseif type(fields) == 'table' and fields[1] == 'processing' then
       -- Missing fields read as 0, as decode.rs reads them.
       local lease_until, expires = tonumber(fields[2]) or 0, tonumber(fields[3]) or 0
       if fields[4] then

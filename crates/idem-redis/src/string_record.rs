@@ -1,0 +1,348 @@
+//! Record format 3: a new key's record kept as one string, so that its hot
+//! paths are native commands or one small compare-and-set.
+//!
+//! * **A new key** is one `SET <record> <reservation> NX PX <retention> GET`:
+//!   written when the key is free, and otherwise answered with the record
+//!   that holds it, so a replay (and a conflict) costs the same one native
+//!   command and no script.
+//! * **A completion** is `complete_string.lua`: it checks that the record
+//!   is still this reservation's (processing, this owner token) and sets
+//!   the completed record (`KEEPTTL`: retention counts from the
+//!   reservation). It reads no clock.
+//! * **Every other path** (a renewal, a release, a reservation that meets a
+//!   processing record, a wait, a cancel, an operator's act, a read) runs
+//!   the format 2 scripts. Those meet a string with `WRONGTYPE`;
+//!   [`Invocation::invoke`](crate::invocation::Invocation) then has
+//!   `convert.lua` rewrite the string as the packed format 2 hash it stands
+//!   for (same expiry) and runs the script again. A record stays a hash from
+//!   then on.
+//!
+//! # Layout
+//!
+//! ```text
+//! 3 p|c <owner token, 36> <attempt id, 36> <fingerprint, 64 hex>
+//! <start>:<lease ms>:<retention ms>:
+//! t|b <length>: <tenant>   (b: the tenant_bin form, decode.rs)
+//! <length>: <operation>
+//! <length>: <key>
+//! completed only: <status>:<stored>:<ended>:<length of the headers>: <headers><body>
+//! ```
+//!
+//! The start and the end are the writing process' clock (Unix ms): the
+//! start serves only to bound how long a process may keep a replay (the
+//! record expires a retention after it). Leases are judged on Redis' clock
+//! alone: a string's reservation began `retention - PTTL` ago, which is how
+//! `convert.lua` writes the hash's start, and how `count_lapsed.lua` reads a
+//! processing string's lease.
+
+use idem_core::{Fingerprint, Outcome, Replay, StoreError};
+
+use crate::decode::{TenantForm, replay_from, write_headers};
+use crate::errors::corrupt;
+
+/// The record's format byte and its two states.
+const VERSION: u8 = b'3';
+const PROCESSING: u8 = b'p';
+const COMPLETED: u8 = b'c';
+
+/// Where the fixed fields end.
+const OWNER: std::ops::Range<usize> = 2..38;
+const FINGERPRINT: std::ops::Range<usize> = 74..138;
+
+/// What a reservation writes, and compares a found record against.
+pub(crate) struct Reservation<'a> {
+    pub(crate) token: &'a uuid::Uuid,
+    pub(crate) attempt: &'a uuid::Uuid,
+    pub(crate) fingerprint: &'a [u8; 64],
+    pub(crate) start_ms: u64,
+    pub(crate) lease_ms: u64,
+    pub(crate) retention_ms: u64,
+    pub(crate) tenant: &'a TenantForm<'a>,
+    pub(crate) operation: &'a str,
+    pub(crate) key: &'a str,
+}
+
+impl Reservation<'_> {
+    /// Writes the processing record.
+    pub(crate) fn write(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        let mut ids = [uuid::Uuid::encode_buffer(), uuid::Uuid::encode_buffer()];
+        let [owner, attempt] = &mut ids;
+        out.write_all(&[VERSION, PROCESSING])?;
+        out.write_all(self.token.hyphenated().encode_lower(owner).as_bytes())?;
+        out.write_all(self.attempt.hyphenated().encode_lower(attempt).as_bytes())?;
+        out.write_all(self.fingerprint)?;
+        let form = if self.tenant.field() == crate::format::TENANT_BIN {
+            'b'
+        } else {
+            't'
+        };
+        let [text, hash] = self.tenant.pieces();
+        write!(
+            out,
+            "{}:{}:{}:{form}{}:",
+            self.start_ms,
+            self.lease_ms,
+            self.retention_ms,
+            text.len() + hash.len()
+        )?;
+        out.write_all(text)?;
+        out.write_all(hash)?;
+        write!(out, "{}:", self.operation.len())?;
+        out.write_all(self.operation.as_bytes())?;
+        write!(out, "{}:", self.key.len())?;
+        out.write_all(self.key.as_bytes())
+    }
+}
+
+/// What a reservation makes of the record its `SET … GET` found.
+#[derive(Debug)]
+pub(crate) enum Found {
+    /// Completed with this fingerprint: the replay.
+    Replay(Replay),
+    /// Held, or completed, for another request.
+    Conflict,
+    /// This very reservation (a retried call whose reply was lost).
+    Ours,
+    /// Processing for this request under another owner: the reserve
+    /// script decides (in progress, or a takeover).
+    Held,
+}
+
+/// Judges the record a reservation of `fingerprint` under `token` found.
+pub(crate) fn found(
+    raw: Vec<u8>,
+    fingerprint: &Fingerprint,
+    token: &uuid::Uuid,
+) -> Result<Found, StoreError> {
+    let parsed = Parsed::of(&raw)?;
+    if parsed.fingerprint != fingerprint.hex_bytes() {
+        return Ok(Found::Conflict);
+    }
+    if !parsed.completed {
+        let mut buffer = uuid::Uuid::encode_buffer();
+        let ours = token.hyphenated().encode_lower(&mut buffer).as_bytes() == parsed.owner;
+        return Ok(if ours { Found::Ours } else { Found::Held });
+    }
+    let (tail, expires) = (parsed.tail, parsed.start.saturating_add(parsed.retention));
+    replay_from(raw, tail, Some(expires)).map(Found::Replay)
+}
+
+/// Writes a completion's part: `<status>:<stored>:<ended>:<length of the
+/// headers>:`, the headers (compact, decode.rs) and the body.
+pub(crate) fn write_completion(
+    out: &mut dyn std::io::Write,
+    outcome: &Outcome,
+    ended_ms: u64,
+) -> std::io::Result<()> {
+    /// Counts what is written: the headers' length, before they are.
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    match outcome {
+        Outcome::Stored(response) => {
+            let mut length = Count(0);
+            write_headers(&mut length, &response.headers, true)?;
+            write!(out, "{}:1:{ended_ms}:{}:", response.status, length.0)?;
+            write_headers(out, &response.headers, true)?;
+            out.write_all(&response.body)
+        }
+        Outcome::NotStored { status } => write!(out, "{status}:0:{ended_ms}:0:"),
+    }
+}
+
+/// The parts of a string record a reservation reads.
+struct Parsed<'a> {
+    completed: bool,
+    owner: &'a [u8],
+    fingerprint: &'a [u8],
+    start: u64,
+    retention: u64,
+    /// Where the completion's part begins.
+    tail: usize,
+}
+
+impl<'a> Parsed<'a> {
+    fn of(raw: &'a [u8]) -> Result<Self, StoreError> {
+        let completed = match raw {
+            [VERSION, PROCESSING, ..] => false,
+            [VERSION, COMPLETED, ..] => true,
+            [version, ..] if version.is_ascii_digit() && *version > VERSION => {
+                return Err(StoreError::Refused(
+                    format!(
+                        "record format {} is newer than this store reads ({}); upgrade every instance",
+                        char::from(*version),
+                        crate::format::NEWEST.number()
+                    )
+                    .into(),
+                ));
+            }
+            _ => return Err(corrupt("a string record of no known format")),
+        };
+        let short = || corrupt("a string record cut short");
+        let (owner, fingerprint) = (
+            raw.get(OWNER).ok_or_else(short)?,
+            raw.get(FINGERPRINT).ok_or_else(short)?,
+        );
+        // The number at `at`, up to its ':', and where the text after it
+        // begins.
+        let number = |at: usize| -> Result<(u64, usize), StoreError> {
+            let rest = raw.get(at..).ok_or_else(short)?;
+            let length = rest.iter().position(|&b| b == b':').ok_or_else(short)?;
+            let value = std::str::from_utf8(&rest[..length])
+                .ok()
+                .and_then(|digits| digits.parse().ok())
+                .ok_or_else(|| corrupt("a string record's number"))?;
+            Ok((value, at + length + 1))
+        };
+        let (start, at) = number(FINGERPRINT.end)?;
+        let (_lease, at) = number(at)?;
+        let (retention, mut at) = number(at)?;
+        // The tenant's form byte, then three length-led fields.
+        at += 1;
+        for _ in 0..3 {
+            let (length, after) = number(at)?;
+            at = usize::try_from(length)
+                .ok()
+                .and_then(|length| after.checked_add(length))
+                .ok_or_else(short)?;
+        }
+        if at > raw.len() {
+            return Err(short());
+        }
+        Ok(Self {
+            completed,
+            owner,
+            fingerprint,
+            start,
+            retention,
+            tail: at,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+
+    fn reservation<'a>(
+        token: &'a uuid::Uuid,
+        attempt: &'a uuid::Uuid,
+        fingerprint: &'a [u8; 64],
+        tenant: &'a TenantForm<'a>,
+    ) -> Reservation<'a> {
+        Reservation {
+            token,
+            attempt,
+            fingerprint,
+            start_ms: 1_700_000_000_000,
+            lease_ms: 30_000,
+            retention_ms: 86_400_000,
+            tenant,
+            operation: "POST /orders",
+            key: "key:with:colons",
+        }
+    }
+
+    fn written(reservation: &Reservation<'_>) -> Vec<u8> {
+        let mut out = Vec::new();
+        reservation.write(&mut out).expect("write");
+        out
+    }
+
+    /// The layout as documented, a replay read back whole, and each way a
+    /// found record is judged.
+    #[test]
+    fn a_record_reads_back_as_written() {
+        let (token, attempt) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        let fingerprint = Fingerprint::from_bytes([0xaa; 32]);
+        let hashed = format!("auth:{}", "0f".repeat(32));
+        let tenant = TenantForm::of(&hashed);
+        let hex = fingerprint.hex_bytes();
+        let raw = written(&reservation(&token, &attempt, &hex, &tenant));
+        assert_eq!(&raw[..2], b"3p");
+        assert_eq!(&raw[OWNER], token.to_string().as_bytes());
+        assert_eq!(&raw[38..74], attempt.to_string().as_bytes());
+        assert_eq!(&raw[FINGERPRINT], &[b'a'; 64][..]);
+        let head = b"1700000000000:30000:86400000:b37:auth:";
+        assert_eq!(&raw[138..138 + head.len()], head);
+        assert!(raw.ends_with(b"12:POST /orders15:key:with:colons"));
+        assert!(matches!(
+            found(raw.clone(), &fingerprint, &token),
+            Ok(Found::Ours)
+        ));
+        let other = uuid::Uuid::new_v4();
+        assert!(matches!(
+            found(raw.clone(), &fingerprint, &other),
+            Ok(Found::Held)
+        ));
+        let changed = Fingerprint::from_bytes([0xbb; 32]);
+        assert!(matches!(
+            found(raw.clone(), &changed, &token),
+            Ok(Found::Conflict)
+        ));
+
+        // Completed, as complete_string.lua writes it.
+        let mut completed = raw.clone();
+        completed[1] = COMPLETED;
+        let body = Bytes::from_static(b"{\"id\":1}\n:7:");
+        let stored = Outcome::Stored(idem_core::StoredResponse {
+            status: 201,
+            headers: vec![(
+                idem_core::HeaderName::from_static("location"),
+                Bytes::from_static(b"/orders/1"),
+            )],
+            body: body.clone(),
+        });
+        write_completion(&mut completed, &stored, 1_700_000_000_500).expect("write");
+        let tail = b"201:1:1700000000500:20:\x01\x08location\x09/orders/1";
+        assert!(completed.windows(tail.len()).any(|w| w == tail));
+        let replayed = found(completed.clone(), &fingerprint, &other);
+        let Ok(Found::Replay(replay)) = replayed else {
+            panic!("not a replay");
+        };
+        let idem_core::Outcome::Stored(response) = replay.outcome else {
+            panic!("not stored");
+        };
+        assert_eq!(response.status, 201);
+        assert_eq!(response.body, body);
+        assert_eq!(response.headers[0].1, Bytes::from_static(b"/orders/1"));
+        // It expires a retention after its start, long past.
+        assert_eq!(replay.expires_in, Some(std::time::Duration::ZERO));
+        assert!(matches!(
+            found(completed.clone(), &changed, &token),
+            Ok(Found::Conflict)
+        ));
+        // An outcome kept without its response.
+        let mut not_stored = raw.clone();
+        not_stored[1] = COMPLETED;
+        write_completion(&mut not_stored, &Outcome::NotStored { status: 502 }, 9).expect("write");
+        assert!(not_stored.ends_with(b"key:with:colons502:0:9:0:"));
+        let Ok(Found::Replay(replay)) = found(not_stored, &fingerprint, &token) else {
+            panic!("not a replay");
+        };
+        assert!(matches!(replay.outcome, Outcome::NotStored { status: 502 }));
+
+        // A newer format is refused; anything cut short or unknown is
+        // corrupt, never a panic.
+        let mut newer = completed.clone();
+        newer[0] = b'4';
+        assert!(matches!(
+            found(newer, &fingerprint, &token),
+            Err(StoreError::Refused(error)) if error.to_string().contains("format 4")
+        ));
+        for cut in 0..raw.len() {
+            let cut = found(raw[..cut].to_vec(), &fingerprint, &token);
+            assert!(cut.is_err(), "{cut:?}");
+        }
+        assert!(found(b"hello".to_vec(), &fingerprint, &token).is_err());
+    }
+}
