@@ -189,7 +189,9 @@ fn round_trips_since(
 
 /// Whether a record carries the waited-on mark (run with `EVAL`).
 const MARKED: &str = "for _, k in ipairs(redis.call('KEYS', 'idem:*')) do \
-    if redis.call('TYPE', k).ok == 'hash' and redis.call('HGET', k, 'w') then return 1 end \
+    local kind = redis.call('TYPE', k).ok \
+    if kind == 'hash' and redis.call('HGET', k, 'w') then return 1 end \
+    if kind == 'string' and string.sub(redis.call('GET', k), 1, 2) == '3a' then return 1 end \
     end return 0";
 
 /// Completions and releases of records nobody waits on publish nothing:
@@ -222,21 +224,29 @@ async fn outcomes_nobody_waits_on_publish_nothing() {
 /// test watches.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_duplicate_spends_no_commands_while_it_waits() {
-    a_waiting_duplicate_spends_no_commands_while_it_waits_on(false).await;
+    a_waiting_duplicate_spends_no_commands_while_it_waits_on(idem_redis::RecordFormat::V1).await;
 }
 
 /// The same with a store that packs new records.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_duplicate_spends_no_commands_while_it_waits_packed() {
-    a_waiting_duplicate_spends_no_commands_while_it_waits_on(true).await;
+    a_waiting_duplicate_spends_no_commands_while_it_waits_on(idem_redis::RecordFormat::V2).await;
 }
 
-async fn a_waiting_duplicate_spends_no_commands_while_it_waits_on(packed: bool) {
+/// The same with a store that keeps new records as one string (format 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_spends_no_commands_while_it_waits_string() {
+    a_waiting_duplicate_spends_no_commands_while_it_waits_on(idem_redis::RecordFormat::V3).await;
+}
+
+async fn a_waiting_duplicate_spends_no_commands_while_it_waits_on(
+    format: idem_redis::RecordFormat,
+) {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
     let store = RedisStore::builder(&server.url())
-        .record_format(idem_tests::redis_server::format_of(packed))
+        .record_format(format)
         .build()
         .expect("store");
     let app = app_with(store, InFlight::Wait(Duration::from_secs(60)));
@@ -475,22 +485,30 @@ async fn duplicates_across_tasks_and_two_store_instances_execute_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_redis_answers_503_within_the_timeout_and_recovers() {
-    paused_redis_answers_503_within_the_timeout_and_recovers_on(false).await;
+    paused_redis_answers_503_within_the_timeout_and_recovers_on(idem_redis::RecordFormat::V1).await;
 }
 
 /// The same with a store that packs new records.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_redis_answers_503_within_the_timeout_and_recovers_packed() {
-    paused_redis_answers_503_within_the_timeout_and_recovers_on(true).await;
+    paused_redis_answers_503_within_the_timeout_and_recovers_on(idem_redis::RecordFormat::V2).await;
 }
 
-async fn paused_redis_answers_503_within_the_timeout_and_recovers_on(packed: bool) {
+/// The same with a store that keeps new records as one string (format 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_redis_answers_503_within_the_timeout_and_recovers_string() {
+    paused_redis_answers_503_within_the_timeout_and_recovers_on(idem_redis::RecordFormat::V3).await;
+}
+
+async fn paused_redis_answers_503_within_the_timeout_and_recovers_on(
+    format: idem_redis::RecordFormat,
+) {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
     let store = RedisStore::builder(&server.url())
         .timeout(Duration::from_millis(300))
-        .record_format(idem_tests::redis_server::format_of(packed))
+        .record_format(format)
         .build()
         .expect("store");
     let app = app(store);
@@ -939,17 +957,18 @@ async fn wait_for_replicas_refuses_a_reservation_no_replica_has() {
 /// broken connection) is recognised as the same write, not fenced.
 #[tokio::test]
 async fn repeated_writes_of_one_attempt_are_recognised() {
-    for packed in [false, true] {
-        repeated_writes_on(packed).await;
+    use idem_redis::RecordFormat::{V1, V2, V3};
+    for format in [V1, V2, V3] {
+        repeated_writes_on(format).await;
     }
 }
 
-async fn repeated_writes_on(packed: bool) {
+async fn repeated_writes_on(format: idem_redis::RecordFormat) {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
     let store = RedisStore::builder(&server.url())
-        .record_format(idem_tests::redis_server::format_of(packed))
+        .record_format(format)
         .build()
         .expect("store");
     let request = ReserveRequest {

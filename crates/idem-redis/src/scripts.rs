@@ -113,7 +113,10 @@ impl Scripts {
             erase: script("erase"),
             watch: Script::new(&format::substitute(include_str!("lua/watch.lua"))),
             count_lapsed: Script::new(&format::substitute(include_str!("lua/count_lapsed.lua"))),
-            complete_string: Script::new(include_str!("lua/complete_string.lua")),
+            complete_string: Script::new(
+                &include_str!("lua/complete_string.lua")
+                    .replace("@NOTIFY@", if constants.notify { "true" } else { "false" }),
+            ),
         }
     }
 }

@@ -70,6 +70,17 @@ fn decode_reservation(
     })
 }
 
+/// Where a reservation is (see [`Store::reserve`] on [`RedisStore`]).
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    /// Format 3's `SET … NX PX … GET`.
+    Native,
+    /// Reading the remaining time of a string record held by another owner.
+    LeaseOf { lease_ms: u64, retention_ms: u64 },
+    /// The reserve script.
+    Script,
+}
+
 impl RedisStore {
     /// Logs a completion that reached fewer replicas than the store waits
     /// for (it stands: the handler ran).
@@ -171,42 +182,74 @@ impl Store for RedisStore {
             token,
             ttl: request.lease,
         };
-        // Format 3: one native command, unless the record it finds is a
-        // hash, or processing for this request under another owner: then
-        // the reserve script decides. One call site, so that the
-        // reservation's future holds one call's state.
-        let mut by_script = !self.format.string_records();
+        // Format 3: one native command; a record it finds processing for
+        // this request under another owner costs a `PTTL` more, and the
+        // reserve script decides once that lease ran out, or when the
+        // record is a hash. One call site, so that the reservation's
+        // future holds one call's state.
+        let mut step = if self.format.string_records() {
+            Step::Native
+        } else {
+            Step::Script
+        };
         let (reservation, acked) = loop {
-            let invocation = if by_script {
-                self.reserve_script(request, &guard)
-            } else {
-                self.reserve_native(request, &guard)
+            let invocation = match step {
+                Step::Native => self.reserve_native(request, &guard),
+                Step::LeaseOf { .. } => {
+                    Invocation::native("PTTL", &self.prefix, request.scope.hash())
+                }
+                Step::Script => self.reserve_script(request, &guard),
             };
             let (reply, acked) = self
                 .run_on(
                     invocation,
-                    self.wait_replicas.is_some(),
+                    self.wait_replicas.is_some() && !matches!(step, Step::LeaseOf { .. }),
                     Some(&mut guard.conn),
                 )
                 .await?;
-            if by_script {
-                break (decode_reservation(reply, lease)?, acked);
-            }
-            let found = match reply {
-                Value::Nil => Found::Ours,
-                Value::BulkString(raw) => {
+            let found = match (step, reply) {
+                (Step::Script, reply) => break (decode_reservation(reply, lease)?, acked),
+                (
+                    Step::LeaseOf {
+                        lease_ms,
+                        retention_ms,
+                    },
+                    Value::Int(pttl),
+                ) => match Found::lease_left(lease_ms, retention_ms, pttl) {
+                    0 => {
+                        step = Step::Script;
+                        continue;
+                    }
+                    left => {
+                        let retry_after = Duration::from_millis(left);
+                        break (Reservation::InProgress { retry_after }, acked);
+                    }
+                },
+                (Step::Native, Value::Nil) => Found::Ours,
+                (Step::Native, Value::BulkString(raw)) => {
                     string_record::found(raw, &request.fingerprint, &guard.token)?
                 }
-                HASH_RECORD => Found::Held,
-                other => return Err(corrupt(format!("unexpected reservation reply {other:?}"))),
+                (Step::Native, HASH_RECORD) => {
+                    step = Step::Script;
+                    continue;
+                }
+                (_, other) => {
+                    return Err(corrupt(format!("unexpected reservation reply {other:?}")));
+                }
             };
             break (
                 match found {
                     Found::Ours => Reservation::Acquired(lease(1)),
                     Found::Replay(replay) => Reservation::Completed(replay),
                     Found::Conflict => Reservation::Conflict,
-                    Found::Held => {
-                        by_script = true;
+                    Found::Held {
+                        lease_ms,
+                        retention_ms,
+                    } => {
+                        step = Step::LeaseOf {
+                            lease_ms,
+                            retention_ms,
+                        };
                         continue;
                     }
                 },

@@ -20,7 +20,7 @@
 //! # Layout
 //!
 //! ```text
-//! 3 p|c <owner token, 36> <attempt id, 36> <fingerprint, 64 hex>
+//! 3 p|a|c <owner token, 36> <attempt id, 36> <fingerprint, 64 hex>
 //! <start>:<lease ms>:<retention ms>:
 //! t|b <length>: <tenant>   (b: the tenant_bin form, decode.rs)
 //! <length>: <operation>
@@ -40,9 +40,11 @@ use idem_core::{Fingerprint, Outcome, Replay, StoreError};
 use crate::decode::{TenantForm, replay_from, write_headers};
 use crate::errors::corrupt;
 
-/// The record's format byte and its two states.
+/// The record's format byte and its states: processing, processing with
+/// a duplicate waiting on it (`watch.lua`), completed.
 const VERSION: u8 = b'3';
 const PROCESSING: u8 = b'p';
+const WATCHED: u8 = b'a';
 const COMPLETED: u8 = b'c';
 
 /// Where the fixed fields end.
@@ -103,9 +105,22 @@ pub(crate) enum Found {
     Conflict,
     /// This very reservation (a retried call whose reply was lost).
     Ours,
-    /// Processing for this request under another owner: the reserve
-    /// script decides (in progress, or a takeover).
-    Held,
+    /// Processing for this request under another owner: in progress while
+    /// its lease runs, which the record's remaining time tells (`PTTL`:
+    /// the lease ends `lease_ms` after a start `retention_ms - PTTL` ago);
+    /// else the reserve script decides.
+    Held { lease_ms: u64, retention_ms: u64 },
+}
+
+impl Found {
+    /// How long the lease of a [`Found::Held`] record still runs, once its
+    /// key's `PTTL` is known (zero for a key gone or without expiry).
+    pub(crate) fn lease_left(lease_ms: u64, retention_ms: u64, pttl: i64) -> u64 {
+        u64::try_from(pttl).map_or(0, |left| {
+            let elapsed = retention_ms.saturating_sub(left);
+            lease_ms.saturating_sub(elapsed)
+        })
+    }
 }
 
 /// Judges the record a reservation of `fingerprint` under `token` found.
@@ -121,7 +136,14 @@ pub(crate) fn found(
     if !parsed.completed {
         let mut buffer = uuid::Uuid::encode_buffer();
         let ours = token.hyphenated().encode_lower(&mut buffer).as_bytes() == parsed.owner;
-        return Ok(if ours { Found::Ours } else { Found::Held });
+        return Ok(if ours {
+            Found::Ours
+        } else {
+            Found::Held {
+                lease_ms: parsed.lease,
+                retention_ms: parsed.retention,
+            }
+        });
     }
     let (tail, expires) = (parsed.tail, parsed.start.saturating_add(parsed.retention));
     replay_from(raw, tail, Some(expires)).map(Found::Replay)
@@ -163,6 +185,7 @@ struct Parsed<'a> {
     owner: &'a [u8],
     fingerprint: &'a [u8],
     start: u64,
+    lease: u64,
     retention: u64,
     /// Where the completion's part begins.
     tail: usize,
@@ -171,7 +194,7 @@ struct Parsed<'a> {
 impl<'a> Parsed<'a> {
     fn of(raw: &'a [u8]) -> Result<Self, StoreError> {
         let completed = match raw {
-            [VERSION, PROCESSING, ..] => false,
+            [VERSION, PROCESSING | WATCHED, ..] => false,
             [VERSION, COMPLETED, ..] => true,
             [version, ..] if version.is_ascii_digit() && *version > VERSION => {
                 return Err(StoreError::Refused(
@@ -202,7 +225,7 @@ impl<'a> Parsed<'a> {
             Ok((value, at + length + 1))
         };
         let (start, at) = number(FINGERPRINT.end)?;
-        let (_lease, at) = number(at)?;
+        let (lease, at) = number(at)?;
         let (retention, mut at) = number(at)?;
         // The tenant's form byte, then three length-led fields.
         at += 1;
@@ -221,6 +244,7 @@ impl<'a> Parsed<'a> {
             owner,
             fingerprint,
             start,
+            lease,
             retention,
             tail: at,
         })
@@ -282,8 +306,23 @@ mod tests {
         let other = uuid::Uuid::new_v4();
         assert!(matches!(
             found(raw.clone(), &fingerprint, &other),
-            Ok(Found::Held)
+            Ok(Found::Held {
+                lease_ms: 30_000,
+                retention_ms: 86_400_000
+            })
         ));
+        // Waited on: still processing.
+        let mut watched = raw.clone();
+        watched[1] = WATCHED;
+        assert!(matches!(
+            found(watched, &fingerprint, &token),
+            Ok(Found::Ours)
+        ));
+        // 10 s into a 30 s lease; a key gone or without expiry has none.
+        assert_eq!(Found::lease_left(30_000, 86_400_000, 86_390_000), 20_000);
+        assert_eq!(Found::lease_left(30_000, 86_400_000, 86_000_000), 0);
+        assert_eq!(Found::lease_left(30_000, 86_400_000, -2), 0);
+        assert_eq!(Found::lease_left(30_000, 86_400_000, -1), 0);
         let changed = Fingerprint::from_bytes([0xbb; 32]);
         assert!(matches!(
             found(raw.clone(), &changed, &token),

@@ -26,7 +26,7 @@ end
 local kind = string.sub(raw, 2, 2)
 local _, at, lease_ms, retention_ms, form, length =
   string.find(raw, '^%d+:(%d+):(%d+):([tb])(%d+):', 139)
-if not at or (kind ~= 'p' and kind ~= 'c') then
+if not at or (kind ~= 'p' and kind ~= 'a' and kind ~= 'c') then
   return corrupt()
 end
 -- A field led by its length, from `from`; and where the next begins.
@@ -56,6 +56,11 @@ local fields = {@state@, kind == 'c' and 'completed' or 'processing',
   @owner@, string.sub(raw, 3, 38), @fp@, string.sub(raw, 75, 138),
   @cur_id@, string.sub(raw, 39, 74),
   form == 'b' and @tenant_bin@ or @tenant@, tenant, @op@, op, @key@, key, @v@, '2'}
+if kind == 'a' then
+  -- Waited on (watch.lua): the hash keeps the mark.
+  table.insert(fields, @w@)
+  table.insert(fields, '1')
+end
 local response_key = record .. ':r'
 if kind == 'c' then
   local status, stored, ended_ms, headers_length

@@ -20,7 +20,8 @@ for _, key in ipairs(page[2]) do
       -- A record kept as one string (format 3, string_record.rs): its
       -- reservation began retention - PTTL ago by Redis' clock.
       local raw = redis.pcall('GET', key)
-      if type(raw) == 'string' and string.sub(raw, 1, 2) == '3p' then
+      local head = type(raw) == 'string' and string.sub(raw, 1, 2)
+      if head == '3p' or head == '3a' then
         local lease_ms, retention_ms = string.match(raw, '^%d+:(%d+):(%d+):', 139)
         local pttl = redis.call('PTTL', key)
         if lease_ms and pttl > 0 and tonumber(retention_ms) - pttl >= tonumber(lease_ms) then

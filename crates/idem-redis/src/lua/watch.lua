@@ -7,7 +7,25 @@
 -- release after a takeover empties its owner, see release.lua) is
 -- answered 'free': there is nothing to wait for, the same request takes
 -- it over at once. Runs without the shared prologue.
-local state, owner = unpack(redis.call('HMGET', KEYS[1], @state@, @owner@))
+local fields = redis.pcall('HMGET', KEYS[1], @state@, @owner@)
+if fields.err then
+  -- A record kept as one string (format 3, string_record.rs): marked by
+  -- its state byte, 'p' becoming 'a' (awaited) (complete_string.lua publishes for
+  -- it, convert.lua keeps the mark), without rewriting it as a hash.
+  local raw = redis.pcall('GET', KEYS[1])
+  if type(raw) ~= 'string' or string.sub(raw, 1, 1) ~= '3' then
+    return redis.error_reply(fields.err)
+  end
+  local kind = string.sub(raw, 2, 2)
+  if kind == 'c' then
+    return 'completed'
+  end
+  if kind == 'p' then
+    redis.call('SETRANGE', KEYS[1], 1, 'a')
+  end
+  return 'processing'
+end
+local state, owner = unpack(fields)
 if state == 'processing' then
   if owner == '' then
     return 'free'
