@@ -14,8 +14,8 @@
 # redis-server on a free loopback port and stops it at the end. Builds in
 # $IDEM/target/peer-bench (the peer declares rust-version 1.98 and builds on
 # 1.95 with --ignore-rust-version). Results: $IDEM/target/peer-bench/results.
-# IDEM_RECORD_FORMAT=1: idem's Redis store writes record format 1 (format 2,
-# the default, packs new records); IDEM_LANES=N:
+# IDEM_RECORD_FORMAT=1 or 3: idem's Redis store writes that record format
+# (format 2 is the default; 3 keeps a new key's record as one string); IDEM_LANES=N:
 # its connections; IDEM_FINGERPRINT=blake3 and IDEM_SCOPE=blake3: idem hashes
 # fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format);
 # IDEM_TENANT=blake3 or hmac: the tenant from Authorization keyed with BLAKE3
@@ -87,10 +87,20 @@ redis_cpu() { redis-cli -p $RPORT info cpu | tr -d '\r' | awk -F: '/^used_cpu_(s
 
 # ---- throughput: alternating bare, memory, bare, redis per round ----
 : > "$OUTDIR/bench.tsv"
+# IDEM_ALSO_FORMAT=N: each round also runs idem on Redis writing record
+# format N (mode idem-redis-fN), paired against the same round's peer.
+ALSO=${IDEM_ALSO_FORMAT:+idem-redis-f$IDEM_ALSO_FORMAT}
+start_mode() {  # start_mode MODE: a fresh Redis for the Redis modes
+  case $1 in
+    idem-redis-f*) redis-cli -p $RPORT flushall >/dev/null
+                   IDEM_RECORD_FORMAT=${1#idem-redis-f} start_server idem-redis $REDIS_URL;;
+    *redis) redis-cli -p $RPORT flushall >/dev/null; start_server $1 $REDIS_URL;;
+    *) start_server $1;;
+  esac
+}
 for r in $(seq "$ROUNDS"); do
-  for m in bare memory idem-memory bare redis idem-redis; do
-    case $m in *redis) redis-cli -p $RPORT flushall >/dev/null; start_server $m $REDIS_URL;;
-               *) start_server $m;; esac
+  for m in bare memory idem-memory bare redis idem-redis $ALSO; do
+    start_mode $m
     f="$OUTDIR/wrk-r$r-$m-$(date +%s%N).txt"
     a0=$(app_cpu); r0=$(redis_cpu)
     wrk -t2 -c64 -d"$DUR" --latency -s post.lua "http://127.0.0.1:$APORT/orders" > "$f"
@@ -123,12 +133,14 @@ print(f"{'round':>5} {'mode':<11} {'req/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'ap
 for r in rows:
     print(f"{r[0]:>5} {r[1]:<11} {r[2]:>10.0f} {r[3]:>8.2f} {r[4]:>8.2f} {r[7]:>10.1f} {r[8]:>12.1f} {r[5]:>7}  {r[6]}")
 med = {}
-for mode in ("bare", "memory", "idem-memory", "redis", "idem-redis"):
+modes = ["bare", "memory", "idem-memory", "redis", "idem-redis"]
+modes += sorted({r[1] for r in rows} - set(modes))
+for mode in modes:
     sel = [r for r in rows if r[1] == mode]
     med[mode] = tuple(statistics.median(x[i] for x in sel) for i in (2, 3, 4, 7, 8))
     print(f"median {mode:<11} rps={med[mode][0]:.0f} p50={med[mode][1]:.2f}ms p99={med[mode][2]:.2f}ms "
           f"app={med[mode][3]:.1f}us/req redis={med[mode][4]:.1f}us/req (n={len(sel)})")
-for mode in ("memory", "idem-memory", "redis", "idem-redis"):
+for mode in modes[1:]:
     print(f"median ratio {mode}/bare: rps {med[mode][0]/med['bare'][0]:.3f}  "
           f"p50 {med[mode][1]/med['bare'][1]:.2f}x  p99 {med[mode][2]/med['bare'][2]:.2f}x")
 # Paired ratios: each round's run against its neighbour of the same round
@@ -148,6 +160,9 @@ def paired(name, num, den, field):
 paired("idem-redis/redis req/s", "idem-redis", "redis", 2)
 paired("idem-redis/redis app CPU", "idem-redis", "redis", 7)
 paired("idem-redis/redis Redis CPU", "idem-redis", "redis", 8)
+for mode in modes[5:]:
+    for name, field in (("req/s", 2), ("app CPU", 7), ("Redis CPU", 8), ("p99", 4)):
+        paired(f"{mode}/redis {name}", mode, "redis", field)
 paired("idem-memory/bare req/s", "idem-memory", "bare", 2)
 paired("idem-memory/bare app CPU", "idem-memory", "bare", 7)
 paired("memory/bare req/s", "memory", "bare", 2)
@@ -158,11 +173,11 @@ STORM_ROUNDS=${STORM_ROUNDS:-3}
 : > "$OUTDIR/storm.tsv"
 redis_calls() { redis-cli -p $RPORT info commandstats | tr -d '\r' | awk -F'[=,:]' '/^cmdstat_/ && !/^cmdstat_info:/{s+=$3} END{print s+0}'; }
 for r in $(seq "$STORM_ROUNDS"); do
-  for m in redis idem-redis idem-redis-nocache; do
+  for m in redis idem-redis idem-redis-nocache $ALSO; do
     redis-cli -p $RPORT flushall >/dev/null
     case $m in
       idem-redis-nocache) IDEM_REPLAY_CACHE=0 start_server idem-redis $REDIS_URL;;
-      *) start_server $m $REDIS_URL;;
+      *) start_mode $m;;
     esac
     f="$OUTDIR/storm-r$r-$m-$(date +%s%N).txt"
     export STORM_PREFIX="storm-$r-$m-$RANDOM"

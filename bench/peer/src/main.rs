@@ -110,8 +110,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .cloned()
                 .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
             // IDEM_LANES: the store's number of connections (default 1);
-            // IDEM_RECORD_FORMAT=1: the store writes record format 1
-            // (record_format; format 2, the default, packs new records).
+            // IDEM_RECORD_FORMAT=1 or 3: the store writes that record
+            // format (record_format; format 2 is the default).
             let mut builder = idem_redis::RedisStore::builder(&url);
             if let Some(lanes) = std::env::var("IDEM_LANES")
                 .ok()
@@ -119,8 +119,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             {
                 builder = builder.lanes(lanes);
             }
-            if std::env::var("IDEM_RECORD_FORMAT").is_ok_and(|v| v == "1") {
-                builder = builder.record_format(idem_redis::RecordFormat::V1);
+            if let Some(format) = std::env::var("IDEM_RECORD_FORMAT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .and_then(idem_redis::RecordFormat::from_number)
+            {
+                builder = builder.record_format(format);
             }
             let store = builder.build()?;
             store.ping().await?;
