@@ -26,7 +26,7 @@
 //!   and a typical API response kept inside the record instead of a key of
 //!   its own.
 //!
-//! * **Format 3** keeps a new key's record as one string instead of a
+//! * **Format 3** (opt-in) keeps a new key's record as one string instead of a
 //!   hash (`string_record.rs`): reserved, and replayed, by one
 //!   native `SET … NX PX … GET`, completed by a compare-and-set script
 //!   that reads no clock. Every other path (a renewal, a release, a

@@ -25,9 +25,12 @@
 //!   12 fields instead of 21 and a response's headers with one byte of
 //!   length per name and value (a typical API response then stays inside
 //!   the record): about 15 % fewer Redis instructions and 15 to 30 % fewer
-//!   bytes than format 1. Every store reads every format it knows and
-//!   refuses a newer one; [`RedisStoreBuilder::record_format`] writes an
-//!   older format during a rolling upgrade.
+//!   bytes than format 1. Format 3 (opt-in) keeps a new key's record as
+//!   one string, reserved and replayed by one native `SET … NX PX … GET`
+//!   and completed by a compare-and-set script; every other path turns it
+//!   into the format 2 hash it stands for. Every store reads every format
+//!   it knows and refuses a newer one; [`RedisStoreBuilder::record_format`]
+//!   writes an older format during a rolling upgrade.
 //! * **Waiting without polling.** With
 //!   the layer's `InFlight::Wait` a duplicate waits for
 //!   the running request's outcome. On a single node, the scripts that
@@ -40,7 +43,8 @@
 //!   On a cluster (where `PUBLISH` travels to every node), or when the
 //!   subscriber connection cannot be had, waiters poll every 25 ms.
 //! * **Server time.** Leases and retention are measured with Redis `TIME`
-//!   inside the scripts, never the web server's clock; records expire with
+//!   inside the scripts (or, for a format 3 string record, by the key's
+//!   remaining time, `PTTL`), never the web server's clock; records expire with
 //!   the key (`PEXPIREAT`, or `PEXPIRE` by the retention for a packed new
 //!   key). A replay reads no clock in Redis (a record Redis hands a
 //!   script is live by its own expiry): the age it reports is the web
@@ -52,7 +56,8 @@
 //!   else.
 //! * **Round trips.** A new key costs two round trips (reserve, complete),
 //!   plus one renewal per third of the lease for long handlers; a replay, a
-//!   conflict or an in-progress answer costs one.
+//!   conflict or an in-progress answer costs one (two for an in-progress
+//!   answer on a format 3 string record: `SET … GET`, then `PTTL`).
 //! * **Pooled, multiplexed.** Connections come from a `deadpool-redis` pool
 //!   (which creates them and checks them with `PING`) and are held in a few
 //!   *lanes* ([`RedisStoreBuilder::lanes`], default 1): redis-rs multiplexes

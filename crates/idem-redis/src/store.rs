@@ -70,15 +70,29 @@ fn decode_reservation(
     })
 }
 
-/// Where a reservation is (see [`Store::reserve`] on [`RedisStore`]).
-#[derive(Debug, Clone, Copy)]
-enum Step {
-    /// Format 3's `SET … NX PX … GET`.
-    Native,
-    /// Reading the remaining time of a string record held by another owner.
-    LeaseOf { lease_ms: u64, retention_ms: u64 },
-    /// The reserve script.
-    Script,
+/// Where a reservation is (see [`Store::reserve`] on [`RedisStore`]), in
+/// one number so that the reservation's future stays small: format 3's
+/// `SET … NX PX … GET` ([`Step::NATIVE`]), the reserve script
+/// ([`Step::SCRIPT`]), or reading the remaining time of a string record
+/// held by another owner, whose lease ends when that time falls to the
+/// number (the retention less the lease, in ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Step(i64);
+
+impl Step {
+    const NATIVE: Self = Self(i64::MIN);
+    const SCRIPT: Self = Self(i64::MIN + 1);
+
+    /// Reading the remaining time of a record whose lease ends when it
+    /// falls to `lease_ends_at`.
+    fn lease_of(lease_ends_at: i64) -> Self {
+        Self(lease_ends_at.max(i64::MIN + 2))
+    }
+
+    /// The lease's end, while reading a record's remaining time.
+    fn lease_ends_at(self) -> Option<i64> {
+        (self != Self::NATIVE && self != Self::SCRIPT).then_some(self.0)
+    }
 }
 
 impl RedisStore {
@@ -188,49 +202,45 @@ impl Store for RedisStore {
         // record is a hash. One call site, so that the reservation's
         // future holds one call's state.
         let mut step = if self.format.string_records() {
-            Step::Native
+            Step::NATIVE
         } else {
-            Step::Script
+            Step::SCRIPT
         };
         let (reservation, acked) = loop {
             let invocation = match step {
-                Step::Native => self.reserve_native(request, &guard),
-                Step::LeaseOf { .. } => {
-                    Invocation::native("PTTL", &self.prefix, request.scope.hash())
-                }
-                Step::Script => self.reserve_script(request, &guard),
+                Step::NATIVE => self.reserve_native(request, &guard),
+                Step::SCRIPT => self.reserve_script(request, &guard),
+                _ => Invocation::native("PTTL", &self.prefix, request.scope.hash()),
             };
             let (reply, acked) = self
                 .run_on(
                     invocation,
-                    self.wait_replicas.is_some() && !matches!(step, Step::LeaseOf { .. }),
+                    self.wait_replicas.is_some() && step.lease_ends_at().is_none(),
                     Some(&mut guard.conn),
                 )
                 .await?;
-            let found = match (step, reply) {
-                (Step::Script, reply) => break (decode_reservation(reply, lease)?, acked),
-                (
-                    Step::LeaseOf {
-                        lease_ms,
-                        retention_ms,
-                    },
-                    Value::Int(pttl),
-                ) => match Found::lease_left(lease_ms, retention_ms, pttl) {
-                    0 => {
-                        step = Step::Script;
-                        continue;
+            if step == Step::SCRIPT {
+                break (decode_reservation(reply, lease)?, acked);
+            }
+            let found = match (step.lease_ends_at(), reply) {
+                (Some(lease_ends_at), Value::Int(pttl)) => {
+                    match Found::lease_left(lease_ends_at, pttl) {
+                        0 => {
+                            step = Step::SCRIPT;
+                            continue;
+                        }
+                        left => {
+                            let retry_after = Duration::from_millis(left);
+                            break (Reservation::InProgress { retry_after }, acked);
+                        }
                     }
-                    left => {
-                        let retry_after = Duration::from_millis(left);
-                        break (Reservation::InProgress { retry_after }, acked);
-                    }
-                },
-                (Step::Native, Value::Nil) => Found::Ours,
-                (Step::Native, Value::BulkString(raw)) => {
+                }
+                (None, Value::Nil) => Found::Ours,
+                (None, Value::BulkString(raw)) => {
                     string_record::found(raw, &request.fingerprint, &guard.token)?
                 }
-                (Step::Native, HASH_RECORD) => {
-                    step = Step::Script;
+                (None, HASH_RECORD) => {
+                    step = Step::SCRIPT;
                     continue;
                 }
                 (_, other) => {
@@ -242,14 +252,8 @@ impl Store for RedisStore {
                     Found::Ours => Reservation::Acquired(lease(1)),
                     Found::Replay(replay) => Reservation::Completed(replay),
                     Found::Conflict => Reservation::Conflict,
-                    Found::Held {
-                        lease_ms,
-                        retention_ms,
-                    } => {
-                        step = Step::LeaseOf {
-                            lease_ms,
-                            retention_ms,
-                        };
+                    Found::Held { lease_ends_at } => {
+                        step = Step::lease_of(lease_ends_at);
                         continue;
                     }
                 },

@@ -107,19 +107,28 @@ pub(crate) enum Found {
     Ours,
     /// Processing for this request under another owner: in progress while
     /// its lease runs, which the record's remaining time tells (`PTTL`:
-    /// the lease ends `lease_ms` after a start `retention_ms - PTTL` ago);
-    /// else the reserve script decides.
-    Held { lease_ms: u64, retention_ms: u64 },
+    /// the lease, which began with the retention, ends when the remaining
+    /// time falls to `lease_ends_at`, the retention less the lease); else
+    /// the reserve script decides.
+    Held { lease_ends_at: i64 },
 }
 
 impl Found {
     /// How long the lease of a [`Found::Held`] record still runs, once its
     /// key's `PTTL` is known (zero for a key gone or without expiry).
-    pub(crate) fn lease_left(lease_ms: u64, retention_ms: u64, pttl: i64) -> u64 {
-        u64::try_from(pttl).map_or(0, |left| {
-            let elapsed = retention_ms.saturating_sub(left);
-            lease_ms.saturating_sub(elapsed)
-        })
+    pub(crate) fn lease_left(lease_ends_at: i64, pttl: i64) -> u64 {
+        if pttl < 0 {
+            return 0;
+        }
+        u64::try_from(pttl.saturating_sub(lease_ends_at)).unwrap_or(0)
+    }
+
+    /// A [`Found::Held`] of a record with this lease and retention.
+    fn held(lease_ms: u64, retention_ms: u64) -> Self {
+        let ms = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+        Self::Held {
+            lease_ends_at: ms(retention_ms).saturating_sub(ms(lease_ms)),
+        }
     }
 }
 
@@ -139,10 +148,7 @@ pub(crate) fn found(
         return Ok(if ours {
             Found::Ours
         } else {
-            Found::Held {
-                lease_ms: parsed.lease,
-                retention_ms: parsed.retention,
-            }
+            Found::held(parsed.lease, parsed.retention)
         });
     }
     let (tail, expires) = (parsed.tail, parsed.start.saturating_add(parsed.retention));
@@ -307,8 +313,7 @@ mod tests {
         assert!(matches!(
             found(raw.clone(), &fingerprint, &other),
             Ok(Found::Held {
-                lease_ms: 30_000,
-                retention_ms: 86_400_000
+                lease_ends_at: 86_370_000
             })
         ));
         // Waited on: still processing.
@@ -319,10 +324,15 @@ mod tests {
             Ok(Found::Ours)
         ));
         // 10 s into a 30 s lease; a key gone or without expiry has none.
-        assert_eq!(Found::lease_left(30_000, 86_400_000, 86_390_000), 20_000);
-        assert_eq!(Found::lease_left(30_000, 86_400_000, 86_000_000), 0);
-        assert_eq!(Found::lease_left(30_000, 86_400_000, -2), 0);
-        assert_eq!(Found::lease_left(30_000, 86_400_000, -1), 0);
+        assert_eq!(Found::lease_left(86_370_000, 86_390_000), 20_000);
+        assert_eq!(Found::lease_left(86_370_000, 86_000_000), 0);
+        assert_eq!(Found::lease_left(86_370_000, -2), 0);
+        assert_eq!(Found::lease_left(86_370_000, -1), 0);
+        // A lease longer than the retention runs as long as the key.
+        let Found::Held { lease_ends_at } = Found::held(120_000, 60_000) else {
+            panic!("not held");
+        };
+        assert_eq!(Found::lease_left(lease_ends_at, 59_000), 119_000);
         let changed = Fingerprint::from_bytes([0xbb; 32]);
         assert!(matches!(
             found(raw.clone(), &changed, &token),

@@ -122,8 +122,8 @@ pub struct Config {
     /// How long to wait for the replicas (humantime); a call that waits is bounded by the store timeout plus this.
     #[arg(long, env = "IDEM_REPLICA_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
     pub replica_timeout: Duration,
-    /// The format of the records written on Redis: 2 (the newest, the default) or 1. Every gateway reads every format it knows; write the previous format only while a rolling upgrade brings a newer one (deploy writing the format the gateways not yet upgraded read, then switch once every gateway runs this version). Format 2 needs no such step: every gateway that writes format 1 reads it.
-    #[arg(long, env = "IDEM_REDIS_RECORD_FORMAT", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=2))]
+    /// The format of the records written on Redis: 2 (the default: a new key's record as a packed hash), 3 (a new key's record as one string, reserved and replayed by one native command, completed by a small compare-and-set script; gateways of earlier versions cannot read it) or 1. Every gateway reads every format it knows; write a format only once every gateway sharing the store runs a version that reads it (deploy writing the format the gateways not yet upgraded read, then switch once every gateway runs this version). Format 2 needs no such step: every gateway that writes format 1 reads it.
+    #[arg(long, env = "IDEM_REDIS_RECORD_FORMAT", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=3))]
     pub redis_record_format: u32,
     /// Write request fingerprints with BLAKE3 instead of SHA-256: about an eighth of the hashing instructions on CPUs without SHA extensions. Every gateway of this version reads both formats, whatever it writes; earlier versions read only SHA-256 and answer 422 to a retry whose record is in BLAKE3, so turn it on once every gateway sharing the store runs this version. Always on with the memory store.
     #[arg(long, env = "IDEM_BLAKE3_FINGERPRINTS", action = ArgAction::SetTrue)]
