@@ -14,8 +14,8 @@
 # redis-server on a free loopback port and stops it at the end. Builds in
 # $IDEM/target/peer-bench (the peer declares rust-version 1.98 and builds on
 # 1.95 with --ignore-rust-version). Results: $IDEM/target/peer-bench/results.
-# IDEM_RECORD_FORMAT=1 or 3: idem's Redis store writes that record format
-# (format 2 is the default; 3 keeps a new key's record as one string); IDEM_LANES=N:
+# IDEM_RECORD_FORMAT=1 or 2: idem's Redis store writes that record format
+# (format 3, a new key's record as one string, is the default); IDEM_LANES=N:
 # its connections; IDEM_FINGERPRINT=blake3 and IDEM_SCOPE=blake3: idem hashes
 # fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format);
 # IDEM_TENANT=blake3 or hmac: the tenant from Authorization keyed with BLAKE3

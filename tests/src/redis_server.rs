@@ -250,6 +250,33 @@ impl RedisServer {
         self.start();
     }
 
+    /// The state of the record kept at `record`, whatever its format: a
+    /// hash's `state` field, or a format 3 string's state byte (`p` and `a`
+    /// processing, `c` completed); empty when there is none.
+    pub fn record_state(&self, record: &str) -> String {
+        const STATE: &str = "local kind = redis.call('TYPE', KEYS[1]).ok \
+            if kind == 'hash' then return redis.call('HGET', KEYS[1], 'state') or '' end \
+            if kind ~= 'string' then return '' end \
+            local byte = string.sub(redis.call('GET', KEYS[1]), 2, 2) \
+            if byte == 'c' then return 'completed' end \
+            if byte == 'p' or byte == 'a' then return 'processing' end \
+            return ''";
+        self.cli(&["EVAL", STATE, "1", record]).trim().to_owned()
+    }
+
+    /// The key of the record (under the prefix `idem:`) whose idempotency
+    /// key is `key`, whatever its format: a hash's `key` field, or the
+    /// length-led key of a format 3 string.
+    pub fn record_with_key(&self, key: &str) -> Option<String> {
+        const FIND: &str = "for _, k in ipairs(redis.call('KEYS', 'idem:{*}')) do \
+            local kind = redis.call('TYPE', k).ok \
+            if kind == 'hash' and redis.call('HGET', k, 'key') == ARGV[1] then return k end \
+            if kind == 'string' and string.find(redis.call('GET', k), #ARGV[1] .. ':' .. ARGV[1], 139, true) then return k end \
+            end return ''";
+        let found = self.cli(&["EVAL", FIND, "0", key]).trim().to_owned();
+        (!found.is_empty()).then_some(found)
+    }
+
     /// Total calls per command from `INFO commandstats`, and the
     /// microseconds per call.
     pub fn command_stats(&self) -> std::collections::HashMap<String, (u64, f64)> {

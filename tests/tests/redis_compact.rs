@@ -254,7 +254,15 @@ async fn packed_records_are_smaller_and_either_gateway_replays_them() {
     // One tenant secret: both gateways see the caller as one tenant.
     let shared = ["--tenant-secret", "a-secret-both-gateways-share"];
     let url = redis.url();
-    let packing = start_gateway(&server, &[&["--store", &url][..], &shared].concat()).await;
+    let packing = start_gateway(
+        &server,
+        &[
+            &["--store", &url, "--redis-record-format", "2"][..],
+            &shared,
+        ]
+        .concat(),
+    )
+    .await;
     let expanding = start_gateway(
         &server,
         &[

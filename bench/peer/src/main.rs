@@ -110,8 +110,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .cloned()
                 .unwrap_or_else(|| "redis://127.0.0.1:6391".to_owned());
             // IDEM_LANES: the store's number of connections (default 1);
-            // IDEM_RECORD_FORMAT=1 or 3: the store writes that record
-            // format (record_format; format 2 is the default).
+            // IDEM_RECORD_FORMAT=1 or 2: the store writes that record
+            // format (record_format; format 3 is the default).
             let mut builder = idem_redis::RedisStore::builder(&url);
             if let Some(lanes) = std::env::var("IDEM_LANES")
                 .ok()

@@ -90,7 +90,7 @@ impl RedisStoreBuilder {
     }
 
     /// The format of the records this store writes (default
-    /// [`RecordFormat::V2`]; [`RecordFormat::V3`] is the newest; see [`crate::format`]).
+    /// [`RecordFormat::V3`], the newest; see [`crate::format`]).
     ///
     /// Every store reads every format this version knows, whatever it
     /// writes. Write an older format only while a rolling upgrade brings a

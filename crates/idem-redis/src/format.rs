@@ -14,7 +14,7 @@
 //! * **Format 1** keeps every field apart (the expanded layout below) and
 //!   a response's headers with four bytes of length per name and value. Its
 //!   records carry no `v` field: its absence is format 1.
-//! * **Format 2** (the default) writes a new key's record packed: `n` for
+//! * **Format 2** writes a new key's record packed: `n` for
 //!   the reservation's numbers and `d` for the completion's (see
 //!   `head.lua`); headers with one byte of length per name and value (led
 //!   by a byte 1, which the four-byte form never begins with); and `v` = `2`
@@ -26,7 +26,7 @@
 //!   and a typical API response kept inside the record instead of a key of
 //!   its own.
 //!
-//! * **Format 3** (opt-in) keeps a new key's record as one string instead of a
+//! * **Format 3** (the default) keeps a new key's record as one string instead of a
 //!   hash (`string_record.rs`): reserved, and replayed, by one
 //!   native `SET … NX PX … GET`, completed by a compare-and-set script
 //!   that reads no clock. Every other path (a renewal, a release, a
@@ -56,11 +56,12 @@ pub enum RecordFormat {
     /// Every field apart, headers with four bytes of length; no `v`
     /// field.
     V1,
-    /// Packed new keys, compact headers, `v` = `2` (the default).
-    #[default]
+    /// Packed new keys, compact headers, `v` = `2`.
     V2,
     /// A new key's record as one string (`string_record.rs`);
-    /// every other path works on the format 2 hash it stands for.
+    /// every other path works on the format 2 hash it stands for (the
+    /// default).
+    #[default]
     V3,
 }
 
@@ -245,7 +246,7 @@ mod tests {
         for format in [RecordFormat::V1, RecordFormat::V2, RecordFormat::V3] {
             assert_eq!(RecordFormat::from_number(format.number()), Some(format));
         }
-        assert!(RecordFormat::default() <= NEWEST);
+        assert_eq!(RecordFormat::default(), NEWEST);
         assert_eq!(RecordFormat::from_number(NEWEST.number() + 1), None);
     }
 }

@@ -31,6 +31,19 @@ pub(crate) struct Invocation<'s> {
 /// records (`SET … GET`) never answer.
 pub(crate) const HASH_RECORD: Value = Value::Okay;
 
+/// What a native write on a record answers when Redis refused it for
+/// want of memory (`OOM`, under `noeviction`): `+OOM`, which the native
+/// commands used on records never answer; its caller reads instead (a
+/// replay needs no write).
+pub(crate) fn out_of_memory() -> Value {
+    Value::SimpleString("OOM".to_owned())
+}
+
+/// Whether `reply` is [`out_of_memory`]'s.
+pub(crate) fn is_out_of_memory(reply: &Value) -> bool {
+    matches!(reply, Value::SimpleString(text) if text == "OOM")
+}
+
 /// How many times a script that met a string record converts it and runs
 /// again (see [`Invocation::invoke`]).
 const CONVERSION_ROUNDS: usize = 3;
@@ -216,6 +229,9 @@ impl<'s> Invocation<'s> {
                 Err(again) => error = again,
                 ok => return ok,
             }
+        }
+        if self.record && self.script.is_none() && error.code() == Some("OOM") {
+            return Ok(out_of_memory());
         }
         if !self.record || error.code() != Some("WRONGTYPE") {
             return Err(error);

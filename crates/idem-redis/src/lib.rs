@@ -21,11 +21,11 @@
 //!   Redis' larger hash encoding.
 //! * **A versioned record format** ([`format`](mod@format)): every field named once
 //!   in Rust and substituted into the Lua sources; each record carries its
-//!   format. The default, format 2, writes a new key and its completion in
+//!   format. Format 2 writes a new key and its completion in
 //!   12 fields instead of 21 and a response's headers with one byte of
 //!   length per name and value (a typical API response then stays inside
 //!   the record): about 15 % fewer Redis instructions and 15 to 30 % fewer
-//!   bytes than format 1. Format 3 (opt-in) keeps a new key's record as
+//!   bytes than format 1. Format 3 (the default) keeps a new key's record as
 //!   one string, reserved and replayed by one native `SET … NX PX … GET`
 //!   and completed by a compare-and-set script; every other path turns it
 //!   into the format 2 hash it stands for. Every store reads every format

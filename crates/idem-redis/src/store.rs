@@ -17,7 +17,7 @@ use crate::{
     abandon::Abandon,
     decode::{self, *},
     errors::corrupt,
-    invocation::{HASH_RECORD, Invocation},
+    invocation::{HASH_RECORD, Invocation, is_out_of_memory},
     keys::{millis, record_key_pieces},
     pool::Pool,
     string_record::{self, Found},
@@ -72,8 +72,9 @@ fn decode_reservation(
 
 /// Where a reservation is (see [`Store::reserve`] on [`RedisStore`]), in
 /// one number so that the reservation's future stays small: format 3's
-/// `SET … NX PX … GET` ([`Step::NATIVE`]), the reserve script
-/// ([`Step::SCRIPT`]), or reading the remaining time of a string record
+/// `SET … NX PX … GET` ([`Step::NATIVE`]), its `GET` when Redis refused
+/// the `SET` for want of memory ([`Step::READ`]: a replay still needs no
+/// write), the reserve script ([`Step::SCRIPT`]), or reading the remaining time of a string record
 /// held by another owner, whose lease ends when that time falls to the
 /// number (the retention less the lease, in ms).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,16 +83,17 @@ struct Step(i64);
 impl Step {
     const NATIVE: Self = Self(i64::MIN);
     const SCRIPT: Self = Self(i64::MIN + 1);
+    const READ: Self = Self(i64::MIN + 2);
 
     /// Reading the remaining time of a record whose lease ends when it
     /// falls to `lease_ends_at`.
     fn lease_of(lease_ends_at: i64) -> Self {
-        Self(lease_ends_at.max(i64::MIN + 2))
+        Self(lease_ends_at.max(i64::MIN + 3))
     }
 
     /// The lease's end, while reading a record's remaining time.
     fn lease_ends_at(self) -> Option<i64> {
-        (self != Self::NATIVE && self != Self::SCRIPT).then_some(self.0)
+        (self.0 > Self::READ.0).then_some(self.0)
     }
 }
 
@@ -210,12 +212,13 @@ impl Store for RedisStore {
             let invocation = match step {
                 Step::NATIVE => self.reserve_native(request, &guard),
                 Step::SCRIPT => self.reserve_script(request, &guard),
+                Step::READ => Invocation::native("GET", &self.prefix, request.scope.hash()),
                 _ => Invocation::native("PTTL", &self.prefix, request.scope.hash()),
             };
             let (reply, acked) = self
                 .run_on(
                     invocation,
-                    self.wait_replicas.is_some() && step.lease_ends_at().is_none(),
+                    self.wait_replicas.is_some() && matches!(step, Step::NATIVE | Step::SCRIPT),
                     Some(&mut guard.conn),
                 )
                 .await?;
@@ -234,6 +237,16 @@ impl Store for RedisStore {
                             break (Reservation::InProgress { retry_after }, acked);
                         }
                     }
+                }
+                (None, reply) if is_out_of_memory(&reply) => {
+                    step = Step::READ;
+                    continue;
+                }
+                (None, Value::Nil) if step == Step::READ => {
+                    return Err(StoreError::Refused(
+                        "Redis is out of memory (OOM under noeviction): a new key cannot be reserved"
+                            .into(),
+                    ));
                 }
                 (None, Value::Nil) => Found::Ours,
                 (None, Value::BulkString(raw)) => {

@@ -63,7 +63,7 @@ pub async fn run(
     let on_redis = config.store != "memory" && !is_postgres(&config.store);
     for (set, flag) in [
         (config.wait_for_replicas > 0, "--wait-for-replicas"),
-        (config.redis_record_format != 2, "--redis-record-format"),
+        (config.redis_record_format != 3, "--redis-record-format"),
     ] {
         if set && !on_redis {
             return Err(StartError::Setting(format!("{flag} needs a Redis store")));

@@ -611,12 +611,6 @@ async fn crash_before_the_upstream_is_called() {
 /// answered, and the upstream ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_completion_before_the_client_reads() {
-    /// 1 when KEYS[1] is a completed record: a string of format 3 led by
-    /// `3c`, or a hash whose state says so.
-    const COMPLETED: &str = "local kind = redis.call('TYPE', KEYS[1]).ok \
-        if kind == 'string' then return string.sub(redis.call('GET', KEYS[1]), 1, 2) == '3c' and 1 or 0 end \
-        if kind == 'hash' then return redis.call('HGET', KEYS[1], 'state') == 'completed' and 1 or 0 end \
-        return 0";
     use std::io::Write;
     let Some(redis) = RedisServer::spawn() else {
         return;
@@ -650,7 +644,7 @@ async fn crash_after_completion_before_the_client_reads() {
             redis
                 .cli(&["--scan", "--pattern", "idem:*"])
                 .lines()
-                .any(|key| redis.cli(&["EVAL", COMPLETED, "1", key]).trim() == "1")
+                .any(|key| redis.record_state(key) == "completed")
         },
     )
     .await;
