@@ -4,14 +4,16 @@
 # microseconds of INFO commandstats (bench/lua_cost.sh). The scripts are
 # assembled as idem-redis assembles them and sent pipelined on one
 # connection, N calls per row (default 2000): a new-key reservation, its
-# completion, a replay of the completed key. With the peer's Lua scripts
+# completion, a replay of the completed key (the "idem" rows: record
+# format 2's scripts). With the peer's Lua scripts
 # (the crates.io `idempotent` 2.0.0 crate, found in cargo's registry once
 # bench/peer has been built), the same rows for the peer: its claim,
-# completion and replay. The "native" rows: the floor, a record kept as one
-# string and reserved by one native SET NX PX GET. The "sketch" rows: such a
-# one-string record (not built) completed by a compare-and-set script. The "v1" rows: the same idem calls by a store that
-# writes record format 1 (RedisStoreBuilder::record_format; the idem rows
-# write format 2, the default).
+# completion and replay. The "native" rows: the floor, one native SET NX PX
+# GET of a 300-byte string. The "v3" rows: record format 3 (the default), a
+# new key's record as one string, reserved and replayed by that native
+# command and completed by complete_string.lua. The "v1" rows: the same
+# calls by a store that writes record format 1
+# (RedisStoreBuilder::record_format).
 #   bench/redis_instructions.sh [calls]
 # Needs valgrind, redis-server, redis-cli, python3.
 set -euo pipefail
@@ -120,28 +122,32 @@ rows += [
     ("native", "new key", per_command(native, "$-1\r\n")),
     ("native", "replay", per_command(native, "$300\r\n")),
 ]
-# A sketch of a record format kept as one string (not built): reserved and
-# replayed by that native command, completed by a compare-and-set script
-# that checks the attempt's generation and owner at the head of the record
-# and writes the completed record, built by the store, in its place
-# (KEEPTTL). What it would cost Redis, next to idem's scripts.
-cas = os.path.join(work, "cas.lua")
-open(cas, "w").write(
-    "local raw = redis.call('GET', KEYS[1])\n"
-    "if not raw then return 0 end\n"
-    "local gen, owner = string.match(raw, '^3:p:(%d+):([^:]*):')\n"
-    "if gen ~= ARGV[1] or owner ~= ARGV[2] then return -1 end\n"
-    "redis.call('SET', KEYS[1], ARGV[3], 'KEEPTTL')\n"
-    "return 1\n")
-processing = "3:p:1:" + token + ":" + "r" * 230
-sketch = lambda i: ("SET", f"s:{{{run}-{i}}}", processing, "NX", "PX", 86400000, "GET")
-completed = "3:c:1::" + fp + ":201:1:1700000000000:content-type: application/json:" + '{"id":"1"}'
+# Record format 3 (the default): the record kept as one string,
+# reserved and replayed by that native command, completed by
+# complete_string.lua (a compare-and-set on the state byte and the owner
+# token, the completed record set in its place, KEEPTTL). The record as
+# string_record.rs writes it.
+cas = os.path.join(work, "complete_string.lua")
+open(cas, "w").write(open("crates/idem-redis/src/lua/complete_string.lua").read()
+                     .replace("@NOTIFY@", "true"))
+processing = ("3p" + token + attempt + fp + "1700000000000:30000:86400000:"
+              + f"t{len(tenant)}:{tenant}" + "12:POST /orders" + "7:order-1")
+headers = "\x01\x0ccontent-type\x10application/json"
+def tail(body):
+    return f"201:1:1700000000500:{len(headers)}:" + headers + body
+v3 = lambda i: ("SET", f"s:{{{run}-{i}}}", processing, "NX", "PX", 86400000, "GET")
+v3_big = lambda i: ("SET", f"s:{{{run}-big-{i}}}", processing, "NX", "PX", 86400000, "GET")
 rows += [
-    ("sketch", "new key", per_command(sketch, "$-1\r\n")),
-    ("sketch", "completion", per_call(cas, lambda i: (1, f"s:{{{run}-{i}}}", "1", token, completed),
-                                       ":1\r\n")),
-    ("sketch", "replay", per_command(sketch, "$%d\r\n" % len(completed))),
+    ("v3", "new key", per_command(v3, "$-1\r\n")),
+    ("v3", "completion", per_call(cas, lambda i: (1, f"s:{{{run}-{i}}}", token,
+                                                  tail('{"id":"1"}')), ":1\r\n")),
+    ("v3", "replay", per_command(v3, "$%d\r\n" % (len(processing) + len(tail('{"id":"1"}'))))),
 ]
+per_command(v3_big, "$-1\r\n")
+rows.append(("v3", "completion, 200-byte body", per_call(cas, lambda i: (
+    1, f"s:{{{run}-big-{i}}}", token, tail(body)), ":1\r\n")))
+rows.append(("v3", "replay, 200-byte body",
+             per_command(v3_big, "$%d\r\n" % (len(processing) + len(tail(body))))))
 if peer:
     data = "x" * 120
     pkey = lambda i: f"p:{{{run}-{i}}}"
@@ -155,7 +161,7 @@ if peer:
 print(f"{'layer':<6} {'call':<26} {'instructions/call':>18}")
 for layer, call, count in rows:
     print(f"{layer:<6} {call:<26} {count:>18.0f}")
-for layer in ("idem", "v1", "peer", "native", "sketch"):
+for layer in ("idem", "v1", "v3", "peer", "native"):
     got = {call: count for l, call, count in rows if l == layer}
     if got and "completion" not in got:
         print(f"{layer}: new key {got['new key']:.0f}, replay {got['replay']:.0f}")

@@ -264,6 +264,33 @@ impl RedisServer {
         self.cli(&["EVAL", STATE, "1", record]).trim().to_owned()
     }
 
+    /// A field of the record kept at `record`, whatever its format: a
+    /// hash's field, or the same part of a format 3 string (`fp`, `owner`,
+    /// `cur_id`, `tenant` or `tenant_bin`, `op`, `key`); empty when there
+    /// is none.
+    pub fn record_field(&self, record: &str, field: &str) -> String {
+        const FIELD: &str = "local kind = redis.call('TYPE', KEYS[1]).ok \
+            if kind == 'hash' then return redis.call('HGET', KEYS[1], ARGV[1]) or '' end \
+            if kind ~= 'string' then return '' end \
+            local raw = redis.call('GET', KEYS[1]) \
+            if ARGV[1] == 'owner' then return string.sub(raw, 3, 38) end \
+            if ARGV[1] == 'cur_id' then return string.sub(raw, 39, 74) end \
+            if ARGV[1] == 'fp' then return string.sub(raw, 75, 138) end \
+            local _, at, form, length = string.find(raw, '^%d+:%d+:%d+:([tb])(%d+):', 139) \
+            local fields = {} \
+            fields[form == 'b' and 'tenant_bin' or 'tenant'] = string.sub(raw, at + 1, at + length) \
+            at = at + length + 1 \
+            for _, name in ipairs({'op', 'key'}) do \
+              local _, ended, n = string.find(raw, '^(%d+):', at) \
+              fields[name] = string.sub(raw, ended + 1, ended + n) \
+              at = ended + n + 1 \
+            end \
+            return fields[ARGV[1]] or ''";
+        self.cli(&["EVAL", FIELD, "1", record, field])
+            .trim_end_matches('\n')
+            .to_owned()
+    }
+
     /// The key of the record (under the prefix `idem:`) whose idempotency
     /// key is `key`, whatever its format: a hash's `key` field, or the
     /// length-led key of a format 3 string.

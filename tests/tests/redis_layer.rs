@@ -326,12 +326,16 @@ async fn a_waiting_duplicate_spends_no_commands_while_it_waits_on(
     .await;
 }
 
+/// Record format 2's round trips: each a script call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trips_per_request_and_redis_time() {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
-    let app = app(RedisStore::from_url(&server.url()).expect("store"));
+    let app = app(RedisStore::builder(&server.url())
+        .record_format(idem_redis::RecordFormat::V2)
+        .build()
+        .expect("store"));
     // Warm up: connections made, scripts loaded (the read a conflict
     // makes among them).
     for lane in 0..8 {
@@ -1017,6 +1021,79 @@ async fn repeated_writes_on(format: idem_redis::RecordFormat) {
     );
 }
 
+/// Record format 3's commands (the default), every one counted: a new key
+/// is a native `SET` and the completion's script (its `GET` and `SET`
+/// inside), a replay one native `SET` and nothing else (no script, no
+/// clock), an in-progress answer a `SET` and a `PTTL`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_per_request_on_string_records() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    let app = app(RedisStore::from_url(&server.url()).expect("store"));
+    // Warm up: connections made, scripts loaded (the read a conflict
+    // makes among them).
+    for lane in 0..8 {
+        call(&app.router, "/orders", &format!("warm-{lane}"), "{}").await;
+    }
+    let warm = call(&app.router, "/orders", "warm-0", r#"{"other":1}"#).await;
+    assert_eq!(warm.code.as_deref(), Some("idempotency_conflict"));
+    let commands = |before: &std::collections::HashMap<String, (u64, f64)>| {
+        let mut spent = idem_tests::redis_server::commands_between(before, &server.command_stats());
+        spent.remove("info");
+        spent
+    };
+    let map = |pairs: &[(&str, u64)]| -> std::collections::BTreeMap<String, u64> {
+        pairs
+            .iter()
+            .map(|(name, n)| ((*name).to_owned(), *n))
+            .collect()
+    };
+
+    let before = server.command_stats();
+    let first = call(&app.router, "/orders", "k", r#"{"a":1}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        commands(&before),
+        map(&[("set", 2), ("evalsha", 1), ("get", 1)]),
+        "new key: a native SET, then the completion's script"
+    );
+
+    let before = server.command_stats();
+    let replay = call(&app.router, "/orders", "k", r#"{"a":1}"#).await;
+    assert!(replay.replayed);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(commands(&before), map(&[("set", 1)]), "replay: one SET");
+
+    let slow = app.slow_running("s", Duration::from_secs(30)).await;
+    let before = server.command_stats();
+    let busy = call(&app.router, "/slow", "s", "{}").await;
+    assert_eq!(busy.code.as_deref(), Some("idempotency_in_progress"));
+    assert_eq!(
+        commands(&before),
+        map(&[("set", 1), ("pttl", 1)]),
+        "in progress: the SET and the lease's remaining time"
+    );
+    app.gate.add_permits(1);
+    assert_eq!(slow.await.expect("join").status, StatusCode::CREATED);
+
+    // A conflict: the SET, again in the other fingerprint format (the
+    // record may have been written in it), and one read of the record to
+    // name it in the 422, which reads the string as it is (its clock and
+    // remaining time) and writes nothing.
+    let before = server.command_stats();
+    let conflict = call(&app.router, "/orders", "k", r#"{"a":2}"#).await;
+    assert_eq!(conflict.code.as_deref(), Some("idempotency_conflict"));
+    let spent = commands(&before);
+    assert_eq!(spent.get("set"), Some(&2), "{spent:?}");
+    assert_eq!(spent.get("evalsha"), Some(&1), "{spent:?}");
+    for write in ["hset", "del", "pexpire"] {
+        assert_eq!(spent.get(write), None, "{spent:?}");
+    }
+    let replay = call(&app.router, "/orders", "k", r#"{"a":1}"#).await;
+    assert!(replay.replayed);
+}
+
 /// A fleet-wide chore on Redis (`idem_tests::duty_is_held_by_one_holder_at_a_time`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duty_is_held_by_one_holder_at_a_time() {
@@ -1145,15 +1222,46 @@ async fn whole(router: &Router, key: &str) -> (StatusCode, Vec<(String, Vec<u8>)
 /// each replay is a script call again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_storm_costs_redis_one_call_and_replays_the_stores_bytes() {
+    a_replay_storm_costs_redis_one_call_on(idem_redis::RecordFormat::V2).await;
+}
+
+/// The same on record format 3 (the default), whose replay from Redis is a
+/// native `SET`, not a script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_storm_costs_redis_one_command_on_string_records() {
+    a_replay_storm_costs_redis_one_call_on(idem_redis::RecordFormat::V3).await;
+}
+
+async fn a_replay_storm_costs_redis_one_call_on(format: idem_redis::RecordFormat) {
     let Some(server) = RedisServer::spawn() else {
         return;
     };
-    let app = app(RedisStore::from_url(&server.url()).expect("store"));
+    let store = || {
+        RedisStore::builder(&server.url())
+            .record_format(format)
+            .build()
+            .expect("store")
+    };
+    // What a replay from Redis costs: a script call on format 2, a native
+    // SET on format 3 (round trips, and how many of them were scripts).
+    let strings = format == idem_redis::RecordFormat::V3;
+    let replays = |n: u64| if strings { (n, 0) } else { (n, n) };
+    let calls = |before: &std::collections::HashMap<String, (u64, f64)>| {
+        let after = server.command_stats();
+        let scripts = calls_between(before, &after, "evalsha");
+        let native = if strings {
+            calls_between(before, &after, "set")
+        } else {
+            0
+        };
+        (scripts + native, scripts)
+    };
+    let app = app(store());
     let first = call(&app.router, "/orders", "storm", r#"{"a":1}"#).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let before = server.command_stats();
     let from_store = whole(&app.router, "storm").await;
-    assert_eq!(round_trips_since(&server, &before), (1, 1));
+    assert_eq!(calls(&before), replays(1));
     assert_eq!(from_store.2, first.body);
     let before = server.command_stats();
     let storm: Vec<_> = (0..50)
@@ -1166,20 +1274,18 @@ async fn a_replay_storm_costs_redis_one_call_and_replays_the_stores_bytes() {
         assert_eq!(replay.await.expect("join"), from_store);
     }
     assert_eq!(round_trips_since(&server, &before), (0, 0), "no command");
+    assert_eq!(calls(&before), (0, 0), "no command");
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
     // A changed payload still reaches Redis and conflicts.
     let conflict = call(&app.router, "/orders", "storm", r#"{"a":2}"#).await;
     assert_eq!(conflict.code.as_deref(), Some("idempotency_conflict"));
 
-    let uncached = app_of(
-        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
-            .replay_cache(0, Duration::ZERO),
-    );
+    let uncached = app_of(IdempotencyLayer::new(store()).replay_cache(0, Duration::ZERO));
     let before = server.command_stats();
     for _ in 0..3 {
         assert_eq!(whole(&uncached.router, "storm").await, from_store);
     }
-    assert_eq!(round_trips_since(&server, &before), (3, 3));
+    assert_eq!(calls(&before), replays(3));
 }
 
 /// Duplicates that wait together share one wait and one reservation: 40
@@ -1236,10 +1342,22 @@ async fn the_gateways_replay_cache_follows_its_flags() {
     let origin = TestServer::start(upstream.router()).await;
     let url = server.url();
     let secret = ["--tenant-secret", "the replay cache test's shared secret"];
-    let cached = start_gateway(&origin, &[&["--store", &url][..], &secret].concat()).await;
+    // Format 2: each replay from Redis is a script call (on format 3, the
+    // default, a native SET: the replay storm tests count both).
+    let format = ["--redis-record-format", "2"];
+    let cached = start_gateway(
+        &origin,
+        &[&["--store", &url][..], &format, &secret].concat(),
+    )
+    .await;
     let uncached = start_gateway(
         &origin,
-        &[&["--store", &url, "--replay-cache-bytes", "0"][..], &secret].concat(),
+        &[
+            &["--store", &url, "--replay-cache-bytes", "0"][..],
+            &format,
+            &secret,
+        ]
+        .concat(),
     )
     .await;
     let post = |gateway: std::net::SocketAddr| {

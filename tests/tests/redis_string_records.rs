@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    Completion, Fingerprint, IdempotencyKey, Outcome, RecordQuery, RecordState, RecordsAdmin,
-    Renewal, Reservation, ReserveRequest, Scope, Store, StoreError, StoredResponse,
+    Cancellation, Completion, Fingerprint, IdempotencyKey, Outcome, RecordQuery, RecordState,
+    RecordsAdmin, Renewal, Reservation, ReserveRequest, Scope, Store, StoreError, StoredResponse,
 };
 use idem_redis::{RecordFormat, RedisStore};
 use idem_tests::redis_server::{RedisServer, commands_between};
@@ -209,12 +209,13 @@ async fn a_duplicate_of_a_held_string_is_answered_natively() {
     );
 }
 
-/// Any other path rewrites a string record as the format 2 hash it stands
-/// for, with the same expiry (a renewal then expands it, as it does a
-/// packed record): a renewal of a held one, a read of a
-/// completed one (whose 300-byte response then moves to a key of its own,
-/// as format 2 keeps it). Nothing a caller sees changes: the lease, the
-/// owner's completion, the replay byte for byte.
+/// Any path that may write rewrites a string record as the format 2 hash
+/// it stands for, with the same expiry (a renewal then expands it, as it
+/// does a packed record): a renewal of a held one, a cancel of a completed
+/// one (whose 300-byte response then moves to a key of its own, as format
+/// 2 keeps it). A read leaves it a string. Nothing a caller sees changes:
+/// the lease, the owner's completion, the record read, the replay byte for
+/// byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_string_record_becomes_the_hash_it_stands_for() {
     let Some(server) = RedisServer::spawn() else {
@@ -263,7 +264,8 @@ async fn a_string_record_becomes_the_hash_it_stands_for() {
         response(300)
     );
 
-    // Completed as a string, then read through the records API.
+    // Completed as a string, read through the records API as it is, then
+    // met by a cancel (which has nothing to cancel).
     let request = self::request("read", 1, Duration::from_secs(30));
     let key = store.record_key(request.scope.hash());
     let lease = acquire(&store, &request).await;
@@ -280,6 +282,16 @@ async fn a_string_record_becomes_the_hash_it_stands_for() {
     assert_eq!(record.state, RecordState::Completed);
     assert_eq!(record.outcome, Some(response(300)));
     assert_eq!(record.attempts.len(), 1);
+    assert_eq!(record.owner, None);
+    assert_eq!(record.key.to_string(), "read");
+    assert_eq!(kind(&server, &key), "string", "a read writes nothing");
+    let Cancellation::AlreadyCompleted(cancelled) =
+        store.cancel(request.scope.hash()).await.expect("cancel")
+    else {
+        panic!("expected AlreadyCompleted");
+    };
+    assert_eq!(cancelled.outcome, record.outcome);
+    assert_eq!(cancelled.attempts, record.attempts);
     assert_eq!(kind(&server, &key), "hash");
     let response_key = pttl(&server, &format!("{key}:r"));
     assert!(
@@ -294,7 +306,8 @@ async fn a_string_record_becomes_the_hash_it_stands_for() {
 
 /// The lapsed-records count reads a held string's lease from its remaining
 /// time inside Redis, without rewriting it: two lapsed, not the live one
-/// nor the completed one; a listing finds the same two.
+/// nor the completed one; a listing finds the same two, and rewrites
+/// nothing either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lapsed_string_records_are_counted_as_they_are() {
     let Some(server) = RedisServer::spawn() else {
@@ -332,6 +345,13 @@ async fn lapsed_string_records_are_counted_as_they_are() {
         .collect();
     keys.sort_unstable();
     assert_eq!(keys, ["lapsed-1", "lapsed-2"]);
+    for request in &lapsed {
+        assert_eq!(
+            kind(&server, &store.record_key(request.scope.hash())),
+            "string",
+            "a listing writes nothing"
+        );
+    }
 }
 
 /// A string record of a newer format (written by a later idem) is refused

@@ -25,6 +25,9 @@ const CLOCK: &str = include_str!("lua/clock.lua");
 const COMMON: &str = include_str!("lua/common.lua");
 const FENCE: &str = include_str!("lua/fence.lua");
 const HOLDER: &str = include_str!("lua/holder.lua");
+/// Reads a record kept as one string (format 3): for `get.lua` and
+/// `convert.lua`.
+pub(crate) const STRING_RECORD: &str = include_str!("lua/string_record.lua");
 
 /// The settings a store's scripts are assembled with.
 #[derive(Debug, Clone, Copy)]
@@ -107,7 +110,11 @@ impl Scripts {
             complete: script("complete"),
             release: script("release"),
             cancel: script("cancel"),
-            get: script("get"),
+            get: Script::new(&source(
+                &format!("{STRING_RECORD}\n{}", body("get")),
+                constants,
+                format::TENANT,
+            )),
             abandon: std::sync::Arc::new(script("abandon")),
             force_release: script("force_release"),
             erase: script("erase"),
@@ -214,6 +221,7 @@ mod tests {
             include_str!("lua/watch.lua"),
             include_str!("lua/count_lapsed.lua"),
             include_str!("lua/convert.lua"),
+            STRING_RECORD,
             include_str!("lua/complete_string.lua"),
         ]
         .into_iter()

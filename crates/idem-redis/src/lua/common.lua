@@ -8,7 +8,12 @@ local response_key = record .. ':r'
 -- A record of a newer format than this store reads (format.rs) is
 -- refused, never misread or changed: every path past the hot ones gets
 -- here first (a replay checks on its own).
-local version = redis.call('HGET', record, @v@)
+-- (A record kept as one string, format 3, answers WRONGTYPE: get.lua
+-- reads it as it is, the other scripts have it converted, invocation.rs.)
+local version = redis.pcall('HGET', record, @v@)
+if type(version) == 'table' then
+  version = nil
+end
 if version and tonumber(version) > NEWEST then
   return redis.error_reply('idem: record format ' .. version ..
     ' is newer than this store reads (' .. NEWEST .. '); upgrade every instance')

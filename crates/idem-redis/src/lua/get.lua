@@ -6,9 +6,43 @@
 -- see decode.rs): a record of another tenant answers like an absent one,
 -- so a tenant's listing reads a few fields of every other record.
 -- The live record as HGETALL pairs, or an empty list. A packed record is
--- read as it is (see all_fields), not expanded.
-local state, expires, n, tenant, tenant_bin =
-  unpack(redis.call('HMGET', record, @state@, @expires@, @n@, @tenant@, @tenant_bin@))
+-- read as it is (see all_fields), not expanded; a string record (format
+-- 3) likewise.
+local read = redis.pcall('HMGET', record, @state@, @expires@, @n@, @tenant@, @tenant_bin@)
+if read.err then
+  -- A record kept as one string (format 3): read as the hash it stands
+  -- for (string_record.lua), without rewriting it.
+  local raw = redis.pcall('GET', record)
+  if type(raw) ~= 'string' then
+    return redis.error_reply(read.err)
+  end
+  local fields, headers, body = string_fields(raw, redis.call('PTTL', record), now)
+  if not fields then
+    return headers
+  end
+  local found = {}
+  for i = 1, #fields, 2 do
+    found[fields[i]] = fields[i + 1]
+  end
+  local state = found[@state@]
+  if ARGV[1] == 'processing' and state ~= 'processing' then
+    return {}
+  end
+  if ARGV[2] and found[@tenant@] ~= ARGV[2] and (ARGV[3] == '' or found[@tenant_bin@] ~= ARGV[3]) then
+    return {}
+  end
+  if headers then
+    table.insert(fields, @headers@)
+    table.insert(fields, headers)
+    table.insert(fields, @body@)
+    table.insert(fields, body)
+  end
+  for _, value in ipairs(unpacked(found[@n@], found[@d@], state)) do
+    table.insert(fields, value)
+  end
+  return fields
+end
+local state, expires, n, tenant, tenant_bin = unpack(read)
 if n then
   local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
   expires = tonumber(started) + tonumber(retention_ms)

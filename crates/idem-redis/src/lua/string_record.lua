@@ -1,0 +1,64 @@
+-- Reads a record kept as one string (record format 3, string_record.rs):
+-- shared by convert.lua, which rewrites it as the hash it stands for, and
+-- get.lua, which reads it as it is.
+-- `string_fields(raw, pttl, now)` answers the fields of the packed format
+-- 2 hash it stands for (head.lua) as name, value pairs, then the stored
+-- response's headers and body (a completed record's; nil otherwise); or
+-- nil and an error reply for a string of a newer format, or one that does
+-- not parse. `pttl` is the key's remaining time and `now` Redis' clock:
+-- the reservation began retention - PTTL ago, the hash's start, from
+-- which its lease and expiry follow.
+local function string_fields(raw, pttl, now)
+  local version = string.sub(raw, 1, 1)
+  if version ~= '3' then
+    if string.match(version, '^%d$') and tonumber(version) > 3 then
+      return nil, redis.error_reply('idem: record format ' .. version ..
+        ' is newer than this store reads (3); upgrade every instance')
+    end
+    return nil, redis.error_reply('idem: a string record of no known format')
+  end
+  local corrupt = redis.error_reply('idem: a string record that does not parse')
+  local kind = string.sub(raw, 2, 2)
+  local _, at, lease_ms, retention_ms, form, length =
+    string.find(raw, '^%d+:(%d+):(%d+):([tb])(%d+):', 139)
+  if not at or (kind ~= 'p' and kind ~= 'a' and kind ~= 'c') then
+    return nil, corrupt
+  end
+  -- A field led by its length, from `from`; and where the next begins.
+  local function field(from, length)
+    return string.sub(raw, from, from + length - 1), from + length
+  end
+  local tenant, op, key, ended
+  tenant, at = field(at + 1, tonumber(length))
+  _, ended = string.find(raw, '^%d+:', at)
+  if not ended then return nil, corrupt end
+  op, at = field(ended + 1, tonumber(string.sub(raw, at, ended - 1)))
+  _, ended = string.find(raw, '^%d+:', at)
+  if not ended then return nil, corrupt end
+  key, at = field(ended + 1, tonumber(string.sub(raw, at, ended - 1)))
+  local retention = tonumber(retention_ms)
+  if pttl < 0 or pttl > retention then
+    pttl = retention
+  end
+  local fields = {@state@, kind == 'c' and 'completed' or 'processing',
+    @n@, string.format('%d:%s:%s', now - (retention - pttl), lease_ms, retention_ms),
+    @owner@, string.sub(raw, 3, 38), @fp@, string.sub(raw, 75, 138),
+    @cur_id@, string.sub(raw, 39, 74),
+    form == 'b' and @tenant_bin@ or @tenant@, tenant, @op@, op, @key@, key, @v@, '2'}
+  if kind == 'a' then
+    -- Waited on (watch.lua): the hash keeps the mark.
+    table.insert(fields, @w@)
+    table.insert(fields, '1')
+  end
+  if kind ~= 'c' then
+    return fields
+  end
+  local status, stored, ended_ms, headers_length
+  _, ended, status, stored, ended_ms, headers_length =
+    string.find(raw, '^(%d*):(%d):(%d+):(%d+):', at)
+  if not ended then return nil, corrupt end
+  table.insert(fields, @d@)
+  table.insert(fields, status .. ':' .. stored .. ':' .. ended_ms)
+  local split = ended + tonumber(headers_length)
+  return fields, string.sub(raw, ended + 1, split), string.sub(raw, split + 1)
+end
