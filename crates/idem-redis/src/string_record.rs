@@ -31,9 +31,12 @@
 //! The start and the end are the writing process' clock (Unix ms): the
 //! start serves only to bound how long a process may keep a replay (the
 //! record expires a retention after it). Leases are judged on Redis' clock
-//! alone: a string's reservation began `retention - PTTL` ago, which is how
-//! `convert.lua` writes the hash's start, and how `count_lapsed.lua` reads a
-//! processing string's lease.
+//! alone: a string's reservation began a retention before its key expires.
+//! `convert.lua` and `get.lua` take the hash's start from the key's expiry
+//! (`PEXPIRETIME`), so every read of a record answers the same start; a
+//! duplicate's in-progress answer and `count_lapsed.lua` read the lease
+//! from the key's remaining time (`PTTL`: it began `retention - PTTL`
+//! ago).
 
 use idem_core::{Fingerprint, Outcome, Replay, StoreError};
 

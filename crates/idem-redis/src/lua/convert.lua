@@ -12,10 +12,10 @@ local raw = redis.pcall('GET', record)
 if type(raw) ~= 'string' then
   return 0
 end
-local pttl = redis.call('PTTL', record)
+local expires_at = redis.call('PEXPIRETIME', record)
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local fields, headers, body = string_fields(raw, pttl, now)
+local fields, headers, body = string_fields(raw, expires_at, now)
 if not fields then
   return headers
 end
@@ -28,14 +28,19 @@ if headers then
     table.insert(fields, body)
   else
     -- As complete.lua keeps a response too long for the compact encoding.
-    redis.call('SET', response_key, headers .. body, 'PX', redis.call('PTTL', record))
+    if expires_at >= 0 then
+      redis.call('SET', response_key, headers .. body, 'PXAT', string.format('%d', expires_at))
+    else
+      redis.call('SET', response_key, headers .. body)
+    end
     table.insert(fields, @split@)
     table.insert(fields, string.format('%d', #headers))
   end
 end
--- The expiry as it was (PTTL again: string_fields may have bounded it).
-local left = redis.call('PTTL', record)
 redis.call('DEL', record)
 redis.call('HSET', record, unpack(fields))
-redis.call('PEXPIRE', record, left)
+if expires_at >= 0 then
+  -- The expiry as it was.
+  redis.call('PEXPIREAT', record, string.format('%d', expires_at))
+end
 return 1

@@ -16,7 +16,7 @@ if read.err then
   if type(raw) ~= 'string' then
     return redis.error_reply(read.err)
   end
-  local fields, headers, body = string_fields(raw, redis.call('PTTL', record), now)
+  local fields, headers, body = string_fields(raw, redis.call('PEXPIRETIME', record), now)
   if not fields then
     return headers
   end

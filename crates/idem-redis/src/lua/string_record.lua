@@ -1,14 +1,16 @@
 -- Reads a record kept as one string (record format 3, string_record.rs):
 -- shared by convert.lua, which rewrites it as the hash it stands for, and
 -- get.lua, which reads it as it is.
--- `string_fields(raw, pttl, now)` answers the fields of the packed format
--- 2 hash it stands for (head.lua) as name, value pairs, then the stored
--- response's headers and body (a completed record's; nil otherwise); or
--- nil and an error reply for a string of a newer format, or one that does
--- not parse. `pttl` is the key's remaining time and `now` Redis' clock:
--- the reservation began retention - PTTL ago, the hash's start, from
--- which its lease and expiry follow.
-local function string_fields(raw, pttl, now)
+-- `string_fields(raw, expires_at, now)` answers the fields of the packed
+-- format 2 hash it stands for (head.lua) as name, value pairs, then the
+-- stored response's headers and body (a completed record's; nil
+-- otherwise); or nil and an error reply for a string of a newer format,
+-- or one that does not parse. `expires_at` is the key's expiry
+-- (PEXPIRETIME, Unix ms by Redis' clock) and `now` Redis' clock: the
+-- reservation began a retention before the expiry, the hash's start, from
+-- which its lease and expiry follow. (The key's expiry, not its remaining
+-- time: every read of one record answers the same start.)
+local function string_fields(raw, expires_at, now)
   local version = string.sub(raw, 1, 1)
   if version ~= '3' then
     if string.match(version, '^%d$') and tonumber(version) > 3 then
@@ -37,11 +39,12 @@ local function string_fields(raw, pttl, now)
   if not ended then return nil, corrupt end
   key, at = field(ended + 1, tonumber(string.sub(raw, at, ended - 1)))
   local retention = tonumber(retention_ms)
-  if pttl < 0 or pttl > retention then
-    pttl = retention
+  if expires_at < 0 then
+    -- No expiry (set by hand): as if reserved now.
+    expires_at = now + retention
   end
   local fields = {@state@, kind == 'c' and 'completed' or 'processing',
-    @n@, string.format('%d:%s:%s', now - (retention - pttl), lease_ms, retention_ms),
+    @n@, string.format('%d:%s:%s', expires_at - retention, lease_ms, retention_ms),
     @owner@, string.sub(raw, 3, 38), @fp@, string.sub(raw, 75, 138),
     @cur_id@, string.sub(raw, 39, 74),
     form == 'b' and @tenant_bin@ or @tenant@, tenant, @op@, op, @key@, key, @v@, '2'}
