@@ -157,15 +157,36 @@ def paired(name, num, den, field):
     if ratios:
         print(f"paired {name}: median {statistics.median(ratios):.3f}, "
               f"rounds {min(ratios):.3f} to {max(ratios):.3f} (n={len(ratios)})")
-paired("idem-redis/redis req/s", "idem-redis", "redis", 2)
-paired("idem-redis/redis app CPU", "idem-redis", "redis", 7)
-paired("idem-redis/redis Redis CPU", "idem-redis", "redis", 8)
+        return statistics.median(ratios)
+rps = paired("idem-redis/redis req/s", "idem-redis", "redis", 2)
+app = paired("idem-redis/redis app CPU", "idem-redis", "redis", 7)
+rcpu = paired("idem-redis/redis Redis CPU", "idem-redis", "redis", 8)
 for mode in modes[5:]:
     for name, field in (("req/s", 2), ("app CPU", 7), ("Redis CPU", 8), ("p99", 4)):
         paired(f"{mode}/redis {name}", mode, "redis", field)
-paired("idem-memory/bare req/s", "idem-memory", "bare", 2)
+mem = paired("idem-memory/bare req/s", "idem-memory", "bare", 2)
 paired("idem-memory/bare app CPU", "idem-memory", "bare", 7)
 paired("memory/bare req/s", "memory", "bare", 2)
+# Issue #54's targets on these paired medians (idem's defaults): met, or
+# short by how much; then where each request's time goes.
+def target(name, value, goal, higher):
+    if value is None:
+        return
+    met = value >= goal if higher else value <= goal
+    gap = goal / value - 1 if higher else value / goal - 1
+    bound = "at least" if higher else "at most"
+    print(f"target {name}: {value:.3f}, {bound} {goal}: " + ("met" if met else f"short by {gap:.1%}"))
+target("Redis req/s against the peer", rps, 1.4, True)
+target("Redis app CPU against the peer", app, 0.75, False)
+target("Redis Redis CPU against the peer", rcpu, 0.6, False)
+target("p99 on Redis against the peer", med["idem-redis"][2] / med["redis"][2], 1.0, False)
+target("memory req/s against bare", mem, 0.7, True)
+bare_app = med["bare"][3]
+for mode in ("redis", "idem-redis", "idem-memory"):
+    app_us, redis_us = med[mode][3], med[mode][4]
+    print(f"time per request, {mode}: app CPU {app_us:.1f} us ({app_us - bare_app:.1f} over bare's "
+          f"{bare_app:.1f}: the layer, its store client and the kernel's share of its round trips), "
+          f"Redis CPU {redis_us:.1f} us")
 PY
 
 # ---- retry storm: a pool of keys retried by every connection ----

@@ -3,9 +3,9 @@
 -- (processing, the caller's owner token), it becomes the completed record,
 -- keeping its expiry (retention counts from the reservation). Reads no
 -- clock, and runs without the shared prologue. A record a duplicate waits
--- on ('a', awaited, for 'p': marked by watch.lua) publishes on the record's channel,
--- as complete.lua does for a watched hash, where the store notifies
--- (NOTIFY, head.lua).
+-- on (its state byte 'a', awaited, for 'p': marked by watch.lua) publishes
+-- on the record's channel, as complete.lua does for a watched hash, where
+-- the store notifies (NOTIFY, head.lua).
 -- ARGV: owner token, the completion (string_record.rs, write_completion).
 -- Answers 1 when it recorded, 0 for anything else (a hash, a record held
 -- by another owner, no record): the caller then runs complete.lua, which

@@ -3,6 +3,11 @@
 -- slot. scripts.rs fills in the store's constants (@NOTIFY@, @HISTORY@)
 -- instead of passing them per call: each script argument costs Redis
 -- about as much as a field it writes.
+-- A store writing record format 3 keeps a new key's record as one string
+-- instead (string_record.rs), reserved, replayed and completed without
+-- these scripts; one that meets it with WRONGTYPE has it rewritten as the
+-- packed hash below first (convert.lua, invocation.rs), but get.lua,
+-- which reads it as it is (string_record.lua).
 --
 -- Fields are named once, in format.rs: the sources write @name@ and
 -- scripts.rs puts the quoted field in its place.

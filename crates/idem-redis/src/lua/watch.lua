@@ -10,8 +10,9 @@
 local fields = redis.pcall('HMGET', KEYS[1], @state@, @owner@)
 if fields.err then
   -- A record kept as one string (format 3, string_record.rs): marked by
-  -- its state byte, 'p' becoming 'a' (awaited) (complete_string.lua publishes for
-  -- it, convert.lua keeps the mark), without rewriting it as a hash.
+  -- its state byte, 'p' becoming 'a' (awaited; complete_string.lua
+  -- publishes for it, convert.lua keeps the mark), without rewriting it
+  -- as a hash.
   local raw = redis.pcall('GET', KEYS[1])
   if type(raw) ~= 'string' or string.sub(raw, 1, 1) ~= '3' then
     return redis.error_reply(fields.err)
