@@ -9,7 +9,7 @@ history=$(sed -n 's/^pub const ATTEMPT_HISTORY: usize = \([0-9]*\);/\1/p' crates
 # it has none), and the lease holder's check and the fence at its `--@holder`
 # and `--@fence` lines, every `@field@` placeholder quoted (src/format.rs:
 # each field is stored under its placeholder's name); a reservation for a
-# tenant kept as text, by a store writing record format 2 (the default) or
+# tenant kept as text, by a store writing record format 2 (format 3, the default, runs them once a string record is converted) or
 # the format the third argument names (RedisStoreBuilder::record_format).
 assemble() { # out body [format]
   local out=$1 body=$2 format=${3:-2} packed=true written=2

@@ -2,7 +2,7 @@
 //! of 69 characters, a response larger than 64 bytes) stay in Redis'
 //! compact hash encoding within a kilobyte, and records written in the
 //! layout before it are still replayed and listed. Packed records (record
-//! format 2, the default) are smaller still, and gateways that pack and
+//! format 2) are smaller still, and gateways that pack and
 //! gateways that do not (format 1) replay each other's records exactly. A listing of
 //! processing records reads no completed record's response.
 
@@ -239,7 +239,7 @@ fn field_names(redis: &RedisServer, record: &str) -> Vec<String> {
     names
 }
 
-/// A gateway that packs records (format 2, the default) and one that does
+/// A gateway that packs records (format 2) and one that does
 /// not (format 1), on one Redis: the packed record keeps eleven fields
 /// (its format among them) in the compact encoding and takes fewer
 /// bytes than the expanded one of the same order; each gateway replays the
@@ -679,7 +679,7 @@ async fn the_lapsed_count_is_what_a_listing_of_lapsed_records_finds() {
     }
 }
 
-/// Compact headers (record format 2, the default): a
+/// Compact headers (record format 2): a
 /// typical API response (`content-type` and `location`, a 45-byte body),
 /// whose headers take 66 bytes in the four-byte form, just over the 64 a
 /// value of Redis' compact hash may take, stays in its record in the

@@ -26,15 +26,17 @@
 //!   and a typical API response kept inside the record instead of a key of
 //!   its own.
 //!
-//! * **Format 3** (the default) keeps a new key's record as one string instead of a
-//!   hash (`string_record.rs`): reserved, and replayed, by one
-//!   native `SET … NX PX … GET`, completed by a compare-and-set script
-//!   that reads no clock. Every other path (a renewal, a release, a
-//!   takeover, a wait, a cancel, an operator's act, a read) first rewrites
-//!   the string as the format 2 hash it stands for (`convert.lua`, keeping
-//!   its expiry), and works on that; a record that ever had a second
-//!   attempt is a hash. A store writing format 2 reads format 3 records
-//!   the same way, so format 3 rolls out in the two steps below.
+//! * **Format 3** (the default) keeps a new key's record as one string
+//!   instead of a hash (`string_record.rs`): reserved, and replayed, by
+//!   one native `SET … NX PX … GET`, completed by a compare-and-set
+//!   script that reads no clock. Every other path that may write (a
+//!   renewal, a release, a takeover, a cancel, an operator's act) first
+//!   rewrites the string as the format 2 hash it stands for
+//!   (`convert.lua`, keeping its expiry), and works on that; a record
+//!   that ever had a second attempt is a hash. Reads and waits take the
+//!   string as it is. A store writing format 2 reads format 3 records the
+//!   same way; earlier versions do not, so format 3 rolls out in the two
+//!   steps below.
 //!
 //! Every store reads every format up to [`NEWEST`]. A record of a newer
 //! format (written by a later idem) is refused, never misread: the scripts

@@ -9,13 +9,15 @@
 //!   is still this reservation's (processing, this owner token) and sets
 //!   the completed record (`KEEPTTL`: retention counts from the
 //!   reservation). It reads no clock.
-//! * **Every other path** (a renewal, a release, a reservation that meets a
-//!   processing record, a wait, a cancel, an operator's act, a read) runs
-//!   the format 2 scripts. Those meet a string with `WRONGTYPE`;
+//! * **Every other path that may write** (a renewal, a release, a
+//!   takeover, a cancel, an operator's act) runs the format 2 scripts.
+//!   Those meet a string with `WRONGTYPE`;
 //!   [`Invocation::invoke`](crate::invocation::Invocation) then has
 //!   `convert.lua` rewrite the string as the packed format 2 hash it stands
 //!   for (same expiry) and runs the script again. A record stays a hash from
-//!   then on.
+//!   then on. Reads take the string as it is (`get.lua` through
+//!   `string_record.lua`, `count_lapsed.lua`), and so does a waiter, which
+//!   marks it waited on by its state byte (`watch.lua`).
 //!
 //! # Layout
 //!

@@ -1412,7 +1412,7 @@ async fn a_redis_without_aof_is_warned_about() {
 }
 
 /// A rolling upgrade on one Redis: a gateway writing record format 1 and
-/// one writing format 2 (the default) take the same keys at the same
+/// one writing format 2 (the default before format 3) take the same keys at the same
 /// moment. Each key runs once, each gateway replays the other's records
 /// byte for byte, and the records show both formats. A record of a format
 /// newer than the gateways read is refused (503, nothing run), never
