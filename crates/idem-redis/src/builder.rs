@@ -114,13 +114,18 @@ impl RedisStoreBuilder {
     /// `maxmemory-policy` that can evict records is
     /// [`BuildError::Unsafe`] unless [`allow_eviction`](Self::allow_eviction);
     /// a server without an append-only file is logged as a warning (a
-    /// restart forgets records). A server that cannot be asked now (down,
+    /// restart forgets records); a server too old for the record format
+    /// ([`ServerSafety::supports`](crate::ServerSafety::supports)) is
+    /// [`BuildError::Unsafe`]. A server that cannot be asked now (down,
     /// `INFO` renamed) is logged and accepted: the store's calls will tell.
     pub async fn connect(self) -> Result<RedisStore, BuildError> {
         let allow_eviction = self.allow_eviction;
         let store = self.build()?;
         match store.server_safety().await {
             Ok(safety) => {
+                safety
+                    .supports(store.record_format())
+                    .map_err(BuildError::Unsafe)?;
                 for warning in safety.verdict(allow_eviction).map_err(BuildError::Unsafe)? {
                     tracing::warn!("{warning}");
                 }

@@ -257,6 +257,12 @@ impl RedisStore {
         decode_record(*scope, &pairs).map(Some)
     }
 
+    /// The record format this store writes (see
+    /// [`RedisStoreBuilder::record_format`]).
+    pub fn record_format(&self) -> RecordFormat {
+        self.format
+    }
+
     /// Checks that the server answers (`PING`), within the timeout.
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.command(redis::cmd("PING")).await

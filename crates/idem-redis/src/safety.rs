@@ -20,15 +20,20 @@ pub struct ServerSafety {
     pub eviction_policies: Vec<String>,
     /// Whether every node that reported runs with `appendonly yes`.
     pub append_only: bool,
+    /// Every `redis_version` the nodes reported (one per node).
+    pub versions: Vec<String>,
 }
 
 impl ServerSafety {
     fn from_info(info: &str) -> Self {
         let mut eviction_policies = Vec::new();
         let mut aof = Vec::new();
+        let mut versions = Vec::new();
         for line in info.lines() {
             let line = line.trim();
-            if let Some(policy) = line.strip_prefix("maxmemory_policy:") {
+            if let Some(version) = line.strip_prefix("redis_version:") {
+                versions.push(version.to_owned());
+            } else if let Some(policy) = line.strip_prefix("maxmemory_policy:") {
                 eviction_policies.push(policy.to_owned());
             } else if let Some(enabled) = line.strip_prefix("aof_enabled:") {
                 aof.push(enabled == "1");
@@ -37,6 +42,30 @@ impl ServerSafety {
         Self {
             eviction_policies,
             append_only: !aof.is_empty() && aof.iter().all(|on| *on),
+            versions,
+        }
+    }
+
+    /// `Err` with why when a node is too old for the record `format`:
+    /// format 3 needs Redis 7.0 or later (`SET … NX … GET`,
+    /// `PEXPIRETIME`); an older server would refuse every reservation
+    /// (`503`). A version that does not parse is not held against the
+    /// server.
+    pub fn supports(&self, format: crate::RecordFormat) -> Result<(), String> {
+        if format < crate::RecordFormat::V3 {
+            return Ok(());
+        }
+        let older = |version: &&String| {
+            let mut parts = version.split('.').map(|part| part.parse::<u32>());
+            matches!(parts.next(), Some(Ok(major)) if major < 7)
+        };
+        match self.versions.iter().find(older) {
+            Some(version) => Err(format!(
+                "Redis {version} cannot keep record format 3 (SET NX GET and PEXPIRETIME need \
+                 Redis 7.0 or later); write record format 2 (--redis-record-format 2, \
+                 RedisStoreBuilder::record_format), or upgrade Redis"
+            )),
+            None => Ok(()),
         }
     }
 
@@ -84,14 +113,51 @@ impl ServerSafety {
 
 impl RedisStore {
     /// Reads what the server (every node of a cluster that answers) says
-    /// about keeping records: its `maxmemory-policy` and persistence, from
-    /// `INFO`. See [`ServerSafety`].
+    /// about keeping records: its `maxmemory-policy`, persistence and
+    /// version, from `INFO`. See [`ServerSafety`].
     pub async fn server_safety(&self) -> Result<ServerSafety, StoreError> {
         let mut cmd = redis::cmd("INFO");
-        cmd.arg("memory").arg("persistence");
+        cmd.arg("server").arg("memory").arg("persistence");
         let info: Value = self.command(cmd).await?;
         let mut text = String::new();
         collect_text(&info, &mut text);
         Ok(ServerSafety::from_info(&text))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RecordFormat;
+
+    /// Format 3 needs Redis 7.0 on every node: a 6.2 node refuses it (and
+    /// nothing older than format 3), a version that does not parse is not
+    /// held against the server.
+    #[test]
+    fn format_3_needs_redis_7_on_every_node() {
+        let info = |versions: &[&str]| {
+            ServerSafety::from_info(
+                &versions
+                    .iter()
+                    .map(|version| {
+                        format!(
+                            "# Server\r\nredis_version:{version}\r\n# Memory\r\nmaxmemory_policy:noeviction\r\n"
+                        )
+                    })
+                    .collect::<String>(),
+            )
+        };
+        let current = info(&["7.0.15", "7.2.4"]);
+        assert_eq!(current.versions, ["7.0.15", "7.2.4"]);
+        assert_eq!(current.eviction_policies, ["noeviction", "noeviction"]);
+        assert!(current.supports(RecordFormat::V3).is_ok());
+        let mixed = info(&["7.0.15", "6.2.14"]);
+        let refusal = mixed.supports(RecordFormat::V3).expect_err("6.2");
+        assert!(refusal.contains("Redis 6.2.14"), "{refusal}");
+        assert!(refusal.contains("--redis-record-format 2"), "{refusal}");
+        assert!(mixed.supports(RecordFormat::V2).is_ok());
+        assert!(mixed.supports(RecordFormat::V1).is_ok());
+        assert!(info(&["unknown"]).supports(RecordFormat::V3).is_ok());
+        assert!(info(&[]).supports(RecordFormat::V3).is_ok());
     }
 }

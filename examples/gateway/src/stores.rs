@@ -215,8 +215,8 @@ pub(crate) async fn check_failover(store: &RedisStore, lease: Duration) {
     }
 }
 
-/// Refuses a Redis that can evict records unless allowed; warns when it
-/// persists nothing. A server that cannot be asked (down at start, `INFO`
+/// Refuses a Redis that can evict records unless allowed, or one too old
+/// for the record format it writes; warns when it persists nothing. A server that cannot be asked (down at start, `INFO`
 /// renamed) is logged and accepted: the store's own calls will tell.
 pub(crate) async fn check_redis(
     store: &RedisStore,
@@ -229,6 +229,9 @@ pub(crate) async fn check_redis(
             return Ok(());
         }
     };
+    safety
+        .supports(store.record_format())
+        .map_err(StartError::UnsafeStore)?;
     match safety.verdict(allow_eviction) {
         Err(refusal) => return Err(StartError::UnsafeStore(refusal)),
         Ok(warnings) => {
