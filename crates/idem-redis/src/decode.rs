@@ -667,7 +667,7 @@ pub(crate) fn decode_record(scope: ScopeHash, pairs: &[Value]) -> Result<Record,
 
 /// A record of a format newer than this version of idem reads: refused,
 /// never misread (see [`crate::format`]).
-fn newer_format(version: u64) -> StoreError {
+pub(crate) fn newer_format(version: u64) -> StoreError {
     StoreError::Refused(
         format!(
             "record format {version} is newer than this store reads ({}); upgrade every instance",

@@ -96,15 +96,8 @@ impl<'s> Invocation<'s> {
     /// `prefix`; arguments follow with [`arg`](Self::arg). A record kept as
     /// a hash answers it [`HASH_RECORD`] (see [`invoke`](Self::invoke)).
     pub(crate) fn native(name: &str, prefix: &str, scope: &ScopeHash) -> Self {
-        let cmd = SPARE_COMMANDS
-            .with(|spare| spare.borrow_mut().pop())
-            .unwrap_or_else(|| redis::Cmd::with_capacity(16, 256));
-        let mut invocation = Self {
-            script: None,
-            record: true,
-            cmd,
-            bytes: 0,
-        };
+        let mut invocation = Self::blank(None);
+        invocation.record = true;
         invocation.cmd.arg(name);
         invocation.pieces(&record_key_pieces(prefix, &scope.hex_bytes()));
         invocation
@@ -122,12 +115,23 @@ impl<'s> Invocation<'s> {
 
     /// The call's head: `EVALSHA <sha> <number of keys>`.
     fn of(script: &'s Script, keys: usize) -> Self {
-        let mut cmd = SPARE_COMMANDS
+        let mut invocation = Self::blank(Some(script));
+        invocation
+            .cmd
+            .arg("EVALSHA")
+            .arg(script.get_hash())
+            .arg(keys);
+        invocation
+    }
+
+    /// A call with an empty command (a spare one when this thread has
+    /// one).
+    fn blank(script: Option<&'s Script>) -> Self {
+        let cmd = SPARE_COMMANDS
             .with(|spare| spare.borrow_mut().pop())
             .unwrap_or_else(|| redis::Cmd::with_capacity(16, 256));
-        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
         Self {
-            script: Some(script),
+            script,
             record: false,
             cmd,
             bytes: 0,
@@ -225,10 +229,7 @@ impl<'s> Invocation<'s> {
         if let (Some(script), ErrorKind::Server(ServerErrorKind::NoScript)) =
             (self.script, error.kind())
         {
-            match conn {
-                Conn::Single(c) => script.load_async(c).await?,
-                Conn::Cluster(c) => script.load_async(c).await?,
-            };
+            load(script, conn).await?;
             match self.query(conn).await {
                 Err(again) => error = again,
                 ok => return ok,
@@ -255,10 +256,7 @@ impl<'s> Invocation<'s> {
         for _ in 0..CONVERSION_ROUNDS {
             match convert.query(conn).await {
                 Err(missing) if missing.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    match conn {
-                        Conn::Single(c) => CONVERT.load_async(c).await?,
-                        Conn::Cluster(c) => CONVERT.load_async(c).await?,
-                    };
+                    load(&CONVERT, conn).await?;
                     convert.query(conn).await?
                 }
                 other => other?,
@@ -277,6 +275,15 @@ impl<'s> Invocation<'s> {
             Conn::Cluster(c) => Box::pin(self.cmd.query_async(c)).await,
         }
     }
+}
+
+/// Loads `script` on `conn`'s server (after `NOSCRIPT`).
+async fn load(script: &Script, conn: &mut Conn) -> redis::RedisResult<()> {
+    match conn {
+        Conn::Single(c) => script.load_async(c).await?,
+        Conn::Cluster(c) => script.load_async(c).await?,
+    };
+    Ok(())
 }
 
 /// A command's writer that counts the bytes of the arguments written

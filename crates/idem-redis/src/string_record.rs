@@ -42,7 +42,7 @@
 
 use idem_core::{Fingerprint, Outcome, Replay, StoreError};
 
-use crate::decode::{TenantForm, replay_from, write_headers};
+use crate::decode::{TenantForm, newer_format, replay_from, write_headers};
 use crate::errors::corrupt;
 
 /// The record's format byte and its states: processing, processing with
@@ -56,7 +56,7 @@ const COMPLETED: u8 = b'c';
 const OWNER: std::ops::Range<usize> = 2..38;
 const FINGERPRINT: std::ops::Range<usize> = 74..138;
 
-/// What a reservation writes, and compares a found record against.
+/// What a reservation writes: the processing record.
 pub(crate) struct Reservation<'a> {
     pub(crate) token: &'a uuid::Uuid,
     pub(crate) attempt: &'a uuid::Uuid,
@@ -208,14 +208,7 @@ impl<'a> Parsed<'a> {
             [VERSION, PROCESSING | WATCHED, ..] => false,
             [VERSION, COMPLETED, ..] => true,
             [version, ..] if version.is_ascii_digit() && *version > VERSION => {
-                return Err(StoreError::Refused(
-                    format!(
-                        "record format {} is newer than this store reads ({}); upgrade every instance",
-                        char::from(*version),
-                        crate::format::NEWEST.number()
-                    )
-                    .into(),
-                ));
+                return Err(newer_format(u64::from(version - b'0')));
             }
             _ => return Err(corrupt("a string record of no known format")),
         };

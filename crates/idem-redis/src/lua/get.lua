@@ -9,48 +9,52 @@
 -- read as it is (see all_fields), not expanded; a string record (format
 -- 3) likewise.
 local read = redis.pcall('HMGET', record, @state@, @expires@, @n@, @tenant@, @tenant_bin@)
+local state, tenant, tenant_bin
+-- A record kept as one string (format 3): its fields as the hash it
+-- stands for (string_record.lua), read without rewriting it. Redis hands
+-- a script only a live key.
+local fields, found, headers, body
 if read.err then
-  -- A record kept as one string (format 3): read as the hash it stands
-  -- for (string_record.lua), without rewriting it.
   local raw = redis.pcall('GET', record)
   if type(raw) ~= 'string' then
     return redis.error_reply(read.err)
   end
-  local fields, headers, body = string_fields(raw, redis.call('PEXPIRETIME', record), now)
+  fields, headers, body = string_fields(raw, redis.call('PEXPIRETIME', record), now)
   if not fields then
     return headers
   end
-  local found = {}
+  found = {}
   for i = 1, #fields, 2 do
     found[fields[i]] = fields[i + 1]
   end
-  local state = found[@state@]
-  if ARGV[1] == 'processing' and state ~= 'processing' then
+  state, tenant, tenant_bin = found[@state@], found[@tenant@], found[@tenant_bin@]
+else
+  local expires, n
+  state, expires, n, tenant, tenant_bin = unpack(read)
+  if n then
+    local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
+    expires = tonumber(started) + tonumber(retention_ms)
+  end
+  if not live(state, expires) then
     return {}
   end
-  if ARGV[2] and found[@tenant@] ~= ARGV[2] and (ARGV[3] == '' or found[@tenant_bin@] ~= ARGV[3]) then
-    return {}
-  end
-  if headers then
-    table.insert(fields, @headers@)
-    table.insert(fields, headers)
-    table.insert(fields, @body@)
-    table.insert(fields, body)
-  end
-  for _, value in ipairs(unpacked(found[@n@], found[@d@], state)) do
-    table.insert(fields, value)
-  end
-  return fields
 end
-local state, expires, n, tenant, tenant_bin = unpack(read)
-if n then
-  local started, retention_ms = string.match(n, '^(%d+):%d+:(%d+)$')
-  expires = tonumber(started) + tonumber(retention_ms)
-end
-if not live(state, expires) or (ARGV[1] == 'processing' and state ~= 'processing') then
+if ARGV[1] == 'processing' and state ~= 'processing' then
   return {}
 end
 if ARGV[2] and tenant ~= ARGV[2] and (ARGV[3] == '' or tenant_bin ~= ARGV[3]) then
   return {}
 end
-return rare().all_fields()
+if not fields then
+  return rare().all_fields()
+end
+if headers then
+  table.insert(fields, @headers@)
+  table.insert(fields, headers)
+  table.insert(fields, @body@)
+  table.insert(fields, body)
+end
+for _, value in ipairs(unpacked(found[@n@], found[@d@], state)) do
+  table.insert(fields, value)
+end
+return fields
