@@ -329,5 +329,17 @@ pub(crate) fn parse_prefix(value: &str) -> Result<String, String> {
     if !value.starts_with('/') {
         return Err("the prefix must start with /".to_owned());
     }
-    Ok(value.trim_end_matches('/').to_owned())
+    let prefix = value.trim_end_matches('/');
+    if prefix.is_empty() {
+        return Err("the prefix needs a segment: / would make every path the gateway's".to_owned());
+    }
+    // The prefix is matched as the gateway reads every request path
+    // (crate::owned): it must read as itself.
+    if crate::owned::canonical(prefix).as_deref() != Some(prefix.to_ascii_lowercase().as_str()) {
+        return Err(
+            "the prefix must be plain segments: no %-escapes, `.` or empty segments, `\\` or `;`"
+                .to_owned(),
+        );
+    }
+    Ok(prefix.to_owned())
 }

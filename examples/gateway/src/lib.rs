@@ -13,6 +13,7 @@ mod jwt;
 mod lapsed;
 mod metrics;
 mod operator;
+mod owned;
 mod proxy;
 mod router;
 mod stores;

@@ -47,7 +47,7 @@ const MAX_SESSIONS: usize = 64;
 /// How many unknown outcomes the page remembers.
 const UNKNOWNS_KEPT: usize = 20;
 /// The session cookie's name.
-const COOKIE: &str = "idem_operator";
+pub(crate) const COOKIE: &str = "idem_operator";
 
 /// An outcome the gateway could not know (the upstream did not answer in
 /// time, or its answer was lost): the action may have run.

@@ -44,6 +44,44 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// Removes the operator page's session (the `idem_operator` cookie pair,
+/// and only it) from the `Cookie` fields of a request to be forwarded: the
+/// gateway's own credential never reaches the upstream.
+pub(crate) fn strip_operator_cookie(headers: &mut HeaderMap) {
+    let name = crate::operator::COOKIE;
+    let carries = headers.get_all(header::COOKIE).iter().any(|value| {
+        value
+            .as_bytes()
+            .windows(name.len())
+            .any(|w| w == name.as_bytes())
+    });
+    if !carries {
+        return;
+    }
+    let kept: Vec<HeaderValue> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|value| {
+            let pairs: Vec<&[u8]> = value
+                .as_bytes()
+                .split(|&b| b == b';')
+                .map(<[u8]>::trim_ascii)
+                .filter(|pair| {
+                    let pair_name = pair.split(|&b| b == b'=').next().unwrap_or_default();
+                    !pair.is_empty() && pair_name.trim_ascii() != name.as_bytes()
+                })
+                .collect();
+            (!pairs.is_empty())
+                .then(|| HeaderValue::from_bytes(&pairs.join(&b"; "[..])).ok())
+                .flatten()
+        })
+        .collect();
+    headers.remove(header::COOKIE);
+    for value in kept {
+        headers.append(header::COOKIE, value);
+    }
+}
+
 /// The upstream's response as the gateway answers it. A keyed request's
 /// body is bounded by `stall` (see [`StallBound`]); others stream as they
 /// come (a long download or an event stream may pause for longer).
@@ -407,8 +445,10 @@ impl Proxy {
         add_forwarded(headers, self.0.forwarded, peer, host.as_deref());
         // The gateway owns the attempt header: a client's is never passed on.
         headers.remove(IDEMPOTENCY_ATTEMPT);
-        // The records API's admin credential is the gateway's own.
+        // The records API's admin credential is the gateway's own, and so
+        // is the operator page's session cookie.
         headers.remove(ADMIN_TOKEN);
+        strip_operator_cookie(headers);
         if let Some((generation, key)) = protected {
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(generation));
             // One spelling of the key for every attempt, whatever the

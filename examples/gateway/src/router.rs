@@ -197,6 +197,12 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
     let protected = tower::ServiceBuilder::new()
         .layer(layer.clone())
         .service(proxy);
+    // What no gateway route matched and any reading names as the
+    // gateway's is refused here, before the layer could read it its own way.
+    let protected = crate::owned::RefuseOwned::new(
+        crate::owned::OwnedPaths::new(&config.records_prefix),
+        protected,
+    );
     let metrics = prometheus().clone();
     let draining = layer.clone();
     let drain: Drain = Box::new(move |bound| {
