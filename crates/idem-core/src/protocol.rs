@@ -59,3 +59,87 @@ pub fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
         .parse()
         .ok()
 }
+
+/// The caller's deadline in a gRPC request's `grpc-timeout` header: 1 to 8
+/// digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`), as the gRPC over
+/// HTTP/2 specification writes it. `None` when absent or unreadable.
+pub fn grpc_timeout(headers: &http::HeaderMap) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let value = headers.get("grpc-timeout")?.as_bytes();
+    let (&unit, digits) = value.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let amount: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b'H' => Duration::from_secs(amount * 3600),
+        b'M' => Duration::from_secs(amount * 60),
+        b'S' => Duration::from_secs(amount),
+        b'm' => Duration::from_millis(amount),
+        b'u' => Duration::from_micros(amount),
+        b'n' => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// `bound` as a `grpc-timeout` value: whole milliseconds (at least 1) while
+/// they fit the 8 digits the specification allows, else whole seconds,
+/// minutes or hours (rounded down, at most 99,999,999 hours).
+pub fn grpc_timeout_value(bound: std::time::Duration) -> String {
+    const MAX: u128 = 99_999_999;
+    let millis = bound.as_millis().max(1);
+    if millis <= MAX {
+        return format!("{millis}m");
+    }
+    let seconds = bound.as_secs();
+    for (unit, per) in [('S', 1), ('M', 60), ('H', 3600)] {
+        if u128::from(seconds / per) <= MAX {
+            return format!("{}{unit}", seconds / per);
+        }
+    }
+    format!("{MAX}H")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn timeout(value: &'static str) -> Option<Duration> {
+        let mut headers = http::HeaderMap::new();
+        headers.insert("grpc-timeout", http::HeaderValue::from_static(value));
+        grpc_timeout(&headers)
+    }
+
+    #[test]
+    fn grpc_timeouts_read_as_the_specification_writes_them() {
+        assert_eq!(timeout("300m"), Some(Duration::from_millis(300)));
+        assert_eq!(timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(timeout("5M"), Some(Duration::from_secs(300)));
+        assert_eq!(timeout("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(timeout("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for unreadable in ["", "m", "123456789m", "12x", "-1m", "1.5S", " 1S"] {
+            assert_eq!(timeout(unreadable), None, "{unreadable:?}");
+        }
+        assert_eq!(grpc_timeout(&http::HeaderMap::new()), None);
+    }
+
+    #[test]
+    fn a_bound_is_written_in_the_finest_unit_that_fits() {
+        assert_eq!(grpc_timeout_value(Duration::from_secs(30)), "30000m");
+        assert_eq!(grpc_timeout_value(Duration::ZERO), "1m");
+        assert_eq!(grpc_timeout_value(Duration::from_secs(200_000)), "200000S");
+        assert_eq!(grpc_timeout_value(Duration::MAX), "99999999H");
+        for bound in [Duration::from_millis(1), Duration::from_secs(86_400 * 365)] {
+            let mut headers = http::HeaderMap::new();
+            let value = grpc_timeout_value(bound);
+            headers.insert("grpc-timeout", value.parse().expect("value"));
+            assert!(
+                grpc_timeout(&headers).is_some_and(|read| read <= bound),
+                "{value}"
+            );
+        }
+    }
+}

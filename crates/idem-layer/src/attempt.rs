@@ -22,6 +22,7 @@ use crate::{
     LateResponse, ResponseBody, UnknownOutcome,
     answer::{answer_current, storable_headers},
     body::BoxError,
+    classify::{RemoteAnswer, Verdict},
     engine::{Lapse, renewing, settle},
     metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
@@ -51,23 +52,27 @@ enum Buffered<B> {
 }
 
 impl<B> Buffered<B> {
-    /// Whether the outcome is stored (else the key is released), as the
-    /// layer's predicates say: for a gRPC answer by its `grpc-status`, an
-    /// answer without one releasing; for a gRPC stream (its status still
-    /// to come) stored, since the call ran and answered; otherwise by the
-    /// HTTP status.
-    fn stores(&self, config: &crate::config::Config) -> bool {
+    /// The answer's verdict (see [`classify`](crate::classify)): for a
+    /// gRPC answer by its `grpc-status` (or its absence); for a gRPC stream
+    /// (its status still to come) stored, since the call ran and answered
+    /// (it is recorded as answered, not stored); otherwise by the HTTP
+    /// status. An answer marked [`RemoteAnswer`] is an upstream's.
+    fn verdict(&self, config: &crate::config::Config) -> Verdict {
+        let (Buffered::Complete { parts, .. }
+        | Buffered::Passed { parts, .. }
+        | Buffered::Failed { parts, .. }) = self;
+        let remote = parts.extensions.get::<RemoteAnswer>().is_some();
         match self {
             Buffered::Complete {
                 parts, trailers, ..
             } if crate::grpc::is_grpc(&parts.headers) => {
-                crate::grpc::status(&parts.headers, trailers.as_ref())
-                    .is_some_and(|status| (config.grpc_should_store)(status))
+                let status = crate::grpc::status(&parts.headers, trailers.as_ref());
+                config.classify.verdict(parts.status, Some(status), remote)
             }
-            Buffered::Passed { parts, .. } if crate::grpc::is_grpc(&parts.headers) => true,
-            Buffered::Complete { parts, .. }
-            | Buffered::Passed { parts, .. }
-            | Buffered::Failed { parts, .. } => (config.should_store)(parts.status),
+            Buffered::Passed { parts, .. } if crate::grpc::is_grpc(&parts.headers) => {
+                Verdict::Stored
+            }
+            _ => config.classify.verdict(parts.status, None, remote),
         }
     }
 }
@@ -351,7 +356,8 @@ where
                 let outcome = Outcome::NotStored {
                     status: status.as_u16(),
                 };
-                let stores = (config.should_store)(status);
+                let remote = response.extensions().get::<RemoteAnswer>().is_some();
+                let stores = config.classify.verdict(status, None, remote) != Verdict::Released;
                 let answer = record(&rt, &reserved, &lease, slot.as_ref(), stores, outcome).await;
                 return Ok(answer.unwrap_or_else(|| response.map(ResponseBody::inner)));
             }
@@ -363,7 +369,10 @@ where
             }
             Err(_panic) => return Ok(failed("the handler panicked".to_owned()).await),
         };
-        let stores = buffered.stores(config);
+        let verdict = buffered.verdict(config);
+        // A body that fails after an unknown head is answered, not
+        // released: nothing runs again.
+        let stores = verdict != Verdict::Released;
         let (parts, body, outcome) = match outcome_of(buffered, &config.replay_denylist) {
             Ok(produced) => produced,
             Err(lost) => {
@@ -377,6 +386,20 @@ where
                 return Ok(body_lost(&rt, &reserved, &lease, lost, stores).await);
             }
         };
+        if verdict == Verdict::Unknown {
+            // The action may have run (a deadline, an upstream's 504): the
+            // key stays reserved under its lease, never released at once.
+            // A transaction the handler left is dropped: rolled back.
+            m::count(Counted::Unknown);
+            tracing::warn!(
+                status = parts.status.as_u16(),
+                "outcome unknown: the key stays reserved until its lease lapses"
+            );
+            drop(slot);
+            rt.tasks
+                .spawn(await_late(rt.clone(), reserved, lease, None).in_current_span());
+            return Ok(Response::from_parts(parts, body));
+        }
         let answer = record(&rt, &reserved, &lease, slot.as_ref(), stores, outcome).await;
         Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
     }
@@ -515,9 +538,9 @@ async fn await_late<S: Store>(
         let response = late.await?;
         Some(buffer(response, max_response).await)
     });
-    let (stores, produced) = match renewing(config, &*rt.store, &lease, None, answer).await {
+    let (verdict, produced) = match renewing(config, &*rt.store, &lease, None, answer).await {
         Ok(Some(buffered)) => (
-            buffered.stores(config),
+            buffered.verdict(config),
             outcome_of(buffered, &config.replay_denylist),
         ),
         Ok(None) | Err(_) => {
@@ -525,6 +548,13 @@ async fn await_late<S: Store>(
             return;
         }
     };
+    if verdict == Verdict::Unknown {
+        tracing::warn!(
+            "the late answer is unknown too; the lease will lapse and a retry takes over"
+        );
+        return;
+    }
+    let stores = verdict == Verdict::Stored;
     match produced {
         Ok((parts, _, outcome)) => {
             tracing::info!(

@@ -318,7 +318,11 @@ impl<S: Store> IdempotencyLayer<S> {
             }
         };
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-        let stores = (self.runtime.config.should_store)(status);
+        // A command's result is its handler's own: never unknown by
+        // default; a classifier that says so keeps the result recorded
+        // (answered, as for a stored status), never released.
+        let stores = self.runtime.config.classify.verdict(status, None, false)
+            != crate::classify::Verdict::Released;
         match settle(&self.runtime, &request, &lease, stores, outcome).await {
             // Fenced: a newer attempt or a cancellation owns the record;
             // its answer is the command's.

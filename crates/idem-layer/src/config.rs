@@ -83,9 +83,8 @@ pub(crate) struct Config {
     pub(crate) lease: Duration,
     pub(crate) retention: Duration,
     pub(crate) in_flight: InFlight,
-    pub(crate) should_store: Arc<dyn Fn(StatusCode) -> bool + Send + Sync>,
-    /// The outcome predicate of gRPC answers, by `grpc-status`.
-    pub(crate) grpc_should_store: Arc<dyn Fn(u32) -> bool + Send + Sync>,
+    /// How answers are classified: stored, released or unknown.
+    pub(crate) classify: crate::classify::Classifier,
     pub(crate) replay_denylist: Vec<HeaderName>,
     pub(crate) fail_open: bool,
     /// Seals stored responses at rest (see [`sealing`](crate::sealing)).

@@ -12,9 +12,10 @@
 //!
 //! A gRPC failure travels as HTTP 200, so the layer decides by the call's
 //! `grpc-status` (from the trailers, or from the head of a trailers-only
-//! answer), through [`IdempotencyLayer::grpc_should_store`](crate::IdempotencyLayer::grpc_should_store).
-//! [`default_grpc_should_store`] stores what a retry would only repeat and
-//! releases the key for what a retry may cure; see its table.
+//! answer) and by who produced it, three ways: stored, released or
+//! unknown, through [`IdempotencyLayer::classify_grpc`](crate::IdempotencyLayer::classify_grpc).
+//! [`default_grpc_verdict`](crate::classify::default_grpc_verdict) has
+//! the table, per code and producer.
 //!
 //! # Refusals
 //!
@@ -118,10 +119,14 @@ pub const STREAM_GRACE: Duration = Duration::from_millis(100);
 
 pub use idem_core::protocol::is_grpc;
 
-/// The default gRPC outcome predicate: which statuses are stored (a retry
-/// would only repeat them) and which release the key (a retry may cure
-/// them), as [`default_should_store`](crate::default_should_store) stores
-/// 4xx and releases 5xx.
+/// The earlier two-way gRPC outcome predicate, for
+/// [`grpc_should_store`](crate::IdempotencyLayer::grpc_should_store):
+/// which statuses are stored and which release the key, as
+/// [`default_should_store`](crate::default_should_store) stores 4xx and
+/// releases 5xx. The layer's default is now three-way:
+/// [`default_grpc_verdict`](crate::classify::default_grpc_verdict), which
+/// keeps a deadline, a cancellation, `UNKNOWN` and `DATA_LOSS` unknown
+/// instead of releasing them.
 ///
 /// | stored | released |
 /// |---|---|

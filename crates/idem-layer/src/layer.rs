@@ -8,9 +8,8 @@ use tower::Layer;
 
 use crate::{
     Idempotency, RecordsService,
-    config::{
-        Config, ConfigError, InFlight, OnDisconnect, default_replay_denylist, default_should_store,
-    },
+    classify::{Producer, Verdict},
+    config::{Config, ConfigError, InFlight, OnDisconnect, default_replay_denylist},
     fingerprint::FingerprintFn,
     problem::ProblemHook,
     runtime::Runtime,
@@ -97,8 +96,7 @@ impl<S: Store> IdempotencyLayer<S> {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 3600),
             in_flight: InFlight::Reject,
-            should_store: Arc::new(default_should_store),
-            grpc_should_store: Arc::new(crate::grpc::default_grpc_should_store),
+            classify: crate::classify::Classifier::default(),
             replay_denylist: default_replay_denylist(),
             fail_open: false,
             sealing: None,
@@ -381,27 +379,60 @@ impl<S: Store> IdempotencyLayer<S> {
 
 /// What is stored and replayed: which outcomes, how large, which headers.
 impl<S: Store> IdempotencyLayer<S> {
+    /// How HTTP answers are classified: stored, released or unknown, by
+    /// status and by who produced them (see [`classify`](crate::classify)).
+    /// The default is [`default_http_verdict`](crate::classify::default_http_verdict).
+    pub fn classify_http(
+        self,
+        classifier: impl Fn(StatusCode, Producer) -> Verdict + Send + Sync + 'static,
+    ) -> Self {
+        let classifier: crate::classify::HttpClassifier = Arc::new(classifier);
+        self.with(|c| c.classify.http = classifier)
+    }
+
+    /// How gRPC answers are classified, by `grpc-status` (`None` when the
+    /// answer has none) and by who produced them. A gRPC failure travels
+    /// as HTTP 200, so gRPC answers are judged by this, not
+    /// [`classify_http`](Self::classify_http). The default is
+    /// [`default_grpc_verdict`](crate::classify::default_grpc_verdict).
+    pub fn classify_grpc(
+        self,
+        classifier: impl Fn(Option<u32>, Producer) -> Verdict + Send + Sync + 'static,
+    ) -> Self {
+        let classifier: crate::classify::GrpcClassifier = Arc::new(classifier);
+        self.with(|c| c.classify.grpc = classifier)
+    }
+
     /// Which handler statuses are stored and replayed; the others release
-    /// the key. See [`default_should_store`].
+    /// the key. See [`default_should_store`](crate::default_should_store).
+    ///
+    /// The earlier, two-way form of [`classify_http`](Self::classify_http),
+    /// kept as a migration path: it decides a handler's answers exactly as
+    /// before; an upstream's `502` and `504` (an answer marked
+    /// [`RemoteAnswer`](crate::classify::RemoteAnswer)) stay unknown.
     pub fn store_outcome_if(
         self,
         predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
-        let predicate: Arc<dyn Fn(StatusCode) -> bool + Send + Sync> = Arc::new(predicate);
-        self.with(|c| c.should_store = predicate)
+        let classifier = crate::classify::Classifier::http_from_bool(Arc::new(predicate));
+        self.with(|c| c.classify.http = classifier)
     }
 
     /// Which gRPC statuses (`grpc-status`, as a number) of a gRPC answer
-    /// are stored and replayed; the others release the key. A gRPC failure
-    /// travels as HTTP 200, so gRPC answers are judged by this predicate,
-    /// not [`store_outcome_if`](Self::store_outcome_if). See
+    /// are stored and replayed; the others release the key.
+    ///
+    /// The earlier, two-way form of [`classify_grpc`](Self::classify_grpc),
+    /// kept as a migration path: a handler's answers are decided exactly as
+    /// before (one without `grpc-status` releases); an upstream's
+    /// deadline, cancellation, `UNKNOWN`, `INTERNAL`, `DATA_LOSS` or
+    /// missing status stays unknown. See
     /// [`default_grpc_should_store`](crate::grpc::default_grpc_should_store).
     pub fn grpc_should_store(
         self,
         predicate: impl Fn(u32) -> bool + Send + Sync + 'static,
     ) -> Self {
-        let predicate: Arc<dyn Fn(u32) -> bool + Send + Sync> = Arc::new(predicate);
-        self.with(|c| c.grpc_should_store = predicate)
+        let classifier = crate::classify::Classifier::grpc_from_bool(Arc::new(predicate));
+        self.with(|c| c.classify.grpc = classifier)
     }
 
     /// The largest response stored for replay (default 1 MiB). A larger

@@ -165,6 +165,7 @@ mod answer;
 mod attempt;
 mod body;
 mod claim;
+pub mod classify;
 pub mod command;
 mod config;
 mod context;

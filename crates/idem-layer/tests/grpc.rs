@@ -600,3 +600,119 @@ async fn an_answer_whose_end_lags_its_trailers_is_still_unary() {
     assert_eq!(replay.trailers, first.trailers);
     assert_eq!(handler.runs(), 1);
 }
+
+/// A service answering a unary call with `status`, counting its runs; its
+/// answers marked as an upstream's when `remote`.
+fn answering(
+    layer: &IdempotencyLayer<MemoryStore>,
+    status: &'static str,
+    remote: bool,
+    runs: &Arc<AtomicUsize>,
+) -> App {
+    let runs = Arc::clone(runs);
+    let service = tower::service_fn(move |_: Request<Body>| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static(status));
+        let frames = vec![Frame::data(message(b"paid")), Frame::trailers(trailers)];
+        let stream = futures_util::stream::iter(frames.into_iter().map(Ok::<_, Infallible>));
+        let mut response = Response::builder()
+            .header("content-type", "application/grpc")
+            .body(Body::new(http_body_util::StreamBody::new(stream)))
+            .expect("response");
+        if remote {
+            response
+                .extensions_mut()
+                .insert(idem_layer::classify::RemoteAnswer);
+        }
+        async move { Ok::<_, Infallible>(response) }
+    });
+    tower::util::BoxCloneService::new(tower::Layer::layer(layer, service))
+}
+
+/// Whether a retry of `key` is refused as in progress (the first attempt's
+/// outcome unknown, its key kept) rather than run.
+async fn kept_in_progress(app: &mut App, key: &str) -> bool {
+    let retry = call(app, call_request(key, message(b"x"), true)).await;
+    header(&retry.headers, "idem-problem") == Some("idempotency_in_progress")
+        && header(&retry.headers, "grpc-status") == Some("10")
+}
+
+/// Every answer is classified three ways by its status and by who produced
+/// it (docs/design.md, section 1): a handler's INTERNAL releases like its
+/// HTTP 500, its DEADLINE_EXCEEDED is unknown (kept, never released at
+/// once); an upstream's INTERNAL and an upstream's answer without a status
+/// are unknown; a classifier overrides per status.
+#[tokio::test]
+async fn every_answer_is_classified_by_its_status_and_its_producer() {
+    use idem_layer::classify::{Producer, Verdict, default_grpc_verdict};
+    let layer = tenant_layer(MemoryStore::new());
+    for (status, remote, unknown) in [
+        ("13", false, false), // a handler's INTERNAL: released
+        ("14", true, false),  // an upstream's UNAVAILABLE: released
+        ("4", false, true),   // a handler's DEADLINE_EXCEEDED: unknown
+        ("1", false, true),   // CANCELLED
+        ("2", true, true),    // an upstream's UNKNOWN
+        ("13", true, true),   // an upstream's INTERNAL
+        ("15", false, true),  // DATA_LOSS
+        ("nope", true, true), // an upstream's answer without a status
+    ] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let mut app = answering(&layer, status, remote, &runs);
+        let key = format!("c-{status}-{remote}");
+        let first = call(&mut app, call_request(&key, message(b"x"), true)).await;
+        let trailers = first.trailers.expect("the first caller gets the answer");
+        assert_eq!(header(&trailers, "grpc-status"), Some(status));
+        if unknown {
+            assert!(
+                kept_in_progress(&mut app, &key).await,
+                "{status} ({remote}): kept"
+            );
+            assert_eq!(
+                runs.load(Ordering::SeqCst),
+                1,
+                "{status} ({remote}): not run again"
+            );
+        } else {
+            call(&mut app, call_request(&key, message(b"x"), true)).await;
+            assert_eq!(
+                runs.load(Ordering::SeqCst),
+                2,
+                "{status} ({remote}): released"
+            );
+        }
+    }
+    // A classifier of the user's: DEADLINE_EXCEEDED from a handler released.
+    let released = tenant_layer(MemoryStore::new()).classify_grpc(|status, producer| {
+        match (status, producer) {
+            (Some(4), Producer::Handler) => Verdict::Released,
+            _ => default_grpc_verdict(status, producer),
+        }
+    });
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut app = answering(&released, "4", false, &runs);
+    call(&mut app, call_request("c-own", message(b"x"), true)).await;
+    call(&mut app, call_request("c-own", message(b"x"), true)).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// The earlier `bool` predicate still decides a handler's answers as it
+/// did, and never releases an upstream's deadline.
+#[tokio::test]
+async fn the_bool_predicate_keeps_an_upstreams_deadline_unknown() {
+    let layer = tenant_layer(MemoryStore::new()).grpc_should_store(|status| status == 0);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut app = answering(&layer, "4", false, &runs);
+    call(&mut app, call_request("b-1", message(b"x"), true)).await;
+    call(&mut app, call_request("b-1", message(b"x"), true)).await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "a handler's deadline releases, as before"
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut app = answering(&layer, "4", true, &runs);
+    call(&mut app, call_request("b-2", message(b"x"), true)).await;
+    assert!(kept_in_progress(&mut app, "b-2").await);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -17,6 +17,31 @@ use hyper_util::{
 };
 use idem_layer::{ADMIN_TOKEN, HOP_BY_HOP, IDEMPOTENCY_KEY, IdempotencyContext, UnknownOutcome};
 
+/// A gRPC call's deadline.
+const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+
+/// The gateway's answer to a keyed gRPC call whose deadline passed while
+/// the upstream runs: a trailers-only `DEADLINE_EXCEEDED`.
+fn deadline_exceeded() -> Response<Body> {
+    let mut response = Response::new(Body::empty());
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert("grpc-status", HeaderValue::from_static("4"));
+    headers.insert(
+        "grpc-message",
+        HeaderValue::from_static(
+            "the%20deadline%20passed%20while%20the%20upstream%20runs%3B%20its%20answer%20is%20recorded%20for%20a%20retry",
+        ),
+    );
+    response
+        .extensions_mut()
+        .insert(crate::answer::GatewayCode("deadline_exceeded"));
+    response
+}
+
 /// The header that tells the upstream which attempt of a key this is.
 pub const IDEMPOTENCY_ATTEMPT: HeaderName =
     HeaderName::from_static(idem_core::protocol::IDEMPOTENCY_ATTEMPT);
@@ -91,6 +116,10 @@ fn upstream_response(
 ) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    // An upstream's answer: the layer classifies its status as one that
+    // may come from in front of an executor that goes on (a deadline, a
+    // proxy's 504): unknown, never released (docs/design.md, section 1).
+    parts.extensions.insert(idem_layer::classify::RemoteAnswer);
     let body = match stall {
         Some(bound) => Body::new(StallBound::new(body, bound)),
         None => Body::new(body),
@@ -485,8 +514,22 @@ impl Proxy {
                 ctx.generation,
             )
         });
+        // A keyed gRPC call's deadline is the gateway's to keep: the
+        // upstream's framework would answer DEADLINE_EXCEEDED at it while
+        // its handler goes on. The caller is answered at its deadline; the
+        // upstream gets the gateway's own bound and its answer is recorded.
+        let caller_deadline = keyed
+            .as_ref()
+            .filter(|_| idem_core::protocol::is_grpc(request.headers()))
+            .and_then(|_| idem_core::protocol::grpc_timeout(request.headers()));
         // The Host the client sent is read before the URI changes.
         self.upstream_headers(&mut request);
+        if caller_deadline.is_some()
+            && let Ok(bound) =
+                HeaderValue::try_from(idem_core::protocol::grpc_timeout_value(self.0.timeout))
+        {
+            request.headers_mut().insert(GRPC_TIMEOUT, bound);
+        }
         *request.uri_mut() = uri;
         // The client's protocol is not the upstream connection's: the
         // pooled client speaks HTTP/1.1 (or, told to, HTTP/2) to the
@@ -497,7 +540,10 @@ impl Proxy {
             http::Version::HTTP_11
         };
         let mut pending = Box::pin(self.0.client.request(request));
-        match tokio::time::timeout(self.0.timeout, &mut pending).await {
+        let started = tokio::time::Instant::now();
+        let caller_first = caller_deadline.filter(|deadline| *deadline < self.0.timeout);
+        let first_bound = caller_first.unwrap_or(self.0.timeout);
+        match tokio::time::timeout(first_bound, &mut pending).await {
             Ok(Ok(response)) if response.status().is_informational() => {
                 // The gateway asks for no upgrade (`Upgrade` is hop-by-hop
                 // and never forwarded): a `101` or any other final 1xx is
@@ -545,6 +591,23 @@ impl Proxy {
                 );
                 response.extensions_mut().insert(UnknownOutcome::new());
                 self.note_unknown("upstream_answer_lost", keyed.as_ref());
+                response
+            }
+            Err(_) if caller_first.is_some() => {
+                // The caller's deadline passed while the upstream runs:
+                // the caller gets DEADLINE_EXCEEDED now, the outcome is
+                // unknown, and the upstream's answer, when it comes within
+                // the gateway's bound, is recorded for a retry.
+                let left = self.0.timeout.saturating_sub(started.elapsed());
+                let late = async move {
+                    let response = tokio::time::timeout(left, pending).await.ok()?.ok()?;
+                    Some(upstream_response(response, stall))
+                };
+                let mut response = deadline_exceeded();
+                response
+                    .extensions_mut()
+                    .insert(UnknownOutcome::with_late_answer(late));
+                self.note_unknown("deadline_exceeded", keyed.as_ref());
                 response
             }
             Err(_) => {

@@ -227,6 +227,14 @@ impl Payments {
         *self.hold.lock().unwrap_or_else(|e| e.into_inner()) = hold;
     }
 
+    /// Waits what [`hold_answers`](Self::hold_answers) set.
+    async fn hold(&self) {
+        let hold = *self.hold.lock().unwrap_or_else(|e| e.into_inner());
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
+        }
+    }
+
     /// `Charge`: charges the account once per key.
     pub async fn charge(
         &self,
@@ -263,6 +271,7 @@ impl Payments {
                 .ledger
                 .charge("", &charge.account, charge.amount_cents)
                 .map_err(|error| Status::internal(format!("the ledger failed: {error}")))?;
+            self.hold().await;
             return Ok(Response::new(ChargeReply {
                 charge_id: made.id,
                 amount_cents: made.amount_cents,
@@ -291,10 +300,7 @@ impl Payments {
             eprintln!("grpc-payments: charged {}, holding the answer", made.id);
             std::future::pending::<()>().await;
         }
-        let hold = *self.hold.lock().unwrap_or_else(|e| e.into_inner());
-        if !hold.is_zero() {
-            tokio::time::sleep(hold).await;
-        }
+        self.hold().await;
         let mut response = Response::new(ChargeReply {
             charge_id: made.id.clone(),
             amount_cents: made.amount_cents,

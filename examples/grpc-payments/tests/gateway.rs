@@ -6,7 +6,7 @@ mod common;
 
 use std::{net::SocketAddr, time::Duration};
 
-use common::{charge, problem, replayed, wire_call};
+use common::{charge, charge_once_settled, charge_with_deadline, problem, replayed, wire_call};
 use grpc_payments::{Payments, PaymentsClient, TENANT, proto::ChargeRequest};
 use tonic::Code;
 
@@ -91,4 +91,43 @@ async fn the_gateway_protects_a_grpc_upstream() {
         Some(&b"0"[..])
     );
     assert_eq!(wire_replay.trailers, Some(trailers));
+}
+
+/// A caller's deadline shorter than the charge: the gateway answers the
+/// caller `DEADLINE_EXCEEDED` at the deadline itself, lets the upstream run
+/// under its own bound (it never passes the caller's deadline on, where
+/// the upstream's framework would answer at it while the handler charges),
+/// and records the upstream's late answer: the retry replays the charge,
+/// which ran once. (Before, the upstream's own `DEADLINE_EXCEEDED`
+/// released the key and the retry charged again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_deadline_never_charges_twice_through_the_gateway() {
+    let (upstream, payments) = bare().await;
+    payments.hold_answers(Duration::from_secs(1));
+    let config = idem_tests::gateway_config_for(
+        &format!("http://{upstream}"),
+        &["--upstream-http2", "--tenant-header", TENANT],
+    );
+    let (started, _stop, _task) = idem_gateway::start(config).await.expect("gateway");
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", started.addr))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = PaymentsClient::new(channel);
+
+    let cut = charge_with_deadline(&mut client, "gw-deadline", 700, Duration::from_millis(300))
+        .await
+        .expect_err("the caller's deadline passes first");
+    assert!(
+        matches!(cut.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{cut:?}"
+    );
+    let retried = charge_once_settled(&mut client, "gw-deadline", 700)
+        .await
+        .expect("the late answer was recorded and is replayed");
+    assert!(replayed(&retried), "the retry is the recorded charge");
+    assert_eq!(retried.get_ref().amount_cents, 700);
+    assert_eq!(payments.runs(), 1, "the upstream charged once");
+    assert_eq!(payments.ledger().charges().len(), 1);
 }

@@ -20,7 +20,9 @@ use idem_postgres::PgStore;
 use idem_redis::RedisStore;
 mod common;
 
-use common::{charge, charge_request, problem, replayed, wire_call};
+use common::{
+    charge, charge_once_settled, charge_request, charge_with_deadline, problem, replayed, wire_call,
+};
 use idem_tests::{
     postgres_server::PgServer,
     redis_server::{RedisCluster, RedisServer},
@@ -317,4 +319,28 @@ async fn the_retry_layer_keeps_one_key_across_a_tonic_calls_retries() {
         .expect_err("invalid");
     assert_eq!(invalid.code(), Code::InvalidArgument);
     assert_eq!(payments.runs(), 4);
+}
+
+/// The layer inside a tonic server: tonic's own deadline drops the layer's
+/// future at the caller's deadline, the handler goes on detached, and its
+/// answer is recorded: the retry replays the charge, which ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_deadline_in_process_never_charges_twice() {
+    let (addr, payments) = start(MemoryStore::new()).await;
+    payments.hold_answers(Duration::from_secs(1));
+    let mut client = client(addr).await;
+    let cut = charge_with_deadline(&mut client, "deadline-1", 900, Duration::from_millis(300))
+        .await
+        .expect_err("the caller's deadline passes first");
+    assert!(
+        matches!(cut.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{cut:?}"
+    );
+    let retried = charge_once_settled(&mut client, "deadline-1", 900)
+        .await
+        .expect("the detached handler's answer is replayed");
+    assert!(replayed(&retried));
+    assert_eq!(retried.get_ref().amount_cents, 900);
+    assert_eq!(payments.runs(), 1);
+    assert_eq!(payments.ledger().charges().len(), 1);
 }

@@ -102,3 +102,39 @@ pub(crate) fn replayed<T>(response: &tonic::Response<T>) -> bool {
         .get("idempotent-replayed")
         .is_some_and(|v| v == "true")
 }
+
+/// A `Charge` whose caller gives up after `deadline` (`grpc-timeout`).
+pub(crate) async fn charge_with_deadline(
+    client: &mut PaymentsClient<Channel>,
+    key: &str,
+    amount_cents: i64,
+    deadline: std::time::Duration,
+) -> Result<tonic::Response<ChargeReply>, Status> {
+    let mut request = charge_request(Some(key), amount_cents);
+    request.set_timeout(deadline);
+    client.charge(request).await
+}
+
+/// Retries `Charge` with `key` while another attempt of it is in progress
+/// (`ABORTED`, `idempotency_in_progress`), 50 ms apart, for at most 30 s:
+/// the first other answer.
+pub(crate) async fn charge_once_settled(
+    client: &mut PaymentsClient<Channel>,
+    key: &str,
+    amount_cents: i64,
+) -> Result<tonic::Response<ChargeReply>, Status> {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let answer = charge(client, Some(key), amount_cents).await;
+        match &answer {
+            Err(status)
+                if status.code() == tonic::Code::Aborted
+                    && problem(status) == Some("idempotency_in_progress")
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            _ => return answer,
+        }
+    }
+}
