@@ -835,3 +835,26 @@ async fn a_client_that_leaves_during_the_reservation_leaves_the_key_free() {
     assert!(!retry.replayed());
     assert_eq!(upstream.runs(), 2, "warm-1 and the retry of gone-1, once");
 }
+
+/// An upstream's own 502 or 504 (from a proxy in front of it, which may
+/// have passed the request on) is an unknown outcome, never a release: the
+/// retry meets the kept key (409), and the upstream ran once. Its 500 and
+/// 503 still release (`gateway.rs`: `*_outcomes_and_tenants`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_own_502_or_504_keeps_the_key() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    for (code, status) in [
+        ("502", StatusCode::BAD_GATEWAY),
+        ("504", StatusCode::GATEWAY_TIMEOUT),
+    ] {
+        let path = format!("/status/{code}");
+        let key = format!("unknown-{code}");
+        assert_eq!(post(gateway.addr, &path, &key).await.status, status);
+        let retry = post(gateway.addr, &path, &key).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{code}: kept");
+        assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    }
+    assert_eq!(upstream.runs(), 2, "each ran once");
+}
