@@ -428,3 +428,89 @@ async fn a_string_record_takes_less_memory_than_the_hash() {
         used[1]
     );
 }
+
+/// An operator's `PEXPIRE` on a live record never shortens its lease: on
+/// format 3, whose lease is read from the key's expiry, a duplicate from
+/// another process is still in progress, the lapsed count stays 0 and a
+/// listing shows no lapsed record, as on format 2 (whose lease is a field
+/// of the hash). An expiry trimmed below the lease left loses the record,
+/// as an eviction does: the key is then free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expiry_changed_from_outside_never_shortens_a_live_lease() {
+    let Some(server) = RedisServer::spawn() else {
+        return;
+    };
+    // The lease-after-restart rule (reserve.lua) keeps every lease live
+    // for a lease after Redis started: wait that out, so only the record's
+    // own lease keeps it.
+    let lease = Duration::from_secs(4);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let uptime = || {
+        server
+            .info_field("server", "uptime_in_seconds")
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    while uptime() < lease.as_secs() + 1 {
+        assert!(std::time::Instant::now() < deadline, "uptime never grew");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for format in [RecordFormat::V3, RecordFormat::V2] {
+        let store = |format| {
+            RedisStore::builder(&server.url())
+                .record_format(format)
+                .build()
+                .expect("store")
+        };
+        // Two processes on one Redis.
+        let (first, second) = (store(format), store(format));
+        let request = request(&format!("pexpire-{format:?}"), 1, lease);
+        let key = first.record_key(request.scope.hash());
+        let held = acquire(&first, &request).await;
+        // Retention 600 s: an expiry of 300 s implies a start 300 s ago,
+        // far past the lease.
+        server.cli(&["PEXPIRE", &key, "300000"]);
+        match second.reserve(&request).await.expect("duplicate") {
+            Reservation::InProgress { retry_after } => {
+                assert!(retry_after <= lease, "{format:?}: {retry_after:?}");
+            }
+            other => panic!("{format:?}: the live lease was taken over: {other:?}"),
+        }
+        assert_eq!(
+            second.count_lapsed(100).await.expect("count"),
+            0,
+            "{format:?}"
+        );
+        let stuck = second.list(&RecordQuery::stuck(100)).await.expect("list");
+        assert!(stuck.is_empty(), "{format:?}: {stuck:?}");
+        assert_eq!(
+            first.complete(&held, &response(5)).await.expect("complete"),
+            Completion::Recorded,
+            "{format:?}: the owner still records its outcome"
+        );
+        assert_eq!(
+            replayed(second.reserve(&request).await.expect("replay")),
+            response(5)
+        );
+
+        // Trimmed below what is left of the lease: the record is lost with
+        // its key, as an evicted one is, and the key is free again.
+        let trimmed = request_with(&format!("trimmed-{format:?}"));
+        let trimmed_key = first.record_key(trimmed.scope.hash());
+        acquire(&first, &trimmed).await;
+        server.cli(&["PEXPIRE", &trimmed_key, "1"]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while server.cli(&["EXISTS", &trimmed_key]).trim() != "0" {
+            assert!(std::time::Instant::now() < deadline, "never expired");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(matches!(
+            second.reserve(&trimmed).await.expect("reserve"),
+            Reservation::Acquired(_)
+        ));
+    }
+}
+
+fn request_with(key: &str) -> ReserveRequest {
+    request(key, 1, Duration::from_secs(30))
+}

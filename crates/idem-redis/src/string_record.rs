@@ -31,14 +31,17 @@
 //! ```
 //!
 //! The start and the end are the writing process' clock (Unix ms): the
-//! start serves only to bound how long a process may keep a replay (the
-//! record expires a retention after it). Leases are judged on Redis' clock
-//! alone: a string's reservation began a retention before its key expires.
-//! `convert.lua` and `get.lua` take the hash's start from the key's expiry
-//! (`PEXPIRETIME`), so every read of a record answers the same start; a
-//! duplicate's in-progress answer and `count_lapsed.lua` read the lease
-//! from the key's remaining time (`PTTL`: it began `retention - PTTL`
-//! ago).
+//! start bounds how long a process may keep a replay (the record expires a
+//! retention after it). Leases are judged on Redis' clock: a string's
+//! reservation began a retention before its key expires, or at the start
+//! it carries, whichever is later, so an expiry changed from outside
+//! (`PEXPIRE`) never shortens a live lease (it may lengthen one by the
+//! writer's clock skew). `convert.lua` and `get.lua` take the hash's start
+//! so (`PEXPIRETIME`: every read of a record answers the same start), and
+//! so does `count_lapsed.lua` (from `PTTL`); a duplicate's native
+//! in-progress answer reads the lease from the key's remaining time
+//! (`PTTL`: it began `retention - PTTL` ago), and when that says the lease
+//! ran out, the reserve script decides on the converted hash.
 
 use idem_core::{Fingerprint, Outcome, Replay, StoreError};
 

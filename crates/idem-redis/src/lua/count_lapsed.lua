@@ -18,14 +18,19 @@ for _, key in ipairs(page[2]) do
     local fields = redis.pcall('HMGET', key, @state@, @lease_until@, @expires@, @n@)
     if type(fields) == 'table' and fields.err then
       -- A record kept as one string (format 3, string_record.rs): its
-      -- reservation began retention - PTTL ago by Redis' clock.
+      -- reservation began retention - PTTL ago by Redis' clock, or at the
+      -- start it carries, whichever is later (string_record.lua: an
+      -- expiry changed from outside never shortens a live lease).
       local raw = redis.pcall('GET', key)
       local head = type(raw) == 'string' and string.sub(raw, 1, 2)
       if head == '3p' or head == '3a' then
-        local lease_ms, retention_ms = string.match(raw, '^%d+:(%d+):(%d+):', 139)
+        local carried, lease_ms, retention_ms = string.match(raw, '^(%d+):(%d+):(%d+):', 139)
         local pttl = redis.call('PTTL', key)
-        if lease_ms and pttl > 0 and tonumber(retention_ms) - pttl >= tonumber(lease_ms) then
-          lapsed = lapsed + 1
+        if lease_ms and pttl > 0 then
+          local started = math.max(now + pttl - tonumber(retention_ms), tonumber(carried))
+          if now >= started + tonumber(lease_ms) then
+            lapsed = lapsed + 1
+          end
         end
       end
     elseif type(fields) == 'table' and fields[1] == 'processing' then

@@ -7,9 +7,12 @@
 -- otherwise); or nil and an error reply for a string of a newer format,
 -- or one that does not parse. `expires_at` is the key's expiry
 -- (PEXPIRETIME, Unix ms by Redis' clock) and `now` Redis' clock: the
--- reservation began a retention before the expiry, the hash's start, from
--- which its lease and expiry follow. (The key's expiry, not its remaining
--- time: every read of one record answers the same start.)
+-- reservation began a retention before the expiry, or at the start the
+-- record carries (its writer's clock), whichever is later: the hash's
+-- start, from which its lease follows. An expiry changed from outside (an
+-- operator's PEXPIRE) so never shortens a live lease; the later start may
+-- lengthen one by the writer's clock skew. (The key's expiry, not its
+-- remaining time: every read of one record answers the same start.)
 local function string_fields(raw, expires_at, now)
   local version = string.sub(raw, 1, 1)
   if version ~= '3' then
@@ -21,8 +24,8 @@ local function string_fields(raw, expires_at, now)
   end
   local corrupt = redis.error_reply('idem: a string record that does not parse')
   local kind = string.sub(raw, 2, 2)
-  local _, at, lease_ms, retention_ms, form, length =
-    string.find(raw, '^%d+:(%d+):(%d+):([tb])(%d+):', 139)
+  local _, at, carried, lease_ms, retention_ms, form, length =
+    string.find(raw, '^(%d+):(%d+):(%d+):([tb])(%d+):', 139)
   if not at or (kind ~= 'p' and kind ~= 'a' and kind ~= 'c') then
     return nil, corrupt
   end
@@ -44,7 +47,8 @@ local function string_fields(raw, expires_at, now)
     expires_at = now + retention
   end
   local fields = {@state@, kind == 'c' and 'completed' or 'processing',
-    @n@, string.format('%d:%s:%s', expires_at - retention, lease_ms, retention_ms),
+    @n@, string.format('%d:%s:%s', math.max(expires_at - retention, tonumber(carried)),
+      lease_ms, retention_ms),
     @owner@, string.sub(raw, 3, 38), @fp@, string.sub(raw, 75, 138),
     @cur_id@, string.sub(raw, 39, 74),
     form == 'b' and @tenant_bin@ or @tenant@, tenant, @op@, op, @key@, key, @v@, '2'}
