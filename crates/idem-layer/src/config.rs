@@ -54,6 +54,10 @@ pub enum ConfigError {
     /// be trusted.
     #[error("{0} must be at most 100 years")]
     TooLong(&'static str),
+    /// The problem type base is not an absolute URI
+    /// ([`check_type_base`](crate::problem::check_type_base)).
+    #[error("the problem type base {0:?} is not an absolute URI: {1}")]
+    ProblemTypeBase(String, &'static str),
 }
 
 /// The longest duration any setting accepts (100 years). Longer values are
@@ -161,6 +165,9 @@ impl Config {
                 retention: self.retention,
                 lease: self.lease,
             });
+        }
+        if let Some(base) = &self.problem_type_base {
+            crate::problem::check_type_base(base)?;
         }
         Ok(())
     }

@@ -281,6 +281,48 @@ impl Problem {
 /// send instead (its body as bytes), or `None` to keep idem's own.
 pub type ProblemHook = dyn Fn(&Problem) -> Option<Response<Bytes>> + Send + Sync;
 
+/// Checks that `base` is an absolute URI (RFC 3986: a scheme, `:`, then
+/// only URI characters, every `%` followed by two hex digits), as a
+/// problem type base must be. Nothing else is accepted: no space, no `<`,
+/// `>` or `"`, no control or non-ASCII byte, so no value can end the
+/// `Link` target it is sent in or add one of its own.
+///
+/// ```
+/// use idem_layer::problem::check_type_base;
+/// assert!(check_type_base("https://docs.example.com/problems/").is_ok());
+/// assert!(check_type_base("urn:idem:problem:").is_ok());
+/// assert!(check_type_base("/problems/").is_err());
+/// assert!(check_type_base("https://a/>; rel=\"x\", <https://b/").is_err());
+/// ```
+pub fn check_type_base(base: &str) -> Result<(), crate::ConfigError> {
+    let refuse = |why| Err(crate::ConfigError::ProblemTypeBase(base.to_owned(), why));
+    let Some((scheme, _)) = base.split_once(':') else {
+        return refuse("it has no scheme");
+    };
+    let mut letters = scheme.bytes();
+    if !letters.next().is_some_and(|b| b.is_ascii_alphabetic())
+        || !letters.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+    {
+        return refuse("its scheme is not a letter followed by letters, digits, +, - or .");
+    }
+    let bytes = base.as_bytes();
+    for (i, &b) in bytes.iter().enumerate() {
+        let uri_char = b.is_ascii_alphanumeric() || b"-._~:/?#[]@!$&'()*+,;=%".contains(&b);
+        if !uri_char {
+            return refuse(
+                "it holds a character a URI cannot (a space, <, >, \", a control or non-ASCII byte)",
+            );
+        }
+        if b == b'%'
+            && !(bytes.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && bytes.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+        {
+            return refuse("a % is not followed by two hex digits");
+        }
+    }
+    Ok(())
+}
+
 /// Applies the configured type base and problem hook to a problem answer
 /// of the layer; other responses pass unchanged.
 pub(crate) fn shape<B>(
@@ -300,8 +342,11 @@ pub(crate) fn shape<B>(
     if let Some(base) = type_base {
         *response.body_mut() = ResponseBody::full(problem.document(base));
         // A type that is a web address documents the problem: linked as
-        // the draft suggests.
-        if base.starts_with("https://") || base.starts_with("http://") {
+        // the draft suggests; only a base that is an absolute URI, which
+        // can neither end the target nor add one.
+        if (base.starts_with("https://") || base.starts_with("http://"))
+            && check_type_base(base).is_ok()
+        {
             let link = format!("<{base}{}>; rel=\"describedby\"", problem.code.as_str());
             if let Ok(link) = HeaderValue::try_from(link) {
                 response.headers_mut().insert(header::LINK, link);

@@ -366,3 +366,54 @@ async fn a_missing_tenant_source_says_so() {
         "a request with an Idempotency-Key must come from an identified caller"
     );
 }
+
+/// A problem type base that is no absolute URI is refused by `validate()`,
+/// and one that would close its `Link` target and open another never gets
+/// a `Link` at all, validated or not.
+#[tokio::test]
+async fn a_problem_type_base_can_never_add_a_link_target() {
+    use http_body_util::BodyExt;
+    use tower::{Layer, ServiceExt};
+    let hostile = "https://docs.example/p/>; rel=\"x\", <https://evil.example/";
+    for base in [
+        hostile,
+        "/problems/",
+        "https://docs.example/a b/",
+        "https://x/%zz",
+    ] {
+        let layer = idem_layer::IdempotencyLayer::new(MemoryStore::new())
+            .allow_anonymous(true)
+            .problem_type_base(base);
+        assert!(
+            matches!(
+                layer.validate(),
+                Err(idem_layer::ConfigError::ProblemTypeBase(..))
+            ),
+            "{base}"
+        );
+        let service = layer.layer(tower::service_fn(|_: Request<Full<Bytes>>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+        }));
+        // A key that does not parse: a problem answer.
+        let request = Request::post("/orders")
+            .header("idempotency-key", "\"unterminated")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        // The layer answers every keyed request of a configuration that
+        // does not validate with a problem of its own, never a `Link`.
+        let response = service.oneshot(request).await.expect("answer");
+        assert_eq!(response.status(), 500);
+        assert!(response.headers().get("link").is_none(), "{base}");
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let document: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(document["code"], "idempotency_misconfigured", "{document}");
+    }
+    let good = idem_layer::IdempotencyLayer::new(MemoryStore::new())
+        .problem_type_base("https://docs.example.com/errors/");
+    assert!(good.validate().is_ok());
+}

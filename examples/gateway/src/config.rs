@@ -141,7 +141,7 @@ pub struct Config {
     #[arg(long, env = "IDEM_REPLACE_STORE_IDENTITY", action = ArgAction::SetTrue)]
     pub replace_store_identity: bool,
     /// The base of the `type` of idem's problem answers (`https://docs.example.com/problems/`: the type is the base followed by the code); a web address is also sent as `Link: <type>; rel="describedby"`. Default: `urn:idem:problem:`.
-    #[arg(long, env = "IDEM_PROBLEM_TYPE_BASE")]
+    #[arg(long, env = "IDEM_PROBLEM_TYPE_BASE", value_parser = parse_problem_type_base)]
     pub problem_type_base: Option<String>,
     /// Write fingerprints unkeyed (plain SHA-256 or BLAKE3 of the request): by default they are keyed with a key derived from the tenant secret, so whoever reads the store cannot confirm a guess of a short request body. Keyed or not, records written either way are read.
     #[arg(long, env = "IDEM_UNKEYED_FINGERPRINTS", action = ArgAction::SetTrue)]
@@ -323,6 +323,11 @@ pub(crate) fn parse_in_flight(value: &str) -> Result<InFlight, String> {
             None => Err("expected reject or wait:DURATION".to_owned()),
         },
     }
+}
+
+pub(crate) fn parse_problem_type_base(value: &str) -> Result<String, String> {
+    idem_layer::problem::check_type_base(value).map_err(|error| error.to_string())?;
+    Ok(value.to_owned())
 }
 
 pub(crate) fn parse_prefix(value: &str) -> Result<String, String> {

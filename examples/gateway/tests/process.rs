@@ -447,6 +447,30 @@ fn invalid_flags_are_one_line_errors_not_panics() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+    // A problem type base that is no absolute URI, or one that would end
+    // its `Link` target and add another; a records prefix that is not
+    // plain segments.
+    for flags in [
+        [
+            "--problem-type-base",
+            "https://docs.example/p/>; rel=\"x\", <https://evil.example/",
+        ],
+        ["--problem-type-base", "/problems/"],
+        ["--problem-type-base", "https://docs.example/a b/"],
+        ["--problem-type-base", "https://docs.example/%zz/"],
+        ["--records-prefix", "/"],
+        ["--records-prefix", "/a/../b"],
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(flags)
+            .args(["--listen", "127.0.0.1:0"])
+            .output()
+            .expect("run");
+        assert_eq!(output.status.code(), Some(2), "{flags:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(stderr.contains(flags[0]), "{stderr}");
+    }
     // Redis settings without Redis (the default store is memory).
     for flag in ["--redis-record-format=1", "--wait-for-replicas=1"] {
         let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
