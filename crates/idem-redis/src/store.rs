@@ -281,8 +281,11 @@ impl Store for RedisStore {
             // The handler must not run on a reservation a failover could lose.
             // (Boxed: this rare path's future would otherwise make every
             // reservation's future as large as itself plus a release's.)
+            // The store answered, so this is no outage: never fail open
+            // (the primary holds the record; running unprotected could run
+            // a duplicate twice).
             let _ = Box::pin(self.release(lease)).await;
-            return Err(StoreError::unavailable(format!(
+            return Err(StoreError::refused(format!(
                 "the reservation reached {acked} of {wanted} replicas in time"
             )));
         }

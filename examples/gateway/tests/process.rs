@@ -1263,6 +1263,36 @@ async fn replicas_short_of_the_requested_are_reported() {
     assert!(text.contains("fewer replicas than requested"), "{text}");
 }
 
+/// `--wait-for-replicas` with `--fail-open`: a reservation short of
+/// replicas is an answer of the store, not an outage, so it is never run
+/// unprotected: 503, and the upstream never runs, duplicates included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_never_covers_a_reservation_short_of_replicas() {
+    let Some(master) = RedisServer::spawn() else {
+        return;
+    };
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let upstream_url = format!("http://{}", server.addr);
+    let gateway = Process::spawn(
+        Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .args(["--listen", "127.0.0.1:0", "--upstream", &upstream_url])
+            .args(["--store", &master.url(), "--tenant-secret", SECRET])
+            .args(["--wait-for-replicas", "1", "--replica-timeout", "100ms"])
+            .arg("--fail-open"),
+    );
+    let http = client();
+    for _ in 0..2 {
+        let answer = send(&http, gateway.post("/orders", "no-replica-open")).await;
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+        assert_eq!(
+            answer.code().as_deref(),
+            Some("idempotency_store_unavailable")
+        );
+    }
+    assert_eq!(upstream.runs(), 0, "never run unprotected");
+}
+
 /// `rediss+cluster://` to a 3-node cluster serving TLS (TLS on the cluster
 /// bus too): records work through it, the certificates verified.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
