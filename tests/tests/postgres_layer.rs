@@ -974,3 +974,67 @@ async fn an_unreachable_database_fails_open_when_asked() {
     assert_eq!(open.status, StatusCode::CREATED);
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// A database that answers it has too many connections (SQLSTATE 53300,
+/// here a role over its connection limit) is up and serving others: busy,
+/// never an outage, so a layer with fail-open answers 503 and never runs
+/// the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_connections_is_busy_and_never_fails_open() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    PgStore::from_url(&url)
+        .expect("store")
+        .migrate()
+        .await
+        .expect("migrate");
+    let role = format!("limited_{}", uuid::Uuid::new_v4().simple());
+    server
+        .psql(
+            "postgres",
+            &format!("CREATE ROLE {role} LOGIN CONNECTION LIMIT 0"),
+        )
+        .expect("role");
+    let limited = url.replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let store = PgStore::from_url(&limited).expect("store");
+    let request = ReserveRequest {
+        scope: fresh_scope("too-many"),
+        fingerprint: fingerprint(1),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(3600),
+    };
+    let busy = store.reserve(&request).await;
+    assert!(
+        matches!(busy, Err(idem_core::StoreError::Busy { .. })),
+        "{busy:?}"
+    );
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { StatusCode::CREATED }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(store)
+                .tenant(TenantFromHeader::from_static("x-tenant-id"))
+                .fail_open(true),
+        );
+    let answer = router
+        .oneshot(
+            Request::post("/orders")
+                .header("idempotency-key", "too-many-1")
+                .header("x-tenant-id", "acme")
+                .body(axum::body::Body::from("{}"))
+                .expect("request"),
+        )
+        .await
+        .expect("answer");
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+}

@@ -708,3 +708,65 @@ async fn connect_refuses_an_evicting_redis_unless_allowed() {
     let safe_safety = store.server_safety().await.expect("INFO");
     assert_eq!(safe_safety.verdict(false), Ok(Vec::new()));
 }
+
+/// Refusals at connection time are answers of the server, never an outage:
+/// a password missing (`NOAUTH`) or wrong (`WRONGPASS`) is
+/// `StoreError::Refused` (the pool wrapped it, which hid its class), so a
+/// layer with fail-open answers 503 and never runs the handler. (A server
+/// at its client limit writes its error and closes at once: the client
+/// meets a broken pipe before it can read the error, which no client can
+/// tell from an outage.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_time_refusals_never_fail_open() {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
+    use tower::{Layer, ServiceExt};
+    let Some(locked) = RedisServer::spawn_with(&["--requirepass", "the-password"]) else {
+        return;
+    };
+    let port = locked.port;
+    for (what, url) in [
+        ("NOAUTH", format!("redis://127.0.0.1:{port}")),
+        (
+            "WRONGPASS",
+            format!("redis://:not-the-password@127.0.0.1:{port}"),
+        ),
+    ] {
+        let store = RedisStore::from_url(&url).expect("store");
+        let refused = store
+            .reserve(&request("refused", Duration::from_secs(30)))
+            .await;
+        assert!(
+            matches!(refused, Err(idem_core::StoreError::Refused(_))),
+            "{what}: {refused:?}"
+        );
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&runs);
+        let service = idem_layer::IdempotencyLayer::new(store)
+            .allow_anonymous(true)
+            .fail_open(true)
+            .layer(tower::service_fn(move |_: Request<Full<Bytes>>| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async {
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::new())))
+                }
+            }));
+        let answer = service
+            .oneshot(
+                Request::post("/orders")
+                    .header("idempotency-key", "k-1")
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .expect("request"),
+            )
+            .await
+            .expect("answer");
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE, "{what}");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            0,
+            "{what}: never run unprotected"
+        );
+    }
+}

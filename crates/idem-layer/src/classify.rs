@@ -24,7 +24,27 @@ use std::sync::Arc;
 
 use http::StatusCode;
 
-use crate::grpc::code;
+/// gRPC status codes by name, as the layer reads and writes them.
+#[allow(missing_docs)]
+pub mod code {
+    pub const OK: u32 = 0;
+    pub const CANCELLED: u32 = 1;
+    pub const UNKNOWN: u32 = 2;
+    pub const INVALID_ARGUMENT: u32 = 3;
+    pub const DEADLINE_EXCEEDED: u32 = 4;
+    pub const NOT_FOUND: u32 = 5;
+    pub const ALREADY_EXISTS: u32 = 6;
+    pub const PERMISSION_DENIED: u32 = 7;
+    pub const RESOURCE_EXHAUSTED: u32 = 8;
+    pub const FAILED_PRECONDITION: u32 = 9;
+    pub const ABORTED: u32 = 10;
+    pub const OUT_OF_RANGE: u32 = 11;
+    pub const UNIMPLEMENTED: u32 = 12;
+    pub const INTERNAL: u32 = 13;
+    pub const UNAVAILABLE: u32 = 14;
+    pub const DATA_LOSS: u32 = 15;
+    pub const UNAUTHENTICATED: u32 = 16;
+}
 
 /// What the layer does with an answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -81,7 +101,7 @@ pub fn default_http_verdict(status: StatusCode, producer: Producer) -> Verdict {
     {
         return Verdict::Unknown;
     }
-    if crate::default_should_store(status) {
+    if default_should_store(status) {
         Verdict::Stored
     } else {
         Verdict::Released
@@ -124,6 +144,13 @@ pub fn default_grpc_verdict(status: Option<u32>, producer: Producer) -> Verdict 
         _ if upstream => Verdict::Unknown,
         _ => Verdict::Released,
     }
+}
+
+/// The default outcome predicate: store 2xx, 3xx and 4xx except 408, 425
+/// and 429; release the key for everything else (temporary failures).
+pub fn default_should_store(status: StatusCode) -> bool {
+    let code = status.as_u16();
+    (200..500).contains(&code) && !matches!(code, 408 | 425 | 429)
 }
 
 /// An HTTP classifier: a status and its producer to a verdict.

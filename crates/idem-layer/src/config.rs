@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use http::{HeaderName, Method, StatusCode, header};
+use http::{HeaderName, Method, header};
 
 use crate::{
     fingerprint::FingerprintFn, headers::HOP_BY_HOP, problem::ProblemHook, tenant::TenantExtractor,
@@ -167,17 +167,11 @@ impl Config {
             });
         }
         if let Some(base) = &self.problem_type_base {
-            crate::problem::check_type_base(base)?;
+            crate::problem::check_type_base(base)
+                .map_err(|why| ConfigError::ProblemTypeBase(base.to_string(), why))?;
         }
         Ok(())
     }
-}
-
-/// The default outcome predicate: store 2xx, 3xx and 4xx except 408, 425
-/// and 429; release the key for everything else (temporary failures).
-pub fn default_should_store(status: StatusCode) -> bool {
-    let code = status.as_u16();
-    (200..500).contains(&code) && !matches!(code, 408 | 425 | 429)
 }
 
 /// The headers never replayed: [`HOP_BY_HOP`], `Date`, `Set-Cookie` and

@@ -194,11 +194,9 @@ mod unknown;
 
 pub use body::{BoxError, ResponseBody};
 pub use claim::keep_claimed;
+pub use classify::default_should_store;
 pub use command::{ActionError, Command, CommandContext, CommandError, Done};
-pub use config::{
-    ConfigError, InFlight, MAX_DURATION, OnDisconnect, default_replay_denylist,
-    default_should_store,
-};
+pub use config::{ConfigError, InFlight, MAX_DURATION, OnDisconnect, default_replay_denylist};
 pub use context::IdempotencyContext;
 pub use disconnect::ResponseFuture;
 pub use headers::{

@@ -384,9 +384,12 @@ impl PgStore {
                 return Ok(reservation);
             }
         }
-        Err(StoreError::unavailable(
-            "the record kept vanishing between reading and locking it",
-        ))
+        // The database answered every time: busy (a sweep racing the
+        // reservation), never an outage that fail-open could cover.
+        tracing::warn!("the record kept vanishing between reading and locking it");
+        Err(StoreError::Busy {
+            retry_after: std::time::Duration::from_secs(1),
+        })
     }
 
     /// Runs one transition of the state machine on the locked row of
@@ -476,9 +479,7 @@ impl PgStore {
             Err(StoreError::Busy { retry_after }) => {
                 let pool = &self.inner.pool;
                 if pool.size() < pool.options().get_max_connections() {
-                    Err(StoreError::unavailable(
-                        "could not open a connection to PostgreSQL within the pool timeout",
-                    ))
+                    Err(self.why_no_connection().await)
                 } else {
                     tracing::warn!("every connection of the idempotency store's pool is in use");
                     metrics::counter!("idem_store_pool_timeouts_total").increment(1);
@@ -486,6 +487,32 @@ impl PgStore {
                 }
             }
             answer => answer,
+        }
+    }
+
+    /// Why the pool could not open a connection: one connection is tried
+    /// directly (bounded by the pool's own wait), whose error the pool
+    /// hides. A database that answered (too many connections: busy; a
+    /// refused login or a missing database: refused) is never an outage,
+    /// so fail-open never covers it; one that could not be reached is
+    /// unavailable.
+    async fn why_no_connection(&self) -> StoreError {
+        use sqlx::Connection;
+        let unreachable = || {
+            StoreError::unavailable(
+                "could not open a connection to PostgreSQL within the pool timeout",
+            )
+        };
+        let options = self.inner.pool.connect_options();
+        let bound = self.inner.pool.options().get_acquire_timeout();
+        match tokio::time::timeout(bound, sqlx::PgConnection::connect_with(&options)).await {
+            Ok(Err(error @ sqlx::Error::Database(_))) => failed(error),
+            Ok(Ok(connection)) => {
+                // It opens now: the pool's wait was the outage, gone since.
+                let _ = connection.close().await;
+                unreachable()
+            }
+            _ => unreachable(),
         }
     }
 

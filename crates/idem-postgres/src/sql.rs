@@ -132,10 +132,12 @@ const BUSY_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 /// A driver error as a store error: a row that cannot be decoded is
 /// corrupt, anything else is the database being unavailable.
 /// A driver error in the store's terms: a server that could not be
-/// reached, shut down or is starting (SQLSTATE classes 08 and 57P, too
-/// many connections) is unavailable; any other answer the server gave (a
-/// missing table, a permission, a value it refuses) is refused, which
-/// fail-open never covers; a row that does not decode is corrupt.
+/// reached, shut down or is starting (SQLSTATE classes 08 and 57P) is
+/// unavailable; one that answered it has too many connections (53300) is
+/// busy (up and serving others: never failed open); any other answer the
+/// server gave (a missing table, a permission, a value it refuses) is
+/// refused, which fail-open never covers; a row that does not decode is
+/// corrupt.
 pub(crate) fn failed(error: sqlx::Error) -> StoreError {
     match error {
         sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
@@ -143,7 +145,11 @@ pub(crate) fn failed(error: sqlx::Error) -> StoreError {
         }
         sqlx::Error::Database(ref database) => {
             let code = database.code().unwrap_or_default();
-            if code.starts_with("08") || code.starts_with("57P") || code == "53300" {
+            if code == "53300" {
+                StoreError::Busy {
+                    retry_after: BUSY_RETRY_AFTER,
+                }
+            } else if code.starts_with("08") || code.starts_with("57P") {
                 StoreError::unavailable(error)
             } else {
                 StoreError::refused(error)

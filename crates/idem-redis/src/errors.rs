@@ -13,9 +13,16 @@ pub(crate) fn unavailable(
     error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
 ) -> StoreError {
     let error = error.into();
-    let answered = error
-        .downcast_ref::<redis::RedisError>()
-        .is_some_and(answered_by_the_server);
+    // A connection the pool could not open keeps the server's answer as
+    // its cause (a refused password, the server's client limit): the pool
+    // wraps it, and the class is read through the wrapper.
+    let answered = match error.downcast_ref::<deadpool_redis::PoolError>() {
+        Some(deadpool_redis::PoolError::Backend(cause)) => answered_by_the_server(cause),
+        Some(_) => false,
+        None => error
+            .downcast_ref::<redis::RedisError>()
+            .is_some_and(answered_by_the_server),
+    };
     if answered {
         StoreError::Refused(error)
     } else {
@@ -40,7 +47,13 @@ pub(crate) fn answered_by_the_server(error: &redis::RedisError) -> bool {
                 | ServerErrorKind::Moved
                 | ServerErrorKind::Ask
         ),
-        ErrorKind::Extension | ErrorKind::AuthenticationFailed => true,
+        // An error code of the server's own, a refused password (NOAUTH,
+        // WRONGPASS), a reply that does not parse or is not of the type
+        // asked for: the server was reached and answered.
+        ErrorKind::Extension
+        | ErrorKind::AuthenticationFailed
+        | ErrorKind::Parse
+        | ErrorKind::UnexpectedReturnType => true,
         _ => false,
     }
 }

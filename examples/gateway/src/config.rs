@@ -326,7 +326,8 @@ pub(crate) fn parse_in_flight(value: &str) -> Result<InFlight, String> {
 }
 
 pub(crate) fn parse_problem_type_base(value: &str) -> Result<String, String> {
-    idem_layer::problem::check_type_base(value).map_err(|error| error.to_string())?;
+    idem_layer::problem::check_type_base(value)
+        .map_err(|why| format!("{value:?} is not an absolute URI: {why}"))?;
     Ok(value.to_owned())
 }
 
