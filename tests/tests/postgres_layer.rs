@@ -42,7 +42,8 @@ impl FromRef<AppState> for PgStore {
 /// and answers 201 with the order's id; `x-status` picks another status,
 /// `x-wait` waits for a permit between the insert and the commit;
 /// `x-panic` panics and `x-error` answers 500 after the insert, without
-/// handing the transaction over.
+/// handing the transaction over; `x-forget` answers without `commit()`
+/// (the transaction dropped), `x-rollback` after an explicit `rollback()`.
 async fn create(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -69,7 +70,13 @@ async fn create(
         .get("x-status")
         .and_then(|v| v.to_str().ok()?.parse().ok())
         .unwrap_or(201);
-    tx.commit().await.expect("hand over");
+    if headers.contains_key("x-forget") {
+        drop(tx);
+    } else if headers.contains_key("x-rollback") {
+        tx.rollback().await.expect("rollback");
+    } else {
+        tx.commit().await.expect("hand over");
+    }
     (
         StatusCode::from_u16(status).expect("status"),
         format!("{{\"order\":{id}}}"),
@@ -1037,4 +1044,62 @@ async fn too_many_connections_is_busy_and_never_fails_open() {
         .expect("answer");
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+/// A handler that answers a success and forgets `tx.commit()` (the
+/// transaction dropped, its insert rolled back): the success is never
+/// recorded; the caller gets `500 idempotency_transaction_not_committed`,
+/// the key is released and the retry runs, leaving one order. An explicit
+/// `rollback()` followed by a 2xx is the handler's own decision: recorded
+/// and replayed. A 4xx with a dropped transaction is a refusal whose
+/// writes rightly rolled back: recorded and replayed.
+#[tokio::test]
+async fn a_forgotten_commit_never_records_a_success() {
+    let Some(app) = app().await else { return };
+    let forgot = call(&app.router, Some("forgot-1"), &[("x-forget", "1")]).await;
+    assert_eq!(forgot.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let problem: serde_json::Value = serde_json::from_slice(&forgot.body).expect("json");
+    assert_eq!(problem["code"], "idempotency_transaction_not_committed");
+    assert_eq!(app.orders().await, 0);
+    let processing: i64 = app
+        .read("SELECT count(*) FROM idem_records WHERE state = 'processing'")
+        .await;
+    assert_eq!(processing, 0, "the key was released");
+    let retry = call(&app.router, Some("forgot-1"), &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.headers.contains_key("idempotent-replayed"));
+    assert_eq!(app.orders().await, 1);
+
+    // An explicit rollback, then 200: recorded as the handler said.
+    let rolled = call(
+        &app.router,
+        Some("rolled-1"),
+        &[("x-rollback", "1"), ("x-status", "200")],
+    )
+    .await;
+    assert_eq!(rolled.status, StatusCode::OK);
+    let again = call(
+        &app.router,
+        Some("rolled-1"),
+        &[("x-rollback", "1"), ("x-status", "200")],
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert!(again.headers.contains_key("idempotent-replayed"));
+    // A 422 with the transaction dropped: a refusal, recorded.
+    let refused = call(
+        &app.router,
+        Some("refused-1"),
+        &[("x-forget", "1"), ("x-status", "422")],
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let replayed = call(
+        &app.router,
+        Some("refused-1"),
+        &[("x-forget", "1"), ("x-status", "422")],
+    )
+    .await;
+    assert!(replayed.headers.contains_key("idempotent-replayed"));
+    assert_eq!(app.orders().await, 1, "neither kept an order");
 }

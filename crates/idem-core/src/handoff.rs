@@ -58,7 +58,15 @@ pub trait DeferredCompletion: Send + 'static {
 /// another store, in which case the handler commits its transaction
 /// itself.
 #[derive(Clone, Default)]
-pub struct CompletionSlot(Arc<Mutex<Option<Box<dyn DeferredCompletion>>>>);
+pub struct CompletionSlot(Arc<Mutex<Slot>>);
+
+/// What a slot holds: the deferred completion, and how many transactions
+/// the handler began on it and did not settle (commit or roll back).
+#[derive(Default)]
+struct Slot {
+    deferred: Option<Box<dyn DeferredCompletion>>,
+    open: usize,
+}
 
 impl CompletionSlot {
     /// An empty slot.
@@ -72,29 +80,50 @@ impl CompletionSlot {
         &self,
         completion: Box<dyn DeferredCompletion>,
     ) -> Result<(), Box<dyn DeferredCompletion>> {
-        let mut slot = match self.0.lock() {
-            Ok(slot) => slot,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        if slot.is_some() {
+        let mut slot = self.lock();
+        if slot.deferred.is_some() {
             return Err(completion);
         }
-        *slot = Some(completion);
+        slot.deferred = Some(completion);
         Ok(())
     }
 
     /// Takes what the handler left, if anything.
     pub fn take(&self) -> Option<Box<dyn DeferredCompletion>> {
-        match self.0.lock() {
-            Ok(mut slot) => slot.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
-        }
+        self.lock().deferred.take()
+    }
+
+    /// Notes that the handler began a transaction meant for this slot
+    /// (`idem_postgres::IdemTransaction::begin`); [`settled`](Self::settled)
+    /// notes its end, by a commit handed over or a rollback.
+    pub fn began(&self) {
+        self.lock().open += 1;
+    }
+
+    /// Notes that a transaction [`began`](Self::began) on this slot was
+    /// settled: handed over by its commit, or rolled back on purpose.
+    pub fn settled(&self) {
+        let mut slot = self.lock();
+        slot.open = slot.open.saturating_sub(1);
+    }
+
+    /// Whether a transaction began on this slot and was dropped unsettled:
+    /// neither committed nor rolled back, so its writes rolled back with
+    /// it, and a success the handler answered is not backed by them.
+    pub fn dropped_uncommitted(&self) -> bool {
+        self.lock().open > 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
 impl fmt::Debug for CompletionSlot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let full = self.0.lock().map(|slot| slot.is_some()).unwrap_or(false);
+        let full = self.lock().deferred.is_some();
         f.debug_struct("CompletionSlot")
             .field("full", &full)
             .finish()

@@ -400,6 +400,28 @@ where
                 .spawn(await_late(rt.clone(), reserved, lease, None).in_current_span());
             return Ok(Response::from_parts(parts, body));
         }
+        if verdict == Verdict::Stored
+            && parts.status.as_u16() < 400
+            && slot
+                .as_ref()
+                .is_some_and(CompletionSlot::dropped_uncommitted)
+        {
+            // A success whose transaction was dropped without a commit:
+            // its writes rolled back, so the success is never recorded.
+            // Whatever else was handed over rolls back with it.
+            drop(slot.and_then(|slot| slot.take()));
+            tracing::error!(
+                status = parts.status.as_u16(),
+                "the handler answered a success and dropped its IdemTransaction without \
+                 commit(): nothing it wrote was kept; the key is released"
+            );
+            let detail = "the handler answered a success but did not commit its transaction: \
+                          nothing it wrote was kept, and the request may be retried";
+            return Ok(match rt.release(&lease).await.and_then(answer_current) {
+                Some(answer) => answer,
+                None => problem(ProblemCode::TransactionNotCommitted, detail, None),
+            });
+        }
         let answer = record(&rt, &reserved, &lease, slot.as_ref(), stores, outcome).await;
         Ok(answer.unwrap_or_else(|| Response::from_parts(parts, body)))
     }

@@ -150,7 +150,7 @@ pub(crate) fn status(head: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<u
 /// | `request_body_too_large`, `idempotency_quota_exceeded`, `idempotency_listing_busy` | `RESOURCE_EXHAUSTED` |
 /// | `request_body_timeout` | `DEADLINE_EXCEEDED` |
 /// | `idempotency_store_unavailable` (with the retry hint) | `UNAVAILABLE` |
-/// | `handler_failed`, `idempotency_layer_missing`, `idempotency_misconfigured` | `INTERNAL` |
+/// | `handler_failed`, `idempotency_layer_missing`, `idempotency_misconfigured`, `idempotency_transaction_not_committed` | `INTERNAL` |
 /// | `idempotency_record_not_found` | `NOT_FOUND` |
 /// | `idempotency_stream_refused` | `UNIMPLEMENTED` |
 ///
@@ -175,9 +175,10 @@ pub fn status_for(code: ProblemCode) -> u32 {
         }
         ProblemCode::BodyTimeout => code::DEADLINE_EXCEEDED,
         ProblemCode::StoreUnavailable => code::UNAVAILABLE,
-        ProblemCode::HandlerFailed | ProblemCode::LayerMissing | ProblemCode::Misconfigured => {
-            code::INTERNAL
-        }
+        ProblemCode::HandlerFailed
+        | ProblemCode::LayerMissing
+        | ProblemCode::Misconfigured
+        | ProblemCode::TransactionNotCommitted => code::INTERNAL,
         ProblemCode::RecordNotFound => code::NOT_FOUND,
         ProblemCode::StreamRefused => code::UNIMPLEMENTED,
     }

@@ -82,6 +82,11 @@ pub enum ProblemCode {
     /// more than one message, a streaming call; only unary calls are
     /// protected (see [`grpc`](crate::grpc)). Nothing ran.
     StreamRefused,
+    /// 500: the handler began a transaction to commit with its outcome
+    /// (`idem_postgres::IdemTransaction`), answered a success, and dropped
+    /// the transaction without `commit()`: its writes rolled back, so the
+    /// success is never recorded; the key is released.
+    TransactionNotCommitted,
 }
 
 impl ProblemCode {
@@ -109,6 +114,7 @@ impl ProblemCode {
         ProblemCode::Misconfigured,
         ProblemCode::ReplayNotAcceptable,
         ProblemCode::StreamRefused,
+        ProblemCode::TransactionNotCommitted,
     ];
 
     /// The `code` member.
@@ -136,6 +142,7 @@ impl ProblemCode {
             ProblemCode::Misconfigured => "idempotency_misconfigured",
             ProblemCode::ReplayNotAcceptable => "idempotency_replay_not_acceptable",
             ProblemCode::StreamRefused => "idempotency_stream_refused",
+            ProblemCode::TransactionNotCommitted => "idempotency_transaction_not_committed",
         }
     }
 
@@ -155,9 +162,10 @@ impl ProblemCode {
             ProblemCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProblemCode::Conflict => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemCode::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ProblemCode::HandlerFailed | ProblemCode::LayerMissing | ProblemCode::Misconfigured => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            ProblemCode::HandlerFailed
+            | ProblemCode::LayerMissing
+            | ProblemCode::Misconfigured
+            | ProblemCode::TransactionNotCommitted => StatusCode::INTERNAL_SERVER_ERROR,
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
             ProblemCode::QuotaExceeded | ProblemCode::ListingBusy => StatusCode::TOO_MANY_REQUESTS,
             ProblemCode::AdminRequired => StatusCode::FORBIDDEN,
@@ -191,6 +199,7 @@ impl ProblemCode {
                 "The stored response's content coding is not acceptable"
             }
             ProblemCode::StreamRefused => "Streaming calls are not protected",
+            ProblemCode::TransactionNotCommitted => "The handler's transaction was not committed",
         }
     }
 }
@@ -445,8 +454,9 @@ mod tests {
             ProblemCode::Misconfigured => 19,
             ProblemCode::ReplayNotAcceptable => 20,
             ProblemCode::StreamRefused => 21,
+            ProblemCode::TransactionNotCommitted => 22,
         };
-        assert_eq!(ProblemCode::ALL.len(), 22);
+        assert_eq!(ProblemCode::ALL.len(), 23);
         for (i, code) in ProblemCode::ALL.iter().enumerate() {
             assert_eq!(position(*code), i, "{code:?}");
         }

@@ -81,6 +81,9 @@ impl IdemTransaction {
     /// did not run for it).
     pub async fn begin(store: &PgStore, slot: Option<CompletionSlot>) -> Result<Self, sqlx::Error> {
         let tx = store.pool().begin().await?;
+        if let Some(slot) = &slot {
+            slot.began();
+        }
         Ok(Self {
             tx,
             slot,
@@ -102,18 +105,38 @@ impl IdemTransaction {
     /// body) rolls them back and releases the key, and an attempt that lost
     /// its lease commits nothing (its client gets what the record says, or
     /// `503` to retry).
+    ///
+    /// **Forgetting `commit`.** A transaction dropped without `commit` or
+    /// [`rollback`](Self::rollback) rolls back. If the handler then answers
+    /// a success (2xx or 3xx), the layer never records it (the writes it
+    /// stands for are gone): the caller gets `500
+    /// idempotency_transaction_not_committed`, the key is released so the
+    /// retry runs, and an error is logged. A 4xx with a dropped
+    /// transaction is a refusal whose writes rightly rolled back (a `?`
+    /// on a validation error, say): it is recorded as usual.
     pub async fn commit(self) -> Result<(), CommitError> {
         let Self { tx, slot, store } = self;
         match slot {
             None => Ok(tx.commit().await?),
-            Some(slot) => slot
-                .put(Box::new(Deferred { tx, store }))
-                .map_err(|_| CommitError::AlreadyHandedOver),
+            Some(slot) => {
+                // Settled either way: handed over, or refused and rolled
+                // back as it is dropped (the handler is told).
+                slot.settled();
+                slot.put(Box::new(Deferred { tx, store }))
+                    .map_err(|_| CommitError::AlreadyHandedOver)
+            }
         }
     }
 
-    /// Rolls the writes back now.
+    /// Rolls the writes back now. Under the layer, a success the handler
+    /// answers after an explicit rollback is its own decision (nothing to
+    /// write, say) and is recorded; only a transaction dropped without
+    /// `commit` or `rollback` keeps a success from being recorded (see
+    /// [`commit`](Self::commit)).
     pub async fn rollback(self) -> Result<(), sqlx::Error> {
+        if let Some(slot) = &self.slot {
+            slot.settled();
+        }
         self.tx.rollback().await
     }
 }
