@@ -27,6 +27,7 @@ pub struct ReplyCutter {
     cuts: Arc<AtomicUsize>,
     target: Arc<Mutex<SocketAddr>>,
     moved: Arc<Notify>,
+    version: Arc<Mutex<Option<(String, String)>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -40,10 +41,11 @@ impl ReplyCutter {
         let cuts = Arc::new(AtomicUsize::new(0));
         let target = Arc::new(Mutex::new(target));
         let moved = Arc::new(Notify::new());
+        let version = Arc::new(Mutex::new(None));
         let task = tokio::spawn({
             let (armed, cuts) = (Arc::clone(&armed), Arc::clone(&cuts));
             let (refusing, target) = (Arc::clone(&refusing), Arc::clone(&target));
-            let moved = Arc::clone(&moved);
+            let (moved, version) = (Arc::clone(&moved), Arc::clone(&version));
             async move {
                 while let Ok((client, _)) = listener.accept().await {
                     if refusing.load(Ordering::SeqCst) {
@@ -61,6 +63,10 @@ impl ReplyCutter {
                         armed: Arc::clone(&armed),
                         cuts: Arc::clone(&cuts),
                         moved: Arc::clone(&moved),
+                        version: version
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .clone(),
                     };
                     tokio::spawn(pipe(client, server, ends));
                 }
@@ -73,8 +79,24 @@ impl ReplyCutter {
             cuts,
             target,
             moved,
+            version,
             task,
         }
+    }
+
+    /// Connections made from now on report `reported` as the server's
+    /// version where the server says `real` (`redis_version:<real>` in its
+    /// replies, rewritten in place: the two must be as long), as an older
+    /// server would: the real server answers everything else.
+    pub fn report_version(&self, real: &str, reported: &str) {
+        assert_eq!(real.len(), reported.len(), "a rewrite in place");
+        *self
+            .version
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((
+            format!("redis_version:{real}"),
+            format!("redis_version:{reported}"),
+        ));
     }
 
     /// New connections go to `target` from now on, and the connections
@@ -119,10 +141,17 @@ struct Ends {
     armed: Arc<AtomicBool>,
     cuts: Arc<AtomicUsize>,
     moved: Arc<Notify>,
+    /// The server's version as it is and as reported, when rewritten.
+    version: Option<(String, String)>,
 }
 
 async fn pipe(mut client: TcpStream, mut server: TcpStream, ends: Ends) {
-    let Ends { armed, cuts, moved } = ends;
+    let Ends {
+        armed,
+        cuts,
+        moved,
+        version,
+    } = ends;
     let (mut up, mut down) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
     let moved = moved.notified();
     let mut moved = std::pin::pin!(moved);
@@ -145,11 +174,24 @@ async fn pipe(mut client: TcpStream, mut server: TcpStream, ends: Ends) {
                         cuts.fetch_add(1, Ordering::SeqCst);
                         return;
                     }
+                    if let Some((real, reported)) = &version {
+                        rewrite(&mut down[..n], real.as_bytes(), reported.as_bytes());
+                    }
                     if client.write_all(&down[..n]).await.is_err() {
                         return;
                     }
                 }
             },
         }
+    }
+}
+
+/// Replaces every `from` in `bytes` with `to`, as long as it.
+fn rewrite(bytes: &mut [u8], from: &[u8], to: &[u8]) {
+    let mut at = 0;
+    while let Some(found) = bytes[at..].windows(from.len()).position(|w| w == from) {
+        let start = at + found;
+        bytes[start..start + to.len()].copy_from_slice(to);
+        at = start + to.len();
     }
 }

@@ -126,13 +126,13 @@ async fn a_password_user_and_database_from_the_url_are_used() {
     }
     assert_eq!(dbsize("0"), 0, "nothing was written to database 0");
 
-    // A wrong password: every call fails as the store being unavailable,
-    // and the server keeps nothing.
+    // A wrong password: every call is refused (the server answered, so
+    // fail-open never covers it), and the server keeps nothing.
     let store = RedisStore::from_url(&format!("redis://:wrong@127.0.0.1:{port}/2")).expect("store");
     for _ in 0..2 {
         let refused = store.reserve(&request("auth", 1)).await;
         assert!(
-            matches!(refused, Err(StoreError::Unavailable(_))),
+            matches!(refused, Err(StoreError::Refused(_))),
             "{refused:?}"
         );
     }
@@ -193,4 +193,100 @@ async fn a_reservation_given_up_on_a_dropped_connection_holds_nothing() {
         .await
         .expect("no task retries on the dropped connection");
     assert_eq!(store.background_tasks(), 0);
+}
+
+/// `connect()` checks the server it reaches: one it cannot reach is
+/// `BuildError::Unreachable` (it succeeded before, against nothing), one
+/// too old for record format 3 is `BuildError::Unsafe` (a real Redis whose
+/// replies report a 6.x version through a proxy). With `check_lazily`, a
+/// store made while Redis is down checks it on its first connection; and
+/// every new connection is checked, so a failover onto a server too old
+/// for format 3 has its calls refused, never run on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_checks_the_server_it_reaches() {
+    use idem_redis::{BuildError, RecordFormat};
+    use idem_tests::cutter::ReplyCutter;
+    let Some(redis) = RedisServer::spawn() else {
+        return;
+    };
+    let real = redis
+        .info_field("server", "redis_version")
+        .expect("version")
+        .trim()
+        .to_owned();
+    let old = format!("6{}", &real[1..]);
+    let nothing = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr").port()
+    };
+    match RedisStore::builder(&format!("redis://127.0.0.1:{nothing}"))
+        .timeout(Duration::from_millis(500))
+        .connect()
+        .await
+    {
+        Err(BuildError::Unreachable(_)) => {}
+        other => panic!("connected to nothing: {other:?}"),
+    }
+
+    let server = ([127, 0, 0, 1], redis.port).into();
+    let older = ReplyCutter::start(server).await;
+    older.report_version(&real, &old);
+    let url = format!("redis://{}", older.addr);
+    match RedisStore::builder(&url).connect().await {
+        Err(BuildError::Unsafe(refusal)) => assert!(refusal.contains(&old), "{refusal}"),
+        other => panic!("format 3 on Redis {old}: {other:?}"),
+    }
+    let v2 = RedisStore::builder(&url)
+        .record_format(RecordFormat::V2)
+        .connect()
+        .await
+        .expect("format 2 runs on it");
+    assert!(matches!(
+        v2.reserve(&request("v2-on-old", 1)).await,
+        Ok(Reservation::Acquired(_))
+    ));
+
+    // Down at start: accepted lazily, checked on the first connection.
+    let lazy = ReplyCutter::start(server).await;
+    lazy.refuse_new_connections(true);
+    let store = RedisStore::builder(&format!("redis://{}", lazy.addr))
+        .timeout(Duration::from_millis(500))
+        .check_lazily(true)
+        .connect()
+        .await
+        .expect("accepted while down");
+    assert!(store.reserve(&request("lazy-1", 1)).await.is_err());
+    lazy.report_version(&real, &old);
+    lazy.refuse_new_connections(false);
+    let refused = store.reserve(&request("lazy-2", 1)).await;
+    assert!(
+        matches!(&refused, Err(idem_core::StoreError::Refused(why)) if why.to_string().contains(&old)),
+        "{refused:?}"
+    );
+
+    // A failover onto an older server: the next connection is checked.
+    let moving = ReplyCutter::start(server).await;
+    let store = RedisStore::builder(&format!("redis://{}", moving.addr))
+        .connect()
+        .await
+        .expect("a current server");
+    assert!(matches!(
+        store.reserve(&request("before", 1)).await,
+        Ok(Reservation::Acquired(_))
+    ));
+    moving.report_version(&real, &old);
+    moving.move_to(server);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match store.reserve(&request("after", 1)).await {
+            Err(idem_core::StoreError::Refused(why)) => {
+                assert!(why.to_string().contains(&old), "{why}");
+                break;
+            }
+            Err(_) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("ran on Redis {old}: {other:?}"),
+        }
+    }
 }

@@ -28,6 +28,10 @@ pub enum BuildError {
     /// [`allow_eviction`](RedisStoreBuilder::allow_eviction).
     #[error("{0}")]
     Unsafe(String),
+    /// [`RedisStoreBuilder::connect`] could not reach the server to check
+    /// it (unless [`check_lazily`](RedisStoreBuilder::check_lazily)).
+    #[error("could not reach Redis to check it: {0}")]
+    Unreachable(String),
 }
 
 /// Builder for [`RedisStore`].
@@ -41,6 +45,7 @@ pub struct RedisStoreBuilder {
     pub(crate) wait_replicas: Option<(usize, Duration)>,
     pub(crate) format: RecordFormat,
     pub(crate) allow_eviction: bool,
+    pub(crate) check_lazily: bool,
 }
 
 impl RedisStoreBuilder {
@@ -109,6 +114,17 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// With `true`, [`connect`](Self::connect) accepts a server it cannot
+    /// reach now (default `false`: [`BuildError::Unreachable`]), for a
+    /// service that must start while Redis is down: the store then checks
+    /// the server on its first successful connection, and a server found
+    /// unsafe then has every call refused (`StoreError::Refused`, never
+    /// failed open) until it is made safe and the connection is made again.
+    pub fn check_lazily(mut self, lazily: bool) -> Self {
+        self.check_lazily = lazily;
+        self
+    }
+
     /// Builds the store and checks the server as the gateway does at start
     /// ([`ServerSafety::verdict`](crate::ServerSafety::verdict)): a
     /// `maxmemory-policy` that can evict records is
@@ -116,11 +132,20 @@ impl RedisStoreBuilder {
     /// a server without an append-only file is logged as a warning (a
     /// restart forgets records); a server too old for the record format
     /// ([`ServerSafety::supports`](crate::ServerSafety::supports)) is
-    /// [`BuildError::Unsafe`]. A server that cannot be asked now (down,
-    /// `INFO` renamed) is logged and accepted: the store's calls will tell.
+    /// [`BuildError::Unsafe`]. A server that cannot be reached now is
+    /// [`BuildError::Unreachable`], unless [`check_lazily`](Self::check_lazily);
+    /// one whose `INFO` is renamed is logged and accepted.
+    ///
+    /// The store then checks every connection it makes (its first, and
+    /// each after a restart or a failover moved the server): a server too
+    /// old for the record format, or, for a store made here, one whose
+    /// eviction policy is refused, has the calls on that connection
+    /// refused (`StoreError::Refused`). A store from [`build`](Self::build)
+    /// checks the record format only.
     pub async fn connect(self) -> Result<RedisStore, BuildError> {
-        let allow_eviction = self.allow_eviction;
-        let store = self.build()?;
+        let (allow_eviction, lazily) = (self.allow_eviction, self.check_lazily);
+        let mut store = self.build()?;
+        store.eviction_checked = Some(allow_eviction);
         match store.server_safety().await {
             Ok(safety) => {
                 safety
@@ -130,9 +155,17 @@ impl RedisStoreBuilder {
                     tracing::warn!("{warning}");
                 }
             }
-            Err(error) => {
-                tracing::warn!(%error, "could not read the Redis eviction policy and persistence");
+            // The connection's own check refused the server.
+            Err(idem_core::StoreError::Refused(refusal)) => {
+                return Err(BuildError::Unsafe(refusal.to_string()));
             }
+            Err(error) if lazily => {
+                tracing::warn!(
+                    %error,
+                    "Redis cannot be reached now; it is checked on the first connection"
+                );
+            }
+            Err(error) => return Err(BuildError::Unreachable(error.to_string())),
         }
         Ok(store)
     }
@@ -230,6 +263,7 @@ impl RedisStoreBuilder {
                 tracker.close();
                 tracker
             },
+            eviction_checked: None,
         })
     }
 }

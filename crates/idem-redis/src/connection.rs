@@ -124,7 +124,10 @@ impl RedisStore {
 
     /// Takes a connection from the pool into `lane`.
     async fn new_connection(&self, lane: usize) -> Result<(usize, Conn), StoreError> {
-        let conn = self.pool.fresh().await?;
+        let mut conn = self.pool.fresh().await?;
+        // Every new connection may meet another server (a restart, a
+        // failover): it is checked before any call goes out on it.
+        self.check_connection(&mut conn).await?;
         let mut slot = self.lanes[lane].lock();
         Ok((lane, slot.conn.get_or_insert(conn).clone()))
     }

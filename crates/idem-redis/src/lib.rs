@@ -174,6 +174,10 @@ pub struct RedisStore {
     watch: std::sync::Arc<watch::Watch>,
     /// Tasks freeing reservations whose calls were given up.
     given_up: tokio_util::task::TaskTracker,
+    /// Whether each new connection's server is checked for its eviction
+    /// policy, and whether eviction is allowed (`None`: not checked, a
+    /// store from `build`; `connect` sets it).
+    eviction_checked: Option<bool>,
 }
 
 /// The Lua source of one of the store's scripts (`"reserve"`,
@@ -221,6 +225,7 @@ impl RedisStore {
             wait_replicas: None,
             format: RecordFormat::default(),
             allow_eviction: false,
+            check_lazily: false,
         }
     }
 

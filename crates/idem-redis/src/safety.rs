@@ -4,7 +4,7 @@
 use idem_core::StoreError;
 use redis::Value;
 
-use crate::{RedisStore, decode::collect_text};
+use crate::{RedisStore, decode::collect_text, pool::Conn};
 
 /// What a Redis server says about keeping idem's records.
 ///
@@ -122,6 +122,46 @@ impl RedisStore {
         let mut text = String::new();
         collect_text(&info, &mut text);
         Ok(ServerSafety::from_info(&text))
+    }
+
+    /// Checks the server behind a connection just made (the store's first,
+    /// or one after a restart or a failover moved the server): too old for
+    /// the record format written, or, for a store from `connect`, with an
+    /// eviction policy it refuses, is [`StoreError::Refused`], and the
+    /// connection is not kept. A server whose `INFO` is refused (renamed)
+    /// is accepted, as at start.
+    pub(crate) async fn check_connection(&self, conn: &mut Conn) -> Result<(), StoreError> {
+        let eviction = self.eviction_checked == Some(false);
+        if !self.format.string_records() && !eviction {
+            return Ok(());
+        }
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("server").arg("memory");
+        let asked = async {
+            match conn {
+                Conn::Single(c) => cmd.query_async::<Value>(c).await,
+                Conn::Cluster(c) => cmd.query_async::<Value>(c).await,
+            }
+        };
+        let info = match self
+            .bounded(self.timeout, async { Ok(asked.await) })
+            .await?
+        {
+            Ok(info) => info,
+            Err(error) if crate::errors::answered_by_the_server(&error) => {
+                tracing::warn!(%error, "could not read the Redis server's version and eviction policy");
+                return Ok(());
+            }
+            Err(error) => return Err(crate::errors::unavailable(error)),
+        };
+        let mut text = String::new();
+        collect_text(&info, &mut text);
+        let safety = ServerSafety::from_info(&text);
+        safety.supports(self.format).map_err(StoreError::refused)?;
+        if eviction {
+            safety.verdict(false).map_err(StoreError::refused)?;
+        }
+        Ok(())
     }
 }
 

@@ -110,8 +110,23 @@ pub(crate) async fn store_router(
     if config.wait_for_replicas > 0 {
         builder = builder.wait_for_replicas(config.wait_for_replicas, config.replica_timeout);
     }
-    let store = std::sync::Arc::new(builder.build()?);
-    check_redis(&store, config.allow_redis_eviction).await?;
+    // Checked now if Redis answers (an evicting policy refused unless
+    // allowed, a version too old for the record format refused, no
+    // persistence warned about), and on every connection the store makes
+    // from then on: the first one if Redis is down at start, and each
+    // after a restart or a failover.
+    let store = match builder
+        .allow_eviction(config.allow_redis_eviction)
+        .check_lazily(true)
+        .connect()
+        .await
+    {
+        Ok(store) => std::sync::Arc::new(store),
+        Err(idem_redis::BuildError::Unsafe(refusal)) => {
+            return Err(StartError::UnsafeStore(refusal));
+        }
+        Err(other) => return Err(other.into()),
+    };
     let place = format!("the Redis key {}", store.identity_key());
     claim_store(&store, place, config, tenants).await?;
     check_failover(&store, config.lease).await;
@@ -213,32 +228,4 @@ pub(crate) async fn check_failover(store: &RedisStore, lease: Duration) {
              acts. Set --lease above the failover bound (1.6 × cluster-node-timeout + 2 s)"
         );
     }
-}
-
-/// Refuses a Redis that can evict records unless allowed, or one too old
-/// for the record format it writes; warns when it persists nothing. A server that cannot be asked (down at start, `INFO`
-/// renamed) is logged and accepted: the store's own calls will tell.
-pub(crate) async fn check_redis(
-    store: &RedisStore,
-    allow_eviction: bool,
-) -> Result<(), StartError> {
-    let safety = match store.server_safety().await {
-        Ok(safety) => safety,
-        Err(error) => {
-            tracing::warn!(%error, "could not read the Redis eviction policy and persistence");
-            return Ok(());
-        }
-    };
-    safety
-        .supports(store.record_format())
-        .map_err(StartError::UnsafeStore)?;
-    match safety.verdict(allow_eviction) {
-        Err(refusal) => return Err(StartError::UnsafeStore(refusal)),
-        Ok(warnings) => {
-            for warning in warnings {
-                tracing::warn!("{warning}");
-            }
-        }
-    }
-    Ok(())
 }
