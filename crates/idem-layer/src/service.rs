@@ -132,6 +132,14 @@ where
             let future = inner.call(request);
             return ResponseFuture::new(async move { Ok(without_no_store(future.await?)) });
         }
+        // The layer never applies itself to its own records API (mounted
+        // under it, as the README shows): its requests carry no key.
+        if let Some(records) = &self.rt.config.records_path
+            && **records == *request.uri().path()
+        {
+            let future = inner.call(request);
+            return ResponseFuture::new(async move { Ok(without_no_store(future.await?)) });
+        }
         // A gRPC caller gets the layer's refusals as gRPC statuses.
         let grpc = crate::grpc::is_grpc(request.headers());
         if self.misconfigured {

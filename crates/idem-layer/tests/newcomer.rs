@@ -417,3 +417,55 @@ async fn a_problem_type_base_can_never_add_a_link_target() {
         .problem_type_base("https://docs.example.com/errors/");
     assert!(good.validate().is_ok());
 }
+
+/// The records service mounted under the layer, as the README shows, with
+/// `records_path` set to where it is mounted: the layer never applies
+/// itself to it, so `require_key(true)` does not refuse the records API's
+/// own POSTs (release, erase), and a records call is never recorded.
+#[tokio::test]
+async fn the_records_service_under_the_layer_is_not_keyed() {
+    use tower::ServiceExt;
+    let idempotency = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(TenantFromHeader::from_static("x-tenant-id"))
+        .require_key(true)
+        .records_path("/_idempotency/records");
+    let app = Router::new()
+        .route("/orders", post(|| async { StatusCode::CREATED }))
+        .route_service("/_idempotency/records", idempotency.records_service())
+        .layer(idempotency);
+    let records = |method: http::Method, query: &str| {
+        Request::builder()
+            .method(method)
+            .uri(format!(
+                "/_idempotency/records?method=POST&path=/orders&key=k-1{query}"
+            ))
+            .header("x-tenant-id", "acme")
+            .body(axum::body::Body::empty())
+            .expect("request")
+    };
+    for (method, query) in [
+        (http::Method::POST, "&action=release"),
+        (http::Method::GET, ""),
+        (http::Method::DELETE, ""),
+    ] {
+        let answer = app
+            .clone()
+            .oneshot(records(method.clone(), query))
+            .await
+            .expect("answer");
+        assert_eq!(answer.status(), StatusCode::NOT_FOUND, "{method} {query}");
+        let body = http_body_util::BodyExt::collect(answer.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        let document: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(document["code"], "idempotency_record_not_found", "{method}");
+    }
+    // The keyed routes are still protected.
+    let keyless = Request::post("/orders")
+        .header("x-tenant-id", "acme")
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let refused = app.oneshot(keyless).await.expect("answer");
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+}
