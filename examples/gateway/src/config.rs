@@ -77,6 +77,9 @@ pub struct Config {
     /// Admin credential of the records API (at least 16 bytes): a request carrying it in x-idem-admin-token may list every tenant's records and act on another tenant's (tenant=).
     #[arg(long, env = "IDEM_RECORDS_ADMIN_TOKEN", hide_env_values = true, value_parser = parse_secret)]
     pub records_admin_token: Option<Secret>,
+    /// The operator page is served over plain HTTP (a loopback or a trusted network): its session cookie is sent without `Secure`. By default the cookie is `Secure`, so a browser sends it only over HTTPS (put the page behind TLS).
+    #[arg(long, env = "IDEM_OPERATOR_PLAIN_HTTP", action = ArgAction::SetTrue)]
+    pub operator_plain_http: bool,
     /// Path under which the records API is served ({prefix}/records).
     #[arg(long, env = "IDEM_RECORDS_PREFIX", default_value = "/_idempotency", value_parser = parse_prefix)]
     pub records_prefix: String,

@@ -112,6 +112,47 @@ pub(crate) struct Operator<S> {
     path: String,
     /// The last listing and when it was read.
     listing: tokio::sync::Mutex<Option<(Instant, Arc<Vec<Record>>)>>,
+    /// Whether the session cookie is `Secure` (unless
+    /// `--operator-plain-http`).
+    secure: bool,
+    /// Wrong sign-ins by source address (see [`SignInBudget`]).
+    attempts: Mutex<HashMap<std::net::IpAddr, SignInBudget>>,
+}
+
+/// How many wrong sign-ins one source may make at once.
+const SIGN_IN_BURST: f64 = 5.0;
+/// How fast a source earns a sign-in back: one a second.
+const SIGN_IN_REFILL_PER_SECOND: f64 = 1.0;
+/// The most sources remembered; the one whose budget is fullest (the
+/// least suspect) goes first.
+const SIGN_IN_SOURCES: usize = 4096;
+
+/// A source's sign-in budget: a token bucket that wrong tokens empty and
+/// time refills. Per source, so a guesser elsewhere never locks the
+/// operator out; a source whose budget is empty is answered `429` with
+/// `Retry-After` before its token is even compared.
+#[derive(Clone, Copy)]
+struct SignInBudget {
+    left: f64,
+    at: Instant,
+}
+
+impl SignInBudget {
+    fn full(now: Instant) -> Self {
+        Self {
+            left: SIGN_IN_BURST,
+            at: now,
+        }
+    }
+
+    /// The budget refilled up to `now`.
+    fn refilled(self, now: Instant) -> Self {
+        let earned = now.duration_since(self.at).as_secs_f64() * SIGN_IN_REFILL_PER_SECOND;
+        Self {
+            left: (self.left + earned).min(SIGN_IN_BURST),
+            at: now,
+        }
+    }
 }
 
 /// The page's routes under `path` (`{prefix}/operator`).
@@ -120,6 +161,7 @@ pub(crate) fn routes<S: RecordsAdmin>(
     token: &[u8],
     unknowns: Unknowns,
     path: &str,
+    secure: bool,
 ) -> Router {
     let operator = Arc::new(Operator {
         store,
@@ -128,6 +170,8 @@ pub(crate) fn routes<S: RecordsAdmin>(
         unknowns,
         path: path.to_owned(),
         listing: tokio::sync::Mutex::new(None),
+        secure,
+        attempts: Mutex::new(HashMap::new()),
     });
     Router::new()
         .route(path, get(page::<S>))
@@ -207,10 +251,61 @@ impl<S> Operator<S> {
     /// The session cookie naming `id`, for `lasting` (zero: removed).
     fn cookie(&self, id: &str, lasting: Duration) -> String {
         format!(
-            "{COOKIE}={id}; Path={}; HttpOnly; SameSite=Strict; Max-Age={}",
+            "{COOKIE}={id}; Path={}; HttpOnly; SameSite=Strict; Max-Age={}{}",
             self.path,
-            lasting.as_secs()
+            lasting.as_secs(),
+            if self.secure { "; Secure" } else { "" }
         )
+    }
+
+    /// Whether `source` may try a sign-in now; else how long until it may.
+    fn may_sign_in(&self, source: Option<std::net::IpAddr>) -> Result<(), Duration> {
+        let Some(source) = source else { return Ok(()) };
+        let attempts = self
+            .attempts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(budget) = attempts.get(&source) else {
+            return Ok(());
+        };
+        let budget = budget.refilled(Instant::now());
+        if budget.left >= 1.0 {
+            return Ok(());
+        }
+        let wait = (1.0 - budget.left) / SIGN_IN_REFILL_PER_SECOND;
+        Err(Duration::from_secs_f64(wait.max(0.0)).max(Duration::from_secs(1)))
+    }
+
+    /// Takes one sign-in from `source`'s budget (a wrong token).
+    fn spend_sign_in(&self, source: Option<std::net::IpAddr>) {
+        let Some(source) = source else { return };
+        let mut attempts = self
+            .attempts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        if attempts.len() >= SIGN_IN_SOURCES && !attempts.contains_key(&source) {
+            let fullest = attempts
+                .iter()
+                .max_by(|a, b| {
+                    let (a, b) = (a.1.refilled(now).left, b.1.refilled(now).left);
+                    a.total_cmp(&b)
+                })
+                .map(|(ip, _)| *ip);
+            if let Some(fullest) = fullest {
+                attempts.remove(&fullest);
+            }
+        }
+        let budget = attempts
+            .get(&source)
+            .map_or_else(|| SignInBudget::full(now), |budget| budget.refilled(now));
+        attempts.insert(
+            source,
+            SignInBudget {
+                left: budget.left - 1.0,
+                at: now,
+            },
+        );
     }
 
     /// A redirect to the page that sets `cookie`.
@@ -551,8 +646,27 @@ async fn page<S: RecordsAdmin>(
 /// `POST sign-in`: the admin token opens a session.
 async fn sign_in<S: RecordsAdmin>(
     State(operator): State<Arc<Operator<S>>>,
+    peer: Option<axum::Extension<crate::proxy::PeerAddr>>,
     body: Bytes,
 ) -> Response {
+    let source = peer.map(|axum::Extension(peer)| peer.0.ip());
+    if let Err(wait) = operator.may_sign_in(source) {
+        tracing::warn!(
+            ?source,
+            "operator page: sign-ins from this source are throttled"
+        );
+        let mut response = html(
+            StatusCode::TOO_MANY_REQUESTS,
+            sign_in_page(
+                &operator.path,
+                Some("Too many wrong tokens from this address; wait and try again."),
+            ),
+        );
+        if let Ok(value) = HeaderValue::try_from(wait.as_secs().max(1).to_string()) {
+            response.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+        return response;
+    }
     let fields = form(&body);
     let given: [u8; 32] = sha2::Sha256::digest(
         fields
@@ -562,6 +676,7 @@ async fn sign_in<S: RecordsAdmin>(
     )
     .into();
     if !same(&given, &operator.token) {
+        operator.spend_sign_in(source);
         tracing::warn!("operator page: a sign-in with a wrong token");
         return html(
             StatusCode::FORBIDDEN,

@@ -231,6 +231,7 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
             token.as_bytes(),
             unknowns,
             &format!("{}/operator", config.records_prefix),
+            !config.operator_plain_http,
         ),
         // Not forwarded to the upstream either: the path is the gateway's.
         None => {

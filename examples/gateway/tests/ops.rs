@@ -658,7 +658,12 @@ async fn the_operator_page_needs_the_admin_token() {
         .header("set-cookie")
         .expect("a session cookie")
         .to_owned();
-    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/_idempotency/operator"] {
+    for attribute in [
+        "HttpOnly",
+        "SameSite=Strict",
+        "Path=/_idempotency/operator",
+        "; Secure",
+    ] {
         assert!(cookie.contains(attribute), "{cookie}");
     }
     let session = cookie.split(';').next().expect("name=value").to_owned();
@@ -752,4 +757,83 @@ fn the_start_up_lines_link_the_operator_page() {
             assert!(operator.contains(&format!("http://{addr}/")), "{operator}");
         }
     }
+}
+
+/// One sign-in form post from `source` (a loopback address of its own):
+/// the status, `Retry-After` and `Set-Cookie`.
+async fn sign_in_from(
+    source: std::net::IpAddr,
+    gateway: std::net::SocketAddr,
+    token: &str,
+) -> (u16, Option<String>, Option<String>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind((source, 0).into()).expect("bind the source");
+    let mut stream = socket.connect(gateway).await.expect("connect");
+    let body = format!("token={token}");
+    let request = format!(
+        "POST /_idempotency/operator/sign-in HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n\
+         content-type: application/x-www-form-urlencoded\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.expect("read");
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let header = |name: &str| {
+        text.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            key.eq_ignore_ascii_case(name)
+                .then(|| value.trim().to_owned())
+        })
+    };
+    (status, header("retry-after"), header("set-cookie"))
+}
+
+/// Sign-in is throttled per source: a guesser's wrong tokens soon get
+/// `429` with `Retry-After` (its tokens not even compared), while the
+/// operator, from another address, signs in at once: no lock-out. With
+/// `--operator-plain-http` the cookie drops `Secure`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sign_in_is_throttled_per_source_without_locking_the_operator_out() {
+    use idem_tests::{TestServer, start_gateway, upstream::Upstream};
+    let origin = TestServer::start(Upstream::default().router()).await;
+    let gateway = start_gateway(&origin, &["--records-admin-token", ADMIN]).await;
+    let guesser: std::net::IpAddr = [127, 0, 0, 2].into();
+    let operator: std::net::IpAddr = [127, 0, 0, 3].into();
+    let mut refused = 0;
+    let mut throttled = 0;
+    for n in 0..300 {
+        match sign_in_from(guesser, gateway.addr, &format!("guess-{n}")).await {
+            (403, _, None) => refused += 1,
+            (429, Some(wait), None) => {
+                assert!(wait.parse::<u64>().is_ok_and(|s| s >= 1), "{wait}");
+                throttled += 1;
+            }
+            other => panic!("a guess: {other:?}"),
+        }
+    }
+    assert!(refused <= 10, "{refused} wrong tokens compared");
+    assert!(throttled >= 290, "{throttled} throttled");
+    // Even the right token waits, from the guesser's address.
+    assert_eq!(sign_in_from(guesser, gateway.addr, ADMIN).await.0, 429);
+    // The operator, elsewhere, is not locked out.
+    let (status, _, cookie) = sign_in_from(operator, gateway.addr, ADMIN).await;
+    assert_eq!(status, 303);
+    assert!(cookie.expect("a session").ends_with("; Secure"));
+
+    let plain = start_gateway(
+        &origin,
+        &["--records-admin-token", ADMIN, "--operator-plain-http"],
+    )
+    .await;
+    let (status, _, cookie) = sign_in_from(operator, plain.addr, ADMIN).await;
+    assert_eq!(status, 303);
+    let cookie = cookie.expect("a session");
+    assert!(!cookie.contains("Secure"), "{cookie}");
 }
