@@ -38,8 +38,12 @@ use sha2::Digest;
 /// How many of the oldest live records the page reads.
 pub(crate) const LISTED: usize = 1_000;
 /// The page reads the store at most this often; in between it shows the
-/// last listing (a release reads again).
+/// last listing (a release reads again, see [`LISTING_AFTER_ACTION`]).
 pub(crate) const LISTING_EVERY: Duration = Duration::from_secs(5);
+/// After a release the page reads again, but at most this often: a loop
+/// of releases, or of reloads of the page an action leads to
+/// (`?done=…`), costs the store no more listings than that.
+pub(crate) const LISTING_AFTER_ACTION: Duration = Duration::from_secs(1);
 /// How long a session lasts.
 const SESSION_FOR: Duration = Duration::from_secs(8 * 3600);
 /// The most sessions kept; the oldest goes first.
@@ -110,13 +114,24 @@ pub(crate) struct Operator<S> {
     unknowns: Unknowns,
     /// The page's path.
     path: String,
-    /// The last listing and when it was read.
-    listing: tokio::sync::Mutex<Option<(Instant, Arc<Vec<Record>>)>>,
+    /// The last listing, when it was read, and whether a release made it
+    /// stale since.
+    listing: tokio::sync::Mutex<Option<Listing>>,
     /// Whether the session cookie is `Secure` (unless
     /// `--operator-plain-http`).
     secure: bool,
     /// Wrong sign-ins by source address (see [`SignInBudget`]).
     attempts: Mutex<HashMap<std::net::IpAddr, SignInBudget>>,
+}
+
+/// A listing the page keeps.
+struct Listing {
+    at: Instant,
+    records: Arc<Vec<Record>>,
+    /// A release changed the store since.
+    stale: bool,
+    /// When a release last had the store read again.
+    after_action: Option<Instant>,
 }
 
 /// How many wrong sign-ins one source may make at once.
@@ -463,15 +478,29 @@ fn record_table(out: &mut String, records: &[&Record], now: u64, path: &str, csr
 }
 
 impl<S: RecordsAdmin> Operator<S> {
-    /// The oldest live records: the last listing if it is recent enough,
-    /// else a new one.
-    async fn records(&self, fresh: bool) -> Result<Arc<Vec<Record>>, String> {
+    /// The oldest live records: the last listing if it is recent enough
+    /// ([`LISTING_EVERY`], or [`LISTING_AFTER_ACTION`] once a release made
+    /// it stale), else a new one. Whatever the page's address says.
+    async fn records(&self) -> Result<Arc<Vec<Record>>, String> {
         let mut last = self.listing.lock().await;
-        if !fresh
-            && let Some((at, records)) = last.as_ref()
-            && at.elapsed() < LISTING_EVERY
-        {
-            return Ok(Arc::clone(records));
+        let mut after_action = None;
+        if let Some(listing) = last.as_ref() {
+            let reread = if listing.stale {
+                // A release: read again at once, at most once a second.
+                listing
+                    .after_action
+                    .is_none_or(|at| at.elapsed() >= LISTING_AFTER_ACTION)
+            } else {
+                listing.at.elapsed() >= LISTING_EVERY
+            };
+            if !reread {
+                return Ok(Arc::clone(&listing.records));
+            }
+            after_action = if listing.stale {
+                Some(Instant::now())
+            } else {
+                listing.after_action
+            };
         }
         let query = RecordQuery {
             limit: LISTED,
@@ -482,7 +511,12 @@ impl<S: RecordsAdmin> Operator<S> {
             .map_err(|_| "the store did not answer the listing within 30 s".to_owned())?
             .map_err(|error| format!("the store could not list its records: {error}"))?;
         let listed = Arc::new(listed);
-        *last = Some((Instant::now(), Arc::clone(&listed)));
+        *last = Some(Listing {
+            at: Instant::now(),
+            records: Arc::clone(&listed),
+            stale: false,
+            after_action,
+        });
         Ok(listed)
     }
 
@@ -625,7 +659,7 @@ async fn page<S: RecordsAdmin>(
             .find(|(name, _)| name == "done")
             .map(|(_, value)| value.into_owned())
     });
-    match operator.records(flash.is_some()).await {
+    match operator.records().await {
         Ok(records) => html(
             StatusCode::OK,
             operator.render(&records, &csrf, flash.as_deref()),
@@ -741,6 +775,10 @@ async fn release<S: RecordsAdmin>(
         Ok(ForceRelease::NotFound) => "Not released: the record is gone.".to_owned(),
         Err(error) => format!("Not released: the store failed ({error})."),
     };
+    // The page shows the release once the listing may be read again.
+    if let Some(listing) = operator.listing.lock().await.as_mut() {
+        listing.stale = true;
+    }
     let query: String = form_urlencoded::Serializer::new(String::new())
         .append_pair("done", &done)
         .finish();
@@ -768,6 +806,8 @@ mod tests {
             unknowns: Unknowns::default(),
             path: "/_idempotency/operator".to_owned(),
             listing: tokio::sync::Mutex::new(None),
+            secure: true,
+            attempts: Mutex::new(HashMap::new()),
         };
         let cookie = operator.open();
         assert!(cookie.contains("HttpOnly; SameSite=Strict"), "{cookie}");

@@ -707,8 +707,43 @@ async fn the_operator_page_needs_the_admin_token() {
     assert_eq!(released.status, http::StatusCode::SEE_OTHER, "{released:?}");
     wait_for_lapsed(gateway.addr, 0).await;
     assert_eq!(upstream.runs(), 1);
+    // The page an action leads to reads the store again once; reloading
+    // it (`?done=…`) is budgeted like any listing: a record made since is
+    // not shown until the listing's time has passed.
+    let done = "/_idempotency/operator?done=Released";
+    let after = send(
+        &http,
+        request(
+            gateway.addr,
+            http::Method::GET,
+            done,
+            &[("cookie", &session)],
+        ),
+    )
+    .await;
+    assert!(!String::from_utf8_lossy(&after.body).contains("held-1"));
+    assert_eq!(
+        post_slow(gateway.addr, "held-2").await.status,
+        http::StatusCode::GATEWAY_TIMEOUT
+    );
+    wait_for_lapsed(gateway.addr, 1).await;
+    for _ in 0..20 {
+        let reloaded = send(
+            &http,
+            request(
+                gateway.addr,
+                http::Method::GET,
+                done,
+                &[("cookie", &session)],
+            ),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&reloaded.body).into_owned();
+        assert!(!text.contains("held-2"), "a listing out of budget: {text}");
+    }
 
     // Without the admin token, no page; the upstream never sees the path.
+    assert_eq!(upstream.runs(), 2, "held-1 and held-2 ran once each");
     let plain = idem_tests::start_gateway(&origin, &[]).await;
     let none = send(
         &http,
@@ -716,7 +751,7 @@ async fn the_operator_page_needs_the_admin_token() {
     )
     .await;
     assert_eq!(none.status, http::StatusCode::NOT_FOUND, "{none:?}");
-    assert_eq!(upstream.runs(), 1);
+    assert_eq!(upstream.runs(), 2);
 }
 
 /// The start-up lines link the operator page (or say how to turn it on).
