@@ -828,6 +828,7 @@ where
         older_than: None,
         lapsed,
         limit: 100,
+        after: None,
     };
     let all = h.store().list(&query(None, false)).await.expect("list");
     assert_eq!(all.len(), 3, "{all:?}");
@@ -874,6 +875,26 @@ where
         .map(|r| r.key.to_string())
         .collect();
     assert_eq!(keys, ["first", "second"]);
+    // Page by page after a cursor: every record once, in the listing's
+    // order, however the pages fall.
+    let mut after = None;
+    let mut paged = Vec::new();
+    loop {
+        let page = h
+            .store()
+            .list(&RecordQuery {
+                limit: 1,
+                after: after.take(),
+                ..query(None, false)
+            })
+            .await
+            .expect("list a page");
+        let Some(last) = page.last() else { break };
+        after = Some(crate::RecordCursor::after(last));
+        paged.extend(page.iter().map(|r| r.key.to_string()));
+    }
+    let whole: Vec<String> = all.iter().map(|r| r.key.to_string()).collect();
+    assert_eq!(paged, whole);
 }
 
 /// A tenant may hold any character, NUL included (the layer's anonymous
@@ -898,6 +919,7 @@ where
                 older_than: None,
                 lapsed: false,
                 limit: 10,
+                after: None,
             })
             .await
             .expect("list");

@@ -42,7 +42,7 @@ pub use handoff::{CompletionSlot, DeferredCompletion};
 /// The name of a stored response header ([`StoredResponse::headers`]).
 pub use http::HeaderName;
 pub use key::{IdempotencyKey, KeyError};
-pub use query::{OldestRecords, RecordQuery};
+pub use query::{OldestRecords, RecordCursor, RecordQuery};
 pub use record::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, LateEvidence, Lease, Outcome, OwnerToken,
     Record, RecordState, StoredResponse,

@@ -19,6 +19,41 @@ pub struct RecordQuery {
     pub lapsed: bool,
     /// At most this many records (0: none).
     pub limit: usize,
+    /// Only records after this one in the listing's order (oldest first:
+    /// by creation, then key, then scope): the next page of a listing
+    /// whose last record was `after` ([`RecordCursor::after`]).
+    pub after: Option<RecordCursor>,
+}
+
+/// Where a listing's page ended: the next page lists the records after it
+/// in the listing's order (oldest first, by creation time, then key, then
+/// scope), so a caller pages past records it keeps (an erase past the
+/// processing records it must leave) without reading them again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordCursor {
+    /// The record's creation time (store clock, Unix ms).
+    pub created_at_ms: u64,
+    /// Its key.
+    pub key: String,
+    /// Its scope.
+    pub scope: ScopeHash,
+}
+
+impl RecordCursor {
+    /// The cursor after `record`.
+    pub fn after(record: &Record) -> Self {
+        Self {
+            created_at_ms: record.created_at_ms,
+            key: record.key.to_string(),
+            scope: record.scope,
+        }
+    }
+
+    /// Whether `record` comes after the cursor in the listing's order.
+    pub fn precedes(&self, record: &Record) -> bool {
+        (record.created_at_ms, &*record.key, record.scope)
+            > (self.created_at_ms, self.key.as_str(), self.scope)
+    }
 }
 
 impl RecordQuery {
@@ -42,6 +77,10 @@ impl RecordQuery {
             && self.tenant.as_ref().is_none_or(|t| **t == *record.tenant)
             && self.state.is_none_or(|s| s == record.state)
             && older
+            && self
+                .after
+                .as_ref()
+                .is_none_or(|after| after.precedes(record))
             && (!self.lapsed
                 || (record.state == RecordState::Processing
                     && record.lease_expires_at_ms <= now_ms))
@@ -66,8 +105,8 @@ pub struct OldestRecords {
 struct ByAge(Record);
 
 impl ByAge {
-    fn age_key(&self) -> (u64, &str) {
-        (self.0.created_at_ms, &self.0.key)
+    fn age_key(&self) -> (u64, &str, ScopeHash) {
+        (self.0.created_at_ms, &self.0.key, self.0.scope)
     }
 }
 
@@ -107,15 +146,25 @@ impl OldestRecords {
         if self.kept.len() < self.limit {
             return true;
         }
-        self.kept
-            .peek()
-            .is_some_and(|newest| (created_at_ms, key) < newest.age_key())
+        // Not past the newest kept (a tie is settled by the scope, in
+        // `offer`).
+        self.kept.peek().is_some_and(|newest| {
+            let (at, newest_key, _) = newest.age_key();
+            (created_at_ms, key) <= (at, newest_key)
+        })
     }
 
     /// Offers a record: kept if it is among the `limit` oldest so far and
     /// no record of its scope is kept already.
     pub fn offer(&mut self, record: Record) {
-        if !self.wants(record.created_at_ms, &record.key) || !self.scopes.insert(record.scope) {
+        if self.limit == 0 {
+            return;
+        }
+        let newer = self.kept.len() >= self.limit
+            && self.kept.peek().is_some_and(|newest| {
+                (record.created_at_ms, &*record.key, record.scope) >= newest.age_key()
+            });
+        if newer || !self.scopes.insert(record.scope) {
             return;
         }
         self.kept.push(ByAge(record));

@@ -65,8 +65,13 @@
 //!   processing record (erasing it would let a retry run while its attempt
 //!   may still act; release it first if its owner is gone), `404` for
 //!   none. `POST ?tenant=…&action=erase` erases every record of the
-//!   tenant that is not processing, a listing at a time (budgeted as
-//!   listings are): `200 {"result": "erased", "erased": N, "processing": M}`.
+//!   tenant that is not processing, a page of the listing at a time
+//!   (budgeted as listings are), each page after the last one's final
+//!   record, so the processing records it keeps never stop it early:
+//!   `200 {"result": "erased", "finished": true, "erased": N, "processing": M}`
+//!   once every record was seen; a store that fails part way is
+//!   `503 idempotency_store_unavailable`, whose detail says how many were
+//!   erased and kept before it stopped (erase again to finish).
 //!   An erased key is new: a retry of it runs again. Each erasure is
 //!   counted (`idem_records_erased_total`) and logged with the scope hash
 //!   and the tenant, never the key, and this layer's replay cache forgets
@@ -298,6 +303,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
             older_than,
             lapsed: query.lapsed,
             limit,
+            after: None,
         })
     }
 
@@ -334,46 +340,61 @@ impl<S: RecordsAdmin> RecordsService<S> {
         }
     }
 
-    /// Erases every record of `tenant` that is not processing, a listing
-    /// at a time (listings are budgeted as the records API's are): the
-    /// answer counts the records erased and those left processing.
+    /// Erases every record of `tenant` that is not processing, a page of
+    /// the listing at a time (listings are budgeted as the records API's
+    /// are), each page after the last one's final record
+    /// ([`RecordCursor`](idem_core::RecordCursor)), so the processing
+    /// records it keeps never stop it early. The answer counts the records
+    /// erased and those left processing, and says it finished; a store
+    /// that fails part way is a `503` whose detail says how far it went.
     async fn erase_tenant(&self, tenant: String) -> Response<RecordsBody> {
         let _listing = match Listing::begin(&self.rt.listings) {
             Ok(listing) => listing,
             Err(wait) => return listing_busy("erase", wait),
         };
         let config = &self.rt.config;
-        let mut erased = 0usize;
-        let processing = loop {
+        let (mut erased, mut processing) = (0usize, 0usize);
+        let mut after = None;
+        let stopped = |erased: usize, processing: usize, error: &idem_core::StoreError| {
+            tracing::warn!(tenant, erased, processing, %error, "a tenant's erase stopped part way");
+            let detail = format!(
+                "the erase did not finish: {erased} records were erased and {processing} kept \
+                 processing before the store failed ({error}); erase again"
+            );
+            problem(
+                ProblemCode::StoreUnavailable,
+                &detail,
+                Some(Duration::from_secs(1)),
+            )
+        };
+        loop {
             let query = RecordQuery {
                 tenant: Some(tenant.clone()),
                 limit: LIST_LIMIT,
+                after: after.take(),
                 ..RecordQuery::default()
             };
             let records = match list_call(config, self.rt.store.list(&query)).await {
                 Ok(records) => records,
-                Err(error) => return unavailable_problem(&error),
+                Err(error) => return stopped(erased, processing, &error),
             };
-            let listed = records.len();
-            let (mut erased_now, mut processing) = (0, 0);
+            let full_page = records.len() == LIST_LIMIT;
+            after = records.last().map(idem_core::RecordCursor::after);
             for record in records {
                 match store_call(config, StoreOp::Erase, self.rt.store.erase(&record.scope)).await {
                     Ok(Erasure::Erased(record)) => {
                         self.erased(&record);
-                        erased_now += 1;
+                        erased += 1;
                     }
                     Ok(Erasure::Processing(_)) => processing += 1,
                     Ok(Erasure::NotFound) => {}
-                    Err(error) => return unavailable_problem(&error),
+                    Err(error) => return stopped(erased, processing, &error),
                 }
             }
-            erased += erased_now;
-            // A page of records that are all processing (or fewer than a
-            // page): nothing more to erase now.
-            if listed < LIST_LIMIT || erased_now == 0 {
-                break processing;
+            if !full_page || after.is_none() {
+                break;
             }
-        };
+        }
         tracing::warn!(
             tenant,
             erased,
@@ -382,7 +403,12 @@ impl<S: RecordsAdmin> RecordsService<S> {
         );
         json_response(
             StatusCode::OK,
-            &json!({ "result": "erased", "erased": erased, "processing": processing }),
+            &json!({
+                "result": "erased",
+                "finished": true,
+                "erased": erased,
+                "processing": processing,
+            }),
         )
     }
 

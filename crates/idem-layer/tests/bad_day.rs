@@ -597,3 +597,87 @@ async fn a_body_that_panics_after_a_stored_status_never_runs_twice() {
     assert!(retry.replayed());
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
 }
+
+/// A tenant-wide erase pages past the records it must keep: with 1,000
+/// processing records at the head of the tenant's listing (a full page),
+/// the completed records behind them are erased too, and the answer says
+/// it finished with the counts of both. (It stopped at the first page:
+/// `{"erased":0,"processing":1000}`, and the completed records stayed
+/// replayable.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_wide_erase_pages_past_the_records_it_keeps() {
+    use axum::{Router, routing::post};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    const HELD: usize = 1_000;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .tenant(idem_layer::TenantFromHeader::from_static("x-tenant"))
+        .records_admin_token("an admin token of sixteen bytes+");
+    let handler = {
+        let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
+        move |headers: http::HeaderMap| {
+            let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                if headers.contains_key("x-hold") {
+                    let _held = gate.acquire().await;
+                }
+                StatusCode::CREATED
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .route_service("/_idempotency/records", layer.records_service())
+        .layer(layer.clone());
+    let order = |key: String, hold: bool| {
+        let mut request = Request::post("/orders")
+            .header("idempotency-key", key)
+            .header("x-tenant", "acme");
+        if hold {
+            request = request.header("x-hold", "1");
+        }
+        request.body(axum::body::Body::empty()).expect("request")
+    };
+    let held: Vec<_> = (0..HELD)
+        .map(|n| tokio::spawn(app.clone().oneshot(order(format!("held-{n}"), true))))
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while runs.load(Ordering::SeqCst) < HELD {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the held requests never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Created after the held ones: behind them in the listing.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    for n in 0..3 {
+        let done = app.clone().oneshot(order(format!("done-{n}"), false)).await;
+        assert_eq!(done.expect("answer").status(), StatusCode::CREATED);
+    }
+    let erase = Request::post("/_idempotency/records?tenant=acme&action=erase")
+        .header("x-tenant", "acme")
+        .header("x-idem-admin-token", "an admin token of sixteen bytes+")
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let answer = app.clone().oneshot(erase).await.expect("answer");
+    assert_eq!(answer.status(), StatusCode::OK);
+    let body = answer.into_body().collect().await.expect("body").to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(json["finished"], true, "{json}");
+    assert_eq!(json["erased"], 3, "{json}");
+    assert_eq!(json["processing"], HELD, "{json}");
+    // The erased keys are new: their retries run again.
+    let before = runs.load(Ordering::SeqCst);
+    let again = app.clone().oneshot(order("done-0".to_owned(), false)).await;
+    let again = again.expect("answer");
+    assert!(!again.headers().contains_key("idempotent-replayed"));
+    assert_eq!(runs.load(Ordering::SeqCst), before + 1);
+    gate.add_permits(HELD);
+    for task in held {
+        let _ = task.await;
+    }
+}

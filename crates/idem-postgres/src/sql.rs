@@ -98,7 +98,8 @@ impl Sql {
                    AND ($2::text IS NULL OR r.state = $2) \
                    AND r.created_at_ms <= t.now - $3 \
                    AND (NOT $4 OR (r.state = 'processing' AND r.lease_expires_at_ms <= t.now)) \
-                 ORDER BY r.created_at_ms, r.key LIMIT $5"
+                   AND ($6::bigint IS NULL OR (r.created_at_ms, r.key, r.scope) > ($6, $7, $8)) \
+                 ORDER BY r.created_at_ms, r.key, r.scope LIMIT $5"
             ),
             sweep: format!(
                 "WITH t AS (SELECT {NOW_MS} AS now) \

@@ -132,7 +132,20 @@ impl RecordsAdmin for PgStore {
                 .bind(query.state.map(|state| state.as_str()))
                 .bind(older)
                 .bind(query.lapsed)
-                .bind(i64::try_from(query.limit).unwrap_or(i64::MAX));
+                .bind(i64::try_from(query.limit).unwrap_or(i64::MAX))
+                .bind(
+                    query
+                        .after
+                        .as_ref()
+                        .map(|after| row::ms(after.created_at_ms)),
+                )
+                .bind(query.after.as_ref().map(|after| after.key.clone()))
+                .bind(
+                    query
+                        .after
+                        .as_ref()
+                        .map(|after| after.scope.as_bytes().to_vec()),
+                );
             let rows = on_pool!(self.inner, list, fetch_all).map_err(failed)?;
             rows.iter().map(row::decode).collect()
         })
