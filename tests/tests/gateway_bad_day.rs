@@ -865,3 +865,78 @@ async fn an_upstreams_own_502_or_504_keeps_the_key() {
     }
     assert_eq!(upstream.runs(), 2, "each ran once");
 }
+
+/// A caller named twice (the tenant header or `Authorization` repeated,
+/// as a proxy that appends would send it) is not identified: `401`, never
+/// the first value's tenant (whose stored answer it would replay, or whose
+/// key it would run again) nor the anonymous one; the records API refuses
+/// it too; the upstream never runs for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_named_twice_is_not_identified() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let http = client();
+    for (n, (flags, header, victim, attacker)) in [
+        (
+            &["--tenant-header", "x-account"][..],
+            "x-account",
+            "victim",
+            "attacker",
+        ),
+        (&[][..], "authorization", "Bearer alice", "Bearer mallory"),
+        (
+            &["--allow-anonymous"][..],
+            "authorization",
+            "Bearer bob",
+            "Bearer eve",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let gateway = start_gateway(&server, flags).await;
+        let key = format!("pay-{n}");
+        let keyed = |values: &[&str]| {
+            let mut request = Request::post(format!("http://{}/orders", gateway.addr))
+                .header("idempotency-key", key.as_str())
+                .header("content-type", "application/json");
+            for value in values {
+                request = request.header(header, *value);
+            }
+            request
+                .body(Full::new(Bytes::from_static(b"{\"amount\":100}")))
+                .expect("request")
+        };
+        let first = send(&http, keyed(&[victim])).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let runs = upstream.runs();
+        for values in [[victim, attacker], [attacker, victim]] {
+            let twice = send(&http, keyed(&values)).await;
+            assert_eq!(
+                twice.status,
+                StatusCode::UNAUTHORIZED,
+                "{values:?}: {twice:?}"
+            );
+            assert_eq!(
+                twice.code().as_deref(),
+                Some("idempotency_tenant_missing"),
+                "{values:?}"
+            );
+            assert!(!twice.replayed());
+        }
+        assert_eq!(upstream.runs(), runs, "never run for a caller named twice");
+        let mut records = Request::get(format!(
+            "http://{}/_idempotency/records?method=POST&path=/orders&key={key}",
+            gateway.addr
+        ));
+        for value in [victim, attacker] {
+            records = records.header(header, value);
+        }
+        let read = send(
+            &http,
+            records.body(Full::new(Bytes::new())).expect("request"),
+        )
+        .await;
+        assert_eq!(read.status, StatusCode::UNAUTHORIZED, "{read:?}");
+    }
+}

@@ -464,6 +464,10 @@ impl Config {
     }
 
     pub(crate) fn tenant_of(&self, parts: &Parts) -> Option<Arc<str>> {
+        // A caller named twice is not identified, nor anonymous.
+        if self.tenant.ambiguous(parts) {
+            return None;
+        }
         match self.tenant.shared_tenant(parts) {
             Some(tenant) => Some(tenant),
             None if self.allow_anonymous => Some(ANONYMOUS_TENANT.into()),

@@ -335,9 +335,22 @@ pub(crate) async fn tenant_from_jwt(
                 .methods
                 .iter()
                 .any(|m| m.as_str().eq_ignore_ascii_case(method)));
-    let verified = request
+    // A token given twice names no caller: the upstream may read the
+    // other copy.
+    let mut tokens = request
         .headers()
-        .get(http::header::AUTHORIZATION)
+        .get_all(http::header::AUTHORIZATION)
+        .iter();
+    let first = tokens.next();
+    if needs_tenant && first.is_some() && tokens.next().is_some() {
+        return problem(
+            StatusCode::UNAUTHORIZED,
+            "idempotency_tenant_invalid",
+            "Caller's token could not be verified",
+            "the request carries more than one Authorization header",
+        );
+    }
+    let verified = first
         .filter(|_| needs_tenant)
         .map(|authorization| state.jwt.claim(authorization.as_bytes()));
     if let Some(verified) = verified {

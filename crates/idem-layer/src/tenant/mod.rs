@@ -74,6 +74,22 @@ pub trait TenantExtractor: Send + Sync + 'static {
     fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
         self.tenant(parts).map(Arc::from)
     }
+
+    /// Whether the request names its caller more than once (a header the
+    /// extractor reads, repeated): the layer then treats the caller as
+    /// unidentified (`401 idempotency_tenant_missing`), never as the first
+    /// value's tenant nor as the anonymous one, since a server behind it may
+    /// read another copy. The built-in header extractors say so; the
+    /// default says no.
+    fn ambiguous(&self, parts: &Parts) -> bool {
+        let _ = parts;
+        false
+    }
+}
+
+/// Whether `headers` hold more than one `name` field.
+fn repeated(parts: &Parts, name: &http::HeaderName) -> bool {
+    parts.headers.get_all(name).iter().nth(1).is_some()
 }
 
 impl<F> TenantExtractor for F
@@ -174,6 +190,10 @@ impl TenantFromHeader {
 impl TenantExtractor for TenantFromHeader {
     fn tenant(&self, parts: &Parts) -> Option<String> {
         self.shared_tenant(parts).map(|tenant| tenant.to_string())
+    }
+
+    fn ambiguous(&self, parts: &Parts) -> bool {
+        repeated(parts, &self.name)
     }
 
     fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
@@ -282,6 +302,10 @@ impl TenantExtractor for TenantFromAuthorization {
     fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
         authorization_tenant(parts, &Hashing::Plain)
     }
+
+    fn ambiguous(&self, parts: &Parts) -> bool {
+        repeated(parts, &http::header::AUTHORIZATION)
+    }
 }
 
 impl TenantExtractor for TenantFromKeyedAuthorization {
@@ -291,6 +315,10 @@ impl TenantExtractor for TenantFromKeyedAuthorization {
 
     fn shared_tenant(&self, parts: &Parts) -> Option<Arc<str>> {
         authorization_tenant(parts, &self.hashing)
+    }
+
+    fn ambiguous(&self, parts: &Parts) -> bool {
+        repeated(parts, &http::header::AUTHORIZATION)
     }
 }
 
