@@ -435,6 +435,24 @@ async fn a_conflict_points_to_the_record_it_collided_with() {
         body["type"],
         "https://docs.example.com/problems/idempotency_conflict"
     );
+    // The gateway's own problem answers take the base too.
+    let reserved = send(
+        &http,
+        Request::get(format!("http://{}/_idempotency/nothing", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(reserved.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        reserved.header("link"),
+        Some("<https://docs.example.com/problems/gateway_path_reserved>; rel=\"describedby\"")
+    );
+    let own: serde_json::Value = serde_json::from_slice(&reserved.body).expect("json");
+    assert_eq!(
+        own["type"],
+        "https://docs.example.com/problems/gateway_path_reserved"
+    );
     let record = &body["record"];
     assert_eq!(record["state"], "completed", "{body}");
     let first_seen = record["first_seen"].as_str().expect("first_seen");

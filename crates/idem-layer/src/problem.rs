@@ -332,6 +332,23 @@ pub fn check_type_base(base: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// The `Link` that documents a problem of `code` under the type base
+/// `base`: `<{base}{code}>; rel="describedby"`, for a base that is a web
+/// address (`http` or `https`, the scheme in any case) and an absolute URI
+/// ([`check_type_base`]), which can neither end the link's target nor add
+/// one; `None` otherwise.
+pub fn describedby_link(base: &str, code: &str) -> Option<HeaderValue> {
+    let web = ["http://", "https://"].iter().any(|scheme| {
+        base.get(..scheme.len())
+            .is_some_and(|start| start.eq_ignore_ascii_case(scheme))
+    });
+    let plain_code = code.bytes().all(|b| b.is_ascii_lowercase() || b == b'_');
+    if !web || !plain_code || check_type_base(base).is_err() {
+        return None;
+    }
+    HeaderValue::try_from(format!("<{base}{code}>; rel=\"describedby\"")).ok()
+}
+
 /// Applies the configured type base and problem hook to a problem answer
 /// of the layer; other responses pass unchanged.
 pub(crate) fn shape<B>(
@@ -350,16 +367,8 @@ pub(crate) fn shape<B>(
     }
     if let Some(base) = type_base {
         *response.body_mut() = ResponseBody::full(problem.document(base));
-        // A type that is a web address documents the problem: linked as
-        // the draft suggests; only a base that is an absolute URI, which
-        // can neither end the target nor add one.
-        if (base.starts_with("https://") || base.starts_with("http://"))
-            && check_type_base(base).is_ok()
-        {
-            let link = format!("<{base}{}>; rel=\"describedby\"", problem.code.as_str());
-            if let Ok(link) = HeaderValue::try_from(link) {
-                response.headers_mut().insert(header::LINK, link);
-            }
+        if let Some(link) = describedby_link(base, problem.code.as_str()) {
+            response.headers_mut().insert(header::LINK, link);
         }
     }
     response
@@ -426,6 +435,34 @@ pub(crate) fn retry_after_secs(wait: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::ProblemCode;
+
+    /// A web address of any scheme case is linked; anything else, or a
+    /// base that is no absolute URI, is not.
+    #[test]
+    fn a_describedby_link_only_for_a_web_address() {
+        for base in [
+            "https://d.example/p/",
+            "HTTPS://d.example/p/",
+            "Http://d.example/",
+        ] {
+            let link =
+                crate::problem::describedby_link(base, "idempotency_conflict").expect("a link");
+            assert_eq!(
+                link.to_str().ok(),
+                Some(format!("<{base}idempotency_conflict>; rel=\"describedby\"").as_str())
+            );
+        }
+        for base in [
+            "urn:idem:problem:",
+            "/p/",
+            "https://d.example/>, <https://e/",
+        ] {
+            assert!(
+                crate::problem::describedby_link(base, "idempotency_conflict").is_none(),
+                "{base}"
+            );
+        }
+    }
 
     /// `ALL` holds every code once: a code added to the enum and not to
     /// `ALL` fails to compile here (the match is exhaustive).

@@ -27,3 +27,32 @@ pub(crate) fn problem(
     response.extensions_mut().insert(GatewayCode(code));
     response
 }
+
+/// The gateway's own problem answer (one carrying [`GatewayCode`]) with
+/// its `type` under `base` (`--problem-type-base`) and, for a web address,
+/// the `Link` that documents it, as the layer's answers have them; any
+/// other response as it is.
+pub(crate) async fn rebased(response: Response<Body>, base: &str) -> Response<Body> {
+    let Some(GatewayCode(code)) = response.extensions().get::<GatewayCode>().copied() else {
+        return response;
+    };
+    let (mut parts, body) = response.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 64 * 1024).await else {
+        return Response::from_parts(parts, Body::empty());
+    };
+    let mut document: serde_json::Value = match serde_json::from_slice(&bytes) {
+        Ok(document) => document,
+        Err(_) => return Response::from_parts(parts, Body::from(bytes)),
+    };
+    if let Some(members) = document.as_object_mut() {
+        members.insert(
+            "type".to_owned(),
+            serde_json::json!(format!("{base}{code}")),
+        );
+    }
+    if let Some(link) = idem_layer::problem::describedby_link(base, code) {
+        parts.headers.insert(http::header::LINK, link);
+    }
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(document.to_string()))
+}

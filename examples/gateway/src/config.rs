@@ -339,12 +339,19 @@ pub(crate) fn parse_prefix(value: &str) -> Result<String, String> {
         return Err("the prefix must start with /".to_owned());
     }
     let prefix = value.trim_end_matches('/');
+    let plain = |b: u8| b.is_ascii_alphanumeric() || b"/-._~!$&'()*+,=:@".contains(&b);
+    if !prefix.bytes().all(plain) {
+        return Err(
+            "the prefix may hold letters, digits and - . _ ~ ! $ & ' ( ) * + , = : @ only (no %, ;, ?, #, \\, spaces or non-ASCII)"
+                .to_owned(),
+        );
+    }
     if prefix.is_empty() {
         return Err("the prefix needs a segment: / would make every path the gateway's".to_owned());
     }
     // The prefix is matched as the gateway reads every request path
     // (crate::owned): it must read as itself.
-    if crate::owned::canonical(prefix).as_deref() != Some(prefix.to_ascii_lowercase().as_str()) {
+    if crate::owned::canonical(prefix).as_deref() != Some(prefix.to_lowercase().as_str()) {
         return Err(
             "the prefix must be plain segments: no %-escapes, `.` or empty segments, `\\` or `;`"
                 .to_owned(),

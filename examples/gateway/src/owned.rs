@@ -8,9 +8,14 @@
 //! answered `404 gateway_path_reserved` and never forwarded. "Any reading"
 //! is [`canonical`]: percent-escapes decoded again and again (reserved ones
 //! such as `%2F` included, since an upstream or a framework in front of it
-//! may decode twice), `\` read as `/`, `;parameters` dropped from each
-//! segment, empty and `.` segments dropped, `..` applied, and ASCII case
-//! folded. The reading is deliberately broad: a path the gateway owns under
+//! may decode twice; IIS's `%uXXXX` too), the path cut at a decoded NUL,
+//! `?` or `#`, overlong UTF-8 read as the ASCII it encodes, `\` read as
+//! `/`, `;parameters` dropped from each segment, Windows' readings of a
+//! segment applied (trailing dots and spaces, `::$DATA`, a `~1` short
+//! name), empty and all-dot segments dropped, `..` applied, and letters
+//! folded as a case-insensitive server compares them (Unicode case, so
+//! `ı` reads as `i`; fullwidth forms as ASCII). Everything under the
+//! records prefix, `/healthz` and `/metrics` is owned. The reading is deliberately broad: a path the gateway owns under
 //! any server's rules is the gateway's, and an upstream path that only
 //! differs from one by those rules was never the upstream's to serve.
 
@@ -49,15 +54,21 @@ pub(crate) fn canonical(path: &str) -> Option<String> {
         }
         bytes = decoded;
     }
-    let text = String::from_utf8_lossy(&bytes).replace('\\', "/");
+    // A server that stops at a NUL, or splits the query off after
+    // decoding, reads no further.
+    if let Some(end) = bytes.iter().position(|&b| matches!(b, 0 | b'?' | b'#')) {
+        bytes.truncate(end);
+    }
+    let text = fold(&String::from_utf8_lossy(&without_overlongs(&bytes))).replace('\\', "/");
     let mut segments: Vec<&str> = Vec::new();
     for segment in text.split('/') {
-        let segment = segment.split(';').next().unwrap_or_default();
-        match segment {
+        match windows_name(segment.split(';').next().unwrap_or_default()) {
             "" | "." => {}
             ".." => {
                 segments.pop();
             }
+            // Three dots or more: some servers read them as one or two.
+            dots if dots.bytes().all(|b| b == b'.') => {}
             segment => segments.push(segment),
         }
     }
@@ -69,29 +80,101 @@ pub(crate) fn canonical(path: &str) -> Option<String> {
     if out.is_empty() {
         out.push('/');
     }
-    out.make_ascii_lowercase();
     Some(out)
 }
 
-/// One round of percent-decoding; an escape that is not two hex digits
-/// stays as it is.
-fn percent_decode(bytes: &[u8]) -> Vec<u8> {
-    let hex = |b: u8| (b as char).to_digit(16).and_then(|d| u8::try_from(d).ok());
+/// A segment as Windows reads a file name: trailing dots and spaces
+/// dropped, an alternate stream (`::$DATA`) and a short name's `~1` cut.
+fn windows_name(segment: &str) -> &str {
+    let segment = segment.split("::").next().unwrap_or_default();
+    let segment = match segment.rsplit_once('~') {
+        Some((name, digits))
+            if !name.is_empty()
+                && !digits.is_empty()
+                && digits.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            name
+        }
+        _ => segment,
+    };
+    let trimmed = segment.trim_end_matches(['.', ' ']);
+    // A segment of dots keeps them: `.` and `..` are read as such.
+    if trimmed.is_empty() { segment } else { trimmed }
+}
+
+/// Letters folded as a case-insensitive server may compare them: each
+/// character's upper case, lowered (so `ı` and `ſ` read as `i` and `s`),
+/// fullwidth forms read as the ASCII they stand for.
+fn fold(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        let c = match u32::from(c) {
+            // Fullwidth ASCII (U+FF01 to U+FF5E).
+            code @ 0xFF01..=0xFF5E => char::from_u32(code - 0xFEE0).unwrap_or(c),
+            _ => c,
+        };
+        for upper in c.to_uppercase() {
+            out.extend(upper.to_lowercase());
+        }
+    }
+    out
+}
+
+/// Overlong UTF-8 forms of ASCII (`C0 AF` for `/`) read as the ASCII they
+/// encode, as a lenient decoder reads them.
+fn without_overlongs(bytes: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%'
-            && let (Some(high), Some(low)) = (
-                bytes.get(i + 1).copied().and_then(hex),
-                bytes.get(i + 2).copied().and_then(hex),
-            )
+        let b = bytes[i];
+        let next = |k: usize| bytes.get(i + k).copied().filter(|c| c & 0xC0 == 0x80);
+        if matches!(b, 0xC0 | 0xC1)
+            && let Some(c1) = next(1)
         {
-            out.push(high << 4 | low);
+            out.push(((b & 0x1F) << 6) | (c1 & 0x3F));
+            i += 2;
+        } else if b == 0xE0
+            && let (Some(c1), Some(c2)) = (next(1), next(2))
+            && c1 < 0xA0
+        {
+            let code = (u32::from(c1 & 0x3F) << 6) | u32::from(c2 & 0x3F);
+            out.push(u8::try_from(code).unwrap_or(b'?'));
             i += 3;
         } else {
-            out.push(bytes[i]);
+            out.push(b);
             i += 1;
         }
+    }
+    out
+}
+
+/// One round of percent-decoding (and of `%uXXXX`, as IIS decodes it); an
+/// escape that is not one stays as it is.
+pub(crate) fn percent_decode(bytes: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| (b as char).to_digit(16);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let at = |k: usize| bytes.get(i + k).copied().and_then(hex);
+            if let (Some(high), Some(low)) = (at(1), at(2)) {
+                out.push(u8::try_from(high << 4 | low).unwrap_or(b'?'));
+                i += 3;
+                continue;
+            }
+            if matches!(bytes.get(i + 1), Some(b'u' | b'U'))
+                && let (Some(a), Some(b), Some(c), Some(d)) = (at(2), at(3), at(4), at(5))
+            {
+                let unit = a << 12 | b << 8 | c << 4 | d;
+                let mut buffer = [0; 4];
+                let c = char::from_u32(unit).unwrap_or('?');
+                out.extend_from_slice(c.encode_utf8(&mut buffer).as_bytes());
+                i += 6;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
     }
     out
 }
@@ -113,13 +196,11 @@ impl OwnedPaths {
 
     /// Whether any reading of `path` names a gateway-owned path.
     pub(crate) fn owns(&self, path: &str) -> bool {
-        // The common case costs one scan: a path with none of the
-        // characters that change a reading, and no prefix of an owned one,
-        // is the upstream's.
-        let plain = !path
-            .bytes()
-            .any(|b| matches!(b, b'%' | b'\\' | b';' | b'.') || b.is_ascii_uppercase())
-            && !path.contains("//");
+        // The common case costs one scan: a path of lower-case letters,
+        // digits, `/`, `-` and `_` only, no `//`, reads as itself.
+        let plain = path.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'/' | b'-' | b'_')
+        }) && !path.contains("//");
         if plain {
             return self.owns_canonical(path.trim_end_matches('/'));
         }
@@ -130,11 +211,11 @@ impl OwnedPaths {
     }
 
     fn owns_canonical(&self, path: &str) -> bool {
-        path == "/healthz"
-            || path == "/metrics"
-            || path
-                .strip_prefix(self.prefix.as_str())
+        let under = |prefix: &str| {
+            path.strip_prefix(prefix)
                 .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        };
+        under("/healthz") || under("/metrics") || under(&self.prefix)
     }
 }
 
@@ -219,6 +300,27 @@ mod tests {
             "/healthz/",
             "/%68ealthz",
             "/metrics",
+            "/metrics/x",
+            "/%u005Fidempotency/records",
+            "/%u0068ealthz",
+            "/_idempotency%00/records",
+            "/healthz%00",
+            "/metrics%00.css",
+            "/_idempotency%3F/records",
+            "/healthz%23",
+            "/_idempotency%253F",
+            "/_%C4%B1dempotency/records",
+            "/metric%C5%BF",
+            "/healthz.",
+            "/_idempotency./records",
+            "/_idempotency%2E/records",
+            "/healthz::$DATA",
+            "/_idempotency~1/records",
+            "/x%C0%AF..%C0%AFhealthz",
+            "/x%E0%80%AF..%E0%80%AFmetrics",
+            "/.../healthz",
+            "/....//healthz",
+            "/%EF%BC%BFidempotency/records",
         ] {
             assert!(owned.owns(path), "{path} is the gateway's");
         }
@@ -231,6 +333,8 @@ mod tests {
             "/healthzz",
             "/metrics.json",
             "/orders%2F1",
+            "/orders/~1",
+            "/orders/a.b",
         ] {
             assert!(!owned.owns(path), "{path} is the upstream's");
         }
@@ -242,7 +346,8 @@ mod tests {
         assert_eq!(parse_prefix("/ops/idem/").as_deref(), Ok("/ops/idem"));
         assert_eq!(parse_prefix("/Ops").as_deref(), Ok("/Ops"));
         for refused in [
-            "/", "//", "ops", "/a/../b", "/a//b", "/a/./b", "/%61", "/a;b", "/a\\b",
+            "/", "//", "ops", "/a/../b", "/a//b", "/a/./b", "/%61", "/a;b", "/a\\b", "/a?b",
+            "/a#b", "/A B", "/ä", "/a.", "/a~1",
         ] {
             assert!(parse_prefix(refused).is_err(), "{refused} is refused");
         }

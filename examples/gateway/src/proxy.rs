@@ -69,41 +69,91 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Removes the operator page's session (the `idem_operator` cookie pair,
-/// and only it) from the `Cookie` fields of a request to be forwarded: the
-/// gateway's own credential never reaches the upstream.
+/// Removes the operator page's session from a request to be forwarded: every
+/// `idem_operator` pair of its `Cookie` (and `Cookie2`) fields, however a
+/// server might read the name (any case, percent-escaped, padded with any
+/// whitespace, after a `,` as well as a `;`), and nothing else. Several
+/// `Cookie` fields (as HTTP/2 sends them) are joined into one with `; `, as
+/// an HTTP/1.1 upstream expects (RFC 9113, 8.2.3).
 pub(crate) fn strip_operator_cookie(headers: &mut HeaderMap) {
-    let name = crate::operator::COOKIE;
-    let carries = headers.get_all(header::COOKIE).iter().any(|value| {
-        value
-            .as_bytes()
-            .windows(name.len())
-            .any(|w| w == name.as_bytes())
-    });
-    if !carries {
-        return;
+    static COOKIE2: HeaderName = HeaderName::from_static("cookie2");
+    let name = crate::operator::COOKIE.as_bytes();
+    let suspect = |value: &HeaderValue| {
+        let bytes = value.as_bytes();
+        bytes.contains(&b'%')
+            || bytes
+                .windows(name.len())
+                .any(|w| w.eq_ignore_ascii_case(name))
+    };
+    for field in [&header::COOKIE, &COOKIE2] {
+        let values = headers.get_all(field);
+        let mut iter = values.iter();
+        let several = iter.next().is_some() && iter.next().is_some();
+        if !several && !values.iter().any(suspect) {
+            continue;
+        }
+        let mut kept: Vec<Vec<u8>> = Vec::new();
+        for value in headers.get_all(field) {
+            for pair in value.as_bytes().split(|&b| b == b';' || b == b',') {
+                let pair = trim_any_space(pair);
+                if pair.is_empty() || names_operator_cookie(pair, name) {
+                    continue;
+                }
+                kept.push(pair.to_vec());
+            }
+        }
+        headers.remove(field);
+        if let Ok(joined) = HeaderValue::from_bytes(&kept.join(&b"; "[..]))
+            && !kept.is_empty()
+        {
+            headers.insert(field, joined);
+        }
     }
-    let kept: Vec<HeaderValue> = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|value| {
-            let pairs: Vec<&[u8]> = value
-                .as_bytes()
-                .split(|&b| b == b';')
-                .map(<[u8]>::trim_ascii)
-                .filter(|pair| {
-                    let pair_name = pair.split(|&b| b == b'=').next().unwrap_or_default();
-                    !pair.is_empty() && pair_name.trim_ascii() != name.as_bytes()
-                })
-                .collect();
-            (!pairs.is_empty())
-                .then(|| HeaderValue::from_bytes(&pairs.join(&b"; "[..])).ok())
-                .flatten()
-        })
-        .collect();
-    headers.remove(header::COOKIE);
-    for value in kept {
-        headers.append(header::COOKIE, value);
+}
+
+/// Whether a cookie pair's name reads as `name`: percent-decoded, trimmed
+/// of any whitespace, in any case.
+fn names_operator_cookie(pair: &[u8], name: &[u8]) -> bool {
+    let decoded = crate::owned::percent_decode(pair);
+    let pair_name = decoded.split(|&b| b == b'=').next().unwrap_or_default();
+    trim_any_space(pair_name).eq_ignore_ascii_case(name)
+}
+
+/// `bytes` without leading and trailing ASCII whitespace, and without a
+/// no-break space (`0xA0`, and its UTF-8 form) that some servers trim too.
+fn trim_any_space(mut bytes: &[u8]) -> &[u8] {
+    loop {
+        let before = bytes.len();
+        bytes = bytes.trim_ascii();
+        for nbsp in [&b"\xc2\xa0"[..], &b"\xa0"[..]] {
+            bytes = bytes.strip_prefix(nbsp).unwrap_or(bytes);
+            bytes = bytes.strip_suffix(nbsp).unwrap_or(bytes);
+        }
+        if bytes.len() == before {
+            return bytes;
+        }
+    }
+}
+
+/// Removes every field a server could read as the admin credential's
+/// header (`x-idem-admin-token`, or `x_idem_admin_token`, which CGI-style
+/// servers map to the same variable).
+fn strip_admin_token(headers: &mut HeaderMap) {
+    headers.remove(ADMIN_TOKEN);
+    let official: &[u8] = b"x-idem-admin-token";
+    debug_assert_eq!(official, ADMIN_TOKEN.as_str().as_bytes());
+    let alias = |name: &HeaderName| {
+        let name = name.as_str().as_bytes();
+        name.len() == official.len()
+            && name.contains(&b'_')
+            && name
+                .iter()
+                .zip(official)
+                .all(|(&a, &b)| a == b || (a == b'_' && b == b'-'))
+    };
+    let aliases: Vec<HeaderName> = headers.keys().filter(|name| alias(name)).cloned().collect();
+    for name in aliases {
+        headers.remove(name);
     }
 }
 
@@ -476,7 +526,7 @@ impl Proxy {
         headers.remove(IDEMPOTENCY_ATTEMPT);
         // The records API's admin credential is the gateway's own, and so
         // is the operator page's session cookie.
-        headers.remove(ADMIN_TOKEN);
+        strip_admin_token(headers);
         strip_operator_cookie(headers);
         if let Some((generation, key)) = protected {
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(generation));

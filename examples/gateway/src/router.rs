@@ -266,6 +266,10 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
         .fallback_service(protected)
         .layer(middleware::from_fn_with_state(
             Front {
+                type_base: config
+                    .problem_type_base
+                    .as_deref()
+                    .map(std::sync::Arc::from),
                 guard: ConnectionGuard(std::sync::Arc::new(protected_headers)),
                 jwt,
                 spans,
@@ -283,13 +287,15 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
 /// boxes the services behind it on every request.
 #[derive(Clone)]
 pub(crate) struct Front {
+    /// `--problem-type-base`, for the gateway's own problem answers.
+    type_base: Option<std::sync::Arc<str>>,
     guard: ConnectionGuard,
     jwt: Option<JwtState>,
     spans: Option<Spans>,
 }
 
 pub(crate) async fn front(State(front): State<Front>, request: Request, next: Next) -> Response {
-    traced(
+    let response = traced(
         front.spans.as_ref(),
         request,
         |request| {
@@ -302,7 +308,11 @@ pub(crate) async fn front(State(front): State<Front>, request: Request, next: Ne
         },
         outcome_of,
     )
-    .await
+    .await;
+    match &front.type_base {
+        Some(base) => crate::answer::rebased(response, base).await,
+        None => response,
+    }
 }
 
 /// What the JWT tenant middleware needs.
@@ -386,6 +396,22 @@ pub(crate) async fn refuse_connection_naming<F: Future<Output = Response>>(
     request: Request,
     next: impl FnOnce(Request) -> F,
 ) -> Response {
+    // RFC 9112, 3.2: a request with no Host (HTTP/1.1, no authority in
+    // its target) or more than one is answered 400; the gateway would
+    // otherwise pass a spoofed host on in X-Forwarded-Host.
+    let mut hosts = request.headers().get_all(http::header::HOST).iter();
+    let first_host = hosts.next();
+    let no_host = first_host.is_none()
+        && request.version() == http::Version::HTTP_11
+        && request.uri().authority().is_none();
+    if no_host || hosts.next().is_some() {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "host_header_invalid",
+            "Host header missing or repeated",
+            "an HTTP/1.1 request carries exactly one Host header",
+        );
+    }
     let names_protected =
         proxy::connection_names(request.headers()).any(|name| guard.0.contains(&name));
     if names_protected {
