@@ -357,6 +357,48 @@ impl Opens for Release {
 mod tests {
     use super::*;
 
+    /// XChaCha20-Poly1305 as published: the AEAD test vector of
+    /// draft-irtf-cfrg-xchacha-03, appendix A.3.1 (key, nonce, associated
+    /// data and plaintext in, ciphertext and tag out), through the same
+    /// construction the keyring seals with (HChaCha20 subkey, then ring's
+    /// ChaCha20-Poly1305), both ways.
+    #[test]
+    fn xchacha20_poly1305_matches_the_published_vector() {
+        let hex =
+            |text: &str| hex::decode(text.split_whitespace().collect::<String>()).expect("hex");
+        let key: [u8; 32] = hex("808182838485868788898a8b8c8d8e8f909192939495969798999a9b9c9d9e9f")
+            .try_into()
+            .expect("key");
+        let nonce: [u8; 24] = hex("404142434445464748494a4b4c4d4e4f5051525354555657")
+            .try_into()
+            .expect("nonce");
+        let aad = hex("50515253c0c1c2c3c4c5c6c7");
+        let plaintext = b"Ladies and Gentlemen of the class of '99: If I could offer you only one \
+                          tip for the future, sunscreen would be it.";
+        let ciphertext = hex(
+            "bd6d179d3e83d43b9576579493c0e939572a1700252bfaccbed2902c21396cbb
+             731c7f1b0b4aa6440bf3a82f4eda7e39ae64c6708c54c216cb96b72e1213b452
+             2f8c9ba40db5d945b11b69b982c1bb9e3f3fac2bc369488f76b2383565d3fff9
+             21f9664c97637da9768812f615c68b13b52e",
+        );
+        let tag = hex("c0875924c1c7987947deafd8780acf49");
+        let mut sealed = plaintext.to_vec();
+        let key_in = cipher(&key, &nonce);
+        let got_tag = key_in
+            .0
+            .seal_in_place_separate_tag(key_in.1, Aad::from(&aad), &mut sealed)
+            .expect("seal");
+        assert_eq!(sealed, ciphertext);
+        assert_eq!(got_tag.as_ref(), &tag[..]);
+        let mut opened = [ciphertext, tag].concat();
+        let key_out = cipher(&key, &nonce);
+        let plain = key_out
+            .0
+            .open_in_place(key_out.1, Aad::from(&aad), &mut opened)
+            .expect("open");
+        assert_eq!(plain, &plaintext[..]);
+    }
+
     fn response() -> StoredResponse {
         StoredResponse {
             status: 201,
