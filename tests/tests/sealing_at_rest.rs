@@ -246,3 +246,77 @@ async fn postgres_holds_no_response_in_clear() {
     let url = server.database();
     sealed_on(&url, || postgres_text(&url)).await;
 }
+
+/// A sealed answer is bound to the attempt that stored it, not to a
+/// generation the envelope claims: after an erase the key starts again at
+/// generation 1 under a new attempt, and the old record's sealed answer
+/// copied into the new record (as whoever writes to the database could)
+/// does not open: `503`, never the old answer replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_answer_moved_to_the_next_attempt_of_its_key_does_not_open() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    let upstream = Upstream::default();
+    let origin = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(
+        &origin,
+        &[
+            "--store",
+            &url,
+            "--tenant-secret",
+            SECRET,
+            "--replay-cache-bytes",
+            "0",
+        ],
+    )
+    .await;
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    let first = echo(gateway.addr, "bound-1", "FIRSTMARK").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let (scope, names, values, body): (Vec<u8>, Vec<String>, Vec<Vec<u8>>, Vec<u8>) =
+        sqlx::query_as(
+            "SELECT scope, header_names, header_values, body FROM idem_records \
+             WHERE state = 'completed'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("the first record");
+    // Erased: the key is new, and runs again as generation 1.
+    sqlx::query("DELETE FROM idem_records WHERE scope = $1")
+        .bind(&scope)
+        .execute(&pool)
+        .await
+        .expect("erase");
+    let second = echo(gateway.addr, "bound-1", "FIRSTMARK").await;
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(!second.replayed());
+    assert_eq!(upstream.runs(), 2);
+    let generation: i64 =
+        sqlx::query_scalar("SELECT generation FROM idem_records WHERE scope = $1")
+            .bind(&scope)
+            .fetch_one(&pool)
+            .await
+            .expect("generation");
+    assert_eq!(generation, 1);
+    // The first attempt's sealed answer, moved into the second's record.
+    sqlx::query(
+        "UPDATE idem_records SET header_names = $2, header_values = $3, body = $4 \
+         WHERE scope = $1",
+    )
+    .bind(&scope)
+    .bind(&names)
+    .bind(&values)
+    .bind(&body)
+    .execute(&pool)
+    .await
+    .expect("move");
+    let moved = echo(gateway.addr, "bound-1", "FIRSTMARK").await;
+    assert_eq!(moved.status, StatusCode::SERVICE_UNAVAILABLE, "{moved:?}");
+    assert_eq!(
+        moved.code().as_deref(),
+        Some("idempotency_store_unavailable")
+    );
+    assert_eq!(upstream.runs(), 2, "nothing ran again");
+}

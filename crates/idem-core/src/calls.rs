@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::{Attempt, Fingerprint, Lease, Outcome, Record, Scope};
+use crate::{Attempt, AttemptId, Fingerprint, Lease, Outcome, Record, Scope};
 
 /// What [`Store::reserve`](crate::Store::reserve) needs to know.
 #[derive(Debug, Clone)]
@@ -33,6 +33,12 @@ pub struct Replay {
     /// most this long (the layer's replay cache): a completed record does
     /// not change until it expires.
     pub expires_in: Option<Duration>,
+    /// The attempt whose outcome this is (the record's current attempt),
+    /// where the store tells it (every store here does). A sealed response
+    /// is bound to it: a response copied into another attempt's record,
+    /// even one of the same scope and generation (after an erase), does
+    /// not open.
+    pub attempt: Option<AttemptId>,
 }
 
 /// The answer to [`Store::reserve`](crate::Store::reserve).

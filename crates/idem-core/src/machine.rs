@@ -56,6 +56,12 @@ fn replay(record: &Record, outcome: &Outcome, now_ms: u64) -> Replay {
         expires_in: Some(Duration::from_millis(
             record.expires_at_ms.saturating_sub(now_ms),
         )),
+        attempt: record
+            .attempts
+            .iter()
+            .rev()
+            .find(|attempt| attempt.generation == record.generation)
+            .map(|attempt| attempt.id),
     }
 }
 

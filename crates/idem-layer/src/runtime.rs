@@ -150,7 +150,7 @@ impl<S: Store> Runtime<S> {
         use idem_core::Outcome;
         match (&self.config.sealing, outcome) {
             (Some(keyring), Outcome::Stored(response)) if self.config.seal_new => Some(
-                Outcome::Stored(keyring.seal(&lease.scope, lease.generation, response)),
+                Outcome::Stored(keyring.seal(&lease.scope, lease.attempt, response)),
             ),
             _ => None,
         }

@@ -12,9 +12,14 @@
 //!   become one ciphertext. The stored headers are then one field,
 //!   `idem-sealed`, whose value names the key (a name idem reserves).
 //! * **Bound to its record.** The associated data is the scope hash, the
-//!   lease generation that stored it, the status and the key id: a sealed
-//!   response copied into another record, or given another status, does
-//!   not open.
+//!   attempt that stored it (its id, unique to that attempt of that
+//!   record: a record erased and made again has new attempts), the status
+//!   and the key id. The attempt is the one the store says the record's
+//!   outcome is of ([`Replay::attempt`]), never a claim the envelope makes:
+//!   a sealed response copied into another record, or into the same
+//!   scope's record after an erase, or given another status, does not
+//!   open. (Envelopes of the first version, bound to the lease generation
+//!   they carried, still open as they did.)
 //! * **Nonces.** Each seal draws a fresh 192-bit nonce: random nonces of
 //!   that size stay safe however many records are sealed under one key.
 //! * **Keys.** A keyring holds the key new records are sealed with (the
@@ -43,7 +48,7 @@ use std::{collections::BTreeMap, fmt, sync::Arc};
 use bytes::{BufMut, Bytes};
 use http::HeaderName;
 use idem_core::{
-    Completion, Current, Outcome, Release, Replay, Reservation, ScopeHash, StoreError,
+    AttemptId, Completion, Current, Outcome, Release, Replay, Reservation, ScopeHash, StoreError,
     StoredResponse,
 };
 use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
@@ -53,10 +58,14 @@ pub const SEALED: HeaderName = HeaderName::from_static("idem-sealed");
 
 /// The HKDF label of a key derived from a deployment secret.
 const DERIVED_LABEL: &[u8] = b"idem sealing key v1";
-/// The version byte of a sealed body.
-const ENVELOPE: u8 = 1;
-/// The bytes before the ciphertext: version, generation, nonce.
-const HEAD: usize = 1 + 8 + 24;
+/// The version byte of a sealed body: 2, bound to the attempt the record
+/// names; 1 (read only), bound to the generation the envelope carries.
+const ENVELOPE: u8 = 2;
+const ENVELOPE_V1: u8 = 1;
+/// The bytes before the ciphertext: version, nonce.
+const HEAD: usize = 1 + 24;
+/// The bytes before a version 1 ciphertext: version, generation, nonce.
+const HEAD_V1: usize = 1 + 8 + 24;
 /// The Poly1305 tag after it.
 const TAG: usize = 16;
 
@@ -110,11 +119,12 @@ impl Keyring {
         self.current
     }
 
-    /// `response`, sealed for the record `scope` at `generation`.
+    /// `response`, sealed for the record `scope` as the outcome of its
+    /// attempt `attempt`.
     pub(crate) fn seal(
         &self,
         scope: &ScopeHash,
-        generation: u64,
+        attempt: AttemptId,
         response: &StoredResponse,
     ) -> StoredResponse {
         let plain_len = 4
@@ -129,7 +139,6 @@ impl Keyring {
         let mut body = Vec::with_capacity(HEAD + plain_len + TAG);
         let nonce: [u8; 24] = rand::random();
         body.put_u8(ENVELOPE);
-        body.put_u64(generation);
         body.put_slice(&nonce);
         body.put_u32(u32::try_from(response.headers.len()).unwrap_or(u32::MAX));
         for (name, value) in &response.headers {
@@ -142,7 +151,12 @@ impl Keyring {
             body.put_slice(value);
         }
         body.put_slice(&response.body);
-        let aad = associated(scope, generation, response.status, self.current);
+        let aad = associated(
+            scope,
+            Bound::Attempt(attempt),
+            response.status,
+            self.current,
+        );
         let key = cipher(&self.keys[&self.current], &nonce);
         // Sealing fails only for a message beyond the cipher's limit
         // (256 GiB), far past any storable response.
@@ -161,9 +175,13 @@ impl Keyring {
     }
 
     /// `response` opened, if it was sealed; as it is, if it was not.
+    /// `attempt` is the attempt the store says the record's outcome is of:
+    /// a sealed response opens only for it (`None`: a store that does not
+    /// say, and no sealed response of this version opens).
     pub(crate) fn open(
         &self,
         scope: &ScopeHash,
+        attempt: Option<AttemptId>,
         response: StoredResponse,
     ) -> Result<StoredResponse, Unopened> {
         let [(name, id)] = &response.headers[..] else {
@@ -178,13 +196,23 @@ impl Keyring {
             .ok_or(Unopened::Damaged)?;
         let key = self.keys.get(&id).ok_or(Unopened::UnknownKey(id))?;
         let body = &response.body;
-        if body.len() < HEAD + TAG || body[0] != ENVELOPE {
+        let (bound, head) = match body.first() {
+            Some(&ENVELOPE) => (Bound::Attempt(attempt.ok_or(Unopened::Damaged)?), HEAD),
+            Some(&ENVELOPE_V1) if body.len() >= HEAD_V1 => {
+                let generation =
+                    u64::from_be_bytes(body[1..9].try_into().map_err(|_| Unopened::Damaged)?);
+                (Bound::Generation(generation), HEAD_V1)
+            }
+            _ => return Err(Unopened::Damaged),
+        };
+        if body.len() < head + TAG {
             return Err(Unopened::Damaged);
         }
-        let generation = u64::from_be_bytes(body[1..9].try_into().map_err(|_| Unopened::Damaged)?);
-        let nonce: [u8; 24] = body[9..HEAD].try_into().map_err(|_| Unopened::Damaged)?;
-        let aad = associated(scope, generation, response.status, id);
-        let mut sealed = body[HEAD..].to_vec();
+        let nonce: [u8; 24] = body[head - 24..head]
+            .try_into()
+            .map_err(|_| Unopened::Damaged)?;
+        let aad = associated(scope, bound, response.status, id);
+        let mut sealed = body[head..].to_vec();
         let key = cipher(key, &nonce);
         let opened = key
             .0
@@ -261,14 +289,32 @@ fn derive(secret: &[u8]) -> [u8; 32] {
     key
 }
 
+/// What a sealed response is bound to besides its record's scope.
+#[derive(Clone, Copy)]
+enum Bound {
+    /// The attempt whose outcome it is (envelope version 2).
+    Attempt(AttemptId),
+    /// The lease generation the envelope carries (version 1, read only).
+    Generation(u64),
+}
+
 /// The associated data a sealed response is bound by.
-fn associated(scope: &ScopeHash, generation: u64, status: u16, key: u32) -> [u8; 62] {
-    let mut aad = [0; 62];
-    aad[..16].copy_from_slice(b"idem-sealed-v1\0\0");
-    aad[16..48].copy_from_slice(scope.as_bytes());
-    aad[48..56].copy_from_slice(&generation.to_be_bytes());
-    aad[56..58].copy_from_slice(&status.to_be_bytes());
-    aad[58..62].copy_from_slice(&key.to_be_bytes());
+fn associated(scope: &ScopeHash, bound: Bound, status: u16, key: u32) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(70);
+    match bound {
+        Bound::Attempt(attempt) => {
+            aad.extend_from_slice(b"idem-sealed-v2\0\0");
+            aad.extend_from_slice(scope.as_bytes());
+            aad.extend_from_slice(attempt.0.as_bytes());
+        }
+        Bound::Generation(generation) => {
+            aad.extend_from_slice(b"idem-sealed-v1\0\0");
+            aad.extend_from_slice(scope.as_bytes());
+            aad.extend_from_slice(&generation.to_be_bytes());
+        }
+    }
+    aad.extend_from_slice(&status.to_be_bytes());
+    aad.extend_from_slice(&key.to_be_bytes());
     aad
 }
 
@@ -307,7 +353,7 @@ impl Opens for Replay {
     fn opened(mut self, keyring: Option<&Keyring>, scope: &ScopeHash) -> Result<Self, StoreError> {
         if let Outcome::Stored(stored) = self.outcome {
             self.outcome = Outcome::Stored(match keyring {
-                Some(keyring) => keyring.open(scope, stored)?,
+                Some(keyring) => keyring.open(scope, self.attempt, stored)?,
                 None => unsealed(stored)?,
             });
         }
@@ -413,6 +459,57 @@ mod tests {
         }
     }
 
+    fn attempt(n: u8) -> AttemptId {
+        AttemptId(uuid::Uuid::from_bytes([n; 16]))
+    }
+
+    /// A version 1 envelope (bound to the generation it carries), as
+    /// earlier versions sealed: it still opens, whatever the attempt.
+    #[test]
+    fn a_first_version_envelope_still_opens() {
+        let keyring = Keyring::derived(b"a deployment secret of some length");
+        let plain = response();
+        let nonce = [9u8; 24];
+        let mut body = vec![ENVELOPE_V1];
+        body.extend_from_slice(&5u64.to_be_bytes());
+        body.extend_from_slice(&nonce);
+        body.extend_from_slice(
+            &u32::try_from(plain.headers.len())
+                .expect("few")
+                .to_be_bytes(),
+        );
+        for (name, value) in &plain.headers {
+            let name = name.as_str().as_bytes();
+            body.extend_from_slice(&u16::try_from(name.len()).expect("short").to_be_bytes());
+            body.extend_from_slice(name);
+            body.extend_from_slice(&u32::try_from(value.len()).expect("short").to_be_bytes());
+            body.extend_from_slice(value);
+        }
+        body.extend_from_slice(&plain.body);
+        let aad = associated(&scope(1), Bound::Generation(5), 201, 0);
+        let key = cipher(&keyring.keys[&0], &nonce);
+        let tag = key
+            .0
+            .seal_in_place_separate_tag(key.1, Aad::from(&aad), &mut body[HEAD_V1..])
+            .expect("seal");
+        body.extend_from_slice(tag.as_ref());
+        let sealed = StoredResponse {
+            status: 201,
+            headers: vec![(SEALED, Bytes::from_static(b"0"))],
+            body: body.into(),
+        };
+        assert_eq!(
+            keyring.open(&scope(1), None, sealed.clone()).expect("v1"),
+            plain
+        );
+        assert_eq!(
+            keyring
+                .open(&scope(1), Some(attempt(4)), sealed)
+                .expect("v1"),
+            plain
+        );
+    }
+
     fn scope(n: u8) -> ScopeHash {
         ScopeHash::from_bytes([n; 32])
     }
@@ -420,58 +517,75 @@ mod tests {
     #[test]
     fn a_sealed_response_opens_byte_for_byte_and_shows_nothing() {
         let keyring = Keyring::derived(b"a deployment secret of some length");
-        let sealed = keyring.seal(&scope(1), 3, &response());
+        let sealed = keyring.seal(&scope(1), attempt(3), &response());
         assert_eq!(sealed.status, 201);
         assert_eq!(sealed.headers, vec![(SEALED, Bytes::from_static(b"0"))]);
         let raw = format!("{:?}", sealed.body);
         for clear in ["MARKER", "orders", "4242", "x-card"] {
             assert!(!raw.contains(clear), "{clear} in {raw}");
         }
-        assert_eq!(keyring.open(&scope(1), sealed).expect("opens"), response());
+        assert_eq!(
+            keyring
+                .open(&scope(1), Some(attempt(3)), sealed)
+                .expect("opens"),
+            response()
+        );
         // Two seals of one response differ (fresh nonces).
         assert_ne!(
-            keyring.seal(&scope(1), 3, &response()).body,
-            keyring.seal(&scope(1), 3, &response()).body
+            keyring.seal(&scope(1), attempt(3), &response()).body,
+            keyring.seal(&scope(1), attempt(3), &response()).body
         );
     }
 
     #[test]
     fn a_sealed_response_opens_only_in_its_own_record_with_its_key() {
         let keyring = Keyring::derived(b"a deployment secret of some length");
-        let sealed = keyring.seal(&scope(1), 1, &response());
+        let sealed = keyring.seal(&scope(1), attempt(1), &response());
+        let own = Some(attempt(1));
         // Another record.
         assert_eq!(
-            keyring.open(&scope(2), sealed.clone()),
+            keyring.open(&scope(2), own, sealed.clone()),
             Err(Unopened::Damaged)
         );
         // Another status.
         let mut restatused = sealed.clone();
         restatused.status = 200;
-        assert_eq!(keyring.open(&scope(1), restatused), Err(Unopened::Damaged));
-        // Another generation.
-        let mut moved = sealed.clone();
-        let mut body = moved.body.to_vec();
-        body[8] ^= 1;
-        moved.body = body.into();
-        assert_eq!(keyring.open(&scope(1), moved), Err(Unopened::Damaged));
+        assert_eq!(
+            keyring.open(&scope(1), own, restatused),
+            Err(Unopened::Damaged)
+        );
+        // Another attempt of the same record (made again after an erase,
+        // say): the record's attempt binds it, whatever the envelope says.
+        assert_eq!(
+            keyring.open(&scope(1), Some(attempt(2)), sealed.clone()),
+            Err(Unopened::Damaged)
+        );
+        // A store that names no attempt opens nothing sealed.
+        assert_eq!(
+            keyring.open(&scope(1), None, sealed.clone()),
+            Err(Unopened::Damaged)
+        );
         // A flipped ciphertext bit.
         let mut flipped = sealed.clone();
         let mut body = flipped.body.to_vec();
         let last = body.len() - 1;
         body[last] ^= 1;
         flipped.body = body.into();
-        assert_eq!(keyring.open(&scope(1), flipped), Err(Unopened::Damaged));
+        assert_eq!(
+            keyring.open(&scope(1), own, flipped),
+            Err(Unopened::Damaged)
+        );
         // Another secret: its key 0 is another key.
         let other = Keyring::derived(b"another deployment secret entirely");
         assert_eq!(
-            other.open(&scope(1), sealed.clone()),
+            other.open(&scope(1), own, sealed.clone()),
             Err(Unopened::Damaged)
         );
         // A key the ring does not hold.
         let mut renamed = sealed;
         renamed.headers = vec![(SEALED, Bytes::from_static(b"9"))];
         assert_eq!(
-            keyring.open(&scope(1), renamed),
+            keyring.open(&scope(1), own, renamed),
             Err(Unopened::UnknownKey(9))
         );
     }
@@ -479,25 +593,35 @@ mod tests {
     #[test]
     fn after_a_rotation_both_keys_open_and_the_new_one_seals() {
         let before = Keyring::derived(b"a deployment secret of some length");
-        let old = before.seal(&scope(1), 1, &response());
+        let old = before.seal(&scope(1), attempt(1), &response());
         let after = before.clone().rotated_to(7, [7; 32]);
         assert_eq!(after.current(), 7);
-        let new = after.seal(&scope(1), 2, &response());
+        let new = after.seal(&scope(1), attempt(2), &response());
         assert_eq!(new.headers[0].1, Bytes::from_static(b"7"));
-        assert_eq!(after.open(&scope(1), old).expect("old key"), response());
         assert_eq!(
-            after.open(&scope(1), new.clone()).expect("new key"),
+            after
+                .open(&scope(1), Some(attempt(1)), old)
+                .expect("old key"),
+            response()
+        );
+        assert_eq!(
+            after
+                .open(&scope(1), Some(attempt(2)), new.clone())
+                .expect("new key"),
             response()
         );
         // The ring before the rotation does not know key 7.
-        assert_eq!(before.open(&scope(1), new), Err(Unopened::UnknownKey(7)));
+        assert_eq!(
+            before.open(&scope(1), Some(attempt(2)), new),
+            Err(Unopened::UnknownKey(7))
+        );
     }
 
     #[test]
     fn an_unsealed_response_is_left_as_it_is() {
         let keyring = Keyring::new(1, [1; 32]);
         assert_eq!(
-            keyring.open(&scope(1), response()).expect("as is"),
+            keyring.open(&scope(1), None, response()).expect("as is"),
             response()
         );
         let empty = StoredResponse {
@@ -505,8 +629,13 @@ mod tests {
             headers: Vec::new(),
             body: Bytes::new(),
         };
-        let sealed = keyring.seal(&scope(1), 1, &empty);
-        assert_eq!(keyring.open(&scope(1), sealed).expect("opens"), empty);
+        let sealed = keyring.seal(&scope(1), attempt(1), &empty);
+        assert_eq!(
+            keyring
+                .open(&scope(1), Some(attempt(1)), sealed)
+                .expect("opens"),
+            empty
+        );
     }
 
     #[test]

@@ -410,18 +410,23 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
                 Value::Nil => &[],
                 other => return Err(corrupt(format!("expected headers, got {other:?}"))),
             };
+            // The attempt whose outcome it is, when the script says.
+            let attempt = match reply.get(4) {
+                Some(Value::BulkString(id)) => attempt_id(id)?,
+                _ => None,
+            };
             // A waiter's answer says no expiry (0): nothing keeps it.
-            Ok(Current::Completed(replay(
-                status, stored, completed, 0, headers, body,
-            )?))
+            let mut replay = replay(status, stored, completed, 0, headers, body)?;
+            replay.attempt = attempt;
+            Ok(Current::Completed(replay))
         }
         other => Err(corrupt(format!("unexpected reply {other}"))),
     }
 }
 
 /// A replay as the reserve script answers it, one string:
-/// `<status>:<stored>:<completed at, Unix ms>:<expiry>:<length of the
-/// headers>:`, then the headers and the body; the expiry is the record's
+/// `<status>:<stored>:<completed at, Unix ms>:<expiry>:<attempt id>:<length
+/// of the headers>:`, then the headers and the body; the expiry is the record's
 /// `expires` (Unix ms) or a packed record's `n` led by `p`
 /// (`p<start>:<lease ms>:<retention ms>`: it expires at start plus
 /// retention). The body is a slice of the reply, not a copy.
@@ -429,44 +434,39 @@ pub(crate) fn decode_replay(raw: Vec<u8>) -> Result<Replay, StoreError> {
     replay_from(raw, 0, None)
 }
 
-/// A replay as [`decode_replay`] reads it, from `raw[at..]`; with
-/// `expires` given, the text there has no expiry of its own (a string
-/// record's completion, `string_record.rs`).
+/// A replay as [`decode_replay`] reads it, from `raw[at..]`; with the
+/// expiry and the attempt given (`known`), the text there has neither of
+/// its own (a string record's completion, `string_record.rs`).
 pub(crate) fn replay_from(
     raw: Vec<u8>,
-    mut at: usize,
-    expires: Option<u64>,
+    at: usize,
+    known: Option<(u64, Option<idem_core::AttemptId>)>,
 ) -> Result<Replay, StoreError> {
-    // The next number, and whether `p` led it.
-    let mut number = |what: &str| {
-        let led = raw.get(at).is_some_and(|&byte| byte == b'p');
-        let start = at + usize::from(led);
-        let field = raw
-            .get(start..)
-            .and_then(|rest| rest.split(|&byte| byte == b':').next())
-            .unwrap_or_default();
-        let value = std::str::from_utf8(field)
-            .ok()
-            .and_then(|digits| digits.parse::<u64>().ok())
-            .filter(|_| start + field.len() < raw.len())
-            .ok_or_else(|| corrupt(format!("replay lacks the {what}")))?;
-        at = start + field.len() + 1;
-        Ok::<_, StoreError>((led, value))
+    let (expires, known_attempt) = match known {
+        Some((expires, attempt)) => (Some(expires), Some(attempt)),
+        None => (None, None),
     };
-    let (_, status) = number("status")?;
-    let (_, stored) = number("stored")?;
-    let (_, completed) = number("completion time")?;
+    let mut fields = Fields { raw: &raw, at };
+    let (_, status) = fields.number("status")?;
+    let (_, stored) = fields.number("stored")?;
+    let (_, completed) = fields.number("completion time")?;
     let expires = match expires {
         Some(expires) => expires,
-        None => match number("expiry")? {
+        None => match fields.number("expiry")? {
             (true, started) => {
-                let _lease = number("lease")?;
-                started.saturating_add(number("retention")?.1)
+                let _lease = fields.number("lease")?;
+                started.saturating_add(fields.number("retention")?.1)
             }
             (false, expires) => expires,
         },
     };
-    let (_, headers) = number("headers' length")?;
+    let attempt = match known_attempt {
+        Some(attempt) => attempt,
+        // The attempt id field (empty: not named).
+        None => attempt_id(fields.text("attempt")?)?,
+    };
+    let (_, headers) = fields.number("headers' length")?;
+    let at = fields.at;
     // A response key cut short reads as what it holds, as Lua's
     // string.sub reads it.
     let headers_end = usize::try_from(headers)
@@ -474,14 +474,61 @@ pub(crate) fn replay_from(
         .min(raw.len());
     let raw = Bytes::from(raw);
     let body = raw.slice(headers_end..);
-    replay(
+    let mut replay = replay(
         status,
         stored,
         completed,
         expires,
         &raw[at..headers_end],
         body,
-    )
+    )?;
+    replay.attempt = attempt;
+    Ok(replay)
+}
+
+/// The `:`-ended fields of a reply, read in turn.
+struct Fields<'a> {
+    raw: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Fields<'a> {
+    /// The next field's text, up to its `:` (which must follow).
+    fn text(&mut self, what: &str) -> Result<&'a [u8], StoreError> {
+        let field = self
+            .raw
+            .get(self.at..)
+            .and_then(|rest| rest.split(|&byte| byte == b':').next())
+            .filter(|field| self.at + field.len() < self.raw.len())
+            .ok_or_else(|| corrupt(format!("replay lacks the {what}")))?;
+        self.at += field.len() + 1;
+        Ok(field)
+    }
+
+    /// The next number, and whether `p` led it.
+    fn number(&mut self, what: &str) -> Result<(bool, u64), StoreError> {
+        let led = self.raw.get(self.at).is_some_and(|&byte| byte == b'p');
+        self.at += usize::from(led);
+        let field = self.text(what)?;
+        let value = std::str::from_utf8(field)
+            .ok()
+            .and_then(|digits| digits.parse::<u64>().ok())
+            .ok_or_else(|| corrupt(format!("replay lacks the {what}")))?;
+        Ok((led, value))
+    }
+}
+
+/// An attempt id as the scripts answer it (the hyphenated UUID); `None`
+/// for an empty field.
+pub(crate) fn attempt_id(field: &[u8]) -> Result<Option<idem_core::AttemptId>, StoreError> {
+    if field.is_empty() {
+        return Ok(None);
+    }
+    std::str::from_utf8(field)
+        .ok()
+        .and_then(|text| uuid::Uuid::parse_str(text).ok())
+        .map(|id| Some(idem_core::AttemptId(id)))
+        .ok_or_else(|| corrupt("an attempt id that does not parse"))
 }
 
 /// The stored flag the scripts answer for a completed record whose
@@ -522,6 +569,7 @@ fn replay(
         outcome: outcome(status, stored == 1, headers, body)?,
         age: Duration::from_millis(now.saturating_sub(completed)),
         expires_in: (expires > 0).then(|| Duration::from_millis(expires.saturating_sub(now))),
+        attempt: None,
     })
 }
 

@@ -736,7 +736,7 @@ mod tests {
             /// decoded or refused as corrupt, never a panic.
             #[test]
             fn replay_decode_never_panics(raw in prop::collection::vec(any::<u8>(), 0..80), cut in any::<usize>()) {
-                let mut answer = b"201:1:1700000000000:1700086400000:9:".to_vec();
+                let mut answer = b"201:1:1700000000000:1700086400000::9:".to_vec();
                 answer.extend_from_slice(&raw);
                 let _ = decode_replay(raw);
                 answer.truncate(cut % (answer.len() + 1));
@@ -781,14 +781,16 @@ mod tests {
             HeaderName::from_static("location"),
             Bytes::from_static(b"/o/1"),
         )]);
+        let attempt = uuid::Uuid::now_v7();
         let answer = |len: usize, rest: &[u8]| {
             let expires = unix_ms() + 60_000;
-            let mut raw = format!("201:1:1700000000000:{expires}:{len}:").into_bytes();
+            let mut raw = format!("201:1:1700000000000:{expires}:{attempt}:{len}:").into_bytes();
             raw.extend_from_slice(rest);
             raw
         };
         let whole = [&headers[..], b"{\"id\":1}"].concat();
         let replay = decode_replay(answer(headers.len(), &whole)).expect("replay");
+        assert_eq!(replay.attempt, Some(idem_core::AttemptId(attempt)));
         let Outcome::Stored(response) = replay.outcome else {
             panic!("a stored response")
         };
@@ -807,12 +809,12 @@ mod tests {
             "{expires_in:?}"
         );
         // Not stored: the status alone; an expiry of 0 is unknown.
-        let replay = decode_replay(b"409:0:1700000000000:0:0:".to_vec()).expect("replay");
+        let replay = decode_replay(b"409:0:1700000000000:0::0:".to_vec()).expect("replay");
         assert!(matches!(replay.outcome, Outcome::NotStored { status: 409 }));
         assert_eq!(replay.expires_in, None);
         // A packed record's n: it expires at its start plus its retention.
         let start = unix_ms();
-        let packed = format!("201:1:{start}:p{start}:30000:60000:0:");
+        let packed = format!("201:1:{start}:p{start}:30000:60000::0:");
         let replay = decode_replay(packed.into_bytes()).expect("replay");
         let expires_in = replay.expires_in.expect("an expiry");
         assert!(
@@ -834,6 +836,8 @@ mod tests {
             b"201:1:17:0:",
             b"x:1:17:0:0:",
             b"201:1:17:0:z:",
+            b"201:1:17:0::",
+            b"201:1:17:0:not-an-attempt:0:",
         ] {
             assert!(decode_replay(bad.to_vec()).is_err(), "{bad:?}");
         }

@@ -57,6 +57,7 @@ const COMPLETED: u8 = b'c';
 
 /// Where the fixed fields end.
 const OWNER: std::ops::Range<usize> = 2..38;
+const ATTEMPT: std::ops::Range<usize> = 38..74;
 const FINGERPRINT: std::ops::Range<usize> = 74..138;
 
 /// What a reservation writes: the processing record.
@@ -160,7 +161,8 @@ pub(crate) fn found(
         });
     }
     let (tail, expires) = (parsed.tail, parsed.start.saturating_add(parsed.retention));
-    replay_from(raw, tail, Some(expires)).map(Found::Replay)
+    let attempt = crate::decode::attempt_id(raw.get(ATTEMPT).unwrap_or_default())?;
+    replay_from(raw, tail, Some((expires, attempt))).map(Found::Replay)
 }
 
 /// Writes a completion's part: `<status>:<stored>:<ended>:<length of the

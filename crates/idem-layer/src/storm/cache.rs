@@ -43,6 +43,8 @@ const OVERHEAD: u64 = 160;
 struct Entry {
     fingerprint: Fingerprint,
     outcome: Outcome,
+    /// The attempt whose outcome it is.
+    attempt: Option<idem_core::AttemptId>,
     /// The record's age when it was kept.
     age: Duration,
     kept: Instant,
@@ -100,6 +102,7 @@ impl ReplayCache {
             outcome: entry.outcome.clone(),
             age: entry.age + held,
             expires_in: Some(entry.until - now),
+            attempt: entry.attempt,
         })
     }
 
@@ -135,6 +138,7 @@ impl ReplayCache {
             Arc::new(Entry {
                 fingerprint: *fingerprint,
                 outcome: replay.outcome.clone(),
+                attempt: replay.attempt,
                 age: replay.age,
                 kept,
                 until: kept + life,
@@ -163,6 +167,7 @@ mod tests {
             }),
             age: Duration::from_secs(2),
             expires_in,
+            attempt: None,
         }
     }
 

@@ -169,7 +169,8 @@ local function rare()
 
   -- What the record says now, for duplicates and fenced attempts. A
   -- completed record is {'completed', '<status>:<stored>:<completed at>',
-  -- headers, body}: four elements, each of which the client parses.
+  -- headers, body, attempt id}: five elements, each of which the client
+  -- parses.
   local function current(state)
     if not state or state == 'released' then
       return {'vacant'}
@@ -182,14 +183,14 @@ local function rare()
       if left < 0 then left = 0 end
       return {'processing', left}
     end
-    local status, stored, headers, body, ended, split = unpack(redis.call('HMGET',
-      record, @status@, @stored@, @headers@, @body@, @cur_end@, @split@))
+    local status, stored, headers, body, ended, split, cur_id = unpack(redis.call('HMGET',
+      record, @status@, @stored@, @headers@, @body@, @cur_end@, @split@, @cur_id@))
     if split and redis.call('EXISTS', response_key) == 0 then
       -- The response's key is gone: the stored flag '2' says so.
       stored = '2'
     end
     headers, body = response(headers, body, split)
-    return {'completed', status .. ':' .. stored .. ':' .. ended, headers, body}
+    return {'completed', status .. ':' .. stored .. ':' .. ended, headers, body, cur_id or ''}
   end
 
   -- Keeps a fenced write as late evidence on its attempt.

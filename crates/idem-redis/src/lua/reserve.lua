@@ -18,16 +18,16 @@ if state == 'completed' then
   -- a packed record's d.
   -- The record's expiry goes with it (a process may keep the replay that
   -- long): a packed record's n (its start plus retention), else expires.
-  local found_fp, done, headers, body, split, version, n, expires
+  local found_fp, done, headers, body, split, version, n, expires, cur_id
   if PACKED then
-    found_fp, done, headers, body, split, version, n = unpack(redis.call('HMGET', record,
-      @fp@, @d@, @headers@, @body@, @split@, @v@, @n@))
+    found_fp, done, headers, body, split, version, n, cur_id = unpack(redis.call('HMGET',
+      record, @fp@, @d@, @headers@, @body@, @split@, @v@, @n@, @cur_id@))
   end
   if not done then
     local status, stored, ended
-    found_fp, status, stored, headers, body, ended, split, version, expires = unpack(
+    found_fp, status, stored, headers, body, ended, split, version, expires, cur_id = unpack(
       redis.call('HMGET', record, @fp@, @status@, @stored@, @headers@, @body@, @cur_end@,
-        @split@, @v@, @expires@))
+        @split@, @v@, @expires@, @cur_id@))
     if status then
       done = status .. ':' .. stored .. ':' .. ended
     else
@@ -37,7 +37,9 @@ if state == 'completed' then
   end
   -- A packed record's n as it is, led by 'p' (decode.rs adds its start
   -- and retention: cheaper there than in Lua).
-  done = (done or '') .. ':' .. (n and ('p' .. n) or expires or '0')
+  -- Then the attempt whose outcome it is (sealed responses are bound to
+  -- it; empty when the record does not name one).
+  done = (done or '') .. ':' .. (n and ('p' .. n) or expires or '0') .. ':' .. (cur_id or '')
   if version and tonumber(version) > NEWEST then
     -- A newer format (see common.lua).
     return redis.error_reply('idem: record format ' .. version ..
@@ -47,8 +49,8 @@ if state == 'completed' then
     return {'conflict'}
   end
   -- One string, not a table (see the new key's answer below):
-  -- '<done>:<expires, or n led by p>:<length of the headers>:' then the
-  -- headers and the body.
+  -- '<done>:<expires, or n led by p>:<attempt id>:<length of the headers>:'
+  -- then the headers and the body.
   if split then
     -- The response is kept in a key of its own (see complete.lua), its
     -- headers and body already one string.
