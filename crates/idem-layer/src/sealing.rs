@@ -298,23 +298,43 @@ enum Bound {
     Generation(u64),
 }
 
+/// The associated data a sealed response is bound by (on the stack: no
+/// allocation per seal).
+struct Associated {
+    bytes: [u8; 70],
+    len: usize,
+}
+
+impl AsRef<[u8]> for Associated {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
 /// The associated data a sealed response is bound by.
-fn associated(scope: &ScopeHash, bound: Bound, status: u16, key: u32) -> Vec<u8> {
-    let mut aad = Vec::with_capacity(70);
+fn associated(scope: &ScopeHash, bound: Bound, status: u16, key: u32) -> Associated {
+    let mut aad = Associated {
+        bytes: [0; 70],
+        len: 0,
+    };
+    let mut put = |part: &[u8]| {
+        aad.bytes[aad.len..aad.len + part.len()].copy_from_slice(part);
+        aad.len += part.len();
+    };
     match bound {
         Bound::Attempt(attempt) => {
-            aad.extend_from_slice(b"idem-sealed-v2\0\0");
-            aad.extend_from_slice(scope.as_bytes());
-            aad.extend_from_slice(attempt.0.as_bytes());
+            put(b"idem-sealed-v2\0\0");
+            put(scope.as_bytes());
+            put(attempt.0.as_bytes());
         }
         Bound::Generation(generation) => {
-            aad.extend_from_slice(b"idem-sealed-v1\0\0");
-            aad.extend_from_slice(scope.as_bytes());
-            aad.extend_from_slice(&generation.to_be_bytes());
+            put(b"idem-sealed-v1\0\0");
+            put(scope.as_bytes());
+            put(&generation.to_be_bytes());
         }
     }
-    aad.extend_from_slice(&status.to_be_bytes());
-    aad.extend_from_slice(&key.to_be_bytes());
+    put(&status.to_be_bytes());
+    put(&key.to_be_bytes());
     aad
 }
 
