@@ -39,7 +39,7 @@ use crate::{
 /// | [`store_timeout`](Self::store_timeout) | 1 s per store call |
 /// | [`fail_open`](Self::fail_open) | off: 503 when the store fails |
 /// | [`on_disconnect`](Self::on_disconnect) | [`OnDisconnect::Detach`] |
-/// | [`replay_cache`](Self::replay_cache) | 16 MiB, an entry at most 60 s (`0`: none) |
+/// | [`replay_cache`](Self::replay_cache) | 16 MiB, an entry at most 1 s (`0`: none) |
 ///
 /// Call [`validate`](Self::validate) at start: it refuses a retention not
 /// longer than the lease, a zero lease or store timeout, and durations
@@ -453,14 +453,17 @@ impl<S: Store> IdempotencyLayer<S> {
 
 /// The replay cache's default size: 16 MiB.
 pub const DEFAULT_REPLAY_CACHE_BYTES: usize = 16 << 20;
-/// The longest a replay cache's entry lives by default: a minute.
-pub const DEFAULT_REPLAY_CACHE_BOUND: Duration = Duration::from_secs(60);
+/// The longest a replay cache's entry lives by default: one second, which
+/// is also the longest a record erased through another process may still
+/// be replayed here (`docs/design.md`, section 3). A retry storm still
+/// costs the store one read per key and second.
+pub const DEFAULT_REPLAY_CACHE_BOUND: Duration = Duration::from_secs(1);
 
 /// Storms of retries: the replay cache.
 impl<S: Store> IdempotencyLayer<S> {
     /// Keeps the completed records this process is answered with, up to
     /// `bytes` of responses, each for at most `bound` and never past the
-    /// record's expiry (default 16 MiB and 60 s; `0` turns it off): a
+    /// record's expiry (default 16 MiB and 1 s; `0` turns it off): a
     /// retry of a completed key is then replayed without a store call, as
     /// the store would replay it (a completed record does not change until
     /// it expires), and a request with another payload still goes to the
