@@ -1103,3 +1103,71 @@ async fn a_forgotten_commit_never_records_a_success() {
     assert!(replayed.headers.contains_key("idempotent-replayed"));
     assert_eq!(app.orders().await, 1, "neither kept an order");
 }
+
+/// Behind a transaction pooler that queues calls while the database is
+/// busy, a store call that runs out of time waited in the queue: busy,
+/// not an outage. A layer that fails open answers 503 and never runs the
+/// handler (it ran unprotected before: the timeout read as unreachable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_behind_a_busy_pooler_never_fails_open() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let Some(bouncer) = PgBouncer::spawn(server, 1) else {
+        return;
+    };
+    let database = bouncer.url(&server.database());
+    let store = PgStore::builder()
+        .url(database.clone())
+        .transaction_pooler(true)
+        .max_connections(4)
+        .build()
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    // The pooler's one server connection, held by a long transaction.
+    let holder = sqlx::PgPool::connect(&database).await.expect("connect");
+    let (held, hold) = tokio::sync::oneshot::channel::<()>();
+    let busy = tokio::spawn(async move {
+        let mut tx = holder.begin().await.expect("begin");
+        let _ = held.send(());
+        let _ = sqlx::query("SELECT pg_sleep(4)")
+            .persistent(false)
+            .execute(&mut *tx)
+            .await;
+        let _ = tx.rollback().await;
+    });
+    hold.await.expect("held");
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { StatusCode::CREATED }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(store)
+                .tenant(TenantFromHeader::from_static("x-tenant-id"))
+                .store_timeout(Duration::from_millis(300))
+                .fail_open(true),
+        );
+    let answer = router
+        .oneshot(
+            Request::post("/orders")
+                .header("idempotency-key", "queued-1")
+                .header("x-tenant-id", "acme")
+                .body(axum::body::Body::from("{}"))
+                .expect("request"),
+        )
+        .await
+        .expect("answer");
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "never run unprotected"
+    );
+    let _ = busy.await;
+}

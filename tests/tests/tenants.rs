@@ -3,7 +3,7 @@
 //! forged or expired one is refused, no record holds a value a dictionary
 //! can reverse, and a flooding tenant leaves the others working.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{Request, StatusCode};
@@ -757,9 +757,11 @@ async fn try_start(
 /// Redis: the first claims it (a marker living as long as the retention),
 /// and one with another tenant secret, another tenant source or other
 /// scope hashing refuses to start, since a retry moving between them would
-/// run again. A secret that derives nothing (tenants from a header,
-/// unkeyed scopes) may differ. `--replace-store-identity` takes the store
-/// over; the old settings are then refused.
+/// run again. With tenants from a header and unkeyed scopes the secret
+/// still keys the fingerprints and derives sealing key 0: another secret
+/// is refused too (a genuine retry between them met 422, or 503 sealed).
+/// `--replace-store-identity` takes the store over; the old settings are
+/// then refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateways_that_derive_tenants_differently_cannot_share_a_store() {
     let Some((redis, upstream, origin)) = redis_and_origin().await else {
@@ -823,25 +825,31 @@ async fn gateways_that_derive_tenants_differently_cannot_share_a_store() {
     }
     assert_eq!(upstream.runs(), 1);
 
-    // Header tenants with unkeyed scopes use no secret: it may differ.
+    // Header tenants with unkeyed scopes: the secret still keys the
+    // fingerprints (and derives sealing key 0), so another one is refused.
     let other = RedisServer::spawn().expect("a second redis");
     let other_url = other.url();
-    for secret in [
-        "one secret of the header fleet",
-        "another secret of the fleet",
-    ] {
-        let flags = [
+    let header_fleet = |secret| {
+        [
             "--store",
-            &other_url,
+            other_url.as_str(),
             "--tenant-header",
             "x-t",
             "--tenant-secret",
             secret,
-        ];
-        try_start(&origin, &flags)
-            .await
-            .expect("the secret derives nothing");
-    }
+        ]
+    };
+    let header_first = try_start(&origin, &header_fleet("one secret of the header fleet"))
+        .await
+        .expect("the first of the header fleet");
+    let error = try_start(&origin, &header_fleet("another secret of the fleet"))
+        .await
+        .expect_err("the secret keys the fingerprints");
+    assert!(
+        error.to_string().contains("--replace-store-identity"),
+        "{error}"
+    );
+    drop(header_first);
 
     // Taking the store over; then the old settings are refused.
     let replacing = with(&[
@@ -912,4 +920,96 @@ async fn a_flooding_tenant_leaves_other_tenants_working() {
         let reply = post(gateway.addr, &format!("calm-{n}"), "Bearer calm").await;
         assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
     }
+}
+
+/// A gateway that started while its store was down claims the store at
+/// the first refresh that reaches it: if gateways that derive identities
+/// otherwise hold it then, it refuses every keyed request from then on
+/// (`503`, nothing run), as its start would have been refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_down_at_start_is_claimed_and_checked_when_it_answers() {
+    use idem_tests::cutter::ReplyCutter;
+    let Some((redis, upstream, origin)) = redis_and_origin().await else {
+        return;
+    };
+    // Another fleet's identity on the store.
+    redis.cli(&["SET", "idem:identity", "v2:another-fleet", "PX", "600000"]);
+    let cutter = ReplyCutter::start(([127, 0, 0, 1], redis.port).into()).await;
+    cutter.refuse_new_connections(true);
+    let url = format!("redis://{}", cutter.addr);
+    // Retention 8 s: the claim is refreshed every 2 s.
+    let gateway = try_start(
+        &origin,
+        &[
+            "--store",
+            &url,
+            "--tenant-secret",
+            "the fleet's secret, 0001",
+            "--retention",
+            "8s",
+            "--lease",
+            "2s",
+            "--store-timeout",
+            "500ms",
+        ],
+    )
+    .await
+    .expect("starts while its store is down");
+    cutter.refuse_new_connections(false);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let answer = post(gateway.addr, &format!("down-{n}"), "Bearer token-f").await;
+        if answer.status == StatusCode::SERVICE_UNAVAILABLE
+            && String::from_utf8_lossy(&answer.body).contains("derive record identities otherwise")
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never refused: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let runs = upstream.runs();
+    for m in 0..5 {
+        let refused = post(gateway.addr, &format!("after-{m}"), "Bearer token-f").await;
+        assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(upstream.runs(), runs, "nothing runs once refused");
+}
+
+/// A rolling key rotation without a `503`: the new key is added as an
+/// opening key (`--sealing-opening-keys`) on every gateway first; a
+/// gateway that already seals with it (`--sealing-key`) stores answers
+/// the others open. Without the opening key the other gateway cannot open
+/// them (`503`), which is what the first step avoids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_key_rotation_opens_everywhere_at_every_step() {
+    let Some((redis, upstream, origin)) = redis_and_origin().await else {
+        return;
+    };
+    let url = redis.url();
+    let key = format!("2:{}", "ab".repeat(32));
+    let secret = "the fleet's secret, 0001";
+    let base = ["--store", url.as_str(), "--tenant-secret", secret];
+    let sealing = try_start(&origin, &[&base[..], &["--sealing-key", &key]].concat())
+        .await
+        .expect("seals with key 2");
+    let opening = try_start(
+        &origin,
+        &[&base[..], &["--sealing-opening-keys", &key]].concat(),
+    )
+    .await
+    .expect("opens with key 2");
+    let behind = try_start(&origin, &base).await.expect("not updated yet");
+    let created = post(sealing.addr, "rotated-1", "Bearer token-r").await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    let replayed = post(opening.addr, "rotated-1", "Bearer token-r").await;
+    assert!(replayed.replayed(), "{replayed:?}");
+    assert_eq!(replayed.body, created.body);
+    let unopened = post(behind.addr, "rotated-1", "Bearer token-r").await;
+    assert_eq!(unopened.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(upstream.runs(), 1);
 }

@@ -107,6 +107,17 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Whether a call of this store that runs out of time met a busy
+    /// backend rather than an unreachable one: a store behind a pooler that
+    /// queues calls while the database is busy (PostgreSQL with a
+    /// transaction pooler), whose connection to the pooler is made. The
+    /// layer then reports the timeout as [`StoreError::Busy`], which
+    /// fail-open never covers; `false` (the default): a timeout may be an
+    /// outage.
+    fn timeout_means_busy(&self) -> bool {
+        false
+    }
+
     /// Whether a handler can complete this store's records inside its own
     /// transaction ([`CompletionSlot`](crate::CompletionSlot)): a store
     /// that keeps records in the handler's database (PostgreSQL). The
@@ -242,6 +253,10 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn call_bound(&self) -> Option<Duration> {
         (**self).call_bound()
+    }
+
+    fn timeout_means_busy(&self) -> bool {
+        (**self).timeout_means_busy()
     }
 
     fn completes_in_transactions(&self) -> bool {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use idem_core::Fleet;
 
-use crate::IdempotencyLayer;
+use crate::{IdempotencyLayer, config::StoreGuard};
 
 impl<S: Fleet> IdempotencyLayer<S> {
     /// Claims the store for this layer's [`store_identity`](Self::store_identity)
@@ -25,10 +25,16 @@ impl<S: Fleet> IdempotencyLayer<S> {
     ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
         let marker = self.store_identity();
         let ttl = self.runtime.config.retention;
-        self.runtime
-            .store
-            .claim_identity(&marker, ttl, replace)
-            .await
+        let store = &self.runtime.store;
+        let claimed = store.claim_identity(&marker, ttl, replace).await;
+        match claimed {
+            // Layers of the version before claimed this layer's own
+            // identity without its fingerprints: upgraded.
+            Ok(idem_core::IdentityClaim::Other(held)) if held == self.legacy_store_identity() => {
+                store.claim_identity(&marker, ttl, true).await
+            }
+            other => other,
+        }
     }
 
     /// [`claim_store`](Self::claim_store) now, and kept alive while the
@@ -40,7 +46,17 @@ impl<S: Fleet> IdempotencyLayer<S> {
         replace: bool,
     ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
         let ttl = self.runtime.config.retention;
-        keep_claimed(self.store(), self.store_identity(), ttl, replace).await
+        let guard = self.runtime.config.store_guard.clone();
+        let marker = self.store_identity();
+        let first = keep_claimed_guarded(self.store(), marker.clone(), ttl, replace, guard.clone());
+        match first.await {
+            // Layers of the version before claimed this layer's own
+            // identity without its fingerprints: upgraded.
+            Ok(idem_core::IdentityClaim::Other(held)) if held == self.legacy_store_identity() => {
+                keep_claimed_guarded(self.store(), marker, ttl, true, guard).await
+            }
+            other => other,
+        }
     }
 }
 
@@ -51,18 +67,34 @@ impl<S: Fleet> IdempotencyLayer<S> {
 /// the next, a store another marker took over logged as an error (retries
 /// moving between the two run again). The first claim's answer; a store
 /// that could not be asked now is claimed at the first refresh that
-/// reaches it.
+/// reaches it. [`keep_claimed_guarded`] also refuses requests when that
+/// first refresh finds another marker.
 pub async fn keep_claimed<S: Fleet>(
     store: &Arc<S>,
     marker: String,
     ttl: std::time::Duration,
     replace: bool,
 ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
+    keep_claimed_guarded(store, marker, ttl, replace, StoreGuard::default()).await
+}
+
+/// [`keep_claimed`], checking the claim again on the first connection
+/// that reaches the store when it could not be asked at start: if another
+/// marker holds it then, `guard` is thrown (the layer holding it refuses
+/// every protected request, as a start would have been refused).
+pub async fn keep_claimed_guarded<S: Fleet>(
+    store: &Arc<S>,
+    marker: String,
+    ttl: std::time::Duration,
+    replace: bool,
+    guard: StoreGuard,
+) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
     use std::time::Duration;
     let first = store.claim_identity(&marker, ttl, replace).await;
     if let Ok(idem_core::IdentityClaim::Other(_)) = first {
         return first;
     }
+    let mut checked = first.is_ok();
     let every = (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
     let store = Arc::downgrade(store);
     tokio::spawn(async move {
@@ -71,13 +103,25 @@ pub async fn keep_claimed<S: Fleet>(
             let Some(store) = store.upgrade() else {
                 return;
             };
-            match store.claim_identity(&marker, ttl, false).await {
+            match store
+                .claim_identity(&marker, ttl, replace && !checked)
+                .await
+            {
+                Ok(idem_core::IdentityClaim::Other(other)) if !checked => {
+                    checked = true;
+                    guard.refuse();
+                    tracing::error!(
+                        other,
+                        "the store, unreachable at start, belongs to instances that derive \
+                         record identities otherwise: every protected request is refused"
+                    );
+                }
                 Ok(idem_core::IdentityClaim::Other(other)) => tracing::error!(
                     other,
                     "instances that derive record identities otherwise made this store \
                      their own: requests that move between them and this one run again"
                 ),
-                Ok(_) => {}
+                Ok(_) => checked = true,
                 Err(error) => tracing::debug!(%error, "could not refresh the store's claim"),
             }
         }

@@ -98,6 +98,12 @@ pub(crate) struct Config {
     pub(crate) store_timeout: Duration,
     /// The store's own bound on its hot calls ([`idem_core::Store::call_bound`]).
     pub(crate) store_bound: Option<Duration>,
+    /// Whether a store call that runs out of time met a busy backend
+    /// ([`Store::timeout_means_busy`](idem_core::Store::timeout_means_busy)).
+    pub(crate) timeout_busy: bool,
+    /// Thrown when the store belongs to instances that derive record
+    /// identities otherwise (found after a start the store was down for).
+    pub(crate) store_guard: crate::config::StoreGuard,
     pub(crate) on_disconnect: OnDisconnect,
     pub(crate) unknown_wait: Duration,
     pub(crate) problem_type_base: Option<Arc<str>>,
@@ -180,4 +186,23 @@ pub fn default_replay_denylist() -> Vec<HeaderName> {
     let mut denied = HOP_BY_HOP.to_vec();
     denied.extend([header::DATE, header::SET_COOKIE, header::CONTENT_LENGTH]);
     denied
+}
+
+/// A switch a layer consults before every protected request
+/// ([`IdempotencyLayer::store_guard`](crate::IdempotencyLayer::store_guard)): once thrown, the layer answers
+/// `503 idempotency_store_unavailable` and runs nothing, because the store
+/// belongs to instances that derive record identities otherwise.
+#[derive(Debug, Clone, Default)]
+pub struct StoreGuard(Arc<std::sync::atomic::AtomicBool>);
+
+impl StoreGuard {
+    /// Throws the switch.
+    pub fn refuse(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the switch is thrown.
+    pub fn refused(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }

@@ -103,6 +103,8 @@ impl<S: Store> IdempotencyLayer<S> {
             seal_new: false,
             store_timeout: Duration::from_secs(1),
             store_bound: None,
+            timeout_busy: false,
+            store_guard: crate::config::StoreGuard::default(),
             on_disconnect: OnDisconnect::Detach,
             unknown_wait: Duration::from_secs(60),
             problem_type_base: None,
@@ -171,11 +173,50 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// The marker of how this layer derives its records' identities: its
     /// scope hashing ([`scope_format`](Self::scope_format) and, keyed by
-    /// it, the [`scope_secret`](Self::scope_secret)). Layers whose markers
-    /// differ find no record of each other on one store. The marker is a
-    /// keyed hash: it never shows the secret. It does not cover the
-    /// tenant extractor, which the layer cannot see into.
+    /// it, the [`scope_secret`](Self::scope_secret)) and its fingerprints
+    /// ([`fingerprint_format`](Self::fingerprint_format), and a digest of
+    /// the fingerprint key, when fingerprints are keyed or read keyed).
+    /// Layers whose markers differ find no record of each other, or answer
+    /// a genuine retry `422`, on one store. The marker is a keyed hash and
+    /// a digest: it never shows a secret. It does not cover the tenant
+    /// extractor, which the layer cannot see into.
     pub fn store_identity(&self) -> String {
+        let config = &self.runtime.config;
+        // The fingerprint key as a digest under a label of its own.
+        let key = config.fingerprint_key.map(|key| {
+            let mut hex = String::with_capacity(64);
+            idem_core::push_hex(&mut hex, &key);
+            let digest =
+                crate::ScopeFormat::Sha256.hash(None, "idem-layer fingerprint key", &hex, "");
+            let mut short = String::with_capacity(32);
+            idem_core::push_hex(&mut short, &digest.as_bytes()[..16]);
+            short
+        });
+        let fingerprints = format!(
+            "{:?} {} {}",
+            config.fingerprint_format,
+            if config.fingerprint_keyed {
+                "keyed"
+            } else {
+                "read-keyed"
+            },
+            key.as_deref().unwrap_or("unkeyed"),
+        );
+        let digest = crate::ScopeFormat::Sha256.hash(
+            config.scope_secret.as_ref(),
+            "idem-layer identity v2",
+            config.scope_format.name(),
+            &fingerprints,
+        );
+        let mut marker = "layer-v2:".to_owned();
+        idem_core::push_hex(&mut marker, &digest.as_bytes()[..16]);
+        marker
+    }
+
+    /// The marker layers before fingerprints were part of it claimed: a
+    /// store that holds this layer's own is upgraded at
+    /// [`claim_store`](Self::claim_store).
+    pub(crate) fn legacy_store_identity(&self) -> String {
         let config = &self.runtime.config;
         // A scope hash of fixed parts: keyed by the secret when there is
         // one, so the marker tells secrets apart without showing them.
@@ -379,6 +420,17 @@ impl<S: Store> IdempotencyLayer<S> {
 
 /// What is stored and replayed: which outcomes, how large, which headers.
 impl<S: Store> IdempotencyLayer<S> {
+    /// The switch that makes this layer refuse every protected request
+    /// (`503 idempotency_store_unavailable`, nothing run) once thrown: give
+    /// the one [`keep_claimed_guarded`](crate::keep_claimed_guarded) throws
+    /// when the store, unreachable at start, turns out to belong to
+    /// instances that derive record identities otherwise
+    /// ([`keep_store_claimed`](Self::keep_store_claimed) uses the layer's
+    /// own).
+    pub fn store_guard(self, guard: crate::config::StoreGuard) -> Self {
+        self.with(|c| c.store_guard = guard)
+    }
+
     /// How HTTP answers are classified: stored, released or unknown, by
     /// status and by who produced them (see [`classify`](crate::classify)).
     /// The default is [`default_http_verdict`](crate::classify::default_http_verdict).

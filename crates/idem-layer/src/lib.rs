@@ -193,9 +193,10 @@ pub mod testing;
 mod unknown;
 
 pub use body::{BoxError, ResponseBody};
-pub use claim::keep_claimed;
+pub use claim::{keep_claimed, keep_claimed_guarded};
 pub use classify::default_should_store;
 pub use command::{ActionError, Command, CommandContext, CommandError, Done};
+pub use config::StoreGuard;
 pub use config::{ConfigError, InFlight, MAX_DURATION, OnDisconnect, default_replay_denylist};
 pub use context::IdempotencyContext;
 pub use disconnect::ResponseFuture;

@@ -56,6 +56,7 @@ impl<S> Runtime<S> {
         S: Store,
     {
         config.store_bound = store.call_bound();
+        config.timeout_busy = store.timeout_means_busy();
         Self(Arc::new(Shared {
             store: Arc::new(store),
             config: Arc::new(config),
@@ -358,6 +359,11 @@ fn timed_call<'a, T: Send + 'a>(
         // for a call answered at once (the memory store's).
         let result = match within(bound, &mut call).await {
             Ok(result) => result,
+            // Behind a pooler that queues calls, the time ran out in its
+            // queue: busy, never an outage fail-open could cover.
+            Err(_) if config.timeout_busy => Err(StoreError::Busy {
+                retry_after: Duration::from_secs(1),
+            }),
             Err(_) => Err(StoreError::Timeout(bound.unwrap_or(config.store_timeout))),
         };
         m::store_latency(op, started.elapsed());

@@ -105,6 +105,18 @@ impl Keyring {
         Self::new(0, derive(secret))
     }
 
+    /// Adds key `id` to open records with, without sealing with it: the
+    /// first step of a rolling rotation. Add the new key this way on every
+    /// process first, then make it the sealing key
+    /// ([`rotated_to`](Self::rotated_to)) one process at a time: every
+    /// process opens what any of them seals at every step, and no retry
+    /// meets a record it cannot open. (A key already here is replaced.)
+    #[must_use]
+    pub fn opening(mut self, id: u32, key: [u8; 32]) -> Self {
+        Arc::make_mut(&mut self.keys).insert(id, key);
+        self
+    }
+
     /// Adds key `id` and makes it the one new records are sealed with; the
     /// keys already here still open the records they sealed (a rotation).
     #[must_use]

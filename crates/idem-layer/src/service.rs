@@ -142,6 +142,11 @@ where
         }
         // A gRPC caller gets the layer's refusals as gRPC statuses.
         let grpc = crate::grpc::is_grpc(request.headers());
+        if self.rt.config.store_guard.refused() {
+            let detail = "the store belongs to instances that derive record identities otherwise \
+                          (another secret or format); the request was not run";
+            return self.refuse(ProblemCode::StoreUnavailable, detail, grpc);
+        }
         if self.misconfigured {
             let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
             return self.refuse(ProblemCode::Misconfigured, detail, grpc);

@@ -175,6 +175,11 @@ impl PgStore {
             .unwrap_or_else(|_| unreachable!("the default table name is valid"))
     }
 
+    /// Whether the store runs behind a transaction pooler.
+    pub(crate) fn pooled(&self) -> bool {
+        self.inner.pooled
+    }
+
     /// The pool the store uses.
     pub fn pool(&self) -> &PgPool {
         &self.inner.pool

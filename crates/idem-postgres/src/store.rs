@@ -21,6 +21,14 @@ impl Store for PgStore {
         true
     }
 
+    /// Behind a transaction pooler (`PgStoreBuilder::transaction_pooler`),
+    /// a call that runs out of time waited in the pooler's queue while the
+    /// database was busy: busy, not an outage (a pooler that cannot be
+    /// reached refuses the connection at once).
+    fn timeout_means_busy(&self) -> bool {
+        self.pooled()
+    }
+
     fn settled(&self) -> impl Future<Output = ()> + Send {
         self.inner.given_up.wait()
     }

@@ -56,3 +56,8 @@ pub(crate) async fn rebased(response: Response<Body>, base: &str) -> Response<Bo
     parts.headers.remove(http::header::CONTENT_LENGTH);
     Response::from_parts(parts, Body::from(document.to_string()))
 }
+
+/// The address of the client a request came from (put in the request
+/// extensions by the gateway's server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerAddr(pub std::net::SocketAddr);

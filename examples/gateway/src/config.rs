@@ -155,6 +155,9 @@ pub struct Config {
     /// A sealing key ID:HEX (a number, then 64 hex digits), repeatable or comma-separated: the one with the highest id seals new records, every one (and the key derived from the tenant secret, id 0) opens the records sealed before. Add a key to rotate; remove an old one once its records expired.
     #[arg(long, env = "IDEM_SEALING_KEYS", value_delimiter = ',', value_parser = parse_sealing_key, hide_env_values = true)]
     pub sealing_key: Vec<SealingKey>,
+    /// Keys that open stored responses but seal none (ID:HEX, comma-separated): the first step of a rolling key rotation. Add the new key here on every gateway first, then move it to --sealing-key one gateway at a time: every gateway opens what any of them seals at every step.
+    #[arg(long, env = "IDEM_SEALING_OPENING_KEYS", value_delimiter = ',', value_parser = parse_sealing_key, hide_env_values = true)]
+    pub sealing_opening_keys: Vec<SealingKey>,
     /// Export the gateway's span of each request over OTLP/HTTP (protobuf) to this collector (its base URL, such as http://collector:4318; spans go to /v1/traces). Without it, the trace context is passed to the upstream and nothing is exported.
     #[arg(long, env = "IDEM_OTLP_ENDPOINT", value_parser = parse_otlp_endpoint)]
     pub otlp_endpoint: Option<Uri>,

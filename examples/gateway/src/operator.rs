@@ -50,8 +50,7 @@ const SESSION_FOR: Duration = Duration::from_secs(8 * 3600);
 const MAX_SESSIONS: usize = 64;
 /// How many unknown outcomes the page remembers.
 const UNKNOWNS_KEPT: usize = 20;
-/// The session cookie's name.
-pub(crate) const COOKIE: &str = "idem_operator";
+use crate::owned::COOKIE;
 
 /// An outcome the gateway could not know (the upstream did not answer in
 /// time, or its answer was lost): the action may have run.
@@ -680,7 +679,7 @@ async fn page<S: RecordsAdmin>(
 /// `POST sign-in`: the admin token opens a session.
 async fn sign_in<S: RecordsAdmin>(
     State(operator): State<Arc<Operator<S>>>,
-    peer: Option<axum::Extension<crate::proxy::PeerAddr>>,
+    peer: Option<axum::Extension<crate::answer::PeerAddr>>,
     body: Bytes,
 ) -> Response {
     let source = peer.map(|axum::Extension(peer)| peer.0.ip());

@@ -33,6 +33,10 @@ use axum::{
 };
 use futures_util::future::{Either, Ready, ready};
 
+/// The operator page's session cookie: the gateway's own credential,
+/// never forwarded (crate::proxy strips it).
+pub(crate) const COOKIE: &str = "idem_operator";
+
 /// How many rounds of percent-decoding [`canonical`] applies at most; a
 /// path still changing after them is read as owned (refused).
 const DECODE_ROUNDS: usize = 8;

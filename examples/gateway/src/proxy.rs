@@ -77,7 +77,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// an HTTP/1.1 upstream expects (RFC 9113, 8.2.3).
 pub(crate) fn strip_operator_cookie(headers: &mut HeaderMap) {
     static COOKIE2: HeaderName = HeaderName::from_static("cookie2");
-    let name = crate::operator::COOKIE.as_bytes();
+    let name = crate::owned::COOKIE.as_bytes();
     let suspect = |value: &HeaderValue| {
         let bytes = value.as_bytes();
         bytes.contains(&b'%')
@@ -283,10 +283,7 @@ pub enum Forwarded {
     None,
 }
 
-/// The address of the client a request came from (put in the request
-/// extensions by the gateway's server).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerAddr(pub std::net::SocketAddr);
+pub use crate::answer::PeerAddr;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");

@@ -64,7 +64,7 @@ pub(crate) async fn health_answer<S: Store>(
 
 /// Whether the tenant secret is one every gateway of the store shares: given
 /// (not generated at start), or the store is this process's memory.
-fn shares_a_key(config: &Config, tenants: &Tenants) -> bool {
+pub(crate) fn shares_a_key(config: &Config, tenants: &Tenants) -> bool {
     !tenants.generated || config.store == "memory"
 }
 
@@ -91,6 +91,10 @@ pub(crate) fn seals(config: &Config, tenants: &Tenants) -> bool {
 /// secret, then each `--sealing-key` in order of id, the highest sealing.
 pub(crate) fn keyring(config: &Config, tenants: &Tenants) -> idem_layer::sealing::Keyring {
     let mut keyring = idem_layer::sealing::Keyring::derived(&tenants.secret);
+    // Opening keys first: a key given both ways seals.
+    for key in &config.sealing_opening_keys {
+        keyring = keyring.opening(key.id, key.key);
+    }
     let mut keys = config.sealing_key.clone();
     keys.sort_by_key(|key| key.id);
     for key in keys {
@@ -177,8 +181,9 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
     health: Option<Health>,
     upstream: Uri,
     spans: Option<Spans>,
+    guard: idem_layer::StoreGuard,
 ) -> Result<(Router, Drain), StartError> {
-    let layer = layer(config, tenants, store)?;
+    let layer = layer(config, tenants, store)?.store_guard(guard);
     if tenants.generated && config.tenant_header.is_none() {
         generated_secret_warning(&config.store);
     }

@@ -87,7 +87,8 @@ pub(crate) async fn store_router(
     if config.store == "memory" {
         let store = memory_store(config);
         let health = memory_health(&store);
-        return router(config, tenants, store, Some(health), upstream, spans);
+        let guard = idem_layer::StoreGuard::default();
+        return router(config, tenants, store, Some(health), upstream, spans, guard);
     }
     if is_postgres(&config.store) {
         let store = idem_postgres::PgStore::from_url(&config.store)
@@ -98,8 +99,9 @@ pub(crate) async fn store_router(
         crate::metrics::watch_pool(store.pool().clone());
         let place = format!("the table {}_identity", store.table());
         let store = std::sync::Arc::new(store);
-        claim_store(&store, place, config, tenants).await?;
-        return router(config, tenants, store, None, upstream, spans);
+        let guard = idem_layer::StoreGuard::default();
+        claim_store(&store, place, config, tenants, guard.clone()).await?;
+        return router(config, tenants, store, None, upstream, spans, guard);
     }
     let mut builder = RedisStore::builder(&config.store)
         .timeout(config.store_timeout)
@@ -128,10 +130,11 @@ pub(crate) async fn store_router(
         Err(other) => return Err(other.into()),
     };
     let place = format!("the Redis key {}", store.identity_key());
-    claim_store(&store, place, config, tenants).await?;
+    let guard = idem_layer::StoreGuard::default();
+    claim_store(&store, place, config, tenants, guard.clone()).await?;
     check_failover(&store, config.lease).await;
     let health = redis_health(&store);
-    router(config, tenants, store, Some(health), upstream, spans)
+    router(config, tenants, store, Some(health), upstream, spans, guard)
 }
 
 /// The identity of this gateway's records: a keyed hash of what derives
@@ -139,6 +142,22 @@ pub(crate) async fn store_router(
 /// it is used). Gateways whose identities differ find no record of each
 /// other.
 pub(crate) fn store_identity(config: &Config, tenants: &Tenants) -> String {
+    identity_of(config, tenants, true)
+}
+
+/// The identity gateways before fingerprint keying was part of it claimed
+/// (`v1:`): a store that holds this gateway's own is upgraded to
+/// [`store_identity`] at start.
+pub(crate) fn legacy_store_identity(config: &Config, tenants: &Tenants) -> String {
+    identity_of(config, tenants, false)
+}
+
+/// The identity: a keyed digest of what derives records' identities (the
+/// tenant source, the scope hashing and, from `v2:`, the fingerprints'
+/// format and keying), keyed by the tenant secret wherever it derives any
+/// of them, so gateways with other secrets tell apart without the marker
+/// showing a secret.
+fn identity_of(config: &Config, tenants: &Tenants, fingerprints: bool) -> String {
     let (source, hashed) = match (&config.tenant_header, &tenants.jwt) {
         (Some(name), _) => (format!("header {name}"), false),
         (None, Some(_)) => (format!("jwt {}", config.tenant_jwt_claim), true),
@@ -161,15 +180,35 @@ pub(crate) fn store_identity(config: &Config, tenants: &Tenants) -> String {
     } else {
         keyed.to_owned()
     };
-    // A secret that derives nothing is left out: gateways may differ in it.
-    let secret: &[u8] = if hashed || config.keyed_scopes {
-        &tenants.secret
+    // Fingerprints are keyed (or read keyed) by the tenant secret wherever
+    // it is shared (crate::router::layer). Their format and whether new
+    // ones are keyed do not matter: every gateway reads both formats and
+    // both kinds; the key does.
+    let keyed_fingerprints = crate::router::shares_a_key(config, tenants);
+    let fingerprint_text = if keyed_fingerprints {
+        "keyed"
     } else {
-        b""
+        "unkeyed"
     };
-    let text = format!("idem-gateway identity v1\ntenants {source}\nscopes {scopes}");
+    // A secret that derives nothing is left out: gateways may differ in it.
+    let derives = hashed || config.keyed_scopes || (fingerprints && keyed_fingerprints);
+    let secret: &[u8] = if derives { &tenants.secret } else { b"" };
+    let (version, text) = if fingerprints {
+        (
+            "v2:",
+            format!(
+                "idem-gateway identity v2\ntenants {source}\nscopes {scopes}\n\
+                 fingerprints {fingerprint_text}"
+            ),
+        )
+    } else {
+        (
+            "v1:",
+            format!("idem-gateway identity v1\ntenants {source}\nscopes {scopes}"),
+        )
+    };
     let digest = hmac_sha256(secret, text.as_bytes());
-    let mut marker = "v1:".to_owned();
+    let mut marker = version.to_owned();
     idem_core::push_hex(&mut marker, &digest[..16]);
     marker
 }
@@ -185,20 +224,33 @@ pub(crate) async fn claim_store<S: Fleet>(
     place: String,
     config: &Config,
     tenants: &Tenants,
+    guard: idem_layer::StoreGuard,
 ) -> Result<(), StartError> {
     let marker = store_identity(config, tenants);
-    let claimed = idem_layer::keep_claimed(
+    let mut claimed = idem_layer::keep_claimed_guarded(
         store,
-        marker,
+        marker.clone(),
         config.retention,
         config.replace_store_identity,
+        guard.clone(),
     )
     .await;
+    // Gateways of the version before held this gateway's own identity
+    // without its fingerprint keying: it is upgraded (they log, at their
+    // next refresh, that the store changed hands).
+    if let Ok(idem_core::IdentityClaim::Other(held)) = &claimed
+        && *held == legacy_store_identity(config, tenants)
+    {
+        tracing::info!("the store's identity is upgraded to cover fingerprint keying");
+        claimed =
+            idem_layer::keep_claimed_guarded(store, marker, config.retention, true, guard).await;
+    }
     match claimed {
         Ok(idem_core::IdentityClaim::Other(_)) => Err(StartError::UnsafeStore(format!(
-            "this store holds records of gateways that derive tenants or scopes differently \
-             (another tenant secret, tenant source, --blake3-tenants, --keyed-scopes or \
-             --blake3-scopes; {place} \
+            "this store holds records of gateways that derive tenants, scopes or fingerprints \
+             differently (another tenant secret, tenant source, --blake3-tenants, \
+             --keyed-scopes, --blake3-scopes, --blake3-fingerprints or \
+             --unkeyed-fingerprints; {place} \
              says so): a retry that moves between them and this gateway does not find its \
              record and runs again. Start it with their settings, or pass \
              --replace-store-identity to make this gateway's the store's"
