@@ -106,6 +106,8 @@ impl Upstream {
     /// * `POST /status/{code}`: that status.
     /// * `POST /slow`: waits for a gate permit, then 201.
     /// * `POST /no-store`: 201 with `idem-no-store: 1` (not to be stored).
+    /// * `POST /nothing-ran`: 400 with `idem-nothing-ran: 1` (refused before
+    ///   it ran).
     /// * `POST /echo`: 201 whose body is the request's body, with
     ///   `x-order-ref: REFMARK-<run>`.
     /// * any other request: 201, a body naming the path as received and
@@ -114,6 +116,7 @@ impl Upstream {
         Router::new()
             .route("/orders", post(orders))
             .route("/no-store", post(no_store))
+            .route("/nothing-ran", post(nothing_ran))
             .route("/echo", post(echo))
             .route("/status/{code}", post(status))
             .route("/slow", post(slow))
@@ -173,6 +176,15 @@ async fn no_store(State(up): State<Upstream>, headers: HeaderMap) -> impl IntoRe
         StatusCode::CREATED,
         [("idem-no-store", "1")],
         format!("one-time secret {n}"),
+    )
+}
+
+async fn nothing_ran(State(up): State<Upstream>, headers: HeaderMap) -> impl IntoResponse {
+    up.record("/nothing-ran".to_owned(), &headers);
+    (
+        StatusCode::BAD_REQUEST,
+        [("idem-nothing-ran", "1")],
+        "the order did not validate",
     )
 }
 

@@ -940,3 +940,21 @@ async fn a_caller_named_twice_is_not_identified() {
         assert_eq!(read.status, StatusCode::UNAUTHORIZED, "{read:?}");
     }
 }
+
+/// An upstream that refuses a request before it runs says so with
+/// `idem-nothing-ran`: the key is released and nothing stored, so the
+/// retry runs; the caller never sees the marker. An unmarked 4xx stays an
+/// outcome (stored and replayed: `gateway.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_says_nothing_ran_releases_the_key() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &[]).await;
+    for n in 1..=2 {
+        let refused = post(gateway.addr, "/nothing-ran", "unvalidated-1").await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+        assert!(!refused.replayed(), "attempt {n}");
+        assert!(!refused.headers.contains_key("idem-nothing-ran"));
+    }
+    assert_eq!(upstream.runs(), 2, "the retry ran: nothing was stored");
+}

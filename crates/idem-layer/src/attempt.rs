@@ -62,6 +62,11 @@ impl<B> Buffered<B> {
         | Buffered::Passed { parts, .. }
         | Buffered::Failed { parts, .. }) = self;
         let remote = parts.extensions.get::<RemoteAnswer>().is_some();
+        // "Nothing ran": the request was refused before its endpoint began
+        // executing; released whatever the status (docs/design.md, 1).
+        if crate::headers::nothing_ran(parts) {
+            return Verdict::Released;
+        }
         match self {
             Buffered::Complete {
                 parts, trailers, ..

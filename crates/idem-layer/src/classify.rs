@@ -1,7 +1,7 @@
 //! How an answer is classified: stored, released or unknown, by its status
 //! and by who produced it (`docs/design.md`, section 1).
 //!
-//! Every answer the layer settles goes through [`Classifier::verdict`]
+//! Every answer the layer settles is classified here
 //! once, for HTTP and gRPC alike, the first answer and a late one alike.
 //!
 //! * **Stored**: recorded as completed; every retry replays it.

@@ -91,10 +91,80 @@ pub const NO_STORE: HeaderName = HeaderName::from_static("idem-no-store");
 pub struct NoStore;
 
 /// Whether the response opted out of storage ([`NO_STORE`] or
-/// [`NoStore`]); the header is removed either way.
+/// [`NoStore`]); the header is removed either way, and so is
+/// [`NOTHING_RAN`] (both are idem's own, never meant for the client).
 pub(crate) fn opted_out(parts: &mut http::response::Parts) -> bool {
+    parts.headers.remove(NOTHING_RAN);
     let header = parts.headers.remove(NO_STORE).is_some();
     header || parts.extensions.get::<NoStore>().is_some()
+}
+
+/// A response header of idem's own by which a handler, an extractor or an
+/// upstream behind the gateway says **nothing ran**: the request was
+/// refused before its endpoint began executing (a body that did not parse,
+/// a field that failed validation). Whatever its value and status, the
+/// layer releases the key and stores nothing, so a corrected retry with
+/// the same key runs (Stripe's rule); the header is removed before the
+/// client sees the response. Unmarked, a 4xx is an outcome and is stored.
+/// The response extension [`NothingRan`] does the same; [`Validated`]
+/// marks an axum extractor's rejections.
+///
+/// After a takeover (the attempt before may have acted), the key is
+/// released for the same request only: the record stays bound to its
+/// payload, and a corrected retry with another payload gets `422`.
+pub const NOTHING_RAN: HeaderName = HeaderName::from_static("idem-nothing-ran");
+
+/// A response extension that says nothing ran, as the [`NOTHING_RAN`]
+/// header does (for a handler behind the library layer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NothingRan;
+
+/// Whether the response says nothing ran ([`NOTHING_RAN`] or
+/// [`NothingRan`]).
+pub(crate) fn nothing_ran(parts: &http::response::Parts) -> bool {
+    parts.headers.contains_key(NOTHING_RAN) || parts.extensions.get::<NothingRan>().is_some()
+}
+
+/// An axum extractor that marks the rejection of the extractor it wraps
+/// as [`NothingRan`]: a request whose body does not parse (`Json`'s `422`
+/// or `400`) releases its key instead of spending it, so the corrected
+/// retry with the same key runs.
+///
+/// ```
+/// use axum::{Json, http::StatusCode};
+/// use idem_layer::Validated;
+///
+/// async fn create(Validated(Json(order)): Validated<Json<serde_json::Value>>) -> StatusCode {
+///     let _ = order;
+///     StatusCode::CREATED
+/// }
+/// ```
+#[cfg(feature = "axum")]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Validated<E>(pub E);
+
+#[cfg(feature = "axum")]
+impl<S, E> axum::extract::FromRequest<S> for Validated<E>
+where
+    S: Send + Sync,
+    E: axum::extract::FromRequest<S>,
+{
+    type Rejection = axum::response::Response;
+
+    async fn from_request(
+        request: http::Request<axum::body::Body>,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        use axum::response::IntoResponse;
+        match E::from_request(request, state).await {
+            Ok(inner) => Ok(Self(inner)),
+            Err(rejection) => {
+                let mut response = rejection.into_response();
+                response.extensions_mut().insert(NothingRan);
+                Err(response)
+            }
+        }
+    }
 }
 
 /// The request header that carries the records API's admin credential. A

@@ -200,8 +200,11 @@ pub use config::StoreGuard;
 pub use config::{ConfigError, InFlight, MAX_DURATION, OnDisconnect, default_replay_denylist};
 pub use context::IdempotencyContext;
 pub use disconnect::ResponseFuture;
+#[cfg(feature = "axum")]
+pub use headers::Validated;
 pub use headers::{
-    ADMIN_TOKEN, HOP_BY_HOP, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, NO_STORE, NoStore,
+    ADMIN_TOKEN, HOP_BY_HOP, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, NO_STORE, NOTHING_RAN, NoStore,
+    NothingRan,
 };
 /// The idem-core types a handler meets, re-exported so that a service
 /// needs no direct idem-core dependency.

@@ -213,6 +213,7 @@ where
 fn without_no_store<B>(response: Response<B>) -> Response<ResponseBody<B>> {
     let mut response = response.map(ResponseBody::inner);
     response.headers_mut().remove(crate::NO_STORE);
+    response.headers_mut().remove(crate::NOTHING_RAN);
     response
 }
 

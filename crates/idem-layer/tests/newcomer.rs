@@ -469,3 +469,102 @@ async fn the_records_service_under_the_layer_is_not_keyed() {
     let refused = app.oneshot(keyless).await.expect("answer");
     assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
 }
+
+/// A body the framework refuses (axum's `Json`, wrapped in `Validated`)
+/// does not spend the key: nothing ran, so nothing is stored and the
+/// corrected retry with the same key runs (Stripe's rule). A handler may
+/// say the same with the `idem-nothing-ran` header, which the client never
+/// sees. An unmarked 4xx is an outcome and is stored.
+#[tokio::test]
+async fn a_request_refused_before_it_ran_does_not_spend_the_key() {
+    use std::sync::Arc;
+
+    use axum::{Json, response::IntoResponse};
+    use http_body_util::BodyExt;
+    use idem_layer::Validated;
+    use tower::ServiceExt;
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(
+                move |Validated(Json(order)): Validated<Json<serde_json::Value>>| {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    async move { (StatusCode::CREATED, format!("order {order}")) }
+                },
+            ),
+        )
+        .route(
+            "/checked",
+            post(|body: Bytes| async move {
+                if body.is_empty() {
+                    return (
+                        StatusCode::BAD_REQUEST,
+                        [("idem-nothing-ran", "1")],
+                        "empty",
+                    )
+                        .into_response();
+                }
+                (StatusCode::UNPROCESSABLE_ENTITY, "declined").into_response()
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .tenant(TenantFromHeader::from_static("x-tenant")),
+        );
+    let order = |path: &str, body: &'static str| {
+        Request::post(path)
+            .header("idempotency-key", "k-validated")
+            .header("x-tenant", "acme")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(body))
+            .expect("request")
+    };
+    let refused = app
+        .clone()
+        .oneshot(order("/orders", "{"))
+        .await
+        .expect("answer");
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+    assert!(!refused.headers().contains_key("idem-nothing-ran"));
+    let corrected = app
+        .clone()
+        .oneshot(order("/orders", "{\"qty\":1}"))
+        .await
+        .expect("answer");
+    assert_eq!(corrected.status(), StatusCode::CREATED);
+    assert!(!corrected.headers().contains_key("idempotent-replayed"));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    let marked = app
+        .clone()
+        .oneshot(order("/checked", ""))
+        .await
+        .expect("answer");
+    assert_eq!(marked.status(), StatusCode::BAD_REQUEST);
+    assert!(!marked.headers().contains_key("idem-nothing-ran"));
+    let declined = app
+        .clone()
+        .oneshot(order("/checked", "x"))
+        .await
+        .expect("answer");
+    assert_eq!(
+        declined.status(),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "the retry ran"
+    );
+    let replayed = app.oneshot(order("/checked", "x")).await.expect("answer");
+    assert_eq!(replayed.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        replayed.headers().contains_key("idempotent-replayed"),
+        "a 4xx is stored"
+    );
+    let body = replayed
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    assert_eq!(&body[..], b"declined");
+}
