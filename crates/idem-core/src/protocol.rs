@@ -126,6 +126,29 @@ mod tests {
         assert_eq!(grpc_timeout(&http::HeaderMap::new()), None);
     }
 
+    proptest::proptest! {
+        /// Any header value is read or refused, never a panic.
+        #[test]
+        fn any_grpc_timeout_value_is_read_or_refused(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..16)) {
+            let mut headers = http::HeaderMap::new();
+            if let Ok(value) = http::HeaderValue::from_bytes(&bytes) {
+                headers.insert("grpc-timeout", value);
+                let _ = grpc_timeout(&headers);
+            }
+        }
+
+        /// A bound written and read again is the bound, to its unit.
+        #[test]
+        fn a_written_bound_reads_back(millis in 1u64..10_000_000_000) {
+            let bound = Duration::from_millis(millis);
+            let mut headers = http::HeaderMap::new();
+            headers.insert("grpc-timeout", grpc_timeout_value(bound).parse().expect("value"));
+            let read = grpc_timeout(&headers).expect("read");
+            proptest::prop_assert!(read <= bound);
+            proptest::prop_assert!(bound - read < Duration::from_secs(1), "{read:?} for {bound:?}");
+        }
+    }
+
     #[test]
     fn a_bound_is_written_in_the_finest_unit_that_fits() {
         assert_eq!(grpc_timeout_value(Duration::from_secs(30)), "30000m");

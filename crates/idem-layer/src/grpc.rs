@@ -396,6 +396,50 @@ impl Framing {
 }
 
 #[cfg(test)]
+mod framing_properties {
+    use proptest::prelude::*;
+
+    use super::Framing;
+
+    proptest! {
+        /// Any bytes, cut anywhere, are framed without a panic.
+        #[test]
+        fn any_bytes_are_framed(bytes in proptest::collection::vec(any::<u8>(), 0..200), cut in any::<usize>()) {
+            let mut framing = Framing::default();
+            let at = cut % (bytes.len() + 1);
+            framing.feed(&bytes[..at]);
+            framing.feed(&bytes[at..]);
+            let _ = framing.at_boundary();
+        }
+
+        /// Messages, however their bytes are cut, are counted one by one
+        /// and end at a boundary.
+        #[test]
+        fn messages_are_counted_however_they_are_cut(
+            messages in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..40), 1..6),
+            cuts in proptest::collection::vec(any::<usize>(), 0..8),
+        ) {
+            let mut body = Vec::new();
+            for message in &messages {
+                body.push(0);
+                body.extend_from_slice(&u32::try_from(message.len()).expect("short").to_be_bytes());
+                body.extend_from_slice(message);
+            }
+            let mut points: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
+            points.push(0);
+            points.push(body.len());
+            points.sort_unstable();
+            let mut framing = Framing::default();
+            for pair in points.windows(2) {
+                framing.feed(&body[pair[0]..pair[1]]);
+            }
+            prop_assert_eq!(framing.begun as usize, messages.len());
+            prop_assert!(framing.at_boundary());
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

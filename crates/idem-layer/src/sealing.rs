@@ -491,6 +491,42 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Any stored bytes under the sealed header open or are refused,
+        /// never a panic, whatever the version byte, the length or the key.
+        #[test]
+        fn any_envelope_opens_or_is_refused(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..120),
+            id in "[0-9]{0,3}",
+            attempt_given in proptest::prelude::any::<bool>(),
+        ) {
+            let keyring = Keyring::derived(b"a deployment secret of some length");
+            let sealed = StoredResponse {
+                status: 201,
+                headers: vec![(SEALED, Bytes::from(id))],
+                body: body.into(),
+            };
+            let _ = keyring.open(&scope(1), attempt_given.then(|| attempt(1)), sealed);
+        }
+
+        /// Every response sealed opens to itself, byte for byte.
+        #[test]
+        fn every_sealed_response_round_trips(
+            status in 200u16..600,
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            value in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40),
+        ) {
+            let keyring = Keyring::derived(b"a deployment secret of some length");
+            let response = StoredResponse {
+                status,
+                headers: vec![(http::header::LOCATION, Bytes::from(value))],
+                body: body.into(),
+            };
+            let sealed = keyring.seal(&scope(3), attempt(3), &response);
+            proptest::prop_assert_eq!(keyring.open(&scope(3), Some(attempt(3)), sealed).expect("opens"), response);
+        }
+    }
+
     fn attempt(n: u8) -> AttemptId {
         AttemptId(uuid::Uuid::from_bytes([n; 16]))
     }

@@ -281,6 +281,36 @@ fn refused() -> Response {
 }
 
 #[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::{OwnedPaths, canonical};
+
+    proptest! {
+        /// Any path, any bytes in it, is read without a panic, and a path
+        /// the fast reading takes as the upstream's reads so in full too.
+        #[test]
+        fn any_path_is_read(path in "\\PC{0,60}") {
+            let owned = OwnedPaths::new("/_idempotency");
+            let _ = canonical(&path);
+            let _ = owned.owns(&path);
+        }
+
+        /// Every byte of an owned path escaped, once or twice, is owned.
+        #[test]
+        fn an_owned_path_escaped_is_owned(twice in any::<bool>(), rest in "[a-z/]{0,12}") {
+            let owned = OwnedPaths::new("/_idempotency");
+            let path = format!("/_idempotency/{rest}");
+            let mut escaped: String = path.bytes().map(|b| format!("%{b:02X}")).collect();
+            if twice {
+                escaped = escaped.replace('%', "%25");
+            }
+            prop_assert!(owned.owns(&escaped), "{escaped}");
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

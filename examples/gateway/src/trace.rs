@@ -365,6 +365,32 @@ pub(crate) async fn traced<F: Future<Output = Response>>(
 }
 
 #[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::parse;
+
+    proptest! {
+        /// Any `traceparent` value is read or refused, never a panic.
+        #[test]
+        fn any_traceparent_is_read_or_refused(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let _ = parse(&bytes);
+        }
+
+        /// A version 00 `traceparent` of non-zero ids reads back to its ids
+        /// and flags; a later version with more fields reads its first.
+        #[test]
+        fn a_traceparent_reads_back(trace in any::<[u8; 16]>(), parent in any::<[u8; 8]>(), flags in any::<u8>(), extra in "(-[0-9a-f]{1,8})?") {
+            prop_assume!(trace != [0; 16] && parent != [0; 8]);
+            let text = format!("00-{}-{}-{:02x}", hex::encode(trace), hex::encode(parent), flags);
+            prop_assert_eq!(parse(text.as_bytes()), Some((trace, parent, flags)));
+            let later = format!("01{}{extra}", &text[2..]);
+            prop_assert_eq!(parse(later.as_bytes()), Some((trace, parent, flags)));
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
