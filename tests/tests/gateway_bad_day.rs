@@ -958,3 +958,55 @@ async fn an_upstream_that_says_nothing_ran_releases_the_key() {
     }
     assert_eq!(upstream.runs(), 2, "the retry ran: nothing was stored");
 }
+
+/// For clients that read a should-retry header rather than `Retry-After`
+/// (`--should-retry-header`): `true` on an answer a retry may cure (in
+/// progress, the upstream unreachable), `false` on one it never will (a
+/// conflict, a path of the gateway's). Every retryable refusal of the
+/// gateway's carries `Retry-After`; without the flag there is no header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_should_retry_header_tells_sdks_what_retrying_can_do() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &["--should-retry-header", "Stripe-Should-Retry"]).await;
+    let held = tokio::spawn(post(gateway.addr, "/slow", "retry-1"));
+    upstream.wait_runs(1).await;
+    let in_progress = post(gateway.addr, "/slow", "retry-1").await;
+    assert_eq!(in_progress.status, StatusCode::CONFLICT);
+    assert_eq!(in_progress.header("stripe-should-retry"), Some("true"));
+    assert!(in_progress.header("retry-after").is_some());
+    upstream.gate.add_permits(1);
+    assert_eq!(held.await.expect("join").status, StatusCode::CREATED);
+    let conflict = send(
+        &client(),
+        Request::post(format!("http://{}/slow", gateway.addr))
+            .header("idempotency-key", "retry-1")
+            .header("authorization", "Bearer alice")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"other\":true}")))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(conflict.header("stripe-should-retry"), Some("false"));
+    let reserved = post(gateway.addr, "/_idempotency/nothing", "retry-2").await;
+    assert_eq!(reserved.header("stripe-should-retry"), Some("false"));
+
+    let closed = {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        listener.local_addr().expect("addr")
+    };
+    let unreachable = start(idem_tests::gateway_config(
+        closed,
+        &["--should-retry-header", "x-should-retry"],
+    ))
+    .await;
+    let refused = post(unreachable, "/orders", "retry-3").await;
+    assert_eq!(refused.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(refused.header("x-should-retry"), Some("true"));
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    let plain = start(idem_tests::gateway_config(closed, &[])).await;
+    let refused = post(plain, "/orders", "retry-4").await;
+    assert_eq!(refused.header("x-should-retry"), None);
+    assert_eq!(refused.header("retry-after"), Some("1"));
+}

@@ -104,6 +104,9 @@ pub(crate) struct Config {
     /// Thrown when the store belongs to instances that derive record
     /// identities otherwise (found after a start the store was down for).
     pub(crate) store_guard: crate::config::StoreGuard,
+    /// The header that tells a client whether to retry after a refusal
+    /// (`Stripe-Should-Retry`, say), if one is set.
+    pub(crate) should_retry_header: Option<HeaderName>,
     pub(crate) on_disconnect: OnDisconnect,
     pub(crate) unknown_wait: Duration,
     pub(crate) problem_type_base: Option<Arc<str>>,
@@ -123,7 +126,9 @@ pub(crate) struct Config {
 impl Config {
     /// Whether problem answers are shaped (a type base or a hook is set).
     pub(crate) fn shapes_problems(&self) -> bool {
-        self.problem_type_base.is_some() || self.problem_hook.is_some()
+        self.problem_type_base.is_some()
+            || self.problem_hook.is_some()
+            || self.should_retry_header.is_some()
     }
 
     /// A problem answer with the configured type base and hook applied.
@@ -137,6 +142,7 @@ impl Config {
         crate::problem::shape(
             self.problem_type_base.as_deref(),
             self.problem_hook.as_deref(),
+            self.should_retry_header.as_ref(),
             response,
         )
     }

@@ -105,6 +105,7 @@ impl<S: Store> IdempotencyLayer<S> {
             store_bound: None,
             timeout_busy: false,
             store_guard: crate::config::StoreGuard::default(),
+            should_retry_header: None,
             on_disconnect: OnDisconnect::Detach,
             unknown_wait: Duration::from_secs(60),
             problem_type_base: None,
@@ -420,6 +421,14 @@ impl<S: Store> IdempotencyLayer<S> {
 
 /// What is stored and replayed: which outcomes, how large, which headers.
 impl<S: Store> IdempotencyLayer<S> {
+    /// Adds a header to every refusal that tells a client whether to retry
+    /// (`true` or `false`, see [`should_retry`](crate::problem::should_retry)),
+    /// under the name common SDKs read (`Stripe-Should-Retry`,
+    /// `x-should-retry`). Off by default.
+    pub fn should_retry_header(self, name: HeaderName) -> Self {
+        self.with(|c| c.should_retry_header = Some(name))
+    }
+
     /// The switch that makes this layer refuse every protected request
     /// (`503 idempotency_store_unavailable`, nothing run) once thrown: give
     /// the one [`keep_claimed_guarded`](crate::keep_claimed_guarded) throws

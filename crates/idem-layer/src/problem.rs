@@ -349,16 +349,47 @@ pub fn describedby_link(base: &str, code: &str) -> Option<HeaderValue> {
     HeaderValue::try_from(format!("<{base}{code}>; rel=\"describedby\"")).ok()
 }
 
+/// Whether a client should retry after a refusal of `code`, as the
+/// should-retry header says it (`IdempotencyLayer::should_retry_header`):
+/// `true` where the same request may succeed later (in progress, the
+/// store unavailable or busy, a listing or quota to wait for, a body too
+/// slow, a handler failure that released the key); `false` where it never
+/// will (a conflict, a response not stored, a cancelled record, a request
+/// to correct, a refusal of the deployment's).
+pub fn should_retry(code: ProblemCode) -> bool {
+    matches!(
+        code,
+        ProblemCode::InProgress
+            | ProblemCode::StoreUnavailable
+            | ProblemCode::ListingBusy
+            | ProblemCode::QuotaExceeded
+            | ProblemCode::BodyTimeout
+            | ProblemCode::HandlerFailed
+            | ProblemCode::TransactionNotCommitted
+    )
+}
+
 /// Applies the configured type base and problem hook to a problem answer
 /// of the layer; other responses pass unchanged.
 pub(crate) fn shape<B>(
     type_base: Option<&str>,
     hook: Option<&ProblemHook>,
+    should_retry_header: Option<&http::HeaderName>,
     mut response: Response<ResponseBody<B>>,
 ) -> Response<ResponseBody<B>> {
     let Some(problem) = response.extensions().get::<Problem>().cloned() else {
         return response;
     };
+    if let Some(name) = should_retry_header {
+        let retry = if should_retry(problem.code) {
+            "true"
+        } else {
+            "false"
+        };
+        response
+            .headers_mut()
+            .insert(name.clone(), HeaderValue::from_static(retry));
+    }
     if let Some(replacement) = hook.and_then(|hook| hook(&problem)) {
         let (mut parts, body) = replacement.into_parts();
         parts.extensions.insert(problem.code);

@@ -24,16 +24,51 @@ pub(crate) fn problem(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static(idem_layer::PROBLEM_JSON),
     );
+    // Every refusal a retry may cure says when to retry.
+    if RETRYABLE.contains(&code) {
+        response.headers_mut().insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("1"),
+        );
+    }
     response.extensions_mut().insert(GatewayCode(code));
     response
 }
 
+/// The gateway's refusals a retry may cure: the upstream could not be
+/// reached, did not answer in time, or its answer was lost or invalid
+/// (the key is released, or kept while a late answer may come).
+const RETRYABLE: [&str; 4] = [
+    "upstream_unreachable",
+    "upstream_timeout",
+    "upstream_answer_lost",
+    "upstream_answer_invalid",
+];
+
 /// The gateway's own problem answer (one carrying [`GatewayCode`]) with
-/// its `type` under `base` (`--problem-type-base`) and, for a web address,
-/// the `Link` that documents it, as the layer's answers have them; any
-/// other response as it is.
-pub(crate) async fn rebased(response: Response<Body>, base: &str) -> Response<Body> {
+/// `should_retry` (`--should-retry-header`) set, and its `type` under
+/// `base` (`--problem-type-base`) with, for a web address, the `Link` that
+/// documents it, as the layer's answers have them; any other response as
+/// it is.
+pub(crate) async fn shaped(
+    mut response: Response<Body>,
+    base: Option<&str>,
+    should_retry: Option<&http::HeaderName>,
+) -> Response<Body> {
     let Some(GatewayCode(code)) = response.extensions().get::<GatewayCode>().copied() else {
+        return response;
+    };
+    if let Some(name) = should_retry {
+        let retry = if RETRYABLE.contains(&code) {
+            "true"
+        } else {
+            "false"
+        };
+        response
+            .headers_mut()
+            .insert(name.clone(), http::HeaderValue::from_static(retry));
+    }
+    let Some(base) = base else {
         return response;
     };
     let (mut parts, body) = response.into_parts();

@@ -146,6 +146,9 @@ pub struct Config {
     /// The base of the `type` of idem's problem answers (`https://docs.example.com/problems/`: the type is the base followed by the code); a web address is also sent as `Link: <type>; rel="describedby"`. Default: `urn:idem:problem:`.
     #[arg(long, env = "IDEM_PROBLEM_TYPE_BASE", value_parser = parse_problem_type_base)]
     pub problem_type_base: Option<String>,
+    /// A header, such as Stripe-Should-Retry or x-should-retry, added to every refusal (the layer's and the gateway's own) with `true` where a retry may succeed (in progress, store unavailable, the upstream unreachable or slow) and `false` where it never will (a conflict, a response not stored, a request to correct): what common SDKs read instead of Retry-After.
+    #[arg(long, env = "IDEM_SHOULD_RETRY_HEADER", value_parser = parse_header_name)]
+    pub should_retry_header: Option<HeaderName>,
     /// Write fingerprints unkeyed (plain SHA-256 or BLAKE3 of the request): by default they are keyed with a key derived from the tenant secret, so whoever reads the store cannot confirm a guess of a short request body. Keyed or not, records written either way are read.
     #[arg(long, env = "IDEM_UNKEYED_FINGERPRINTS", action = ArgAction::SetTrue)]
     pub unkeyed_fingerprints: bool,

@@ -143,6 +143,9 @@ pub(crate) fn layer<S: Store>(
     if let Some(base) = &config.problem_type_base {
         layer = layer.problem_type_base(base.clone());
     }
+    if let Some(name) = &config.should_retry_header {
+        layer = layer.should_retry_header(name.clone());
+    }
     // The memory store's records live in this process only: keying their
     // scopes changes no stored identity.
     if config.keyed_scopes || config.store == "memory" {
@@ -275,6 +278,7 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
                     .problem_type_base
                     .as_deref()
                     .map(std::sync::Arc::from),
+                should_retry: config.should_retry_header.clone(),
                 guard: ConnectionGuard(std::sync::Arc::new(protected_headers)),
                 jwt,
                 spans,
@@ -294,6 +298,8 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
 pub(crate) struct Front {
     /// `--problem-type-base`, for the gateway's own problem answers.
     type_base: Option<std::sync::Arc<str>>,
+    /// `--should-retry-header`, for the gateway's own problem answers.
+    should_retry: Option<HeaderName>,
     guard: ConnectionGuard,
     jwt: Option<JwtState>,
     spans: Option<Spans>,
@@ -314,10 +320,12 @@ pub(crate) async fn front(State(front): State<Front>, request: Request, next: Ne
         outcome_of,
     )
     .await;
-    match &front.type_base {
-        Some(base) => crate::answer::rebased(response, base).await,
-        None => response,
-    }
+    crate::answer::shaped(
+        response,
+        front.type_base.as_deref(),
+        front.should_retry.as_ref(),
+    )
+    .await
 }
 
 /// What the JWT tenant middleware needs.
