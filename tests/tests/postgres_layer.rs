@@ -1171,3 +1171,44 @@ async fn a_timeout_behind_a_busy_pooler_never_fails_open() {
     );
     let _ = busy.await;
 }
+
+/// A database that cannot begin the handler's transaction: the extractor
+/// answers `503 idempotency_store_unavailable` with `Retry-After` and
+/// idem's problem type, as every other refusal has it (it was
+/// `about:blank`).
+#[tokio::test]
+async fn a_transaction_that_cannot_begin_is_idems_own_503() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a port");
+    let store = PgStore::builder()
+        .url(format!("postgres://postgres@{closed}/nothing"))
+        .build()
+        .expect("store");
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(|_tx: IdemTransaction| async { StatusCode::CREATED }),
+        )
+        .with_state(store);
+    let answer = router
+        .oneshot(
+            Request::post("/orders")
+                .body(axum::body::Body::empty())
+                .expect("request"),
+        )
+        .await
+        .expect("answer");
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        answer.headers().get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    let body = answer.into_body().collect().await.expect("body").to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(problem["code"], "idempotency_store_unavailable");
+    assert_eq!(
+        problem["type"],
+        "urn:idem:problem:idempotency_store_unavailable"
+    );
+}

@@ -227,9 +227,11 @@ mod extract {
             let slot = parts.extensions.get::<CompletionSlot>().cloned();
             IdemTransaction::begin(&store, slot).await.map_err(|error| {
                 tracing::warn!(%error, "could not begin a transaction");
+                // idem's problem type, as every other refusal has it
+                // (idem_layer::problem::DEFAULT_TYPE_BASE and the code).
                 let body = serde_json::json!({
-                    "type": "about:blank",
-                    "title": "Service Unavailable",
+                    "type": "urn:idem:problem:idempotency_store_unavailable",
+                    "title": "Idempotency store unavailable",
                     "status": 503,
                     "code": "idempotency_store_unavailable",
                     "detail": "the database could not begin a transaction; retry shortly",
