@@ -1568,3 +1568,41 @@ async fn formats_1_and_2_share_one_redis_through_a_rolling_upgrade() {
         "a newer record ran nothing"
     );
 }
+
+/// `-h` shows the handful of flags a first run needs; `--help` shows every
+/// flag, by group.
+#[test]
+fn short_help_shows_the_first_run_and_long_help_every_group() {
+    let help = |flag: &str| {
+        let output = Command::new(env!("CARGO_BIN_EXE_idem-gateway"))
+            .arg(flag)
+            .output()
+            .expect("run");
+        assert!(output.status.success(), "{flag}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let short = help("-h");
+    for essential in [
+        "--listen",
+        "--upstream",
+        "--store",
+        "--tenant-secret",
+        "--records-admin-token",
+    ] {
+        assert!(short.contains(essential), "{essential} in -h:\n{short}");
+    }
+    assert!(!short.contains("--sealing-opening-keys"), "{short}");
+    assert!(short.lines().count() < 40, "{short}");
+    let long = help("--help");
+    for group in [
+        "Upstream:",
+        "Store:",
+        "Tenants and secrets:",
+        "Lease and waiting:",
+        "Records and operators:",
+        "Observability:",
+    ] {
+        assert!(long.lines().any(|line| line == group), "{group} in --help");
+    }
+    assert!(long.contains("--sealing-opening-keys"));
+}
