@@ -1010,3 +1010,41 @@ async fn a_should_retry_header_tells_sdks_what_retrying_can_do() {
     assert_eq!(refused.header("x-should-retry"), None);
     assert_eq!(refused.header("retry-after"), Some("1"));
 }
+
+/// With `--problem-error-member`, refusals (the layer's and the gateway's
+/// own) also carry the `error` member common SDKs read, beside the RFC
+/// 9457 members; without it, none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_can_carry_the_error_member_sdks_read() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let gateway = start_gateway(&server, &["--problem-error-member"]).await;
+    let plain = start_gateway(&server, &[]).await;
+    assert_eq!(
+        post(gateway.addr, "/orders", "sdk-1").await.status,
+        StatusCode::CREATED
+    );
+    let conflict = send(
+        &client(),
+        keyed(
+            gateway.addr,
+            Method::POST,
+            "/orders",
+            "sdk-1",
+            "{\"other\":1}",
+        ),
+    )
+    .await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let body: serde_json::Value = serde_json::from_slice(&conflict.body).expect("json");
+    assert_eq!(body["code"], "idempotency_conflict", "{body}");
+    assert_eq!(body["error"]["type"], "idempotency_error");
+    assert_eq!(body["error"]["code"], "idempotency_conflict");
+    assert_eq!(body["error"]["message"], body["detail"]);
+    let reserved = post(gateway.addr, "/_idempotency/nothing", "sdk-2").await;
+    let body: serde_json::Value = serde_json::from_slice(&reserved.body).expect("json");
+    assert_eq!(body["error"]["code"], "gateway_path_reserved", "{body}");
+    let without = post(plain.addr, "/_idempotency/nothing", "sdk-3").await;
+    let body: serde_json::Value = serde_json::from_slice(&without.body).expect("json");
+    assert!(body.get("error").is_none(), "{body}");
+}

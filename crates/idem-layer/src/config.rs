@@ -107,6 +107,8 @@ pub(crate) struct Config {
     /// The header that tells a client whether to retry after a refusal
     /// (`Stripe-Should-Retry`, say), if one is set.
     pub(crate) should_retry_header: Option<HeaderName>,
+    /// Whether refusals carry the `error` member SDKs read.
+    pub(crate) error_member: bool,
     pub(crate) on_disconnect: OnDisconnect,
     pub(crate) unknown_wait: Duration,
     pub(crate) problem_type_base: Option<Arc<str>>,
@@ -129,6 +131,7 @@ impl Config {
         self.problem_type_base.is_some()
             || self.problem_hook.is_some()
             || self.should_retry_header.is_some()
+            || self.error_member
     }
 
     /// A problem answer with the configured type base and hook applied.
@@ -143,6 +146,7 @@ impl Config {
             self.problem_type_base.as_deref(),
             self.problem_hook.as_deref(),
             self.should_retry_header.as_ref(),
+            self.error_member,
             response,
         )
     }

@@ -106,6 +106,7 @@ impl<S: Store> IdempotencyLayer<S> {
             timeout_busy: false,
             store_guard: crate::config::StoreGuard::default(),
             should_retry_header: None,
+            error_member: false,
             on_disconnect: OnDisconnect::Detach,
             unknown_wait: Duration::from_secs(60),
             problem_type_base: None,
@@ -427,6 +428,15 @@ impl<S: Store> IdempotencyLayer<S> {
     /// `x-should-retry`). Off by default.
     pub fn should_retry_header(self, name: HeaderName) -> Self {
         self.with(|c| c.should_retry_header = Some(name))
+    }
+
+    /// With `true`, every refusal's problem document also carries the
+    /// member common SDKs read (Stripe's among them), beside RFC 9457's:
+    /// `"error": {"type": "idempotency_error", "code": …, "message": …}`
+    /// (see [`with_error_member`](crate::problem::with_error_member)). Off
+    /// by default.
+    pub fn error_member(self, on: bool) -> Self {
+        self.with(|c| c.error_member = on)
     }
 
     /// The switch that makes this layer refuse every protected request

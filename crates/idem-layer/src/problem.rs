@@ -286,6 +286,25 @@ impl Problem {
     }
 }
 
+/// `document` (a problem document's bytes) with the compatibility member
+/// common SDKs read beside RFC 9457's: `"error": {"type", "code",
+/// "message"}` (the type `idempotency_error`, the problem's `code`, its
+/// `detail`). A document that does not parse is kept as it is.
+pub fn with_error_member(document: &[u8]) -> Bytes {
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(document) else {
+        return Bytes::copy_from_slice(document);
+    };
+    if let Some(members) = value.as_object_mut() {
+        let code = members.get("code").cloned().unwrap_or_default();
+        let message = members.get("detail").cloned().unwrap_or_default();
+        members.insert(
+            "error".to_owned(),
+            serde_json::json!({ "type": "idempotency_error", "code": code, "message": message }),
+        );
+    }
+    Bytes::from(value.to_string())
+}
+
 /// Replaces a problem response: given the problem, answer the response to
 /// send instead (its body as bytes), or `None` to keep idem's own.
 pub type ProblemHook = dyn Fn(&Problem) -> Option<Response<Bytes>> + Send + Sync;
@@ -375,6 +394,7 @@ pub(crate) fn shape<B>(
     type_base: Option<&str>,
     hook: Option<&ProblemHook>,
     should_retry_header: Option<&http::HeaderName>,
+    error_member: bool,
     mut response: Response<ResponseBody<B>>,
 ) -> Response<ResponseBody<B>> {
     let Some(problem) = response.extensions().get::<Problem>().cloned() else {
@@ -396,8 +416,13 @@ pub(crate) fn shape<B>(
         parts.extensions.insert(problem);
         return Response::from_parts(parts, ResponseBody::full(body));
     }
-    if let Some(base) = type_base {
-        *response.body_mut() = ResponseBody::full(problem.document(base));
+    if type_base.is_some() || error_member {
+        let base = type_base.unwrap_or(DEFAULT_TYPE_BASE);
+        let mut document = problem.document(base);
+        if error_member {
+            document = with_error_member(&document);
+        }
+        *response.body_mut() = ResponseBody::full(document);
         if let Some(link) = describedby_link(base, problem.code.as_str()) {
             response.headers_mut().insert(header::LINK, link);
         }

@@ -54,6 +54,7 @@ pub(crate) async fn shaped(
     mut response: Response<Body>,
     base: Option<&str>,
     should_retry: Option<&http::HeaderName>,
+    error_member: bool,
 ) -> Response<Body> {
     let Some(GatewayCode(code)) = response.extensions().get::<GatewayCode>().copied() else {
         return response;
@@ -68,9 +69,9 @@ pub(crate) async fn shaped(
             .headers_mut()
             .insert(name.clone(), http::HeaderValue::from_static(retry));
     }
-    let Some(base) = base else {
+    if base.is_none() && !error_member {
         return response;
-    };
+    }
     let (mut parts, body) = response.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, 64 * 1024).await else {
         return Response::from_parts(parts, Body::empty());
@@ -79,17 +80,23 @@ pub(crate) async fn shaped(
         Ok(document) => document,
         Err(_) => return Response::from_parts(parts, Body::from(bytes)),
     };
-    if let Some(members) = document.as_object_mut() {
-        members.insert(
-            "type".to_owned(),
-            serde_json::json!(format!("{base}{code}")),
-        );
+    if let Some(base) = base {
+        if let Some(members) = document.as_object_mut() {
+            members.insert(
+                "type".to_owned(),
+                serde_json::json!(format!("{base}{code}")),
+            );
+        }
+        if let Some(link) = idem_layer::problem::describedby_link(base, code) {
+            parts.headers.insert(http::header::LINK, link);
+        }
     }
-    if let Some(link) = idem_layer::problem::describedby_link(base, code) {
-        parts.headers.insert(http::header::LINK, link);
+    let mut bytes = bytes::Bytes::from(document.to_string());
+    if error_member {
+        bytes = idem_layer::problem::with_error_member(&bytes);
     }
     parts.headers.remove(http::header::CONTENT_LENGTH);
-    Response::from_parts(parts, Body::from(document.to_string()))
+    Response::from_parts(parts, Body::from(bytes))
 }
 
 /// The address of the client a request came from (put in the request

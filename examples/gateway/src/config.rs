@@ -199,6 +199,9 @@ pub struct Config {
     /// A header, such as Stripe-Should-Retry or x-should-retry, added to every refusal (the layer's and the gateway's own) with `true` where a retry may succeed (in progress, store unavailable, the upstream unreachable or slow) and `false` where it never will (a conflict, a response not stored, a request to correct): what common SDKs read instead of Retry-After.
     #[arg(long, env = "IDEM_SHOULD_RETRY_HEADER", value_parser = parse_header_name, help_heading = "Records and operators", hide_short_help = true)]
     pub should_retry_header: Option<HeaderName>,
+    /// Refusals also carry the member common SDKs (Stripe's among them) read beside RFC 9457's: "error": {"type": "idempotency_error", "code", "message"}.
+    #[arg(long, env = "IDEM_PROBLEM_ERROR_MEMBER", action = ArgAction::SetTrue, help_heading = "Records and operators", hide_short_help = true)]
+    pub problem_error_member: bool,
     /// Write fingerprints unkeyed (plain SHA-256 or BLAKE3 of the request): by default they are keyed with a key derived from the tenant secret, so whoever reads the store cannot confirm a guess of a short request body. Keyed or not, records written either way are read.
     #[arg(long, env = "IDEM_UNKEYED_FINGERPRINTS", action = ArgAction::SetTrue, help_heading = "Tenants and secrets", hide_short_help = true)]
     pub unkeyed_fingerprints: bool,

@@ -146,6 +146,9 @@ pub(crate) fn layer<S: Store>(
     if let Some(name) = &config.should_retry_header {
         layer = layer.should_retry_header(name.clone());
     }
+    if config.problem_error_member {
+        layer = layer.error_member(true);
+    }
     // The memory store's records live in this process only: keying their
     // scopes changes no stored identity.
     if config.keyed_scopes || config.store == "memory" {
@@ -279,6 +282,7 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
                     .as_deref()
                     .map(std::sync::Arc::from),
                 should_retry: config.should_retry_header.clone(),
+                error_member: config.problem_error_member,
                 guard: ConnectionGuard(std::sync::Arc::new(protected_headers)),
                 jwt,
                 spans,
@@ -300,6 +304,8 @@ pub(crate) struct Front {
     type_base: Option<std::sync::Arc<str>>,
     /// `--should-retry-header`, for the gateway's own problem answers.
     should_retry: Option<HeaderName>,
+    /// `--problem-error-member`, for the gateway's own problem answers.
+    error_member: bool,
     guard: ConnectionGuard,
     jwt: Option<JwtState>,
     spans: Option<Spans>,
@@ -324,6 +330,7 @@ pub(crate) async fn front(State(front): State<Front>, request: Request, next: Ne
         response,
         front.type_base.as_deref(),
         front.should_retry.as_ref(),
+        front.error_member,
     )
     .await
 }
