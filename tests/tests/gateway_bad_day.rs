@@ -1048,3 +1048,73 @@ async fn refusals_can_carry_the_error_member_sdks_read() {
     let body: serde_json::Value = serde_json::from_slice(&without.body).expect("json");
     assert!(body.get("error").is_none(), "{body}");
 }
+
+/// A keyed gRPC call's `grpc-timeout` never reaches the upstream, however
+/// it is spelled (one the gateway cannot read included): the upstream gets
+/// the gateway's own bound. And a keyed event stream marked "nothing ran"
+/// releases its key, the marker never reaching the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_deadline_and_the_nothing_ran_marker_never_pass_through() {
+    let timeouts = Arc::new(std::sync::Mutex::new(Vec::<Option<String>>::new()));
+    let streams = Arc::new(AtomicUsize::new(0));
+    let (seen, ran) = (Arc::clone(&timeouts), Arc::clone(&streams));
+    let app = axum::Router::new()
+        .route(
+            "/payments.v1.Payments/Charge",
+            axum::routing::post(move |headers: http::HeaderMap| {
+                let seen = Arc::clone(&seen);
+                async move {
+                    let timeout = headers
+                        .get("grpc-timeout")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned);
+                    seen.lock().expect("seen").push(timeout);
+                    (
+                        [("content-type", "application/grpc"), ("grpc-status", "0")],
+                        "",
+                    )
+                }
+            }),
+        )
+        .route(
+            "/events",
+            axum::routing::post(move || {
+                ran.fetch_add(1, Ordering::SeqCst);
+                async {
+                    (
+                        [
+                            ("content-type", "text/event-stream"),
+                            ("idem-nothing-ran", "1"),
+                        ],
+                        "data: refused\n\n",
+                    )
+                }
+            }),
+        );
+    let server = TestServer::start(app).await;
+    let gateway = start_gateway(&server, &["--upstream-timeout", "7s"]).await;
+    for (n, deadline) in ["+1S", "1S", "1.5S", "100000000m"].into_iter().enumerate() {
+        let request = Request::post(format!(
+            "http://{}/payments.v1.Payments/Charge",
+            gateway.addr
+        ))
+        .header("content-type", "application/grpc")
+        .header("authorization", "Bearer alice")
+        .header("idempotency-key", format!("deadline-{n}"))
+        .header("grpc-timeout", deadline)
+        .body(Full::new(Bytes::from_static(b"\0\0\0\0\x01x")))
+        .expect("request");
+        let _ = send(&client(), request).await;
+    }
+    let seen = timeouts.lock().expect("seen").clone();
+    assert_eq!(seen.len(), 4, "{seen:?}");
+    for timeout in seen {
+        assert_eq!(timeout.as_deref(), Some("7000m"), "the gateway's own bound");
+    }
+    for _ in 0..2 {
+        let events = post(gateway.addr, "/events", "events-1").await;
+        assert!(!events.headers.contains_key("idem-nothing-ran"));
+        assert!(!events.replayed());
+    }
+    assert_eq!(streams.load(Ordering::SeqCst), 2, "released: the retry ran");
+}

@@ -63,8 +63,12 @@ impl<B> Buffered<B> {
         | Buffered::Failed { parts, .. }) = self;
         let remote = parts.extensions.get::<RemoteAnswer>().is_some();
         // "Nothing ran": the request was refused before its endpoint began
-        // executing; released whatever the status (docs/design.md, 1).
-        if crate::headers::nothing_ran(parts) {
+        // executing; released whatever the status (docs/design.md, 1). The
+        // marker may come in the head or in the trailers (where a gRPC
+        // service puts its metadata).
+        let in_trailers = matches!(self, Buffered::Complete { trailers: Some(trailers), .. }
+            if trailers.contains_key(crate::NOTHING_RAN));
+        if crate::headers::nothing_ran(parts) || in_trailers {
             return Verdict::Released;
         }
         match self {
@@ -203,9 +207,13 @@ where
         Buffered::Complete {
             mut parts,
             body,
-            trailers,
+            mut trailers,
         } => {
             let status = parts.status.as_u16();
+            // idem's own marker never reaches the client, nor the store.
+            if let Some(trailers) = trailers.as_mut() {
+                trailers.remove(crate::NOTHING_RAN);
+            }
             if crate::headers::opted_out(&mut parts) {
                 // The handler said not to store it: the action ran, so the
                 // key stays taken, and a retry is told so.
@@ -362,7 +370,14 @@ where
                     status: status.as_u16(),
                 };
                 let remote = response.extensions().get::<RemoteAnswer>().is_some();
-                let stores = config.classify.verdict(status, None, remote) != Verdict::Released;
+                // idem's own headers never reach the client; "nothing ran"
+                // releases the key here too.
+                let (mut parts, body) = response.into_parts();
+                let nothing_ran = crate::headers::nothing_ran(&parts);
+                crate::headers::opted_out(&mut parts);
+                let response = Response::from_parts(parts, body);
+                let stores = !nothing_ran
+                    && config.classify.verdict(status, None, remote) != Verdict::Released;
                 let answer = record(&rt, &reserved, &lease, slot.as_ref(), stores, outcome).await;
                 return Ok(answer.unwrap_or_else(|| response.map(ResponseBody::inner)));
             }

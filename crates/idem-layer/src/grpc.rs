@@ -188,12 +188,17 @@ pub fn status_for(code: ProblemCode) -> u32 {
 /// caller gets it: a trailers-only answer (HTTP 200, no message) with the
 /// status, the message, the code and the retry hint in its head. The
 /// replay marker is kept; any other response passes unchanged.
-pub(crate) fn refusal<B>(response: Response<ResponseBody<B>>) -> Response<ResponseBody<B>> {
+pub(crate) fn refusal<B>(
+    response: Response<ResponseBody<B>>,
+    should_retry: Option<&HeaderName>,
+) -> Response<ResponseBody<B>> {
     let Some(problem) = response.extensions().get::<Problem>().cloned() else {
         return response;
     };
     let (mut parts, _) = response.into_parts();
     let replayed = parts.headers.remove(crate::IDEMPOTENT_REPLAYED);
+    // The should-retry header the layer adds, kept as metadata.
+    let retry = should_retry.and_then(|name| Some((name.clone(), parts.headers.remove(name)?)));
     parts.status = StatusCode::OK;
     parts.headers.clear();
     let headers = &mut parts.headers;
@@ -223,6 +228,9 @@ pub(crate) fn refusal<B>(response: Response<ResponseBody<B>>) -> Response<Respon
     }
     if let Some(replayed) = replayed {
         headers.insert(crate::IDEMPOTENT_REPLAYED, replayed);
+    }
+    if let Some((name, value)) = retry {
+        headers.insert(name, value);
     }
     Response::from_parts(parts, ResponseBody::full(Bytes::new()))
 }

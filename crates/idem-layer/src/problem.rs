@@ -461,7 +461,10 @@ pub(crate) fn problem_about<B>(
     );
     let mut response = Response::new(ResponseBody::full(bytes));
     *response.status_mut() = code.status();
-    let retry_after = retry_after.map(retry_after_secs);
+    // Every refusal a retry may cure says when to retry.
+    let retry_after = retry_after
+        .or_else(|| should_retry(code).then_some(Duration::from_secs(1)))
+        .map(retry_after_secs);
     response.extensions_mut().insert(code);
     response.extensions_mut().insert(Problem {
         code,

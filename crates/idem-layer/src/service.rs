@@ -75,7 +75,7 @@ impl<I, S> Idempotency<I, S> {
         m::count(Counted::Rejected);
         let mut refusal = self.rt.config.shape(problem(code, detail, None));
         if grpc {
-            refusal = crate::grpc::refusal(refusal);
+            refusal = crate::grpc::refusal(refusal, self.rt.config.should_retry_header.as_ref());
         }
         ResponseFuture::new(async move { Ok(refusal) })
     }
@@ -157,7 +157,7 @@ where
             return ResponseFuture::new_with(move || async move {
                 let response = config.shape(handle(rt, inner, request).await?);
                 Ok(if grpc {
-                    crate::grpc::refusal(response)
+                    crate::grpc::refusal(response, config.should_retry_header.as_ref())
                 } else {
                     response
                 })

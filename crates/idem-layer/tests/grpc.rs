@@ -716,3 +716,56 @@ async fn the_bool_predicate_keeps_an_upstreams_deadline_unknown() {
     assert!(kept_in_progress(&mut app, "b-2").await);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// "Nothing ran" in a gRPC answer's trailers (where a service puts its
+/// metadata) releases the key like the header does, and the marker never
+/// reaches the caller.
+#[tokio::test]
+async fn nothing_ran_in_the_trailers_releases_the_key() {
+    let handler = Handler::new(Answer::Unary {
+        status: "3",
+        trailers: vec![("idem-nothing-ran", "1")],
+    });
+    let mut app = app(&handler);
+    let first = call(&mut app, call_request("nr-1", message(b"x"), true)).await;
+    let trailers = first.trailers.expect("trailers");
+    assert_eq!(header(&trailers, "grpc-status"), Some("3"));
+    assert_eq!(header(&trailers, "idem-nothing-ran"), None);
+    call(&mut app, call_request("nr-1", message(b"x"), true)).await;
+    assert_eq!(handler.runs(), 2, "released: the retry ran");
+}
+
+/// A gRPC refusal keeps the should-retry header as metadata, and every
+/// retryable refusal carries its pushback.
+#[tokio::test]
+async fn grpc_refusals_carry_the_should_retry_header() {
+    let layer = tenant_layer(MemoryStore::new())
+        .should_retry_header(http::HeaderName::from_static("x-should-retry"));
+    let handler = Handler::new(Answer::Stream);
+    let mut app = layered(&layer, &handler, &Scope::default());
+    let mut first_app = app.clone();
+    let running = tokio::spawn(async move {
+        call(&mut first_app, call_request("sr-1", message(b"x"), true)).await
+    });
+    while handler.runs() == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let busy = call(&mut app, call_request("sr-1", message(b"x"), true)).await;
+    assert_eq!(
+        header(&busy.headers, "idem-problem"),
+        Some("idempotency_in_progress")
+    );
+    assert_eq!(header(&busy.headers, "x-should-retry"), Some("true"));
+    assert!(busy.headers.contains_key("grpc-retry-pushback-ms"));
+    let conflict = call(&mut app, call_request("sr-1", message(b"y"), true)).await;
+    assert_eq!(
+        header(&conflict.headers, "idem-problem"),
+        Some("idempotency_conflict")
+    );
+    assert_eq!(header(&conflict.headers, "x-should-retry"), Some("false"));
+    handler.send(Frame::data(message(b"done")));
+    handler.send(grpc_end());
+    // The stream ends when its sender goes.
+    handler.senders.lock().expect("senders").clear();
+    let _ = running.await;
+}

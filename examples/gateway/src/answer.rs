@@ -38,11 +38,12 @@ pub(crate) fn problem(
 /// The gateway's refusals a retry may cure: the upstream could not be
 /// reached, did not answer in time, or its answer was lost or invalid
 /// (the key is released, or kept while a late answer may come).
-const RETRYABLE: [&str; 4] = [
+const RETRYABLE: [&str; 5] = [
     "upstream_unreachable",
     "upstream_timeout",
     "upstream_answer_lost",
     "upstream_answer_invalid",
+    "deadline_exceeded",
 ];
 
 /// The gateway's own problem answer (one carrying [`GatewayCode`]) with

@@ -30,6 +30,9 @@ fn deadline_exceeded() -> Response<Body> {
         HeaderValue::from_static("application/grpc"),
     );
     headers.insert("grpc-status", HeaderValue::from_static("4"));
+    // The retry replays the answer once it is recorded: retry, shortly.
+    headers.insert("grpc-retry-pushback-ms", HeaderValue::from_static("1000"));
+    headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     headers.insert(
         "grpc-message",
         HeaderValue::from_static(
@@ -565,16 +568,20 @@ impl Proxy {
         // upstream's framework would answer DEADLINE_EXCEEDED at it while
         // its handler goes on. The caller is answered at its deadline; the
         // upstream gets the gateway's own bound and its answer is recorded.
-        let caller_deadline = keyed
-            .as_ref()
-            .filter(|_| idem_core::protocol::is_grpc(request.headers()))
-            .and_then(|_| idem_core::protocol::grpc_timeout(request.headers()));
+        let keyed_grpc = keyed.is_some() && idem_core::protocol::is_grpc(request.headers());
+        // A deadline the gateway cannot read is not kept either: never
+        // passed on (an upstream that reads it otherwise would answer at it
+        // while its handler goes on); the gateway's own bound holds.
+        let caller_deadline = keyed_grpc
+            .then(|| idem_core::protocol::grpc_timeout(request.headers()))
+            .flatten();
         // The Host the client sent is read before the URI changes.
         self.upstream_headers(&mut request);
-        if caller_deadline.is_some()
+        if keyed_grpc
             && let Ok(bound) =
                 HeaderValue::try_from(idem_core::protocol::grpc_timeout_value(self.0.timeout))
         {
+            // `insert` replaces every value the caller sent.
             request.headers_mut().insert(GRPC_TIMEOUT, bound);
         }
         *request.uri_mut() = uri;

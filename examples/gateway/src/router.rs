@@ -424,7 +424,9 @@ pub(crate) async fn refuse_connection_naming<F: Future<Output = Response>>(
     let no_host = first_host.is_none()
         && request.version() == http::Version::HTTP_11
         && request.uri().authority().is_none();
-    if no_host || hosts.next().is_some() {
+    // Two hosts joined in one line (`Host: a, b`) are two hosts too.
+    let joined = first_host.is_some_and(|host| host.as_bytes().contains(&b','));
+    if no_host || joined || hosts.next().is_some() {
         return problem(
             StatusCode::BAD_REQUEST,
             "host_header_invalid",
