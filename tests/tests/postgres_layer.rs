@@ -556,21 +556,7 @@ async fn an_error_postgres_answered_never_fails_open() {
     let url = server.database();
     let store = PgStore::from_url(&url).expect("store");
     store.migrate().await.expect("migrate");
-    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = Arc::clone(&runs);
-    let router = Router::new()
-        .route(
-            "/orders",
-            post(move || {
-                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                async { StatusCode::CREATED }
-            }),
-        )
-        .layer(
-            IdempotencyLayer::new(store.clone())
-                .tenant(TenantFromHeader::from_static("x-tenant-id"))
-                .fail_open(true),
-        );
+    let (router, runs) = fail_open_orders(IdempotencyLayer::new(store.clone()));
     let order = || {
         Request::post("/orders")
             .header("idempotency-key", "refused-1")
@@ -1017,21 +1003,7 @@ async fn too_many_connections_is_busy_and_never_fails_open() {
         matches!(busy, Err(idem_core::StoreError::Busy { .. })),
         "{busy:?}"
     );
-    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = Arc::clone(&runs);
-    let router = Router::new()
-        .route(
-            "/orders",
-            post(move || {
-                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                async { StatusCode::CREATED }
-            }),
-        )
-        .layer(
-            IdempotencyLayer::new(store)
-                .tenant(TenantFromHeader::from_static("x-tenant-id"))
-                .fail_open(true),
-        );
+    let (router, runs) = fail_open_orders(IdempotencyLayer::new(store));
     let answer = router
         .oneshot(
             Request::post("/orders")
@@ -1137,22 +1109,8 @@ async fn a_timeout_behind_a_busy_pooler_never_fails_open() {
         let _ = tx.rollback().await;
     });
     hold.await.expect("held");
-    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = Arc::clone(&runs);
-    let router = Router::new()
-        .route(
-            "/orders",
-            post(move || {
-                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                async { StatusCode::CREATED }
-            }),
-        )
-        .layer(
-            IdempotencyLayer::new(store)
-                .tenant(TenantFromHeader::from_static("x-tenant-id"))
-                .store_timeout(Duration::from_millis(300))
-                .fail_open(true),
-        );
+    let (router, runs) =
+        fail_open_orders(IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300)));
     let answer = router
         .oneshot(
             Request::post("/orders")
@@ -1211,4 +1169,27 @@ async fn a_transaction_that_cannot_begin_is_idems_own_503() {
         problem["type"],
         "urn:idem:problem:idempotency_store_unavailable"
     );
+}
+
+/// `POST /orders` answering 201, behind `layer` with tenants from
+/// `x-tenant-id` and fail-open on; and how many times the handler ran.
+fn fail_open_orders(
+    layer: IdempotencyLayer<PgStore>,
+) -> (Router, Arc<std::sync::atomic::AtomicUsize>) {
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let router = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { StatusCode::CREATED }
+            }),
+        )
+        .layer(
+            layer
+                .tenant(TenantFromHeader::from_static("x-tenant-id"))
+                .fail_open(true),
+        );
+    (router, runs)
 }

@@ -1013,3 +1013,47 @@ async fn a_rolling_key_rotation_opens_everywhere_at_every_step() {
     assert_eq!(unopened.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(upstream.runs(), 1);
 }
+
+/// The identity a gateway of the version before claimed (`v1:`, without
+/// fingerprint keying), as that version computed it.
+fn v1_identity(secret: &str) -> String {
+    use hmac::{Hmac, Mac};
+    let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(secret.as_bytes()).expect("key");
+    mac.update(b"idem-gateway identity v1\ntenants authorization\nscopes unkeyed");
+    let digest = mac.finalize().into_bytes();
+    format!("v1:{}", hex::encode(&digest[..16]))
+}
+
+/// A store that holds this gateway's own identity as the version before
+/// wrote it is upgraded at start (the marker becomes `v2:`); one that
+/// holds another gateway's earlier identity is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_claimed_by_the_version_before_is_upgraded() {
+    let Some((redis, _upstream, origin)) = redis_and_origin().await else {
+        return;
+    };
+    let url = redis.url();
+    let secret = "the fleet's secret, 0001";
+    let flags = ["--store", url.as_str(), "--tenant-secret", secret];
+    redis.cli(&["SET", "idem:identity", &v1_identity(secret), "PX", "600000"]);
+    try_start(&origin, &flags)
+        .await
+        .expect("its own earlier identity");
+    let held = redis.cli(&["GET", "idem:identity"]);
+    assert!(held.trim().starts_with("v2:"), "{held}");
+
+    redis.cli(&[
+        "SET",
+        "idem:identity",
+        &v1_identity("another secret, 00000002"),
+        "PX",
+        "600000",
+    ]);
+    let error = try_start(&origin, &flags)
+        .await
+        .expect_err("another gateway's earlier identity");
+    assert!(
+        error.to_string().contains("--replace-store-identity"),
+        "{error}"
+    );
+}

@@ -24,17 +24,9 @@ impl<S: Fleet> IdempotencyLayer<S> {
         replace: bool,
     ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
         let marker = self.store_identity();
+        let legacy = self.legacy_store_identity();
         let ttl = self.runtime.config.retention;
-        let store = &self.runtime.store;
-        let claimed = store.claim_identity(&marker, ttl, replace).await;
-        match claimed {
-            // Layers of the version before claimed this layer's own
-            // identity without its fingerprints: upgraded.
-            Ok(idem_core::IdentityClaim::Other(held)) if held == self.legacy_store_identity() => {
-                store.claim_identity(&marker, ttl, true).await
-            }
-            other => other,
-        }
+        claim_upgrading(&*self.runtime.store, &marker, Some(&legacy), ttl, replace).await
     }
 
     /// [`claim_store`](Self::claim_store) now, and kept alive while the
@@ -47,16 +39,8 @@ impl<S: Fleet> IdempotencyLayer<S> {
     ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
         let ttl = self.runtime.config.retention;
         let guard = self.runtime.config.store_guard.clone();
-        let marker = self.store_identity();
-        let first = keep_claimed_guarded(self.store(), marker.clone(), ttl, replace, guard.clone());
-        match first.await {
-            // Layers of the version before claimed this layer's own
-            // identity without its fingerprints: upgraded.
-            Ok(idem_core::IdentityClaim::Other(held)) if held == self.legacy_store_identity() => {
-                keep_claimed_guarded(self.store(), marker, ttl, true, guard).await
-            }
-            other => other,
-        }
+        let (marker, legacy) = (self.store_identity(), self.legacy_store_identity());
+        keep_claimed_guarded(self.store(), marker, Some(legacy), ttl, replace, guard).await
     }
 }
 
@@ -75,22 +59,44 @@ pub async fn keep_claimed<S: Fleet>(
     ttl: std::time::Duration,
     replace: bool,
 ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
-    keep_claimed_guarded(store, marker, ttl, replace, StoreGuard::default()).await
+    keep_claimed_guarded(store, marker, None, ttl, replace, StoreGuard::default()).await
+}
+
+/// Claims `store` for `marker`; a store held by `legacy` (this process's
+/// own identity as the version before wrote it) is taken over for the
+/// current one, since the two derive records alike.
+async fn claim_upgrading<S: Fleet + ?Sized>(
+    store: &S,
+    marker: &str,
+    legacy: Option<&str>,
+    ttl: std::time::Duration,
+    replace: bool,
+) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
+    match store.claim_identity(marker, ttl, replace).await {
+        Ok(idem_core::IdentityClaim::Other(held)) if legacy == Some(held.as_str()) => {
+            tracing::info!("the store's identity is upgraded from this process's earlier marker");
+            store.claim_identity(marker, ttl, true).await
+        }
+        other => other,
+    }
 }
 
 /// [`keep_claimed`], checking the claim again on the first connection
 /// that reaches the store when it could not be asked at start: if another
 /// marker holds it then, `guard` is thrown (the layer holding it refuses
-/// every protected request, as a start would have been refused).
+/// every protected request, as a start would have been refused). A store
+/// held by `legacy` (this process's own identity as the version before
+/// wrote it) is upgraded to `marker`, at start or at that first refresh.
 pub async fn keep_claimed_guarded<S: Fleet>(
     store: &Arc<S>,
     marker: String,
+    legacy: Option<String>,
     ttl: std::time::Duration,
     replace: bool,
     guard: StoreGuard,
 ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
     use std::time::Duration;
-    let first = store.claim_identity(&marker, ttl, replace).await;
+    let first = claim_upgrading(&**store, &marker, legacy.as_deref(), ttl, replace).await;
     if let Ok(idem_core::IdentityClaim::Other(_)) = first {
         return first;
     }
@@ -103,10 +109,10 @@ pub async fn keep_claimed_guarded<S: Fleet>(
             let Some(store) = store.upgrade() else {
                 return;
             };
-            match store
-                .claim_identity(&marker, ttl, replace && !checked)
-                .await
-            {
+            // Until the first claim, as at start: `replace`, and an
+            // earlier marker of this process's upgraded.
+            let legacy = legacy.as_deref().filter(|_| !checked);
+            match claim_upgrading(&*store, &marker, legacy, ttl, replace && !checked).await {
                 Ok(idem_core::IdentityClaim::Other(other)) if !checked => {
                     checked = true;
                     guard.refuse();

@@ -125,17 +125,7 @@ pub fn default_http_verdict(status: StatusCode, producer: Producer) -> Verdict {
 pub fn default_grpc_verdict(status: Option<u32>, producer: Producer) -> Verdict {
     let upstream = producer == Producer::Upstream;
     match status {
-        Some(
-            code::OK
-            | code::INVALID_ARGUMENT
-            | code::NOT_FOUND
-            | code::ALREADY_EXISTS
-            | code::PERMISSION_DENIED
-            | code::FAILED_PRECONDITION
-            | code::OUT_OF_RANGE
-            | code::UNIMPLEMENTED
-            | code::UNAUTHENTICATED,
-        ) => Verdict::Stored,
+        Some(status) if grpc_terminal(status) => Verdict::Stored,
         Some(code::RESOURCE_EXHAUSTED | code::ABORTED | code::UNAVAILABLE) => Verdict::Released,
         Some(code::DEADLINE_EXCEEDED | code::CANCELLED | code::UNKNOWN | code::DATA_LOSS) => {
             Verdict::Unknown
@@ -151,6 +141,24 @@ pub fn default_grpc_verdict(status: Option<u32>, producer: Producer) -> Verdict 
 pub fn default_should_store(status: StatusCode) -> bool {
     let code = status.as_u16();
     (200..500).contains(&code) && !matches!(code, 408 | 425 | 429)
+}
+
+/// The gRPC statuses a retry would only repeat (a result, or a terminal
+/// answer): stored, by the three-way default and by the earlier two-way
+/// one alike.
+pub(crate) fn grpc_terminal(status: u32) -> bool {
+    matches!(
+        status,
+        code::OK
+            | code::INVALID_ARGUMENT
+            | code::NOT_FOUND
+            | code::ALREADY_EXISTS
+            | code::PERMISSION_DENIED
+            | code::FAILED_PRECONDITION
+            | code::OUT_OF_RANGE
+            | code::UNIMPLEMENTED
+            | code::UNAUTHENTICATED
+    )
 }
 
 /// An HTTP classifier: a status and its producer to a verdict.

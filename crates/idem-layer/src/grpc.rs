@@ -114,18 +114,7 @@ pub use idem_core::protocol::is_grpc;
 ///
 /// An answer without a `grpc-status` is a broken call and releases too.
 pub fn default_grpc_should_store(status: u32) -> bool {
-    matches!(
-        status,
-        code::OK
-            | code::INVALID_ARGUMENT
-            | code::NOT_FOUND
-            | code::ALREADY_EXISTS
-            | code::PERMISSION_DENIED
-            | code::FAILED_PRECONDITION
-            | code::OUT_OF_RANGE
-            | code::UNIMPLEMENTED
-            | code::UNAUTHENTICATED
-    )
+    crate::classify::grpc_terminal(status)
 }
 
 /// The call's `grpc-status`: from the trailers, else from the head (a

@@ -226,25 +226,18 @@ pub(crate) async fn claim_store<S: Fleet>(
     tenants: &Tenants,
     guard: idem_layer::StoreGuard,
 ) -> Result<(), StartError> {
-    let marker = store_identity(config, tenants);
-    let mut claimed = idem_layer::keep_claimed_guarded(
-        store,
-        marker.clone(),
-        config.retention,
-        config.replace_store_identity,
-        guard.clone(),
-    )
-    .await;
     // Gateways of the version before held this gateway's own identity
     // without its fingerprint keying: it is upgraded (they log, at their
     // next refresh, that the store changed hands).
-    if let Ok(idem_core::IdentityClaim::Other(held)) = &claimed
-        && *held == legacy_store_identity(config, tenants)
-    {
-        tracing::info!("the store's identity is upgraded to cover fingerprint keying");
-        claimed =
-            idem_layer::keep_claimed_guarded(store, marker, config.retention, true, guard).await;
-    }
+    let claimed = idem_layer::keep_claimed_guarded(
+        store,
+        store_identity(config, tenants),
+        Some(legacy_store_identity(config, tenants)),
+        config.retention,
+        config.replace_store_identity,
+        guard,
+    )
+    .await;
     match claimed {
         Ok(idem_core::IdentityClaim::Other(_)) => Err(StartError::UnsafeStore(format!(
             "this store holds records of gateways that derive tenants, scopes or fingerprints \

@@ -711,6 +711,7 @@ async fn the_operator_page_needs_the_admin_token() {
     // it (`?done=…`) is budgeted like any listing: a record made since is
     // not shown until the listing's time has passed.
     let done = "/_idempotency/operator?done=Released";
+    let listed = std::time::Instant::now();
     let after = send(
         &http,
         request(
@@ -728,6 +729,11 @@ async fn the_operator_page_needs_the_admin_token() {
     );
     wait_for_lapsed(gateway.addr, 1).await;
     for _ in 0..20 {
+        // Checked while that listing may still answer (it is read again
+        // after LISTING_EVERY, 5 s): a loaded machine may get fewer checks.
+        if listed.elapsed() >= std::time::Duration::from_millis(4_500) {
+            break;
+        }
         let reloaded = send(
             &http,
             request(
@@ -843,6 +849,7 @@ async fn sign_in_is_throttled_per_source_without_locking_the_operator_out() {
     let operator: std::net::IpAddr = [127, 0, 0, 3].into();
     let mut refused = 0;
     let mut throttled = 0;
+    let guessing = std::time::Instant::now();
     for n in 0..300 {
         match sign_in_from(guesser, gateway.addr, &format!("guess-{n}")).await {
             (403, _, None) => refused += 1,
@@ -853,8 +860,14 @@ async fn sign_in_is_throttled_per_source_without_locking_the_operator_out() {
             other => panic!("a guess: {other:?}"),
         }
     }
-    assert!(refused <= 10, "{refused} wrong tokens compared");
-    assert!(throttled >= 290, "{throttled} throttled");
+    // Five at once, then one a second earned back: however long the
+    // guesses took on this machine.
+    let earned = usize::try_from(guessing.elapsed().as_secs()).unwrap_or(usize::MAX);
+    assert!(
+        refused <= 5 + earned + 1,
+        "{refused} wrong tokens compared in {earned} s"
+    );
+    assert_eq!(throttled, 300 - refused, "every other guess throttled");
     // Even the right token waits, from the guesser's address.
     assert_eq!(sign_in_from(guesser, gateway.addr, ADMIN).await.0, 429);
     // The operator, elsewhere, is not locked out.
