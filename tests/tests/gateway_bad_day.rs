@@ -163,6 +163,22 @@ async fn an_upstream_that_never_answers_is_taken_over_after_the_lease() {
     let busy = post(gateway.addr, "/slow", "never-1").await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
     assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    // The records API shows the attempt's outcome as unknown.
+    let record = send(
+        &client(),
+        keyed(
+            gateway.addr,
+            Method::GET,
+            "/_idempotency/records?method=POST&path=/slow&key=never-1",
+            "never-1",
+            "",
+        ),
+    )
+    .await;
+    assert_eq!(record.status, StatusCode::OK, "{record:?}");
+    let json: serde_json::Value = serde_json::from_slice(&record.body).expect("json");
+    assert_eq!(json["state"], "processing", "{json}");
+    assert_eq!(json["attempts"][0]["outcome"]["kind"], "unknown", "{json}");
     // After the lease (measured by the store), a retry takes over.
     let takeover = poll_until(
         Duration::from_secs(10),

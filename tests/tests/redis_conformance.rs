@@ -87,6 +87,13 @@ impl Store for Alternating {
         self.pick().renew(lease).await
     }
 
+    async fn mark_unknown(
+        &self,
+        lease: &idem_core::Lease,
+    ) -> Result<idem_core::Renewal, idem_core::StoreError> {
+        self.pick().mark_unknown(lease).await
+    }
+
     async fn complete(
         &self,
         lease: &idem_core::Lease,

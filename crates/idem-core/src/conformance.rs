@@ -328,6 +328,85 @@ pub async fn takeover_after_lease_expiry<H: Harness>(h: &H) {
     assert_eq!(record.attempts[1].outcome, AttemptOutcome::Running);
 }
 
+/// An attempt whose caller was told its outcome is unknown keeps that in
+/// its history while it holds the key, and ends as its late answer says,
+/// or superseded when a retry takes over after its lease lapsed.
+pub async fn an_unknown_outcome_is_kept<H: Harness>(h: &H) {
+    let history = async |scope: &Scope| {
+        let record = get(h, scope.hash()).await.expect("record");
+        let outcomes: Vec<_> = record.attempts.iter().map(|a| a.outcome).collect();
+        (record.state, outcomes)
+    };
+    // Kept while the key is held; a late answer completes it.
+    let scope = fresh_scope("unknown-late");
+    let lease = acquire(h, &scope, 1).await;
+    let renewal = h.store().mark_unknown(&lease).await.expect("mark_unknown");
+    assert_eq!(renewal, Renewal::Renewed);
+    assert_eq!(
+        history(&scope).await,
+        (RecordState::Processing, vec![AttemptOutcome::Unknown])
+    );
+    expect_reservation!(h, &scope, 1, Reservation::InProgress { .. });
+    recorded(h, &lease, &response(201, b"late")).await;
+    assert_eq!(
+        history(&scope).await,
+        (
+            RecordState::Completed,
+            vec![AttemptOutcome::Completed { status: 201 }]
+        )
+    );
+    // Another owner's token changes nothing.
+    let scope = fresh_scope("unknown-fenced");
+    let lease = acquire(h, &scope, 1).await;
+    let stranger = crate::Lease {
+        token: crate::OwnerToken::new(),
+        ..lease
+    };
+    let renewal = h
+        .store()
+        .mark_unknown(&stranger)
+        .await
+        .expect("mark_unknown");
+    assert!(matches!(renewal, Renewal::Fenced(_)), "{renewal:?}");
+    assert_eq!(
+        history(&scope).await,
+        (RecordState::Processing, vec![AttemptOutcome::Running])
+    );
+    // No late answer: the lease lapses and the retry that takes over
+    // finds it superseded (its side effects unknown).
+    let scope = fresh_scope("unknown-lapsed");
+    let lease = acquire(h, &scope, 1).await;
+    let renewal = h.store().mark_unknown(&lease).await.expect("mark_unknown");
+    assert_eq!(renewal, Renewal::Renewed);
+    h.advance(h.lease() + Duration::from_millis(100)).await;
+    match reserve(h, &scope, 1).await {
+        Reservation::TakenOver { superseded, .. } => {
+            assert_eq!(superseded.id, lease.attempt);
+            assert_eq!(superseded.outcome, AttemptOutcome::Superseded);
+        }
+        other => panic!("expected TakenOver, got {other:?}"),
+    }
+    assert_eq!(
+        history(&scope).await,
+        (
+            RecordState::Processing,
+            vec![AttemptOutcome::Superseded, AttemptOutcome::Running]
+        )
+    );
+    // Cancelled while unknown: the attempt ends cancelled.
+    let scope = fresh_scope("unknown-cancelled");
+    let lease = acquire(h, &scope, 1).await;
+    let _ = h.store().mark_unknown(&lease).await.expect("mark_unknown");
+    assert!(matches!(
+        cancel(h, scope.hash()).await,
+        Cancellation::Cancelled(_)
+    ));
+    assert_eq!(
+        history(&scope).await,
+        (RecordState::Cancelled, vec![AttemptOutcome::Cancelled])
+    );
+}
+
 /// A first attempt of `scope` (fingerprint 1) whose lease lapsed, and the
 /// second attempt that took it over.
 async fn lapsed_and_taken_over<H: Harness>(h: &H, scope: &Scope) -> (crate::Lease, crate::Lease) {
@@ -968,6 +1047,7 @@ where
     renew_extends_lease(h).await;
     renewal_outlives_retention(h).await;
     takeover_after_lease_expiry(h).await;
+    an_unknown_outcome_is_kept(h).await;
     superseded_writes_are_fenced(h).await;
     wrong_token_is_fenced(h).await;
     release_frees_key(h).await;
@@ -1018,6 +1098,7 @@ macro_rules! conformance_tests {
             renew_extends_lease,
             renewal_outlives_retention,
             takeover_after_lease_expiry,
+            an_unknown_outcome_is_kept,
             superseded_writes_are_fenced,
             wrong_token_is_fenced,
             release_frees_key,

@@ -90,7 +90,7 @@ fn end_current_attempt(
         .attempts
         .iter_mut()
         .rev()
-        .find(|a| a.generation == generation && a.outcome == AttemptOutcome::Running)?;
+        .find(|a| a.generation == generation && a.outcome.is_open())?;
     attempt.outcome = outcome;
     attempt.ended_at_ms = Some(now_ms);
     Some(attempt.clone())
@@ -314,6 +314,27 @@ pub fn renew(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Renewal {
         // A request that runs longer than the retention never expires under
         // its own feet.
         record.expires_at_ms = record.expires_at_ms.max(record.lease_expires_at_ms);
+    }
+    Renewal::Renewed
+}
+
+/// Keeps in the attempt's history that its caller was told its outcome is
+/// unknown ([`AttemptOutcome::Unknown`]), if the lease is still current:
+/// the record stays processing under the lease it has, awaiting a late
+/// answer (the lease is not extended: without one, a retry takes over as
+/// soon as it lapses).
+pub fn mark_unknown(slot: &mut Option<Record>, lease: &Lease, now_ms: u64) -> Renewal {
+    expire(slot, now_ms);
+    if !owns(slot, lease, now_ms) {
+        return Renewal::Fenced(current(slot, now_ms));
+    }
+    if let Some(attempt) = slot.as_mut().and_then(|r| {
+        r.attempts
+            .iter_mut()
+            .rev()
+            .find(|a| a.id == lease.attempt && a.outcome == AttemptOutcome::Running)
+    }) {
+        attempt.outcome = AttemptOutcome::Unknown;
     }
     Renewal::Renewed
 }

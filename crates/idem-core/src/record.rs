@@ -223,6 +223,20 @@ pub enum AttemptOutcome {
     /// An operator released its key (a stuck attempt); its side effects
     /// are unknown.
     ReleasedByOperator,
+    /// Its caller was answered that the outcome is unknown (a deadline it
+    /// enforced, an upstream's `504`): the action may have run. The attempt
+    /// still holds its lease, awaiting a late answer; it ends completed or
+    /// released if one comes, and superseded if its lease lapses and a
+    /// retry takes over.
+    Unknown,
+}
+
+impl AttemptOutcome {
+    /// Whether the attempt has not ended yet: running, or running with its
+    /// outcome [unknown](Self::Unknown) to its caller.
+    pub fn is_open(&self) -> bool {
+        matches!(self, Self::Running | Self::Unknown)
+    }
 }
 
 /// What a fenced attempt tried to write after it lost its lease.

@@ -72,6 +72,22 @@ pub trait Store: Send + Sync + 'static {
     /// the record's current lease.
     fn renew(&self, lease: &Lease) -> impl Future<Output = Result<Renewal, StoreError>> + Send;
 
+    /// Keeps in the attempt's history that its caller was answered that
+    /// the outcome is unknown
+    /// ([`AttemptOutcome::Unknown`](crate::AttemptOutcome::Unknown)): the
+    /// action may have run, and the record stays processing under the
+    /// lease it has, awaiting a late answer. Answers as [`renew`](Self::renew)
+    /// would (`Renewed` when the lease is still current, which this call
+    /// does not extend). The default keeps nothing (the history then shows
+    /// the attempt running); every store of this project keeps it.
+    fn mark_unknown(
+        &self,
+        lease: &Lease,
+    ) -> impl Future<Output = Result<Renewal, StoreError>> + Send {
+        let _ = lease;
+        std::future::ready(Ok(Renewal::Renewed))
+    }
+
     /// Records `outcome` as the result, if `lease` is still current.
     /// Otherwise keeps the outcome's status as late evidence on the
     /// attempt and leaves the result alone.
@@ -237,6 +253,13 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn renew(&self, lease: &Lease) -> impl Future<Output = Result<Renewal, StoreError>> + Send {
         (**self).renew(lease)
+    }
+
+    fn mark_unknown(
+        &self,
+        lease: &Lease,
+    ) -> impl Future<Output = Result<Renewal, StoreError>> + Send {
+        (**self).mark_unknown(lease)
     }
 
     fn complete(

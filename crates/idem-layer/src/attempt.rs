@@ -24,9 +24,9 @@ use crate::{
     body::BoxError,
     classify::{RemoteAnswer, Verdict},
     engine::{Lapse, renewing, settle},
-    metrics::{self as m, Outcome as Counted},
+    metrics::{self as m, Outcome as Counted, StoreOp},
     problem::{ProblemCode, problem},
-    runtime::{Runtime, commit_call},
+    runtime::{Runtime, commit_call, store_call},
 };
 
 /// What the handler produced, read as far as the storable limit.
@@ -352,6 +352,7 @@ where
                     "outcome unknown: the key stays reserved while a late answer may come"
                 );
                 let late = unknown.take_late();
+                keep_unknown(&rt, &lease).await;
                 rt.tasks
                     .spawn(await_late(rt.clone(), reserved, lease, late).in_current_span());
                 return Ok(response.map(ResponseBody::inner));
@@ -416,6 +417,7 @@ where
                 "outcome unknown: the key stays reserved until its lease lapses"
             );
             drop(slot);
+            keep_unknown(&rt, &lease).await;
             rt.tasks
                 .spawn(await_late(rt.clone(), reserved, lease, None).in_current_span());
             return Ok(Response::from_parts(parts, body));
@@ -558,6 +560,16 @@ fn unavailable<B>(detail: &str) -> Response<ResponseBody<B>> {
         detail,
         Some(Duration::from_secs(1)),
     )
+}
+
+/// Keeps in the record's history that the attempt's caller is answered
+/// that its outcome is unknown, before the answer goes out: whoever reads
+/// the record afterwards (the records API, an operator) sees it.
+async fn keep_unknown<S: Store>(rt: &Runtime<S>, lease: &Lease) {
+    let marked = store_call(&rt.config, StoreOp::Renew, rt.store.mark_unknown(lease)).await;
+    if let Err(error) = marked {
+        tracing::warn!(%error, "the unknown outcome could not be kept in the record's history");
+    }
 }
 
 /// After an unknown outcome: waits (bounded, renewing the lease) for the

@@ -17,8 +17,8 @@ use common::*;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use idem_core::{
-    Cancellation, Completion, Lease, Outcome, Record, Release, Renewal, Reservation,
-    ReserveRequest, ScopeHash, Store, StoreError,
+    AttemptOutcome, Cancellation, Completion, Lease, Outcome, Record, Release, Renewal,
+    Reservation, ReserveRequest, ScopeHash, Store, StoreError,
 };
 use idem_layer::{BoxError, ConfigError, IdempotencyLayer, InFlight, UnknownOutcome};
 use idem_memory::MemoryStore;
@@ -172,6 +172,18 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
     let retry = send(&service, order("unk-1", "{}")).await;
     assert_eq!(retry.status, StatusCode::CONFLICT, "not released");
     assert_eq!(retry.code().as_deref(), Some("idempotency_in_progress"));
+    // The record's history said the outcome is unknown before the 504 went
+    // out, and says so while the late answer is awaited.
+    let scope = idem_core::Scope::new("t1", "POST /orders", key("unk-1"));
+    let outcomes = async || {
+        let record = store.get(scope.hash()).await.expect("get").expect("record");
+        record
+            .attempts
+            .iter()
+            .map(|a| a.outcome)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(outcomes().await, [AttemptOutcome::Unknown]);
     let mut answer = Response::new(Full::new(Bytes::from_static(b"{\"order\":7}")));
     *answer.status_mut() = StatusCode::CREATED;
     send_late.send(answer).expect("late answer taken");
@@ -187,6 +199,10 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
     let retry = send(&service, order("unk-1", "{}")).await;
     assert_eq!(&retry.body[..], b"{\"order\":7}");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        outcomes().await,
+        [AttemptOutcome::Completed { status: 201 }]
+    );
 }
 
 /// Without a late answer the lease lapses, and only then a retry takes over
@@ -218,6 +234,12 @@ async fn unknown_outcome_without_an_answer_lapses_to_a_takeover() {
         .expect("get")
         .expect("record");
     assert_eq!(record.generation, 2, "the takeover has the next generation");
+    let outcomes: Vec<_> = record.attempts.iter().map(|a| a.outcome).collect();
+    assert_eq!(
+        outcomes,
+        [AttemptOutcome::Superseded, AttemptOutcome::Unknown],
+        "the first attempt was unknown and then superseded; the takeover's is unknown"
+    );
 }
 
 /// A handler that answers a final informational status (`101` that was not

@@ -45,6 +45,12 @@ impl Store for MemoryStore {
         Ok(self.with_existing(&lease.scope, |slot, now| machine::renew(slot, lease, now)))
     }
 
+    async fn mark_unknown(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        Ok(self.with_existing(&lease.scope, |slot, now| {
+            machine::mark_unknown(slot, lease, now)
+        }))
+    }
+
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
         // A response that would cross the byte bound is recorded without
         // its bytes: the action ran and must not run again, but the bound

@@ -64,7 +64,7 @@ impl Sql {
                    completed_at_ms = t.now, updated_at_ms = t.now, \
                    attempts = COALESCE((SELECT jsonb_agg(CASE \
                      WHEN (a->>'generation')::bigint = r.generation \
-                       AND a->'outcome'->>'kind' = 'running' \
+                       AND a->'outcome'->>'kind' IN ('running', 'unknown') \
                      THEN a || jsonb_build_object('ended_at_ms', t.now, 'outcome', \
                        jsonb_build_object('kind', 'completed', 'status', $4::integer)) \
                      ELSE a END ORDER BY i) \

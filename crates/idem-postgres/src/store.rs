@@ -83,6 +83,16 @@ impl Store for PgStore {
         .await
     }
 
+    async fn mark_unknown(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        self.classified(async {
+            self.transition(&lease.scope, |slot, now_ms| {
+                machine::mark_unknown(slot, lease, now_ms)
+            })
+            .await
+        })
+        .await
+    }
+
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {
         self.classified(async {
             if self

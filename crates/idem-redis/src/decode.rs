@@ -624,6 +624,7 @@ pub(crate) fn current_attempt(
         "superseded" => AttemptOutcome::Superseded,
         "cancelled" => AttemptOutcome::Cancelled,
         "released_by_operator" => AttemptOutcome::ReleasedByOperator,
+        "unknown" => AttemptOutcome::Unknown,
         other => return Err(corrupt(format!("attempt outcome {other:?}"))),
     };
     Ok(Attempt {

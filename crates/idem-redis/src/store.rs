@@ -98,6 +98,23 @@ impl Step {
 }
 
 impl RedisStore {
+    /// `renew.lua`; with `unknown`, it keeps in the history that the
+    /// attempt's caller was told its outcome is unknown instead of renewing.
+    async fn renew_marking(&self, lease: &Lease, unknown: bool) -> Result<Renewal, StoreError> {
+        let mut invocation = Invocation::on_record(&self.scripts.renew, &self.prefix, &lease.scope);
+        lease_args(&mut invocation, lease);
+        if unknown {
+            invocation.arg("unknown");
+        } else {
+            invocation.arg(millis(lease.ttl));
+        }
+        let reply = items(self.run(invocation, false).await?.0)?;
+        if decode::tag(reply.first())? == "renewed" {
+            return Ok(Renewal::Renewed);
+        }
+        Ok(Renewal::Fenced(decode_current(reply)?))
+    }
+
     /// Logs a completion that reached fewer replicas than the store waits
     /// for (it stands: the handler ran).
     fn warn_short_of_replicas(&self, acked: Option<usize>) {
@@ -295,14 +312,11 @@ impl Store for RedisStore {
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, StoreError> {
-        let mut invocation = Invocation::on_record(&self.scripts.renew, &self.prefix, &lease.scope);
-        lease_args(&mut invocation, lease);
-        invocation.arg(millis(lease.ttl));
-        let reply = items(self.run(invocation, false).await?.0)?;
-        if decode::tag(reply.first())? == "renewed" {
-            return Ok(Renewal::Renewed);
-        }
-        Ok(Renewal::Fenced(decode_current(reply)?))
+        self.renew_marking(lease, false).await
+    }
+
+    async fn mark_unknown(&self, lease: &Lease) -> Result<Renewal, StoreError> {
+        self.renew_marking(lease, true).await
     }
 
     async fn complete(&self, lease: &Lease, outcome: &Outcome) -> Result<Completion, StoreError> {

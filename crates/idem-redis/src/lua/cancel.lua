@@ -20,7 +20,7 @@ end
 local until_ms = now + tonumber(retention_ms)
 redis.call('HSET', record, @state@, 'cancelled', @owner@, '', @expires@, until_ms,
   @cancel_id@, ARGV[1])
-if outcome == 'running' then
+if outcome == 'running' or outcome == 'unknown' then
   redis.call('HSET', record, @cur_outcome@, 'cancelled', @cur_end@, now)
 end
 redis.call('PEXPIREAT', record, until_ms)

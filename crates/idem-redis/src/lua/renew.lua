@@ -1,4 +1,6 @@
--- ARGV: generation, owner token, lease ms
+-- ARGV: generation, owner token, lease ms, or 'unknown' in its place: the
+-- running attempt's caller was told its outcome is unknown, which the history
+-- keeps (machine.rs, mark_unknown), and the lease stays as it is.
 expand()
 local state, expires, gen, owner = unpack(redis.call('HMGET', record, @state@, @expires@, @gen@, @owner@))
 if not live(state, expires) then
@@ -6,6 +8,12 @@ if not live(state, expires) then
 end
 if state ~= 'processing' or gen ~= ARGV[1] or owner ~= ARGV[2] then
   return rare().current(state)
+end
+if ARGV[3] == 'unknown' then
+  if redis.call('HGET', record, @cur_outcome@) == 'running' then
+    redis.call('HSET', record, @cur_outcome@, 'unknown')
+  end
+  return {'renewed'}
 end
 local lease_until = now + tonumber(ARGV[3])
 local until_text = ms(lease_until)
