@@ -385,3 +385,102 @@ pub async fn lapsed_and_taken_over<S: idem_core::Store>(
     };
     (first, second, superseded)
 }
+
+/// Two stores on one Redis, one packing new records and one not, taking
+/// the calls in turn: a record one layout's store wrote is read, completed,
+/// renewed, released, cancelled and listed by the other's (a rolling
+/// deploy that turns packing on, or off).
+pub struct Alternating {
+    stores: [idem_redis::RedisStore; 2],
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Alternating {
+    /// The two stores, the first one taking the first call.
+    pub fn new(stores: [idem_redis::RedisStore; 2]) -> Self {
+        Self {
+            stores,
+            next: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    fn pick(&self) -> &idem_redis::RedisStore {
+        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &self.stores[turn % 2]
+    }
+}
+
+impl idem_core::Store for Alternating {
+    async fn reserve(
+        &self,
+        request: &idem_core::ReserveRequest,
+    ) -> Result<idem_core::Reservation, idem_core::StoreError> {
+        self.pick().reserve(request).await
+    }
+
+    async fn renew(
+        &self,
+        lease: &idem_core::Lease,
+    ) -> Result<idem_core::Renewal, idem_core::StoreError> {
+        self.pick().renew(lease).await
+    }
+
+    async fn mark_unknown(
+        &self,
+        lease: &idem_core::Lease,
+    ) -> Result<idem_core::Renewal, idem_core::StoreError> {
+        self.pick().mark_unknown(lease).await
+    }
+
+    async fn complete(
+        &self,
+        lease: &idem_core::Lease,
+        outcome: &idem_core::Outcome,
+    ) -> Result<idem_core::Completion, idem_core::StoreError> {
+        self.pick().complete(lease, outcome).await
+    }
+
+    async fn release(
+        &self,
+        lease: &idem_core::Lease,
+    ) -> Result<idem_core::Release, idem_core::StoreError> {
+        self.pick().release(lease).await
+    }
+
+    async fn cancel(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<idem_core::Cancellation, idem_core::StoreError> {
+        self.pick().cancel(scope).await
+    }
+
+    async fn get(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<Option<idem_core::Record>, idem_core::StoreError> {
+        self.pick().get(scope).await
+    }
+}
+
+impl idem_core::RecordsAdmin for Alternating {
+    async fn list(
+        &self,
+        query: &idem_core::RecordQuery,
+    ) -> Result<Vec<idem_core::Record>, idem_core::StoreError> {
+        self.pick().list(query).await
+    }
+
+    async fn force_release(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<idem_core::ForceRelease, idem_core::StoreError> {
+        self.pick().force_release(scope).await
+    }
+
+    async fn erase(
+        &self,
+        scope: &idem_core::ScopeHash,
+    ) -> Result<idem_core::Erasure, idem_core::StoreError> {
+        self.pick().erase(scope).await
+    }
+}

@@ -1171,6 +1171,102 @@ async fn a_transaction_that_cannot_begin_is_idems_own_503() {
     );
 }
 
+/// Two more answers of the database, never covered by fail-open: a row the
+/// store cannot read (its history spoiled), and a record that keeps
+/// vanishing between the insert that found it and the lock that reads it
+/// (here a completed record hidden from the store's role by row-level
+/// security, as a sweep racing every try would hide it), which is busy. A fail-open layer
+/// answers 503 to both and never runs the handler again.
+#[tokio::test]
+async fn a_corrupt_row_and_a_vanishing_record_never_fail_open() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let url = server.database();
+    let database = url.rsplit('/').next().expect("a database").to_owned();
+    let store = PgStore::from_url(&url).expect("store");
+    store.migrate().await.expect("migrate");
+    let (router, runs) = fail_open_orders(IdempotencyLayer::new(store.clone()));
+    let order = |key: &str| {
+        Request::post("/orders")
+            .header("idempotency-key", key)
+            .header("x-tenant-id", "acme")
+            .body(axum::body::Body::from("{}"))
+            .expect("request")
+    };
+    for key in ["spoiled", "hidden"] {
+        let answer = router.clone().oneshot(order(key)).await.expect("answer");
+        assert_eq!(answer.status(), StatusCode::CREATED);
+    }
+    let ran = || runs.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(ran(), 2);
+    server
+        .psql(
+            &database,
+            "UPDATE idem_records SET attempts = '\"not a history\"'::jsonb WHERE key = 'spoiled'",
+        )
+        .expect("spoil");
+    let answer = router
+        .clone()
+        .oneshot(order("spoiled"))
+        .await
+        .expect("answer");
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(ran(), 2, "a corrupt row is not run unprotected");
+
+    let role = format!("hides_{database}");
+    server
+        .psql(
+            &database,
+            &format!(
+                "CREATE ROLE {role} LOGIN; \
+                 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}; \
+                 ALTER TABLE idem_records ENABLE ROW LEVEL SECURITY; \
+                 CREATE POLICY none_seen ON idem_records FOR SELECT TO {role} \
+                   USING (state = 'processing'); \
+                 CREATE POLICY inserts ON idem_records FOR INSERT TO {role} WITH CHECK (true);"
+            ),
+        )
+        .expect("a role that sees no record");
+    let hidden_url = url.replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(hidden_url, url, "{url}");
+    let hiding = PgStore::from_url(&hidden_url).expect("store");
+    let request = ReserveRequest {
+        scope: fresh_scope("hidden-direct"),
+        fingerprint: fingerprint(1),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(3600),
+    };
+    let Ok(Reservation::Acquired(lease)) = store.reserve(&request).await else {
+        panic!("a new key");
+    };
+    let done = Outcome::Stored(StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Bytes::from_static(b"{}"),
+    });
+    assert_eq!(
+        store.complete(&lease, &done).await.expect("complete"),
+        Completion::Recorded
+    );
+    let busy = hiding.reserve(&request).await;
+    assert!(
+        matches!(busy, Err(idem_core::StoreError::Busy { .. })),
+        "{busy:?}"
+    );
+    let (hidden_router, hidden_runs) = fail_open_orders(IdempotencyLayer::new(hiding));
+    let answer = hidden_router
+        .oneshot(order("hidden"))
+        .await
+        .expect("answer");
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        hidden_runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "a vanishing record is not run unprotected"
+    );
+}
+
 /// `POST /orders` answering 201, behind `layer` with tenants from
 /// `x-tenant-id` and fail-open on; and how many times the handler ran.
 fn fail_open_orders(

@@ -502,6 +502,42 @@ async fn fail_open_never_covers_a_corrupt_record() {
     }
 }
 
+/// A record key that holds another type (a list someone pushed there)
+/// answers a type error: the store answered, so a `--fail-open` gateway
+/// answers 503 and never runs the request unprotected, on record format 3
+/// (whose native `SET … GET` meets it first) as on format 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_never_covers_a_record_of_another_type() {
+    for format in ["3", "2"] {
+        let Some(redis) = RedisServer::spawn() else {
+            return;
+        };
+        let key = format!("typed-{format}");
+        let (upstream, _server, gateway, _, record) =
+            gateway_with_one_record(&redis, &key, &["--redis-record-format", format]).await;
+        redis.cli(&["DEL", &record]);
+        redis.cli(&["RPUSH", &record, "not", "a", "record"]);
+        for _ in 0..3 {
+            let answer = send(&client(), post(gateway, &key)).await;
+            assert_eq!(
+                answer.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "format {format}: {answer:?}"
+            );
+            assert_eq!(
+                answer.code().as_deref(),
+                Some("idempotency_store_unavailable")
+            );
+        }
+        assert_eq!(upstream.runs(), 1, "format {format}: never run unprotected");
+        assert_eq!(
+            redis.cli(&["TYPE", &record]).trim(),
+            "list",
+            "left as it was"
+        );
+    }
+}
+
 /// A Redis that answered with an error of its own (`OOM command not
 /// allowed` under `noeviction`) was reached: the error is `Refused`, never
 /// covered by fail-open. Through a `--fail-open` gateway, a new key is

@@ -3,10 +3,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use idem_core::{RecordsAdmin, Store};
+use idem_core::Store;
 use idem_redis::RedisStore;
 use idem_tests::{
-    RealClock,
+    Alternating, RealClock,
     redis_server::{RedisCluster, RedisServer},
 };
 
@@ -56,97 +56,6 @@ mod single_node_string {
     idem_core::conformance_tests!(single_string, records_admin);
 }
 
-/// Two stores on one Redis, one packing new records and one not, taking
-/// the calls in turn: a record one layout's store wrote is read, completed,
-/// renewed, released, cancelled and listed by the other's (a rolling
-/// deploy that turns packing on, or off).
-struct Alternating {
-    stores: [RedisStore; 2],
-    next: std::sync::atomic::AtomicUsize,
-}
-
-impl Alternating {
-    fn pick(&self) -> &RedisStore {
-        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        &self.stores[turn % 2]
-    }
-}
-
-impl Store for Alternating {
-    async fn reserve(
-        &self,
-        request: &idem_core::ReserveRequest,
-    ) -> Result<idem_core::Reservation, idem_core::StoreError> {
-        self.pick().reserve(request).await
-    }
-
-    async fn renew(
-        &self,
-        lease: &idem_core::Lease,
-    ) -> Result<idem_core::Renewal, idem_core::StoreError> {
-        self.pick().renew(lease).await
-    }
-
-    async fn mark_unknown(
-        &self,
-        lease: &idem_core::Lease,
-    ) -> Result<idem_core::Renewal, idem_core::StoreError> {
-        self.pick().mark_unknown(lease).await
-    }
-
-    async fn complete(
-        &self,
-        lease: &idem_core::Lease,
-        outcome: &idem_core::Outcome,
-    ) -> Result<idem_core::Completion, idem_core::StoreError> {
-        self.pick().complete(lease, outcome).await
-    }
-
-    async fn release(
-        &self,
-        lease: &idem_core::Lease,
-    ) -> Result<idem_core::Release, idem_core::StoreError> {
-        self.pick().release(lease).await
-    }
-
-    async fn cancel(
-        &self,
-        scope: &idem_core::ScopeHash,
-    ) -> Result<idem_core::Cancellation, idem_core::StoreError> {
-        self.pick().cancel(scope).await
-    }
-
-    async fn get(
-        &self,
-        scope: &idem_core::ScopeHash,
-    ) -> Result<Option<idem_core::Record>, idem_core::StoreError> {
-        self.pick().get(scope).await
-    }
-}
-
-impl RecordsAdmin for Alternating {
-    async fn list(
-        &self,
-        query: &idem_core::RecordQuery,
-    ) -> Result<Vec<idem_core::Record>, idem_core::StoreError> {
-        self.pick().list(query).await
-    }
-
-    async fn force_release(
-        &self,
-        scope: &idem_core::ScopeHash,
-    ) -> Result<idem_core::ForceRelease, idem_core::StoreError> {
-        self.pick().force_release(scope).await
-    }
-
-    async fn erase(
-        &self,
-        scope: &idem_core::ScopeHash,
-    ) -> Result<idem_core::Erasure, idem_core::StoreError> {
-        self.pick().erase(scope).await
-    }
-}
-
 /// Alternating stores on a fresh single server, the packing one first
 /// when `packed_first`.
 async fn alternating(packed_first: bool) -> Option<RealClock<Alternating>> {
@@ -165,8 +74,7 @@ async fn alternating_formats(
             .build()
             .expect("store")
     });
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    Some(RealClock::new(Alternating { stores, next }, server))
+    Some(RealClock::new(Alternating::new(stores), server))
 }
 
 mod packed_then_expanded {
@@ -269,8 +177,7 @@ async fn cluster_passes_the_whole_suite_with_either_layout() {
             .expect("store")
     };
     let stores = [store(true), store(false)];
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let harness = Arc::new(RealClock::new(Alternating { stores, next }, cluster));
+    let harness = Arc::new(RealClock::new(Alternating::new(stores), cluster));
     idem_core::conformance::run_all(harness).await;
 }
 
@@ -291,7 +198,6 @@ async fn cluster_passes_the_whole_suite_with_string_records() {
         store(idem_redis::RecordFormat::V3),
         store(idem_redis::RecordFormat::V1),
     ];
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let harness = Arc::new(RealClock::new(Alternating { stores, next }, cluster));
+    let harness = Arc::new(RealClock::new(Alternating::new(stores), cluster));
     idem_core::conformance::run_all(harness).await;
 }

@@ -22,6 +22,7 @@
 //! `conformance`) checks that a store follows them.
 
 mod calls;
+pub mod erasures;
 pub mod handoff;
 mod key;
 pub mod machine;
@@ -38,6 +39,7 @@ pub use calls::{
     Cancellation, Completion, Current, Erasure, ForceRelease, IdentityClaim, Release, Renewal,
     Replay, Reservation, ReserveRequest, StoreError,
 };
+pub use erasures::ErasureFeed;
 pub use handoff::{CompletionSlot, DeferredCompletion};
 /// The name of a stored response header ([`StoredResponse::headers`]).
 pub use http::HeaderName;

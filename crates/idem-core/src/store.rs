@@ -159,6 +159,15 @@ pub trait Store: Send + Sync + 'static {
         0
     }
 
+    /// The erasures of this store's records made by any process sharing
+    /// it, as the store's push channel brings them ([`ErasureFeed`](crate::ErasureFeed));
+    /// `None` (the default) for a store without one. A replay cache keeps
+    /// copies longer than a second only while the feed is healthy. The
+    /// first call may start the store's subscriber (inside a tokio runtime).
+    fn erasures(&self) -> Option<crate::ErasureFeed> {
+        None
+    }
+
     /// Resolves when the record of `scope` may have changed, or after at
     /// most `timeout`. Used by waiting duplicates; spurious wake-ups are
     /// allowed. The default polls: it sleeps for a short interval (25 ms, or
@@ -310,6 +319,10 @@ impl<S: Store> Store for std::sync::Arc<S> {
 
     fn changed(&self, scope: &ScopeHash, timeout: Duration) -> impl Future<Output = ()> + Send {
         (**self).changed(scope, timeout)
+    }
+
+    fn erasures(&self) -> Option<crate::ErasureFeed> {
+        (**self).erasures()
     }
 }
 

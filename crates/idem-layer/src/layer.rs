@@ -524,25 +524,32 @@ impl<S: Store> IdempotencyLayer<S> {
 
 /// The replay cache's default size: 16 MiB.
 pub const DEFAULT_REPLAY_CACHE_BYTES: usize = 16 << 20;
-/// The longest a replay cache's entry lives by default: one second, which
-/// is also the longest a record erased through another process may still
-/// be replayed here (`docs/design.md`, section 3). A retry storm still
-/// costs the store one read per key and second.
-pub const DEFAULT_REPLAY_CACHE_BOUND: Duration = Duration::from_secs(1);
+/// The longest a replay cache's entry lives by default: a minute, where the
+/// store has a push channel that tells every process of an erasure (the
+/// memory store, a single Redis node, PostgreSQL reached directly; see
+/// [`Store::erasures`](idem_core::Store::erasures)). Where it has none, or
+/// while it is unhealthy, copies live at most a second, or none are kept
+/// (`docs/design.md`, section 3).
+pub const DEFAULT_REPLAY_CACHE_BOUND: Duration = Duration::from_secs(60);
 
 /// Storms of retries: the replay cache.
 impl<S: Store> IdempotencyLayer<S> {
     /// Keeps the completed records this process is answered with, up to
     /// `bytes` of responses, each for at most `bound` and never past the
-    /// record's expiry (default 16 MiB and 1 s; `0` turns it off): a
+    /// record's expiry (default 16 MiB and 60 s; `0` turns it off): a
     /// retry of a completed key is then replayed without a store call, as
     /// the store would replay it (a completed record does not change until
     /// it expires), and a request with another payload still goes to the
     /// store (422). A store that does not say when its records expire gets
-    /// nothing kept. A record erased in another process may be replayed
-    /// here for up to `bound`; a record the store lost stays replayable
-    /// for that long, which is the safe side. Duplicates of one key that
-    /// arrive together share one reservation, cache or not
+    /// nothing kept. A record erased through another process stops being
+    /// replayed here within about a second where the store has a push
+    /// channel ([`Store::erasures`](idem_core::Store::erasures)); copies are
+    /// kept only while that channel is healthy, and all are dropped when
+    /// it is lost. Where the store has none (Redis Cluster, PostgreSQL
+    /// behind a transaction pooler), `bound` is capped to 1 s, the longest
+    /// such an erasure goes unseen. A record the store lost stays
+    /// replayable for as long, which is the safe side. Duplicates of one
+    /// key that arrive together share one reservation, cache or not
     /// (`idem_store_calls_saved_total` counts both).
     pub fn replay_cache(self, bytes: usize, bound: Duration) -> Self {
         self.with(|c| c.replay_cache = (bytes, bound))

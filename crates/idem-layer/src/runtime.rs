@@ -70,12 +70,21 @@ impl<S> Runtime<S> {
     }
 
     /// The replay cache, if the settings keep one.
-    pub(crate) fn replays(&self) -> Option<&crate::storm::ReplayCache> {
+    pub(crate) fn replays(&self) -> Option<&crate::storm::ReplayCache>
+    where
+        S: Store,
+    {
         self.0
             .replays
             .get_or_init(|| {
-                let (bytes, bound) = self.0.config.replay_cache;
-                crate::storm::ReplayCache::new(bytes, bound)
+                let config = &self.0.config;
+                let (bytes, bound) = config.replay_cache;
+                let feed = if bytes == 0 || bound.is_zero() {
+                    None
+                } else {
+                    self.0.store.erasures()
+                };
+                crate::storm::ReplayCache::new(bytes, bound, feed, config.store_timeout)
             })
             .as_ref()
     }

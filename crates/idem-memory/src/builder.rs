@@ -79,6 +79,7 @@ impl MemoryStoreBuilder {
                 tenant_hasher: std::collections::hash_map::RandomState::new(),
                 base: now,
                 base_ms,
+                erasures: idem_core::ErasureFeed::local(),
             }),
         }
     }

@@ -85,6 +85,8 @@ pub(crate) struct Inner {
     pub(crate) tenant_hasher: std::collections::hash_map::RandomState,
     pub(crate) base: tokio::time::Instant,
     pub(crate) base_ms: u64,
+    /// Erasures, for the replay caches of every layer on this store.
+    pub(crate) erasures: idem_core::ErasureFeed,
 }
 
 /// How many locks the per-tenant counts are spread over.
@@ -294,7 +296,11 @@ impl MemoryStore {
     /// An operator's erasure: the record leaves its slot, and its place
     /// (and its tenant's) is given back.
     pub(crate) fn erasing(&self, scope: &ScopeHash) -> idem_core::Erasure {
-        self.with_existing_removing(scope, true, idem_core::machine::erase)
+        let erasure = self.with_existing_removing(scope, true, idem_core::machine::erase);
+        if matches!(erasure, idem_core::Erasure::Erased(_)) {
+            self.inner.erasures.erased(*scope);
+        }
+        erasure
     }
 
     /// [`with_slot`](Self::with_slot); `removing` when `apply` may empty a

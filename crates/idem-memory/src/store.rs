@@ -45,6 +45,11 @@ impl Store for MemoryStore {
         Ok(self.with_existing(&lease.scope, |slot, now| machine::renew(slot, lease, now)))
     }
 
+    /// Every erasure goes through this process: the feed is always healthy.
+    fn erasures(&self) -> Option<idem_core::ErasureFeed> {
+        Some(self.inner.erasures.clone())
+    }
+
     async fn mark_unknown(&self, lease: &Lease) -> Result<Renewal, StoreError> {
         Ok(self.with_existing(&lease.scope, |slot, now| {
             machine::mark_unknown(slot, lease, now)

@@ -140,6 +140,7 @@ impl PgStoreBuilder {
                 pooled: self.pooled,
                 _sweeper: sweeper,
                 given_up: closed_tracker(),
+                erasures: Default::default(),
             }),
         })
     }

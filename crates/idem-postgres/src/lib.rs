@@ -55,6 +55,7 @@ pub mod guide {
 }
 
 mod builder;
+mod erasures;
 mod given_up;
 mod row;
 mod sql;
@@ -109,6 +110,8 @@ struct Inner {
     _sweeper: Option<Sweeper>,
     /// Tasks freeing reservations whose calls were given up.
     given_up: tokio_util::task::TaskTracker,
+    /// Erasures heard from every process (`erasures.rs`).
+    erasures: erasures::Erasures,
 }
 
 /// The PostgreSQL store. Cheap to clone; clones share the pool.
@@ -451,6 +454,15 @@ impl PgStore {
                     .execute(&mut *tx)
                     .await
                     .map_err(failed)?;
+                // Every process's replay cache forgets it, once this
+                // commits (`erasures.rs`).
+                sqlx::query("SELECT pg_notify($1, $2)")
+                    .persistent(!self.inner.pooled)
+                    .bind(&self.inner.sql.erased)
+                    .bind(scope.to_hex())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(failed)?;
             }
         }
         tx.commit().await.map_err(failed)?;
@@ -481,14 +493,18 @@ impl PgStore {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         match call.await {
-            Err(StoreError::Busy { retry_after }) => {
+            // The pool's wait ran out (`failed`): the only timeout the
+            // store's calls answer.
+            Err(StoreError::Timeout(_)) => {
                 let pool = &self.inner.pool;
                 if pool.size() < pool.options().get_max_connections() {
                     Err(self.why_no_connection().await)
                 } else {
                     tracing::warn!("every connection of the idempotency store's pool is in use");
                     metrics::counter!("idem_store_pool_timeouts_total").increment(1);
-                    Err(StoreError::Busy { retry_after })
+                    Err(StoreError::Busy {
+                        retry_after: sql::BUSY_RETRY_AFTER,
+                    })
                 }
             }
             answer => answer,

@@ -33,6 +33,8 @@ pub(crate) struct Sql {
     pub(crate) delete: String,
     pub(crate) sweep: String,
     pub(crate) list: String,
+    /// The channel erasures are sent on (`erasures.rs`).
+    pub(crate) erased: String,
 }
 
 impl Sql {
@@ -42,6 +44,7 @@ impl Sql {
         let selected = row::SELECTED;
         Self {
             table: table.to_owned(),
+            erased: crate::erasures::channel(table),
             reserve: format!(
                 "WITH t AS (SELECT {NOW_MS} AS now), \
                  ins AS (INSERT INTO {table} (scope, tenant, operation, key, fingerprint, state, \
@@ -128,7 +131,7 @@ pub(crate) fn valid_table(name: &str) -> bool {
 }
 
 /// The `Retry-After` of a call that found every connection in use.
-const BUSY_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const BUSY_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A driver error as a store error: a row that cannot be decoded is
 /// corrupt, anything else is the database being unavailable.
@@ -160,12 +163,11 @@ pub(crate) fn failed(error: sqlx::Error) -> StoreError {
         | sqlx::Error::ColumnIndexOutOfBounds { .. }
         | sqlx::Error::TypeNotFound { .. }
         | sqlx::Error::RowNotFound => StoreError::refused(error),
-        // The pool's wait ran out (PgStoreBuilder::pool_timeout): busy,
-        // or, when the pool could not open a connection, unavailable
-        // (PgStore::classified tells them apart).
-        sqlx::Error::PoolTimedOut => StoreError::Busy {
-            retry_after: BUSY_RETRY_AFTER,
-        },
+        // The pool's wait ran out (PgStoreBuilder::pool_timeout), its only
+        // timeout here: busy, or, when the pool could not open a
+        // connection, unavailable (PgStore::classified tells them apart;
+        // every other busy answer, the database's own, stays busy).
+        sqlx::Error::PoolTimedOut => StoreError::Timeout(Duration::ZERO),
         other => StoreError::unavailable(other),
     }
 }

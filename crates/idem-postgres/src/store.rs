@@ -33,6 +33,18 @@ impl Store for PgStore {
         self.inner.given_up.wait()
     }
 
+    /// Erasures heard through `LISTEN` on a connection of its own (the
+    /// first call starts it); `None` behind a transaction pooler, where a
+    /// session cannot listen.
+    fn erasures(&self) -> Option<idem_core::ErasureFeed> {
+        if self.pooled() {
+            return None;
+        }
+        self.inner
+            .erasures
+            .feed(&self.inner.pool, &self.inner.sql.table)
+    }
+
     fn background_tasks(&self) -> usize {
         self.inner.given_up.len()
     }

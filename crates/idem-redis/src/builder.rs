@@ -238,6 +238,8 @@ impl RedisStoreBuilder {
             ));
         };
         let watch = crate::watch::Watch::new(single.then_some(self.url.as_str()));
+        let erasures =
+            crate::erasures::Erasures::new(single.then_some(self.url.as_str()), &self.prefix);
         Ok(RedisStore {
             lanes: (0..self.lanes)
                 .map(|_| parking_lot::Mutex::new(Lane::default()))
@@ -252,6 +254,7 @@ impl RedisStoreBuilder {
             #[cfg(feature = "limits")]
             limit_scripts: crate::limits::LimitScripts::new(),
             prefix: self.prefix,
+            erasures,
             format: self.format,
             timeout: self.timeout,
             wait_replicas: self.wait_replicas,

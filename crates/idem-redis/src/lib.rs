@@ -126,6 +126,7 @@ mod builder;
 mod cluster;
 mod connection;
 mod decode;
+mod erasures;
 mod errors;
 mod fleet;
 pub mod format;
@@ -172,6 +173,8 @@ pub struct RedisStore {
     wait_replicas: Option<(usize, Duration)>,
     /// Waiting duplicates woken by the scripts' notifications.
     watch: std::sync::Arc<watch::Watch>,
+    /// Erasures heard from every process (`erasures.rs`).
+    erasures: erasures::Erasures,
     /// Tasks freeing reservations whose calls were given up.
     given_up: tokio_util::task::TaskTracker,
     /// Whether each new connection's server is checked for its eviction

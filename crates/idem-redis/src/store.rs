@@ -399,6 +399,12 @@ impl Store for RedisStore {
         })
     }
 
+    /// A single node's erasures, heard on its pub/sub channel (the first
+    /// call starts the subscriber); `None` on a cluster.
+    fn erasures(&self) -> Option<idem_core::ErasureFeed> {
+        self.erasures.feed()
+    }
+
     /// Waits for the record's notification (see the crate docs on
     /// waiting); polls on a cluster.
     async fn changed(&self, scope: &ScopeHash, timeout: Duration) {
@@ -429,6 +435,15 @@ async fn operator_act(
     scope: &ScopeHash,
 ) -> Result<(String, Option<Record>), StoreError> {
     let invocation = Invocation::on_record(script, &store.prefix, scope);
+    operator_reply(store, invocation, scope).await
+}
+
+/// The kind and the record an operator's script answered.
+async fn operator_reply(
+    store: &RedisStore,
+    invocation: Invocation<'_>,
+    scope: &ScopeHash,
+) -> Result<(String, Option<Record>), StoreError> {
     let reply = items(store.run(invocation, false).await?.0)?;
     let Some((kind, pairs)) = reply.split_first() else {
         return Err(corrupt("an operator's script answered nothing"));
@@ -532,7 +547,14 @@ impl RecordsAdmin for RedisStore {
     }
 
     async fn erase(&self, scope: &ScopeHash) -> Result<Erasure, StoreError> {
-        let (kind, record) = operator_act(self, &self.scripts.erase, scope).await?;
+        // The erasure is published, in the script, to every process's
+        // replay cache (`erasures.rs`).
+        let mut invocation = Invocation::on_record(&self.scripts.erase, &self.prefix, scope);
+        let hex = scope.hex_bytes();
+        invocation
+            .arg(crate::erasures::channel(&self.prefix))
+            .arg(&hex[..]);
+        let (kind, record) = operator_reply(self, invocation, scope).await?;
         Ok(match (kind.as_str(), record) {
             ("erased", Some(record)) => Erasure::Erased(record),
             ("processing", Some(record)) => Erasure::Processing(record),

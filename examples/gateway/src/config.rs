@@ -148,11 +148,11 @@ pub struct Config {
     /// Timeout of every store call (humantime).
     #[arg(long, env = "IDEM_STORE_TIMEOUT", default_value = "1s", value_parser = parse_duration, help_heading = "Store", hide_short_help = true)]
     pub store_timeout: Duration,
-    /// Bytes of completed records kept in this process to answer retries without a store call (bytes, or with KiB, MiB, GiB; 0 for none). A record erased elsewhere may still be replayed here for up to --replay-cache-ttl.
+    /// Bytes of completed records kept in this process to answer retries without a store call (bytes, or with KiB, MiB, GiB; 0 for none). A record erased through another gateway stops being replayed here within about a second (the store's push channel; without one, copies live at most 1 s).
     #[arg(long, env = "IDEM_REPLAY_CACHE_BYTES", default_value = "16MiB", value_parser = parse_size, help_heading = "Store", hide_short_help = true)]
     pub replay_cache_bytes: usize,
-    /// The longest the replay cache keeps a record, never past the record's expiry (humantime): also how long a record erased through another gateway may still be replayed here (1 s by default).
-    #[arg(long, env = "IDEM_REPLAY_CACHE_TTL", default_value = "1s", value_parser = parse_duration, help_heading = "Store", hide_short_help = true)]
+    /// The longest the replay cache keeps a record, never past the record's expiry (humantime); at most 1 s on a store without a push channel (Redis Cluster, PostgreSQL behind a transaction pooler).
+    #[arg(long, env = "IDEM_REPLAY_CACHE_TTL", default_value = "60s", value_parser = parse_duration, help_heading = "Store", hide_short_help = true)]
     pub replay_cache_ttl: Duration,
     /// After an upstream timeout, how long to keep waiting for the upstream's late answer and record it (humantime).
     #[arg(long, env = "IDEM_UNKNOWN_OUTCOME_WAIT", default_value = "60s", value_parser = parse_duration, help_heading = "Lease and waiting", hide_short_help = true)]

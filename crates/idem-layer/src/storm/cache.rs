@@ -19,8 +19,17 @@
 //!   the copy still answers within its bound, which is the safe side (the
 //!   action ran; the store alone would run it again).
 //! * **Another process's action.** What could change a completed record's
-//!   answer is its expiry and its erasure; a copy held by another process
-//!   lives on for at most the bound.
+//!   answer is its expiry and its erasure. Where the store has a push
+//!   channel ([`Store::erasures`](idem_core::Store::erasures): the memory
+//!   store, a single Redis node, PostgreSQL reached directly), an erasure
+//!   through any process reaches every cache within about a second, and a
+//!   copy lives up to the bound (60 s by default); copies are kept and
+//!   trusted only while the channel is healthy (a heartbeat every 500 ms
+//!   proves it), and every loss or gap drops them all. Where it has none, the
+//!   bound is capped to [`UNWATCHED_BOUND`] (1 s), which is then the
+//!   longest another process's erasure goes unseen. A copy is never kept
+//!   from a read that an erasure heard of may have followed (within the
+//!   quiet time after it).
 //! * **A changed deployment secret** changes every scope hash: a copy
 //!   under an old hash is never asked for.
 //!
@@ -33,7 +42,17 @@ use std::{
     time::{Duration, Instant},
 };
 
-use idem_core::{Fingerprint, Outcome, Replay, ScopeHash};
+use idem_core::{ErasureFeed, Fingerprint, Outcome, Replay, ScopeHash};
+
+/// The longest a copy lives where the store has no push channel.
+pub(crate) const UNWATCHED_BOUND: Duration = Duration::from_secs(1);
+
+/// After an erasure is heard of, how long no copy is kept (a read that
+/// began before the erasure may answer after it): longer than any store
+/// call, the layer's store timeout doubled or 5 s.
+fn quiet_after_erasure(store_timeout: Duration) -> Duration {
+    (store_timeout * 2).max(Duration::from_secs(5))
+}
 
 /// What an entry costs besides its response: the key, the fingerprint,
 /// the outcome's frame and the cache's own bookkeeping.
@@ -50,8 +69,12 @@ struct Entry {
     kept: Instant,
     /// When the copy stops answering: the record's expiry or the bound.
     until: Instant,
+    /// The erasure feed's epoch it was kept in.
+    epoch: u64,
     weight: u64,
 }
+
+type Entries = quick_cache::sync::Cache<ScopeHash, Arc<Entry>, Bytes>;
 
 /// Weighs an entry by its bytes.
 #[derive(Clone)]
@@ -65,24 +88,57 @@ impl quick_cache::Weighter<ScopeHash, Arc<Entry>> for Bytes {
 
 /// The cache of one layer (see the module's docs).
 pub(crate) struct ReplayCache {
-    entries: quick_cache::sync::Cache<ScopeHash, Arc<Entry>, Bytes>,
+    entries: Arc<Entries>,
     bound: Duration,
+    /// The store's erasures; `None` where it has no push channel.
+    feed: Option<ErasureFeed>,
+    quiet: Duration,
 }
 
 impl ReplayCache {
-    /// A cache of at most `bytes`, each entry kept at most `bound`; `None`
-    /// when either is zero (no cache).
-    pub(crate) fn new(bytes: usize, bound: Duration) -> Option<Self> {
+    /// A cache of at most `bytes`, each entry kept at most `bound` (at most
+    /// [`UNWATCHED_BOUND`] without a `feed`); `None` when either is zero
+    /// (no cache). With a feed, a task (on the current tokio runtime)
+    /// forgets what the feed says was erased.
+    pub(crate) fn new(
+        bytes: usize,
+        bound: Duration,
+        feed: Option<ErasureFeed>,
+        store_timeout: Duration,
+    ) -> Option<Self> {
         if bytes == 0 || bound.is_zero() {
             return None;
         }
         let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
         // An estimate for the table's first size: entries of about 1 KB.
         let estimated = usize::try_from(bytes / 1024).unwrap_or(usize::MAX).max(16);
+        let entries = Arc::new(quick_cache::sync::Cache::with_weighter(
+            estimated, bytes, Bytes,
+        ));
+        // The feed is heard only with a task to hear it.
+        let feed = feed.filter(|_| tokio::runtime::Handle::try_current().is_ok());
+        if let Some(feed) = &feed {
+            tokio::spawn(forget_erased(Arc::downgrade(&entries), feed.subscribe()));
+        }
+        let bound = match feed {
+            Some(_) => bound,
+            None => bound.min(UNWATCHED_BOUND),
+        };
         Some(Self {
-            entries: quick_cache::sync::Cache::with_weighter(estimated, bytes, Bytes),
+            entries,
             bound,
+            feed,
+            quiet: quiet_after_erasure(store_timeout),
         })
+    }
+
+    /// The feed's epoch while copies may be trusted: always (`Some(0)`)
+    /// without a feed, while it is healthy with one.
+    fn epoch(&self) -> Option<u64> {
+        match &self.feed {
+            Some(feed) => feed.healthy(),
+            None => Some(0),
+        }
     }
 
     /// The replay kept for `scope`, if it answers a request with
@@ -90,7 +146,7 @@ impl ReplayCache {
     pub(crate) fn get(&self, scope: &ScopeHash, fingerprint: &Fingerprint) -> Option<Replay> {
         let entry = self.entries.get(scope)?;
         let now = Instant::now();
-        if now >= entry.until {
+        if now >= entry.until || self.epoch() != Some(entry.epoch) {
             self.entries.remove(scope);
             return None;
         }
@@ -117,6 +173,16 @@ impl ReplayCache {
         let Some(expires_in) = replay.expires_in else {
             return;
         };
+        let Some(epoch) = self.epoch() else {
+            return;
+        };
+        if self
+            .feed
+            .as_ref()
+            .is_some_and(|feed| feed.erased_within(self.quiet))
+        {
+            return;
+        }
         let life = expires_in.min(self.bound);
         if life.is_zero() {
             return;
@@ -142,9 +208,32 @@ impl ReplayCache {
                 age: replay.age,
                 kept,
                 until: kept + life,
+                epoch,
                 weight: OVERHEAD + u64::try_from(response).unwrap_or(u64::MAX),
             }),
         );
+    }
+}
+
+/// Forgets each record the feed says was erased; everything when it fell
+/// behind. Ends with the cache.
+async fn forget_erased(
+    entries: std::sync::Weak<Entries>,
+    mut erased: tokio::sync::broadcast::Receiver<ScopeHash>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let heard = erased.recv().await;
+        let Some(entries) = entries.upgrade() else {
+            return;
+        };
+        match heard {
+            Ok(scope) => {
+                entries.remove(&scope);
+            }
+            Err(RecvError::Lagged(_)) => entries.clear(),
+            Err(RecvError::Closed) => return,
+        }
     }
 }
 
@@ -173,7 +262,13 @@ mod tests {
 
     #[test]
     fn a_copy_answers_its_fingerprint_until_the_shorter_of_expiry_and_bound() {
-        let cache = ReplayCache::new(1 << 20, Duration::from_secs(60)).expect("a cache");
+        let cache = ReplayCache::new(
+            1 << 20,
+            Duration::from_secs(60),
+            Some(ErasureFeed::local()),
+            Duration::from_secs(1),
+        )
+        .expect("a cache");
         let (scope, fp) = (
             ScopeHash::from_bytes([1; 32]),
             Fingerprint::from_bytes([2; 32]),
@@ -194,13 +289,84 @@ mod tests {
         cache.keep(&soon, &fp, &replay(b"{}", Some(Duration::from_millis(1))));
         std::thread::sleep(Duration::from_millis(5));
         assert!(cache.get(&soon, &fp).is_none());
-        assert!(ReplayCache::new(0, Duration::from_secs(1)).is_none());
-        assert!(ReplayCache::new(1, Duration::ZERO).is_none());
+        assert!(
+            ReplayCache::new(0, Duration::from_secs(1), None, Duration::from_secs(1)).is_none()
+        );
+        assert!(ReplayCache::new(1, Duration::ZERO, None, Duration::from_secs(1)).is_none());
+    }
+
+    #[test]
+    fn without_a_feed_copies_live_at_most_a_second() {
+        let cache = ReplayCache::new(
+            1 << 20,
+            Duration::from_secs(60),
+            None,
+            Duration::from_secs(1),
+        )
+        .expect("a cache");
+        let (scope, fp) = (
+            ScopeHash::from_bytes([1; 32]),
+            Fingerprint::from_bytes([2; 32]),
+        );
+        cache.keep(&scope, &fp, &replay(b"{}", Some(Duration::from_secs(3600))));
+        let hit = cache.get(&scope, &fp).expect("a hit");
+        assert!(hit.expires_in.expect("expiry") <= UNWATCHED_BOUND);
+    }
+
+    #[tokio::test]
+    async fn copies_are_kept_and_trusted_only_while_the_feed_is_healthy() {
+        let feed = ErasureFeed::remote();
+        let cache = ReplayCache::new(
+            1 << 20,
+            Duration::from_secs(60),
+            Some(feed.clone()),
+            Duration::from_secs(1),
+        )
+        .expect("a cache");
+        let fp = Fingerprint::from_bytes([2; 32]);
+        let scope = |n: u8| ScopeHash::from_bytes([n; 32]);
+        let long = || replay(b"{}", Some(Duration::from_secs(3600)));
+        // Unhealthy: nothing kept.
+        cache.keep(&scope(1), &fp, &long());
+        assert!(cache.get(&scope(1), &fp).is_none());
+        // Healthy: kept for the whole bound.
+        feed.heard();
+        cache.keep(&scope(1), &fp, &long());
+        let hit = cache.get(&scope(1), &fp).expect("a hit");
+        assert!(hit.expires_in.expect("expiry") > UNWATCHED_BOUND);
+        // Lost: not trusted, and not again once it is back (a new epoch).
+        feed.lost();
+        assert!(cache.get(&scope(1), &fp).is_none());
+        feed.heard();
+        assert!(cache.get(&scope(1), &fp).is_none());
+        // An erasure heard removes its copy, and no copy is kept for a
+        // while after it.
+        cache.keep(&scope(2), &fp, &long());
+        assert!(cache.get(&scope(2), &fp).is_some());
+        feed.erased(scope(2));
+        for _ in 0..100 {
+            if cache.get(&scope(2), &fp).is_none() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(cache.get(&scope(2), &fp).is_none(), "the erasure was heard");
+        cache.keep(&scope(3), &fp, &long());
+        assert!(
+            cache.get(&scope(3), &fp).is_none(),
+            "quiet after an erasure"
+        );
     }
 
     #[test]
     fn the_cache_holds_its_byte_bound() {
-        let cache = ReplayCache::new(64 * 1024, Duration::from_secs(60)).expect("a cache");
+        let cache = ReplayCache::new(
+            64 * 1024,
+            Duration::from_secs(60),
+            None,
+            Duration::from_secs(1),
+        )
+        .expect("a cache");
         static BODY: [u8; 1000] = [b'x'; 1000];
         let fp = Fingerprint::from_bytes([2; 32]);
         for n in 0..1000u32 {

@@ -1,4 +1,4 @@
--- No ARGV. Erases a live record that is not processing (an operator's
+-- ARGV (optional): the erasures channel, the scope's hex. Erases a live record that is not processing (an operator's
 -- erasure for data protection, or of a 4xx stored by mistake): its key is
 -- new afterwards. A processing record is left as it is: erasing it would
 -- let a retry run while its attempt may still act. Answers the kind
@@ -16,6 +16,10 @@ if state ~= 'processing' then
   redis.call('DEL', record, response_key)
   kind = 'erased'
   helpers.notify()
+  if NOTIFY and ARGV[1] then
+    -- Every process's replay cache forgets it (erasures.rs).
+    redis.call('PUBLISH', ARGV[1], ARGV[2])
+  end
 end
 table.insert(pairs, 1, kind)
 return pairs
