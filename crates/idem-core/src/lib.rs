@@ -34,6 +34,8 @@ mod store;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+#[cfg(feature = "conformance")]
+pub mod differential;
 
 pub use calls::{
     Cancellation, Completion, Current, Erasure, ForceRelease, IdentityClaim, Release, Renewal,

@@ -403,17 +403,18 @@ pub(crate) fn decode_current(mut reply: Vec<Value>) -> Result<Current, StoreErro
             if reply.len() < 4 {
                 return Err(corrupt("short reply to completed"));
             }
+            // The attempt whose outcome it is, when the script says: read
+            // before the body is swapped out of its place.
+            let attempt = match reply.get(4) {
+                Some(Value::BulkString(id)) => attempt_id(id)?,
+                _ => None,
+            };
             // The body is taken out of the reply, not copied.
             let body = owned_bytes(reply.swap_remove(3))?;
             let headers = match &reply[2] {
                 Value::BulkString(headers) => headers.as_slice(),
                 Value::Nil => &[],
                 other => return Err(corrupt(format!("expected headers, got {other:?}"))),
-            };
-            // The attempt whose outcome it is, when the script says.
-            let attempt = match reply.get(4) {
-                Some(Value::BulkString(id)) => attempt_id(id)?,
-                _ => None,
             };
             // A waiter's answer says no expiry (0): nothing keeps it.
             let mut replay = replay(status, stored, completed, 0, headers, body)?;
