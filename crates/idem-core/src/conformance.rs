@@ -834,6 +834,34 @@ where
     );
 }
 
+/// A force release of a record a release after a takeover left processing
+/// (held by nobody) releases the record and keeps the released attempt's
+/// own outcome: the operator ended no attempt. (Found by the differential
+/// check on a Redis Cluster, seed 5008.)
+pub async fn a_force_release_keeps_an_ended_attempts_outcome<H: Harness>(h: &H)
+where
+    H::Store: RecordsAdmin,
+{
+    let scope = fresh_scope("force-after-release");
+    let (first, second) = lapsed_and_taken_over(h, &scope).await;
+    assert_eq!(release(h, &second).await, Release::Released);
+    let released = h.store().force_release(scope.hash()).await.expect("force");
+    let ForceRelease::Released(record) = released else {
+        panic!("expected Released, got {released:?}");
+    };
+    assert_eq!(record.state, RecordState::Released);
+    let outcomes: Vec<_> = record.attempts.iter().map(|a| (a.id, a.outcome)).collect();
+    assert_eq!(
+        outcomes,
+        [
+            (first.attempt, AttemptOutcome::Superseded),
+            (second.attempt, AttemptOutcome::Released)
+        ]
+    );
+    let read = get(h, scope.hash()).await.expect("record");
+    assert_eq!(read.attempts[1].outcome, AttemptOutcome::Released);
+}
+
 /// An operator erases a finished record: it is gone, and its key is new
 /// (the next request runs as a first attempt, under any payload). A
 /// processing record is left as it is, its owner's lease intact.
@@ -1063,6 +1091,7 @@ where
     the_binding_outlasts_the_attempt_history(h).await;
     tenants_are_isolated(h).await;
     force_release_frees_a_stuck_key(h).await;
+    a_force_release_keeps_an_ended_attempts_outcome(h).await;
     erase_frees_a_finished_key_and_leaves_a_processing_one(h).await;
     list_finds_a_tenants_records(h).await;
     any_tenant_text_is_stored(h).await;
@@ -1083,6 +1112,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!($make);
         $crate::conformance_tests!(@each $make;
             force_release_frees_a_stuck_key,
+            a_force_release_keeps_an_ended_attempts_outcome,
             erase_frees_a_finished_key_and_leaves_a_processing_one,
             list_finds_a_tenants_records,
             any_tenant_text_is_listed

@@ -310,33 +310,42 @@ impl Rng {
     }
 }
 
-/// A sequence of 4 to 24 calls drawn from `seed`, with at most two lapses.
+/// A sequence of 4 to 25 calls drawn from `seed`, led by a new key, with at
+/// most two lapses.
 pub fn generate(seed: u64) -> Vec<Op> {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let len = 4 + rng.below(21);
     let mut lapses = 0;
-    let mut ops = Vec::new();
+    // Every sequence starts with a new key: most of what can differ
+    // happens to a record.
+    let mut ops = vec![Op::Reserve { owner: 0, fp: 0 }];
     while (ops.len() as u64) < len {
         let owner = u8::try_from(rng.below(u64::from(OWNERS))).unwrap_or(0);
         let op = match rng.below(100) {
-            0..=24 => Op::Reserve {
+            0..=23 => Op::Reserve {
                 owner,
                 fp: u8::from(rng.below(5) == 0),
             },
-            25..=31 => Op::Renew { owner },
-            32..=36 => Op::MarkUnknown { owner },
-            37..=56 => Op::Complete {
+            24..=29 => Op::Renew { owner },
+            30..=34 => Op::MarkUnknown { owner },
+            35..=53 => Op::Complete {
                 owner,
                 status: [200, 201, 204, 422][usize::try_from(rng.below(4)).unwrap_or(0)],
             },
-            57..=68 => Op::Release { owner },
-            69..=72 => Op::Cancel,
-            73..=77 => Op::ForceRelease,
-            78..=83 => Op::Erase,
-            84..=91 => Op::Again,
+            54..=64 => Op::Release { owner },
+            65..=68 => Op::Cancel,
+            69..=72 => Op::ForceRelease,
+            73..=78 => Op::Erase,
+            79..=85 => Op::Again,
             _ if lapses < 2 => {
                 lapses += 1;
-                Op::Lapse
+                // A lapse matters most to the next reservation.
+                if rng.below(2) == 0 {
+                    ops.push(Op::Lapse);
+                    Op::Reserve { owner, fp: 0 }
+                } else {
+                    Op::Lapse
+                }
             }
             _ => Op::Reserve { owner, fp: 0 },
         };
@@ -601,7 +610,7 @@ mod tests {
         assert_ne!(generate(7), generate(8));
         for seed in 0..200 {
             let ops = generate(seed);
-            assert!((4..=24).contains(&ops.len()));
+            assert!((4..=25).contains(&ops.len()));
             assert!(ops.iter().filter(|op| **op == Op::Lapse).count() <= 2);
         }
     }

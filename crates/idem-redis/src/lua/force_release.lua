@@ -1,5 +1,5 @@
 -- No ARGV. Releases a processing record whatever its lease (an operator
--- freeing a stuck key); the attempt ends as released by an operator.
+-- freeing a stuck key); an attempt still open ends as released by an operator.
 -- Answers the kind ('released', 'not_processing' or 'not_found') followed
 -- by the record as HGETALL pairs.
 expand()
@@ -10,8 +10,13 @@ end
 local kind = 'not_processing'
 local helpers = rare()
 if state == 'processing' then
-  redis.call('HSET', record, @state@, 'released', @owner@, '', @cur_end@, now,
-    @cur_outcome@, 'released_by_operator')
+  redis.call('HSET', record, @state@, 'released', @owner@, '')
+  -- Only an attempt that has not ended is ended by the operator (one a
+  -- release after a takeover ended keeps its outcome: machine.rs).
+  local outcome = redis.call('HGET', record, @cur_outcome@)
+  if outcome == 'running' or outcome == 'unknown' then
+    redis.call('HSET', record, @cur_end@, now, @cur_outcome@, 'released_by_operator')
+  end
   kind = 'released'
   helpers.notify()
 end
