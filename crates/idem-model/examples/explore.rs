@@ -2,7 +2,7 @@
 //!
 //! Run with `cargo run --release -p idem-model --example explore -- [OWNERS REQUESTS TICKS
 //! OWNER_CRASHES STORE_CRASHES OUTAGES LOST_REPLIES CANCELS FORCE_RELEASES DELAYED
-//! [always|everysec|both]]` (`Bounds::DEEP` on a durable store by default).
+//! STALLS [always|everysec|both]]` (`Bounds::DEEP` on a durable store by default).
 
 use idem_model::{Bounds, IdemModel, Persistence};
 use stateright::{Checker, Model};
@@ -24,8 +24,9 @@ fn main() {
         cancels: arg(7, Bounds::DEEP.cancels),
         force_releases: arg(8, Bounds::DEEP.force_releases),
         delayed: arg(9, Bounds::DEEP.delayed),
+        stalls: arg(10, Bounds::DEEP.stalls),
     };
-    let persistences: &[Persistence] = match std::env::args().nth(11).as_deref() {
+    let persistences: &[Persistence] = match std::env::args().nth(12).as_deref() {
         Some("everysec") => &[Persistence::EverySecond],
         Some("both") => &[Persistence::Always, Persistence::EverySecond],
         _ => &[Persistence::Always],

@@ -2,9 +2,12 @@
 //!
 //! The model holds one scope, a few *owners* (gateway processes or layers)
 //! that take client requests for it, a *store* and a *clock*. The store's
-//! record is driven by `idem_core::machine`, the pure state machine the
-//! memory store runs and the Redis and PostgreSQL stores implement, so the
-//! checker checks the code, not a copy of it. Every interleaving of these
+//! record is driven by `idem_core::machine`, the pure state machine: the
+//! checker checks that code, which the memory store runs, and PostgreSQL
+//! on its locked-row paths. Redis's scripts, format 3's Rust and
+//! PostgreSQL's one-statement paths implement it apart and are tied to it
+//! by the conformance suite and the differential check
+//! (`idem_core::differential`), not by the checker (`docs/model.md`). Every interleaving of these
 //! steps is explored, within the bounds of [`Bounds`]:
 //!
 //! * an owner takes a request and reserves (the reply may be lost after the
@@ -12,12 +15,13 @@
 //!   or ends with an unknown outcome (a side effect happens in the first
 //!   and the third); renews its lease; completes, releases or abandons (a
 //!   reply may be lost, a call may fail while the store is down); learns a
-//!   late answer or gives up waiting for it; crashes;
+//!   late answer or gives up waiting for it; crashes; stalls past its
+//!   lease while alive (it stops renewing and then goes on acting);
 //! * the store crashes and restarts (keeping what its [`Persistence`]
 //!   made durable), becomes unreachable for a while without restarting,
 //!   and takes an operator's cancel;
-//! * the clock advances by a tick, so leases lapse. An owner that is alive
-//!   and reaches the store acts before its lease lapses (the layer renews
+//! * the clock advances by a tick, so leases lapse. An owner that is alive,
+//!   has not stalled and reaches the store acts before its lease lapses (the layer renews
 //!   every third of a lease): a tick that would let such a lease lapse is
 //!   not taken. While the store is down or unreachable, time runs freely.
 //!
@@ -90,6 +94,7 @@ impl Model for IdemModel {
             excused: Vec::new(),
             lost: false,
             in_flight: None,
+            stalled: Vec::new(),
             left: self.bounds,
         }]
     }
@@ -129,7 +134,22 @@ impl Model for IdemModel {
             // The layer renews every third of a lease; here a renewal is
             // taken when the next tick would let the lease lapse (earlier
             // ones only add states that differ by the renewal's time).
+            let stalled = owner
+                .token()
+                .is_some_and(|token| state.stalled.contains(&token));
             if let Some(lease) = owner.lease()
+                && !stalled
+                && state.left.stalls > 0
+                && matches!(
+                    owner,
+                    Owner::Running(_) | Owner::Holding(..) | Owner::Unknown(_)
+                )
+                && Self::holds_record(state, lease)
+            {
+                actions.push(Action::Stall(o));
+            }
+            if let Some(lease) = owner.lease()
+                && !stalled
                 && reachable
                 && matches!(
                     owner,
@@ -295,6 +315,15 @@ impl Model for IdemModel {
                 }
             }
             Action::DelayedDropped => state.in_flight = None,
+            Action::Stall(o) => {
+                state.left.stalls -= 1;
+                if let Some(token) = state.owners[usize::from(o)].token() {
+                    state.stalled.push(token);
+                }
+                if self.excuses.stall {
+                    Self::excuse_owner(&mut state, o);
+                }
+            }
             Action::Cancel => {
                 state.left.cancels -= 1;
                 let answer = self.on_store(&mut state, machine::cancel);

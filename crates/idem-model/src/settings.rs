@@ -53,6 +53,9 @@ pub struct Excuses {
     /// An operator force-released a processing record (the records API's
     /// release of a record whose owner is gone): its owner may still run.
     pub operator_release: bool,
+    /// An owner that stalled past its lease (a blocked thread, a long
+    /// pause) and then acted: a retry took over meanwhile.
+    pub stall: bool,
 }
 
 impl Excuses {
@@ -63,6 +66,7 @@ impl Excuses {
         store_loss: true,
         partition: true,
         operator_release: true,
+        stall: true,
     };
 }
 
@@ -101,6 +105,8 @@ pub struct Bounds {
     pub force_releases: u8,
     /// Reservations that reach the store after their caller gave up.
     pub delayed: u8,
+    /// Owners that stall past their lease and then act.
+    pub stalls: u8,
 }
 
 impl Bounds {
@@ -117,6 +123,7 @@ impl Bounds {
         cancels: 0,
         force_releases: 0,
         delayed: 0,
+        stalls: 0,
     };
 
     /// The deeper run documented in `docs/model.md`: an owner crash, a

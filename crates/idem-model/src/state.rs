@@ -106,6 +106,8 @@ pub struct State {
     /// owner, attempt and token. It lands (or its connection drops) before
     /// the owner's abandon, which goes out after it on one connection.
     pub in_flight: Option<(u8, AttemptId, OwnerToken)>,
+    /// Leases whose owner stalled past them (see [`Action::Stall`]).
+    pub stalled: Vec<OwnerToken>,
     /// Budgets left.
     pub left: Bounds,
 }
@@ -166,6 +168,10 @@ pub enum Action {
     DelayedLands,
     /// The delayed reservation's connection drops: it never lands.
     DelayedDropped,
+    /// Owner `.0` stalls (a blocked thread, a long pause) while it holds a
+    /// lease: it stays alive but stops renewing, lets its lease lapse, and
+    /// then goes on acting under it.
+    Stall(u8),
 }
 
 /// What running the action came to.

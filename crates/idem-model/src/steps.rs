@@ -110,6 +110,13 @@ impl IdemModel {
         }
         let expiry = self.expiry(state);
         state.owners.iter().all(|owner| match owner {
+            // A stalled owner holds nothing back: its lease may lapse.
+            _ if owner
+                .token()
+                .is_some_and(|token| state.stalled.contains(&token)) =>
+            {
+                true
+            }
             Owner::Releasing(_) | Owner::Abandoning(..) => false,
             Owner::Running(lease) | Owner::Holding(lease, _) | Owner::Unknown(lease) => {
                 !Self::holds_record(state, lease)
@@ -230,6 +237,12 @@ impl IdemModel {
             Ran::Unknown => {
                 Self::effect(state, o, lease.token);
                 if self.design.unknown_wait {
+                    // The history keeps the unknown outcome (the layer's
+                    // `Store::mark_unknown`, when the store is reached).
+                    if Self::reachable(state) {
+                        let _ = self
+                            .on_store(state, |slot, now| machine::mark_unknown(slot, &lease, now));
+                    }
                     Owner::Unknown(lease)
                 } else {
                     Owner::Releasing(lease)
