@@ -225,12 +225,19 @@ impl App {
 
     /// A records API call.
     pub async fn records(&self, method: &str, query: &str) -> Answer {
-        let request = Request::builder()
+        self.records_as(method, query, &[("x-tenant", &self.tenant)])
+            .await
+    }
+
+    /// A records API call with these headers (and no others).
+    pub async fn records_as(&self, method: &str, query: &str, headers: &[(&str, &str)]) -> Answer {
+        let mut request = Request::builder()
             .method(method)
-            .uri(format!("/records{query}"))
-            .header("x-tenant", &self.tenant)
-            .body(axum::body::Body::empty())
-            .expect("request");
+            .uri(format!("/records{query}"));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(axum::body::Body::empty()).expect("request");
         self.call(request).await
     }
 }
@@ -339,6 +346,122 @@ pub async fn cancel_fences_the_running_attempt<S: SuiteStore>(store: S) {
     assert_eq!(retry.status, StatusCode::GONE);
     assert_eq!(retry.code().as_deref(), Some("idempotency_cancelled"));
     assert_eq!(app.runs(), 1);
+}
+
+/// With output by key on, a caller fetches its own stored answer by its
+/// key alone (sealed at rest, opened): exact status, headers and body,
+/// marked replayed, the handler not run again; a running attempt is waited
+/// for within `wait`; a released record, an erased one, an unknown key and
+/// another tenant's key are `404`; `tenant=`, the anonymous tenant and a
+/// layer with it off are `403 idempotency_output_refused`.
+pub async fn an_answer_is_fetched_by_its_key<S: SuiteStore>(store: S) {
+    let store = Arc::new(store);
+    let keyring = || idem_layer::sealing::Keyring::new(1, [7; 32]);
+    let app = Arc::new(App::with_layer(
+        App::layer(Arc::clone(&store))
+            .sealing(keyring())
+            .records_admin_token("the admin")
+            .output_by_key(true),
+    ));
+    let output = |key: &str| format!("?method=POST&path=/orders&key={key}&output=true");
+    let first = app.post("/orders", "out-1", "{\"amount\":5}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let fetched = app.records("GET", &output("out-1")).await;
+    assert_eq!(fetched.status, StatusCode::CREATED, "{fetched:?}");
+    assert!(fetched.replayed());
+    assert_eq!(fetched.body, first.body);
+    for name in ["location", "x-run"] {
+        assert_eq!(fetched.headers.get(name), first.headers.get(name), "{name}");
+    }
+    assert_eq!(app.runs(), 1, "fetching runs nothing");
+
+    let missing = app.records("GET", &output("never")).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        missing.code().as_deref(),
+        Some("idempotency_record_not_found")
+    );
+    let other = app
+        .records_as("GET", &output("out-1"), &[("x-tenant", "another tenant")])
+        .await;
+    assert_eq!(
+        other.status,
+        StatusCode::NOT_FOUND,
+        "never another tenant's"
+    );
+    let refused = |answer: &Answer| {
+        assert_eq!(answer.status, StatusCode::FORBIDDEN, "{answer:?}");
+        assert_eq!(answer.code().as_deref(), Some("idempotency_output_refused"));
+    };
+    let admin = app
+        .records_as(
+            "GET",
+            &format!("{}&tenant={}", output("out-1"), app.tenant),
+            &[("x-idem-admin-token", "the admin")],
+        )
+        .await;
+    refused(&admin);
+    refused(&app.records_as("GET", &output("out-1"), &[]).await);
+
+    // A running attempt: not yet, then waited for.
+    let running = {
+        let app = Arc::clone(&app);
+        tokio::spawn(async move { app.post("/slow", "out-slow", "{}").await })
+    };
+    crate::wait_until(
+        Duration::from_secs(20),
+        "the slow handler to start",
+        async || app.runs() == 2,
+    )
+    .await;
+    let slow = |wait: &str| {
+        let app = Arc::clone(&app);
+        let query = format!("?method=POST&path=/slow&key=out-slow&output=true{wait}");
+        async move { app.records("GET", &query).await }
+    };
+    let busy = slow("").await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.code().as_deref(), Some("idempotency_in_progress"));
+    let waiting = tokio::spawn(slow("&wait=30s"));
+    app.gate.add_permits(1);
+    assert_eq!(running.await.expect("join").status, StatusCode::CREATED);
+    let waited = waiting.await.expect("join");
+    assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
+    assert_eq!(&waited.body[..], b"slow done");
+
+    // Released by a failure: nothing to fetch, the request may be sent again.
+    assert_eq!(
+        app.post("/fail", "out-fail", "{}").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let released = app
+        .records("GET", "?method=POST&path=/fail&key=out-fail&output=true")
+        .await;
+    assert_eq!(released.status, StatusCode::NOT_FOUND);
+    let detail = String::from_utf8_lossy(&released.body).into_owned();
+    assert!(detail.contains("released"), "{detail}");
+
+    // Erased: gone.
+    let erase = format!(
+        "?method=POST&path=/orders&key=out-1&tenant={}&action=erase",
+        app.tenant
+    );
+    let erased = app
+        .records_as("POST", &erase, &[("x-idem-admin-token", "the admin")])
+        .await;
+    assert_eq!(erased.status, StatusCode::OK, "{erased:?}");
+    assert_eq!(
+        app.records("GET", &output("out-1")).await.status,
+        StatusCode::NOT_FOUND
+    );
+
+    // Off by default.
+    let off = App::with_layer(App::layer(Arc::clone(&store)).sealing(keyring()));
+    assert_eq!(
+        off.post("/orders", "out-off", "{}").await.status,
+        StatusCode::CREATED
+    );
+    refused(&off.records("GET", &output("out-off")).await);
 }
 
 /// The records API shows the caller's record with its attempts, lists it,
@@ -775,6 +898,7 @@ macro_rules! layer_tests {
             oversized_responses_are_not_replayed,
             cancel_fences_the_running_attempt,
             records_api_shows_and_lists,
+            an_answer_is_fetched_by_its_key,
             keyed_scopes_are_their_own_records,
             fingerprint_formats_read_each_other,
             blake3_scopes_are_their_own_records

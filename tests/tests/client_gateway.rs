@@ -110,3 +110,66 @@ async fn a_conflict_is_final() {
     );
     assert_eq!(upstream.runs(), 1);
 }
+
+/// A client that lost its answer fetches it by its key alone
+/// (`idem_client::output_request`, a gateway with `--output-by-key`),
+/// without the payload: while the first attempt still runs it meets
+/// `409 idempotency_in_progress`, asks again after `Retry-After`, and gets
+/// the upstream's answer once it is recorded. The upstream runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_is_fetched_by_its_key() {
+    let upstream = Upstream::default();
+    let server = TestServer::start(upstream.router()).await;
+    let started = start_gateway(&server, &["--output-by-key"]).await;
+    let first = tokio::spawn(
+        retrying_client().oneshot(
+            Request::post(format!("http://{}/slow", started.addr))
+                .header("idempotency-key", "lost-1")
+                .header("authorization", "Bearer alice")
+                .body(Full::new(Bytes::from_static(b"{\"amount\":42}")))
+                .expect("request"),
+        ),
+    );
+    upstream.wait_runs(1).await;
+    let records = format!("http://{}/_idempotency/records", started.addr)
+        .parse()
+        .expect("uri");
+    let mut fetch = idem_client::output_request::<Full<Bytes>>(
+        &records,
+        &http::Method::POST,
+        "/slow",
+        "lost-1",
+        None,
+    )
+    .expect("request");
+    fetch
+        .headers_mut()
+        .insert("authorization", "Bearer alice".parse().expect("value"));
+    let (http, mut met_409) = idem_tests::client_counting_409s();
+    let fetching = RetryLayer::new()
+        .deadline(Duration::from_secs(20))
+        .max_attempts(10)
+        .layer(http);
+    let fetched = tokio::spawn(fetching.oneshot(fetch));
+    met_409.wait_for(|n| *n >= 1).await.expect("a 409 was met");
+    upstream.gate.add_permits(1);
+    let first = first.await.expect("join").expect("response");
+    let first_body = first.into_body().collect().await.expect("body").to_bytes();
+    let fetched = fetched.await.expect("join").expect("response");
+    assert_eq!(fetched.status(), StatusCode::CREATED);
+    assert!(fetched.headers().contains_key("idempotent-replayed"));
+    let info = fetched
+        .extensions()
+        .get::<RetryInfo>()
+        .cloned()
+        .expect("info");
+    assert!(info.attempts >= 2, "{info:?}");
+    let body = fetched
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    assert_eq!(body, first_body);
+    assert_eq!(upstream.runs(), 1);
+}

@@ -746,3 +746,49 @@ async fn an_erasure_reaches_every_gateways_replay_cache() {
     runs_anew().await;
     assert_eq!(upstream.runs(), 3, "the erased key ran again, once");
 }
+
+/// With `--output-by-key`, a caller fetches its own answer through the
+/// gateway by its key alone: the upstream's status and body, marked
+/// replayed, the upstream not called again; another tenant gets `404`.
+/// Without the flag it is `403 idempotency_output_refused`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_is_fetched_by_its_key_through_the_gateway() {
+    for on in [true, false] {
+        let flags: &[&str] = if on { &["--output-by-key"] } else { &[] };
+        // Every part is kept: dropped, the server or the upstream stops.
+        let Some(OnRedis {
+            redis: _redis,
+            upstream,
+            gateway,
+            _origin,
+        }) = gateway_on_redis(flags).await
+        else {
+            return;
+        };
+        let base = format!("http://{}", gateway.addr);
+        let http = client();
+        let mut post = request("POST", format!("{base}/orders"), "acme", false);
+        post.headers_mut()
+            .insert("idempotency-key", "fetch-me".parse().expect("key"));
+        let first = send(&http, post).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let output = format!(
+            "{base}/_idempotency/records?method=POST&path=/orders&key=fetch-me&output=true"
+        );
+        let fetched = send(&http, request("GET", output.clone(), "acme", false)).await;
+        if !on {
+            assert_eq!(fetched.status, StatusCode::FORBIDDEN, "{fetched:?}");
+            assert_eq!(
+                fetched.code().as_deref(),
+                Some("idempotency_output_refused")
+            );
+            continue;
+        }
+        assert_eq!(fetched.status, StatusCode::CREATED, "{fetched:?}");
+        assert_eq!(fetched.body, first.body);
+        assert!(fetched.replayed());
+        assert_eq!(upstream.runs(), 1, "fetching never reaches the upstream");
+        let other = send(&http, request("GET", output, "globex", false)).await;
+        assert_eq!(other.status, StatusCode::NOT_FOUND);
+    }
+}

@@ -25,7 +25,9 @@
 //! # What is retried
 //!
 //! Transport errors, attempt timeouts, `408`, `425`, `429`, `502`, `503`,
-//! `504`, and `409` whose problem `code` is `idempotency_in_progress`: only
+//! `504`, and `409` whose problem `code` is `idempotency_in_progress` (or
+//! `idempotency_outcome_unknown`, which an answer fetched by its key says,
+//! see [`output_request`]): only
 //! for idempotent methods (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) or
 //! requests that carry an `Idempotency-Key`. Never other 4xx answers: not
 //! validation or permission errors, not `422 idempotency_conflict`, not
@@ -83,9 +85,11 @@ mod config;
 mod error;
 mod layer;
 pub mod limits;
+mod output;
 mod service;
 
 pub use body::{BoxError, ReplayBody};
 pub use error::{Error, RetryInfo, StopReason};
 pub use layer::{Retry, RetryLayer};
 pub use limits::{Gate, Limit, Limits, LocalGate, OnGateError, SharedBudget, Turn};
+pub use output::output_request;

@@ -95,8 +95,15 @@ where
             let code = serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
                 .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
-            let reason = (code.as_deref() == Some(idem_core::protocol::codes::IN_PROGRESS))
-                .then(|| "in_progress".to_owned());
+            // An answer fetched by its key whose outcome is unknown may be
+            // recorded later: asked again, as an attempt in progress is.
+            let reason = match code.as_deref() {
+                Some(idem_core::protocol::codes::IN_PROGRESS) => Some("in_progress".to_owned()),
+                Some(idem_core::protocol::codes::OUTCOME_UNKNOWN) => {
+                    Some("outcome_unknown".to_owned())
+                }
+                _ => None,
+            };
             Ok((
                 Response::from_parts(parts, ReplayBody::buffered(bytes)),
                 reason,

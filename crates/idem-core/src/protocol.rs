@@ -27,6 +27,9 @@ pub mod codes {
     pub const CANCELLED: &str = "idempotency_cancelled";
     /// 503: the store failed; retry after `Retry-After`.
     pub const STORE_UNAVAILABLE: &str = "idempotency_store_unavailable";
+    /// 409: an answer fetched by its key whose attempt's outcome is
+    /// unknown (it may have acted); ask again after `Retry-After`.
+    pub const OUTCOME_UNKNOWN: &str = "idempotency_outcome_unknown";
 }
 
 /// The metadata entry in which a gRPC caller gets a refusal's problem

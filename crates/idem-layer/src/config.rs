@@ -117,6 +117,9 @@ pub(crate) struct Config {
     pub(crate) problem_hook: Option<Arc<ProblemHook>>,
     /// SHA-256 of the records API's admin credential, if one is set.
     pub(crate) admin_token: Option<[u8; 32]>,
+    /// Whether a caller may fetch its own stored answer by its key alone
+    /// ([`IdempotencyLayer::output_by_key`](crate::IdempotencyLayer::output_by_key)).
+    pub(crate) output_by_key: bool,
     /// The key of scope hashes; none: unkeyed.
     pub(crate) scope_secret: Option<idem_core::ScopeSecret>,
     pub(crate) scope_format: idem_core::ScopeFormat,

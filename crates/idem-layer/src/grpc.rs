@@ -155,8 +155,8 @@ pub fn status_for(code: ProblemCode) -> u32 {
         | ProblemCode::MethodCaseMismatch
         | ProblemCode::RecordQueryInvalid => code::INVALID_ARGUMENT,
         ProblemCode::TenantMissing => code::UNAUTHENTICATED,
-        ProblemCode::AdminRequired => code::PERMISSION_DENIED,
-        ProblemCode::InProgress => code::ABORTED,
+        ProblemCode::AdminRequired | ProblemCode::OutputRefused => code::PERMISSION_DENIED,
+        ProblemCode::InProgress | ProblemCode::OutcomeUnknown => code::ABORTED,
         ProblemCode::Conflict | ProblemCode::Cancelled => code::FAILED_PRECONDITION,
         ProblemCode::ResponseNotStored | ProblemCode::ReplayNotAcceptable => code::ALREADY_EXISTS,
         ProblemCode::BodyTooLarge | ProblemCode::QuotaExceeded | ProblemCode::ListingBusy => {

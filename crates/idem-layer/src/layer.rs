@@ -113,6 +113,7 @@ impl<S: Store> IdempotencyLayer<S> {
             records_path: None,
             problem_hook: None,
             admin_token: None,
+            output_by_key: false,
             scope_secret: None,
             scope_format: crate::ScopeFormat::Sha256,
             replay_cache: (DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_BOUND),
@@ -663,6 +664,21 @@ impl<S: Store> IdempotencyLayer<S> {
         use sha2::Digest;
         let digest: [u8; 32] = sha2::Sha256::digest(token.as_ref()).into();
         self.with(|c| c.admin_token = Some(digest))
+    }
+
+    /// Lets a caller fetch the stored answer of its own record by its key
+    /// alone, without resending the payload (off by default): `GET` on the
+    /// records API with `output=true` (see [`records`](crate::records)).
+    ///
+    /// Off, the payload's fingerprint works as a capability: only a caller
+    /// holding the payload gets the answer. On, anyone who can act as the
+    /// tenant and knows the key gets it. Turn it on only where keys are
+    /// random and never shown to others in the tenant, and a tenant is one
+    /// principal (a user or a service's own credential, not a header value
+    /// several callers share). The anonymous tenant is always refused, and
+    /// so is `tenant=` (the admin credential reads records, not answers).
+    pub fn output_by_key(self, on: bool) -> Self {
+        self.with(|c| c.output_by_key = on)
     }
 }
 

@@ -87,6 +87,15 @@ pub enum ProblemCode {
     /// the transaction without `commit()`: its writes rolled back, so the
     /// success is never recorded; the key is released.
     TransactionNotCommitted,
+    /// 403: an answer fetched by its key alone (the records API's
+    /// `output=true`) while that is off, by the anonymous tenant, or for
+    /// another tenant.
+    OutputRefused,
+    /// 409: the record's attempt answered its caller that the outcome is
+    /// unknown (a deadline, an upstream's `504`): it may have acted, and its
+    /// late answer may still be recorded; `Retry-After` says when to ask
+    /// again.
+    OutcomeUnknown,
 }
 
 impl ProblemCode {
@@ -115,6 +124,8 @@ impl ProblemCode {
         ProblemCode::ReplayNotAcceptable,
         ProblemCode::StreamRefused,
         ProblemCode::TransactionNotCommitted,
+        ProblemCode::OutputRefused,
+        ProblemCode::OutcomeUnknown,
     ];
 
     /// The `code` member.
@@ -143,6 +154,8 @@ impl ProblemCode {
             ProblemCode::ReplayNotAcceptable => "idempotency_replay_not_acceptable",
             ProblemCode::StreamRefused => "idempotency_stream_refused",
             ProblemCode::TransactionNotCommitted => "idempotency_transaction_not_committed",
+            ProblemCode::OutputRefused => "idempotency_output_refused",
+            ProblemCode::OutcomeUnknown => "idempotency_outcome_unknown",
         }
     }
 
@@ -156,7 +169,9 @@ impl ProblemCode {
             | ProblemCode::MethodCaseMismatch
             | ProblemCode::StreamRefused => StatusCode::BAD_REQUEST,
             ProblemCode::TenantMissing => StatusCode::UNAUTHORIZED,
-            ProblemCode::InProgress | ProblemCode::ResponseNotStored => StatusCode::CONFLICT,
+            ProblemCode::InProgress
+            | ProblemCode::ResponseNotStored
+            | ProblemCode::OutcomeUnknown => StatusCode::CONFLICT,
             ProblemCode::Cancelled => StatusCode::GONE,
             ProblemCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemCode::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -168,7 +183,7 @@ impl ProblemCode {
             | ProblemCode::TransactionNotCommitted => StatusCode::INTERNAL_SERVER_ERROR,
             ProblemCode::RecordNotFound => StatusCode::NOT_FOUND,
             ProblemCode::QuotaExceeded | ProblemCode::ListingBusy => StatusCode::TOO_MANY_REQUESTS,
-            ProblemCode::AdminRequired => StatusCode::FORBIDDEN,
+            ProblemCode::AdminRequired | ProblemCode::OutputRefused => StatusCode::FORBIDDEN,
             ProblemCode::ReplayNotAcceptable => StatusCode::NOT_ACCEPTABLE,
         }
     }
@@ -200,6 +215,8 @@ impl ProblemCode {
             }
             ProblemCode::StreamRefused => "Streaming calls are not protected",
             ProblemCode::TransactionNotCommitted => "The handler's transaction was not committed",
+            ProblemCode::OutputRefused => "This answer cannot be fetched by its key",
+            ProblemCode::OutcomeUnknown => "The outcome of this request is unknown",
         }
     }
 }
@@ -385,6 +402,7 @@ pub fn should_retry(code: ProblemCode) -> bool {
             | ProblemCode::BodyTimeout
             | ProblemCode::HandlerFailed
             | ProblemCode::TransactionNotCommitted
+            | ProblemCode::OutcomeUnknown
     )
 }
 
@@ -551,8 +569,10 @@ mod tests {
             ProblemCode::ReplayNotAcceptable => 20,
             ProblemCode::StreamRefused => 21,
             ProblemCode::TransactionNotCommitted => 22,
+            ProblemCode::OutputRefused => 23,
+            ProblemCode::OutcomeUnknown => 24,
         };
-        assert_eq!(ProblemCode::ALL.len(), 23);
+        assert_eq!(ProblemCode::ALL.len(), 25);
         for (i, code) in ProblemCode::ALL.iter().enumerate() {
             assert_eq!(position(*code), i, "{code:?}");
         }

@@ -25,7 +25,7 @@
 //!   "attempts": [{
 //!     "id": "<uuid>", "generation": 1,
 //!     "started_at": "…", "ended_at": "…",
-//!     "outcome": {"kind": "completed", "status": 201},  // running | completed | released | superseded | cancelled
+//!     "outcome": {"kind": "completed", "status": 201},  // running | unknown | completed | released | superseded | cancelled | released_by_operator
 //!     "late": null                    // a fenced attempt's own late outcome
 //!   }]
 //! }
@@ -75,8 +75,38 @@
 //!   An erased key is new: a retry of it runs again. Each erasure is
 //!   counted (`idem_records_erased_total`) and logged with the scope hash
 //!   and the tenant, never the key, and this layer's replay cache forgets
-//!   the record (another process's cache may still replay it for up to
-//!   its bound).
+//!   the record; other processes' caches hear of it through the store's
+//!   push channel (within about a second; at most 1 s on a store without
+//!   one, see [`IdempotencyLayer::replay_cache`](crate::IdempotencyLayer::replay_cache)).
+//!
+//! # Output by key
+//!
+//! With [`output_by_key`](crate::IdempotencyLayer::output_by_key) on (off
+//! by default), `GET ?method=…&path=…&key=…&output=true` answers the
+//! caller's own stored answer without the payload: the stored status,
+//! headers and body (a sealed one opened) with `Idempotent-Replayed: true`,
+//! as a retry would get it; the handler never runs. `wait=10s` (at most
+//! 60 s, default none) waits for an attempt still running, woken by the
+//! store's push channel where it has one (Redis single node, the memory
+//! store) and by polling where it does not. Otherwise:
+//!
+//! * a running attempt past the wait: `409 idempotency_in_progress`, or
+//!   `409 idempotency_outcome_unknown` when the attempt answered that its
+//!   outcome is unknown (it may have acted; its late answer may still be
+//!   recorded), each with `Retry-After`;
+//! * an answer not stored: `409 idempotency_response_not_stored`; a
+//!   cancelled record: `410 idempotency_cancelled`;
+//! * a record released by a failure: `404 idempotency_record_not_found`,
+//!   saying so (send the request again); no record (never made, expired or
+//!   erased, which a store cannot tell apart): `404` too;
+//! * off, from the anonymous tenant, or with `tenant=` (the admin
+//!   credential reads records, not answers): `403 idempotency_output_refused`.
+//!
+//! The tenant is the caller's own, as for every request, so another
+//! tenant's answer reads as none. A capability handed out with the first
+//! answer (a token that alone fetches it) was considered and is not built:
+//! the key already is one where keys are random and a tenant is one
+//! principal, which is when output by key should be on.
 //!
 //! `DELETE` answers `200` with `{"result": …, "record": …}`, where `result`
 //! says which side won: `cancelled` (the record was processing and is now
@@ -96,8 +126,8 @@ use futures_util::future::BoxFuture;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header, request::Parts};
 use http_body_util::Empty;
 use idem_core::{
-    Attempt, Cancellation, Erasure, ForceRelease, IdempotencyKey, Record, RecordQuery, RecordState,
-    RecordsAdmin, Scope, ScopeHash, Store,
+    Attempt, Cancellation, Current, Erasure, ForceRelease, IdempotencyKey, Record, RecordQuery,
+    RecordState, RecordsAdmin, Scope, ScopeHash, Store,
 };
 use serde_json::{Value, json};
 use tower::Service;
@@ -181,6 +211,10 @@ struct Query {
     lapsed: bool,
     limit: Option<String>,
     action: Option<String>,
+    /// `output=true`: the record's stored answer, not the record.
+    output: bool,
+    /// How long an output request waits for a running attempt.
+    wait: Option<String>,
 }
 
 impl Query {
@@ -200,6 +234,8 @@ impl Query {
                 "lapsed" => query.lapsed = value == "true" || value == "1",
                 "limit" => query.limit = Some(value),
                 "action" => query.action = Some(value),
+                "output" => query.output = value == "true" || value == "1",
+                "wait" => query.wait = Some(value),
                 _ => {}
             }
         }
@@ -209,6 +245,40 @@ impl Query {
 
 /// The most records one list answers.
 const LIST_LIMIT: usize = 1_000;
+
+/// The longest an output request waits for a running attempt.
+pub const OUTPUT_WAIT_MAX: Duration = Duration::from_secs(60);
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// A processing record past the wait: `409 idempotency_outcome_unknown`
+/// when its attempt answered its caller that the outcome is unknown, else
+/// `409 idempotency_in_progress`; `Retry-After` the lease left (at least
+/// a second).
+fn still_running(record: &Record, now_ms: u64) -> Response<RecordsBody> {
+    let left = Duration::from_millis(record.lease_expires_at_ms.saturating_sub(now_ms));
+    let unknown = record
+        .attempts
+        .iter()
+        .rev()
+        .find(|a| a.generation == record.generation)
+        .is_some_and(|a| a.outcome == idem_core::AttemptOutcome::Unknown);
+    if unknown {
+        let hint = Duration::from_secs(left.as_secs().clamp(1, 60));
+        return problem(
+            ProblemCode::OutcomeUnknown,
+            "the attempt with this Idempotency-Key answered that its outcome is unknown: it may \
+             have acted, and its late answer may still be recorded; ask again later",
+            Some(hint),
+        );
+    }
+    crate::answer::in_progress(left)
+}
 
 type Refusal = (ProblemCode, String);
 
@@ -305,6 +375,85 @@ impl<S: RecordsAdmin> RecordsService<S> {
             limit,
             after: None,
         })
+    }
+
+    /// `GET ?method=…&path=…&key=…&output=true[&wait=…]`: the caller's own
+    /// stored answer by its key alone (see the module docs).
+    async fn output(&self, parts: &Parts, query: &Query) -> Result<Response<RecordsBody>, Refusal> {
+        let config = &self.rt.config;
+        let refused = |detail: &str| (ProblemCode::OutputRefused, detail.to_owned());
+        if parts.method != Method::GET {
+            return Err(invalid("an answer is fetched with GET"));
+        }
+        if !config.output_by_key {
+            return Err(refused(
+                "fetching an answer by its key alone is off (IdempotencyLayer::output_by_key)",
+            ));
+        }
+        if query.tenant.is_some() {
+            return Err(refused(
+                "an answer is fetched by its own caller only: tenant= is not allowed",
+            ));
+        }
+        let tenant = config
+            .tenant
+            .shared_tenant(parts)
+            .filter(|_| !config.tenant.ambiguous(parts))
+            .ok_or_else(|| {
+                refused("an anonymous caller cannot fetch an answer by its key: anyone could")
+            })?;
+        let scope = self.scope(Some(tenant.to_string()), query)?;
+        let wait = query
+            .wait
+            .as_deref()
+            .map(humantime::parse_duration)
+            .transpose()
+            .map_err(|e| invalid(format!("wait: {e}")))?
+            .unwrap_or_default()
+            .min(OUTPUT_WAIT_MAX);
+        let deadline = tokio::time::Instant::now() + wait;
+        let not_found = |detail: &str| (ProblemCode::RecordNotFound, detail.to_owned());
+        loop {
+            let record = match store_call(config, StoreOp::Get, self.rt.store.get(&scope)).await {
+                Ok(record) => record,
+                Err(error) => return Ok(unavailable_problem(&error)),
+            };
+            let now_ms = unix_ms();
+            let Some(record) = record.filter(|r| !r.is_expired(now_ms)) else {
+                return Err(not_found(
+                    "no answer for this key: no record (never made, expired, or erased)",
+                ));
+            };
+            match record.state {
+                RecordState::Released => {
+                    return Err(not_found(
+                        "no answer for this key: its attempt failed and released it; send the \
+                         request again",
+                    ));
+                }
+                RecordState::Cancelled => return Ok(crate::answer::cancelled()),
+                RecordState::Completed => {
+                    let Current::Completed(replay) =
+                        idem_core::machine::current(&Some(record), now_ms)
+                    else {
+                        return Ok(unavailable_problem(&idem_core::StoreError::Corrupt(
+                            "a completed record without its outcome".into(),
+                        )));
+                    };
+                    return Ok(match self.rt.opened(replay, &scope) {
+                        Ok(replay) => crate::answer::replay_response(replay),
+                        Err(error) => unavailable_problem(&error),
+                    });
+                }
+                RecordState::Processing => {
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero() {
+                        return Ok(still_running(&record, now_ms));
+                    }
+                    crate::runtime::wait_for_change(&*self.rt.store, &scope, left).await;
+                }
+            }
+        }
     }
 
     /// Erases one record (not a processing one): counted and logged by
@@ -422,6 +571,9 @@ impl<S: RecordsAdmin> RecordsService<S> {
 
     async fn act(&self, parts: &Parts) -> Result<Response<RecordsBody>, Refusal> {
         let query = Query::parse(parts);
+        if query.output {
+            return self.output(parts, &query).await;
+        }
         let tenant = self.tenant(parts, &query)?;
         let not_found = || {
             (

@@ -162,11 +162,13 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
     let store = MemoryStore::new();
     let (send_late, late) = oneshot::channel();
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = layer(&store);
+    let layer = layer(&store).output_by_key(true);
+    let records = layer.records_service();
     let service = layer.layer(unknown_then_late(
         Arc::new(std::sync::Mutex::new(Some(late))),
         Arc::clone(&calls),
     ));
+    let output = "/records?method=POST&path=/orders&key=unk-1&output=true";
     let first = send(&service, order("unk-1", "{}")).await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
     let retry = send(&service, order("unk-1", "{}")).await;
@@ -184,6 +186,14 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
             .collect::<Vec<_>>()
     };
     assert_eq!(outcomes().await, [AttemptOutcome::Unknown]);
+    // Fetched by its key, the answer says the outcome is unknown.
+    let fetched = records_call(&records, Method::GET, output).await;
+    assert_eq!(fetched.status, StatusCode::CONFLICT);
+    assert_eq!(
+        fetched.code().as_deref(),
+        Some("idempotency_outcome_unknown")
+    );
+    assert!(fetched.headers.contains_key("retry-after"));
     let mut answer = Response::new(Full::new(Bytes::from_static(b"{\"order\":7}")));
     *answer.status_mut() = StatusCode::CREATED;
     send_late.send(answer).expect("late answer taken");
@@ -203,6 +213,10 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
         outcomes().await,
         [AttemptOutcome::Completed { status: 201 }]
     );
+    let fetched = records_call(&records, Method::GET, output).await;
+    assert_eq!(fetched.status, StatusCode::CREATED);
+    assert_eq!(&fetched.body[..], b"{\"order\":7}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 /// Without a late answer the lease lapses, and only then a retry takes over

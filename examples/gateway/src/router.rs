@@ -140,6 +140,7 @@ pub(crate) fn layer<S: Store>(
     if let Some(token) = &config.records_admin_token {
         layer = layer.records_admin_token(token.as_bytes());
     }
+    layer = layer.output_by_key(config.output_by_key);
     if let Some(base) = &config.problem_type_base {
         layer = layer.problem_type_base(base.clone());
     }
