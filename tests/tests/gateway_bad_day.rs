@@ -470,7 +470,8 @@ async fn proxy_headers_are_the_gateways_own() {
         assert_eq!(answer.code().as_deref(), Some("connection_header_invalid"));
     }
     assert_eq!(upstream.runs(), 0);
-    // Bare and quoted spellings name one key, forwarded one way.
+    // Bare and quoted spellings name one key; the attempt that runs
+    // forwards it as its client sent it.
     let bare = post(gateway.addr, "/orders", "spell-1").await;
     assert_eq!(bare.status, StatusCode::CREATED);
     let quoted = post(gateway.addr, "/orders", "\"spell-1\"").await;
@@ -486,13 +487,18 @@ async fn proxy_headers_are_the_gateways_own() {
     assert_eq!(send(&client(), forged).await.status, StatusCode::CREATED);
     let seen = upstream.seen.lock().expect("seen").clone();
     assert_eq!(seen.len(), 2);
-    assert_eq!(seen[0].key.as_deref(), Some("\"spell-1\""));
+    assert_eq!(seen[0].key.as_deref(), Some("spell-1"));
     assert_eq!(seen[0].attempt.as_deref(), Some("1"));
     assert_eq!(seen[1].key, None);
     assert_eq!(
         seen[1].attempt, None,
         "the client's attempt header is dropped"
     );
+    // A key first sent quoted goes on quoted.
+    let quoted = post(gateway.addr, "/orders", "\"spell-2\"").await;
+    assert_eq!(quoted.status, StatusCode::CREATED);
+    let seen = upstream.seen.lock().expect("seen").clone();
+    assert_eq!(seen[2].key.as_deref(), Some("\"spell-2\""));
 }
 
 /// An upstream that answers `101 Switching Protocols` to a keyed POST that

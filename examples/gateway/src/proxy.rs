@@ -15,7 +15,7 @@ use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
-use idem_layer::{ADMIN_TOKEN, HOP_BY_HOP, IDEMPOTENCY_KEY, IdempotencyContext, UnknownOutcome};
+use idem_layer::{ADMIN_TOKEN, HOP_BY_HOP, IdempotencyContext, UnknownOutcome};
 
 /// A gRPC call's deadline.
 const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
@@ -498,7 +498,7 @@ impl Proxy {
         let protected = request
             .extensions()
             .get::<IdempotencyContext>()
-            .map(|ctx| (ctx.generation, ctx.key.to_sf_string()));
+            .map(|ctx| ctx.generation);
         let hop = request.extensions_mut().remove::<Hop>();
         let headers = request.headers_mut();
         // `TE: trailers` says the client takes trailers (gRPC requires it):
@@ -528,14 +528,11 @@ impl Proxy {
         // is the operator page's session cookie.
         strip_admin_token(headers);
         strip_operator_cookie(headers);
-        if let Some((generation, key)) = protected {
+        // The key goes on as the client sent it (an upstream that
+        // deduplicates on its own sees the client's key); the attempt is the
+        // gateway's.
+        if let Some(generation) = protected {
             headers.insert(IDEMPOTENCY_ATTEMPT, HeaderValue::from(generation));
-            // One spelling of the key for every attempt, whatever the
-            // client sent (`abc` and `"abc"` name the same key).
-            // The spelling's own buffer becomes the value (no copy).
-            if let Ok(key) = HeaderValue::from_maybe_shared(bytes::Bytes::from(key)) {
-                headers.insert(IDEMPOTENCY_KEY, key);
-            }
         }
     }
 
