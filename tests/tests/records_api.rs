@@ -156,20 +156,29 @@ async fn an_operator_finds_and_releases_a_stuck_record() {
     let lapsed = get("?lapsed=true", "acme", false).await;
     assert_eq!(keys(&lapsed), ["acme/lapsed"]);
 
-    // Release the stuck one: the retry runs.
-    let release = |key: &str| {
+    // Release the stuck one (an operator's act: the admin credential; the
+    // tenant alone is refused): the retry runs.
+    let release_as = |key: &str, admin: bool| {
         send(
             &http,
             request(
                 "POST",
                 format!(
-                    "{base}/_idempotency/records?method=POST&path=/orders&key={key}&action=release"
+                    "{base}/_idempotency/records?method=POST&path=/orders&key={key}{}&action=release",
+                    if admin { "&tenant=acme" } else { "" }
                 ),
                 "acme",
-                false,
+                admin,
             ),
         )
     };
+    let release = |key: &str| release_as(key, true);
+    let by_tenant = release_as("stuck", false).await;
+    assert_eq!(by_tenant.status, StatusCode::FORBIDDEN, "{by_tenant:?}");
+    assert_eq!(
+        by_tenant.code().as_deref(),
+        Some("idempotency_admin_required")
+    );
     let released = release("stuck").await;
     assert_eq!(released.status, StatusCode::OK, "{released:?}");
     let json: serde_json::Value = serde_json::from_slice(&released.body).expect("json");

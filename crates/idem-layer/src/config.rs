@@ -120,6 +120,9 @@ pub(crate) struct Config {
     /// Whether a caller may fetch its own stored answer by its key alone
     /// ([`IdempotencyLayer::output_by_key`](crate::IdempotencyLayer::output_by_key)).
     pub(crate) output_by_key: bool,
+    /// Whether a tenant may release its own processing records without
+    /// the admin credential ([`IdempotencyLayer::tenant_release`](crate::IdempotencyLayer::tenant_release)).
+    pub(crate) tenant_release: bool,
     /// The key of scope hashes; none: unkeyed.
     pub(crate) scope_secret: Option<idem_core::ScopeSecret>,
     pub(crate) scope_format: idem_core::ScopeFormat,

@@ -114,6 +114,7 @@ impl<S: Store> IdempotencyLayer<S> {
             problem_hook: None,
             admin_token: None,
             output_by_key: false,
+            tenant_release: false,
             scope_secret: None,
             scope_format: crate::ScopeFormat::Sha256,
             replay_cache: (DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_BOUND),
@@ -679,6 +680,16 @@ impl<S: Store> IdempotencyLayer<S> {
     /// so is `tenant=` (the admin credential reads records, not answers).
     pub fn output_by_key(self, on: bool) -> Self {
         self.with(|c| c.output_by_key = on)
+    }
+
+    /// Lets a tenant release its own processing records through the
+    /// records API (`action=release`) without the admin credential (off by
+    /// default). A release frees the key while the attempt that held it
+    /// may still run, so a retry may run beside it: an operator's act,
+    /// once the owner is known to be gone. Turn it on only where a tenant
+    /// is trusted to judge that for its own records.
+    pub fn tenant_release(self, allowed: bool) -> Self {
+        self.with(|c| c.tenant_release = allowed)
     }
 }
 

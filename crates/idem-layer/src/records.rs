@@ -49,7 +49,10 @@
 //!   releasing one record is not budgeted. A listing is given 30 s (or
 //!   the store timeout, if longer): it reads every record, which takes
 //!   longer than one store call.
-//! * `POST ?method=…&path=…&key=…&action=release` releases a stuck
+//! * With the admin credential (or, where
+//!   [`tenant_release`](crate::IdempotencyLayer::tenant_release) allows it,
+//!   as the record's own tenant; otherwise `403 idempotency_admin_required`),
+//!   `POST ?method=…&path=…&key=…&action=release` releases a stuck
 //!   processing record whatever its lease: `200 {"result": "released",
 //!   "record": …}` (its attempt is kept as `released_by_operator`, its
 //!   later writes are fenced, the next request runs), `409 {"result":
@@ -624,6 +627,12 @@ impl<S: RecordsAdmin> RecordsService<S> {
                 }
             }
             (&Method::POST, _) if query.action.as_deref() == Some("release") => {
+                if !config.tenant_release && !self.is_admin(parts) {
+                    let detail = "releasing a record needs the admin credential: its attempt may \
+                                  still run (IdempotencyLayer::tenant_release lets a tenant \
+                                  release its own)";
+                    return Err((ProblemCode::AdminRequired, detail.to_owned()));
+                }
                 let scope = self.scope(tenant, &query)?;
                 match store_call(
                     config,

@@ -128,6 +128,50 @@ async fn superseded_attempts_client_gets_the_records_answer_on_failure() {
     assert_eq!(first.code().as_deref(), Some("idempotency_cancelled"));
 }
 
+/// A running attempt an operator releases, then completes: its completion
+/// is fenced and kept as late evidence; the record stays released (never
+/// made again as if a failover had lost it), and the next request runs.
+/// (Found by an outside test: the release was undone by a record made up
+/// from the late outcome.)
+#[tokio::test]
+async fn a_completion_after_an_operators_release_leaves_the_record_released() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store).records_admin_token("the admin");
+    let service = service(&layer, &probe);
+    let records = layer.records_service();
+    let first = tokio::spawn(send(&service, order_to("/slow", "rel-1")));
+    wait_calls(&probe, 1).await;
+    let release = method(
+        Method::POST,
+        "/records?method=POST&path=/slow&key=rel-1&tenant=t1&action=release",
+    )
+    .tenant("t1")
+    .header("x-idem-admin-token", "the admin")
+    .build();
+    let released = send(&records, release).await;
+    assert_eq!(released.status, StatusCode::OK, "{:?}", released.body);
+    probe.gate.add_permits(1);
+    let _ = first.await.expect("join");
+    let scope = idem_core::Scope::new("t1", "POST /slow", key("rel-1"));
+    let record = store.get(scope.hash()).await.expect("get").expect("record");
+    assert_eq!(record.state, idem_core::RecordState::Released);
+    assert_eq!(record.attempts.len(), 1, "no attempt made up: {record:?}");
+    assert_eq!(
+        record.attempts[0].outcome,
+        AttemptOutcome::ReleasedByOperator
+    );
+    assert!(
+        record.attempts[0].late.is_some(),
+        "the outcome kept as evidence"
+    );
+    // The next request runs.
+    probe.gate.add_permits(1);
+    let next = send(&service, order_to("/slow", "rel-1")).await;
+    assert!(!next.replayed(), "{:?}", next.status);
+    assert_eq!(probe.calls(), 2);
+}
+
 /// Where the test keeps the late answer's receiver until the inner service
 /// takes it.
 type LateSlot = Arc<std::sync::Mutex<Option<oneshot::Receiver<Response<Full<Bytes>>>>>>;

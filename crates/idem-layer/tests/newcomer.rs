@@ -428,6 +428,7 @@ async fn the_records_service_under_the_layer_is_not_keyed() {
     let idempotency = IdempotencyLayer::new(MemoryStore::new())
         .tenant(TenantFromHeader::from_static("x-tenant-id"))
         .require_key(true)
+        .tenant_release(true)
         .records_path("/_idempotency/records");
     let app = Router::new()
         .route("/orders", post(|| async { StatusCode::CREATED }))

@@ -64,8 +64,10 @@ fn record_in_background<S: Store>(
     );
 }
 
-/// A completion found no record at all: the store lost it (a failover
-/// that dropped an unreplicated write, say), while the action ran. Left
+/// A completion found no record at all (a vacant one, released, is left
+/// as it is): the store lost it (a failover that dropped an unreplicated
+/// write, say), or an operator released it and then erased it, while the
+/// action ran. Left
 /// vacant, the retry would run the action again as a first attempt, so
 /// the record is made again from the outcome: reserved anew and completed
 /// at once. Only a vacant scope is written; if another attempt reserved
@@ -73,6 +75,20 @@ fn record_in_background<S: Store>(
 async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: &Outcome) {
     let config = &*rt.config;
     let store = &*rt.store;
+    // A record that is there but vacant was released (by an operator, or
+    // by this attempt's own release that a takeover followed): it did not
+    // vanish, and its release stands; the outcome is kept on it as late
+    // evidence.
+    let scope = request.scope.hash();
+    if let Ok(Some(_)) = store_call(config, StoreOp::Get, store.get(scope)).await {
+        m::count(Counted::Fenced);
+        tracing::warn!(
+            status = outcome.status(),
+            "completion fenced: the record was released while the attempt ran; the next \
+             request runs"
+        );
+        return;
+    }
     let lease = match store_call(config, StoreOp::Reserve, store.reserve(request)).await {
         Ok(Reservation::Acquired(lease)) => lease,
         Ok(_) => {
