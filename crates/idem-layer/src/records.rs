@@ -7,6 +7,8 @@
 //! `404 idempotency_record_not_found`. `path` is the route as the layer saw
 //! it: axum's route template (`/orders/{id}`) when the layer runs inside a
 //! `Router`, else the request path (normalized, as the layer scopes it).
+//! The query is form-encoded: a `+` in a value is a space, so a key with a
+//! `+` is written `%2B` (`idem_client::output_request` does).
 //!
 //! `GET` answers `200` with the record:
 //!
