@@ -76,8 +76,8 @@ async fn pay(
             .to_owned()
     };
     let n = ledger.counter.fetch_add(1, Ordering::SeqCst) + 1;
-    // The gateway forwards the key as an sf-string (`"k"`); the soak's keys
-    // have nothing to escape.
+    // The gateway forwards the key as the client sent it (bare here); a
+    // quoted one would have nothing to escape either.
     let (tenant, key) = (text("x-tenant"), text("idempotency-key"));
     let key = key.trim_matches('"').to_owned();
     let body = Bytes::from(format!(
