@@ -51,16 +51,17 @@ pub fn is_grpc(headers: &http::HeaderMap) -> bool {
         })
 }
 
+/// The `grpc-status` header's name (a constant: looked up without parsing
+/// the name per request).
+pub const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+
+/// The `grpc-timeout` header's name.
+pub const GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+
 /// The `grpc-status` in `headers` (a trailers block, or the head of a
 /// trailers-only answer), when there is a readable one.
 pub fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
-    headers
-        .get("grpc-status")?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+    headers.get(GRPC_STATUS)?.to_str().ok()?.trim().parse().ok()
 }
 
 /// The caller's deadline in a gRPC request's `grpc-timeout` header: 1 to 8
@@ -68,7 +69,7 @@ pub fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
 /// HTTP/2 specification writes it. `None` when absent or unreadable.
 pub fn grpc_timeout(headers: &http::HeaderMap) -> Option<std::time::Duration> {
     use std::time::Duration;
-    let value = headers.get("grpc-timeout")?.as_bytes();
+    let value = headers.get(GRPC_TIMEOUT)?.as_bytes();
     let (&unit, digits) = value.split_last()?;
     if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
         return None;
@@ -111,7 +112,7 @@ mod tests {
 
     fn timeout(value: &'static str) -> Option<Duration> {
         let mut headers = http::HeaderMap::new();
-        headers.insert("grpc-timeout", http::HeaderValue::from_static(value));
+        headers.insert(GRPC_TIMEOUT, http::HeaderValue::from_static(value));
         grpc_timeout(&headers)
     }
 
@@ -135,7 +136,7 @@ mod tests {
         fn any_grpc_timeout_value_is_read_or_refused(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..16)) {
             let mut headers = http::HeaderMap::new();
             if let Ok(value) = http::HeaderValue::from_bytes(&bytes) {
-                headers.insert("grpc-timeout", value);
+                headers.insert(GRPC_TIMEOUT, value);
                 let _ = grpc_timeout(&headers);
             }
         }
@@ -145,7 +146,7 @@ mod tests {
         fn a_written_bound_reads_back(millis in 1u64..10_000_000_000) {
             let bound = Duration::from_millis(millis);
             let mut headers = http::HeaderMap::new();
-            headers.insert("grpc-timeout", grpc_timeout_value(bound).parse().expect("value"));
+            headers.insert(GRPC_TIMEOUT, grpc_timeout_value(bound).parse().expect("value"));
             let read = grpc_timeout(&headers).expect("read");
             proptest::prop_assert!(read <= bound);
             proptest::prop_assert!(bound - read < Duration::from_secs(1), "{read:?} for {bound:?}");
@@ -161,7 +162,7 @@ mod tests {
         for bound in [Duration::from_millis(1), Duration::from_secs(86_400 * 365)] {
             let mut headers = http::HeaderMap::new();
             let value = grpc_timeout_value(bound);
-            headers.insert("grpc-timeout", value.parse().expect("value"));
+            headers.insert(GRPC_TIMEOUT, value.parse().expect("value"));
             assert!(
                 grpc_timeout(&headers).is_some_and(|read| read <= bound),
                 "{value}"
