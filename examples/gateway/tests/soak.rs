@@ -4,7 +4,10 @@
 //! killed (SIGKILL) or stopped (SIGTERM) and restarted, Redis paused and
 //! resumed, and one upstream execution in 30 slower than the gateways'
 //! upstream timeout (an unknown outcome: 504, the key kept, the late
-//! answer recorded). An independent
+//! answer recorded), and an operator erasing completed records through
+//! either gateway's records API (the other gateway's replay cache hears of
+//! it through Redis; a replay of an erased answer a while after the erase
+//! is a violation). An independent
 //! ledger in the upstream then checks every promise and prints the figures.
 //!
 //! Short profile (the default, about a minute with setup; CI runs it):
@@ -39,6 +42,25 @@ const LEASE: Duration = Duration::from_secs(2);
 const KEY_LIFETIME_SECS: u64 = 8;
 /// The gateways' upstream timeout (`--upstream-timeout`).
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(1);
+/// The records API's admin credential (`--records-admin-token`).
+const ADMIN: &str = "the soak operator's token";
+/// How long after an erasure answered a replay of the erased answer is
+/// still allowed: the replay caches' bound on a healthy push channel
+/// (about a second) and a loaded machine's delays.
+const STALE_BOUND: Duration = Duration::from_secs(2);
+
+/// An erasure the operator made: the record of `tenant`/`key` was erased
+/// by a request sent at `sent`, answered at `answered`: `confirmed` when it
+/// answered `erased`; not when no clean answer came (its gateway killed
+/// mid-answer, a timeout, a 5xx), which may or may not have erased it.
+#[derive(Debug, Clone)]
+struct Erased {
+    tenant: String,
+    key: String,
+    sent: Instant,
+    answered: Instant,
+    confirmed: bool,
+}
 
 /// One execution in the upstream.
 #[derive(Debug, Clone)]
@@ -180,6 +202,9 @@ impl Drop for Gateway {
 struct Outcome {
     tenant: String,
     key: String,
+    /// When the request was sent and its answer came.
+    sent: Instant,
+    answered: Instant,
     payload: Bytes,
     status: Option<StatusCode>,
     replayed: bool,
@@ -234,6 +259,8 @@ async fn chaos_soak() {
         "1s",
         "--drain-timeout",
         "10s",
+        "--records-admin-token",
+        ADMIN,
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -325,6 +352,73 @@ async fn chaos_soak() {
         x ^= x << 17;
         x
     };
+    // The operator: every 300 ms, erase a key of the current pool through
+    // either gateway (the records API refuses a processing record, and
+    // answers 404 for a key not used yet).
+    let erasures: Arc<Mutex<Vec<Erased>>> = Arc::default();
+    let erase_answers: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
+    let operator = {
+        let (http, erasures, erase_answers, ports, next) = (
+            http.clone(),
+            Arc::clone(&erasures),
+            Arc::clone(&erase_answers),
+            ports.clone(),
+            next.clone(),
+        );
+        tokio::spawn(async move {
+            while Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let r = next();
+                let epoch = started.elapsed().as_secs() / KEY_LIFETIME_SECS;
+                let (tenant, key) = (
+                    format!("tenant-{}", r % TENANTS),
+                    format!("key-{}", (r >> 8) % KEYS + epoch * KEYS),
+                );
+                let port = ports[((r >> 40) % 2) as usize].load(Ordering::SeqCst);
+                let request = Request::post(format!(
+                    "http://127.0.0.1:{port}/_idempotency/records?method=POST&path=/pay&key={key}&tenant={tenant}&action=erase"
+                ))
+                .header("x-idem-admin-token", ADMIN)
+                .body(Full::new(Bytes::new()))
+                .expect("request");
+                let sent = Instant::now();
+                let answer =
+                    tokio::time::timeout(Duration::from_secs(5), http.request(request)).await;
+                let answered = Instant::now();
+                let (status, erased) = match answer {
+                    Ok(Ok(response)) => {
+                        let status = response.status();
+                        let body = response.into_body().collect().await.map(|b| b.to_bytes());
+                        let erased = body.as_ref().is_ok_and(|b| {
+                            serde_json::from_slice::<serde_json::Value>(b)
+                                .is_ok_and(|v| v["result"] == "erased")
+                        });
+                        let answer = match status {
+                            StatusCode::OK if erased => Some(true),
+                            StatusCode::NOT_FOUND | StatusCode::CONFLICT => None,
+                            _ => Some(false),
+                        };
+                        (status.as_str().to_owned(), answer)
+                    }
+                    _ => ("none".to_owned(), Some(false)),
+                };
+                if let Some(confirmed) = erased {
+                    erasures.lock().expect("erasures").push(Erased {
+                        tenant,
+                        key,
+                        sent,
+                        answered,
+                        confirmed,
+                    });
+                }
+                *erase_answers
+                    .lock()
+                    .expect("answers")
+                    .entry(status)
+                    .or_default() += 1;
+            }
+        })
+    };
     let outcomes: Arc<Mutex<Vec<Outcome>>> = Arc::default();
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
@@ -361,6 +455,8 @@ async fn chaos_soak() {
                 let mut outcome = Outcome {
                     tenant,
                     key,
+                    sent: Instant::now(),
+                    answered: Instant::now(),
                     payload: body,
                     status: None,
                     replayed: false,
@@ -379,6 +475,7 @@ async fn chaos_soak() {
                         .ok()
                         .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
                 }
+                outcome.answered = Instant::now();
                 outcomes.lock().expect("outcomes").push(outcome);
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
@@ -387,6 +484,7 @@ async fn chaos_soak() {
     for client in clients {
         client.await.expect("client");
     }
+    operator.await.expect("operator");
     let (chaos_task, redis) = chaos;
     chaos_task.await.expect("chaos");
 
@@ -395,21 +493,46 @@ async fn chaos_soak() {
     let outcomes = outcomes.lock().expect("outcomes").clone();
     let kills = kills.lock().expect("kills").clone();
     let pauses = pauses.lock().expect("pauses").clone();
+    let erasures = erasures.lock().expect("erasures").clone();
+    // A scope's era: how many erasures of it were sent before `at`. An
+    // erasure answered `erased` found the record finished, so every
+    // execution of the scope that starts after it was sent is of the new
+    // era (the key is new: its generations start again at 1). One without
+    // a clean answer may have erased it: counted too, which only splits the
+    // scope's executions into more eras (fewer pairs to check), never
+    // excuses a pair within one.
+    let era = |tenant: &str, key: &str, at: Instant| {
+        erasures
+            .iter()
+            .filter(|e| e.tenant == tenant && e.key == key && e.sent < at)
+            .count()
+    };
+    let era_of = |execution: &Execution| era(&execution.tenant, &execution.key, execution.started);
 
-    let mut by_scope: BTreeMap<(String, String), Vec<&Execution>> = BTreeMap::new();
+    let mut by_scope: BTreeMap<(String, String, usize), Vec<&Execution>> = BTreeMap::new();
+    let mut by_key: BTreeMap<(String, String), Vec<&Execution>> = BTreeMap::new();
     for execution in &executions {
         by_scope
+            .entry((
+                execution.tenant.clone(),
+                execution.key.clone(),
+                era_of(execution),
+            ))
+            .or_default()
+            .push(execution);
+        by_key
             .entry((execution.tenant.clone(), execution.key.clone()))
             .or_default()
             .push(execution);
     }
-    // 1. Never two executions in one generation of a scope.
-    let mut per_generation: HashMap<(String, String, u64), usize> = HashMap::new();
+    // 1. Never two executions in one generation of a scope (within an era).
+    let mut per_generation: HashMap<(String, String, usize, u64), usize> = HashMap::new();
     for execution in &executions {
         *per_generation
             .entry((
                 execution.tenant.clone(),
                 execution.key.clone(),
+                era_of(execution),
                 execution.attempt,
             ))
             .or_default() += 1;
@@ -462,9 +585,11 @@ async fn chaos_soak() {
             );
         }
     }
-    // 3. Every delivered success of a scope has the same bytes, and 4. never
-    //    another tenant's.
-    let mut delivered: HashMap<(String, String), Bytes> = HashMap::new();
+    // 3. Every delivered success of a scope has the same bytes (within an
+    //    era), 4. never another tenant's, and 7. never an erased era's a
+    //    while after its erasure answered.
+    let mut delivered: HashMap<(String, String, usize), Bytes> = HashMap::new();
+    let mut stale_checked = 0;
     let (mut successes, mut replays) = (0, 0);
     for outcome in outcomes
         .iter()
@@ -479,15 +604,40 @@ async fn chaos_soak() {
             outcome.body,
             outcome.tenant
         );
-        let scope = (outcome.tenant.clone(), outcome.key.clone());
-        let produced = by_scope
-            .get(&scope)
-            .is_some_and(|runs| runs.iter().any(|r| r.body == outcome.body));
+        let producer = by_key
+            .get(&(outcome.tenant.clone(), outcome.key.clone()))
+            .and_then(|runs| runs.iter().find(|r| r.body == outcome.body));
+        let Some(producer) = producer else {
+            panic!(
+                "{}/{} delivered bytes the upstream never produced",
+                outcome.tenant, outcome.key
+            );
+        };
+        let produced_in = era_of(producer);
+        // An erasure confirmed a while before this request was sent, of an
+        // answer produced before it: that answer must not come back.
+        let erased_before = erasures.iter().find(|e| {
+            e.confirmed
+                && e.tenant == outcome.tenant
+                && e.key == outcome.key
+                && e.answered + STALE_BOUND < outcome.sent
+        });
+        stale_checked += usize::from(erased_before.is_some());
+        let stale = erasures.iter().find(|e| {
+            e.confirmed
+                && e.tenant == outcome.tenant
+                && e.key == outcome.key
+                && e.answered + STALE_BOUND < outcome.sent
+                && producer.started < e.sent
+        });
         assert!(
-            produced,
-            "{}/{} delivered bytes the upstream never produced",
-            outcome.tenant, outcome.key
+            stale.is_none(),
+            "{}/{} replayed an answer erased {:?} before the request was sent: {stale:?}",
+            outcome.tenant,
+            outcome.key,
+            stale.map(|e| outcome.sent - e.answered)
         );
+        let scope = (outcome.tenant.clone(), outcome.key.clone(), produced_in);
         let first = delivered
             .entry(scope)
             .or_insert_with(|| outcome.body.clone());
@@ -519,12 +669,20 @@ async fn chaos_soak() {
     {
         conflicts += 1;
         assert_eq!(outcome.code.as_deref(), Some("idempotency_conflict"));
-        if let Some(runs) = by_scope.get(&(outcome.tenant.clone(), outcome.key.clone())) {
-            assert!(
-                runs.iter().all(|r| r.payload != outcome.payload),
-                "422 for an unchanged payload"
-            );
-        }
+        // The record it met is of an era between the erasures answered
+        // before it was sent and those sent before its answer came.
+        let (tenant, key) = (&outcome.tenant, &outcome.key);
+        let lo = erasures
+            .iter()
+            .filter(|e| e.tenant == *tenant && e.key == *key && e.answered < outcome.sent)
+            .count();
+        let hi = era(tenant, key, outcome.answered);
+        let changed = (lo..=hi).any(|era| {
+            by_scope
+                .get(&(tenant.clone(), key.clone(), era))
+                .is_none_or(|runs| runs.iter().all(|r| r.payload != outcome.payload))
+        });
+        assert!(changed, "422 for an unchanged payload");
     }
     let count = |status: StatusCode| outcomes.iter().filter(|o| o.status == Some(status)).count();
     let transport = outcomes.iter().filter(|o| o.status.is_none()).count();
@@ -550,8 +708,13 @@ async fn chaos_soak() {
         pauses.len(),
         count(StatusCode::GATEWAY_TIMEOUT)
     );
+    let erase_answers = erase_answers.lock().expect("answers").clone();
     println!(
-        "  violations: 0 double executions per generation, 0 differing replays, 0 cross-tenant, 0 executions during outages, 0 false 422s"
+        "  erasures: {} erased (answers {erase_answers:?}); {stale_checked} later answers of erased scopes checked for staleness",
+        erasures.iter().filter(|e| e.confirmed).count()
+    );
+    println!(
+        "  violations: 0 double executions per generation, 0 differing replays, 0 cross-tenant, 0 executions during outages, 0 false 422s, 0 erased answers replayed {STALE_BOUND:?} after the erasure"
     );
     assert!(
         successes > 100 && replays > 0 && conflicts > 0,
@@ -564,6 +727,10 @@ async fn chaos_soak() {
     assert!(
         re_executions > 0,
         "no takeover happened: the re-execution checks checked nothing"
+    );
+    assert!(
+        !erasures.is_empty() && stale_checked > 0,
+        "no erasure was followed by a request: the staleness check checked nothing"
     );
     drop(gateways);
     drop(redis);
