@@ -134,6 +134,16 @@ impl<S: Store> IdempotencyLayer<S> {
         self.runtime.config.validate()
     }
 
+    /// Says the server stopped taking requests: answers fetched by key
+    /// (the records API's `output=true`) that wait for a running attempt
+    /// stop waiting and answer at once (`409` with `Retry-After`), so they
+    /// do not hold the shutdown. Call it when a graceful shutdown begins,
+    /// before waiting for the connections to close; [`drain`](Self::drain)
+    /// calls it too. Shared by every clone of the layer and its services.
+    pub fn close(&self) {
+        self.runtime.closing.cancel();
+    }
+
     /// Waits, up to `bound`, for the work that outlives its requests:
     /// handlers still running after their client left, outcomes being
     /// recorded after a store error, late answers of unknown outcomes,
@@ -142,8 +152,10 @@ impl<S: Store> IdempotencyLayer<S> {
     /// server stopped taking requests, so that no outcome is lost with the
     /// process. Answers how many of those tasks were still running when
     /// the bound passed (0: all finished); their records stay processing
-    /// until their leases lapse.
+    /// until their leases lapse. It [`close`](Self::close)s the layer
+    /// first.
     pub async fn drain(&self, bound: Duration) -> usize {
+        self.close();
         let (tasks, store) = (&self.runtime.tasks, &*self.runtime.store);
         tasks.close();
         let finished = tokio::time::timeout(bound, async {

@@ -90,7 +90,8 @@
 //! by default), `GET ?method=…&path=…&key=…&output=true` answers the
 //! caller's own stored answer without the payload: the stored status,
 //! headers and body (a sealed one opened) with `Idempotent-Replayed: true`,
-//! as a retry would get it; the handler never runs. `wait=10s` (at most
+//! as a retry would get it (a content coding its `Accept-Encoding` does not
+//! take is decoded or refused, as for a retry); the handler never runs. `wait=10s` (at most
 //! 60 s, default none) waits for an attempt still running, woken by the
 //! store's push channel where it has one (Redis single node, the memory
 //! store) and by polling where it does not. Otherwise:
@@ -98,7 +99,13 @@
 //! * a running attempt past the wait: `409 idempotency_in_progress`, or
 //!   `409 idempotency_outcome_unknown` when the attempt answered that its
 //!   outcome is unknown (it may have acted; its late answer may still be
-//!   recorded), each with `Retry-After`;
+//!   recorded; an upstream's `502` and `504` are unknown too), each with
+//!   `Retry-After`; once the attempt's lease lapsed with no answer (its
+//!   process lost, or its wait for a late answer over), the detail says no
+//!   answer will come and that only the request sent again, with its
+//!   payload, takes the record over;
+//! * a wait ends at once when the layer [closes](crate::IdempotencyLayer::close)
+//!   (a shutdown begins), answering as past the wait;
 //! * an answer not stored: `409 idempotency_response_not_stored`; a
 //!   cancelled record: `410 idempotency_cancelled`;
 //! * a record released by a failure: `404 idempotency_record_not_found`,
@@ -273,6 +280,26 @@ fn still_running(record: &Record, now_ms: u64) -> Response<RecordsBody> {
         .rev()
         .find(|a| a.generation == record.generation)
         .is_some_and(|a| a.outcome == idem_core::AttemptOutcome::Unknown);
+    if left.is_zero() {
+        // Nobody holds the lease any more: no late answer will come, and
+        // only the request itself, sent again, takes the record over (the
+        // answer still carries a `Retry-After`, as every retryable refusal).
+        let (code, detail) = if unknown {
+            (
+                ProblemCode::OutcomeUnknown,
+                "the attempt with this Idempotency-Key answered that its outcome is unknown, and \
+                 it has ended without an answer: it may have acted; reconcile, then send the \
+                 request again with its payload to take the record over",
+            )
+        } else {
+            (
+                ProblemCode::InProgress,
+                "the attempt with this Idempotency-Key ended without an answer (its process was \
+                 lost): send the request again with its payload to take the record over",
+            )
+        };
+        return problem(code, detail, None);
+    }
     if unknown {
         let hint = Duration::from_secs(left.as_secs().clamp(1, 60));
         return problem(
@@ -445,8 +472,12 @@ impl<S: RecordsAdmin> RecordsService<S> {
                             "a completed record without its outcome".into(),
                         )));
                     };
+                    // As a retry would get it: a content coding the
+                    // request does not accept is decoded or refused.
                     return Ok(match self.rt.opened(replay, &scope) {
-                        Ok(replay) => crate::answer::replay_response(replay),
+                        Ok(replay) => {
+                            crate::answer::replay_to(&parts.headers, replay, config.max_response)
+                        }
                         Err(error) => unavailable_problem(&error),
                     });
                 }
@@ -455,7 +486,13 @@ impl<S: RecordsAdmin> RecordsService<S> {
                     if left.is_zero() {
                         return Ok(still_running(&record, now_ms));
                     }
-                    crate::runtime::wait_for_change(&*self.rt.store, &scope, left).await;
+                    if self.rt.closing.is_cancelled() {
+                        return Ok(still_running(&record, now_ms));
+                    }
+                    tokio::select! {
+                        () = crate::runtime::wait_for_change(&*self.rt.store, &scope, left) => {}
+                        () = self.rt.closing.cancelled() => {}
+                    }
                 }
             }
         }

@@ -48,6 +48,10 @@ pub(crate) struct Shared<S> {
     pub(crate) replays: std::sync::OnceLock<Option<crate::storm::ReplayCache>>,
     /// The reservations in flight, by scope (single flight).
     pub(crate) flights: Arc<crate::storm::Flights>,
+    /// Cancelled when the server stops taking requests
+    /// ([`IdempotencyLayer::close`](crate::IdempotencyLayer::close)):
+    /// answers fetched by key stop waiting.
+    pub(crate) closing: tokio_util::sync::CancellationToken,
 }
 
 impl<S> Runtime<S> {
@@ -66,6 +70,7 @@ impl<S> Runtime<S> {
             valid: std::sync::OnceLock::new(),
             replays: std::sync::OnceLock::new(),
             flights: Default::default(),
+            closing: Default::default(),
         }))
     }
 
@@ -117,6 +122,7 @@ impl<S> Clone for Shared<S> {
             // Made again from the settings, which a copy is taken to change.
             replays: std::sync::OnceLock::new(),
             flights: Arc::clone(&self.flights),
+            closing: self.closing.clone(),
         }
     }
 }

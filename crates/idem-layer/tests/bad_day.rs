@@ -263,6 +263,121 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+/// An answer fetched by its key is the answer a retry would get: a stored
+/// gzip body the fetch does not accept comes decoded.
+#[tokio::test]
+async fn a_fetched_answer_honours_accept_encoding() {
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    encoder.write_all(b"{\"order\":9}").expect("gzip");
+    let gzipped = Bytes::from(encoder.finish().expect("gzip"));
+    let layer = layer(&MemoryStore::new()).output_by_key(true);
+    let records = layer.records_service();
+    let service = layer.layer(tower::service_fn(move |_: Request<Full<Bytes>>| {
+        let body = gzipped.clone();
+        async move {
+            let mut response = Response::new(Full::new(body));
+            *response.status_mut() = StatusCode::CREATED;
+            response
+                .headers_mut()
+                .insert("content-encoding", "gzip".parse().expect("value"));
+            Ok::<_, BoxError>(response)
+        }
+    }));
+    let first = send(&service, order("gz-1", "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let fetch = method(
+        Method::GET,
+        "/records?method=POST&path=/orders&key=gz-1&output=true",
+    )
+    .tenant("t1")
+    .header("accept-encoding", "identity")
+    .build();
+    let fetched = send(&records, fetch).await;
+    assert_eq!(fetched.status, StatusCode::CREATED);
+    assert_eq!(fetched.header("content-encoding"), None);
+    assert_eq!(&fetched.body[..], b"{\"order\":9}");
+}
+
+/// A fetch waiting for a running attempt answers at once when the layer
+/// closes (a shutdown begins), so it does not hold the shutdown.
+#[tokio::test]
+async fn closing_the_layer_ends_a_fetchs_wait() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let layer = layer(&store).output_by_key(true);
+    let service = service(&layer, &probe);
+    let records = layer.records_service();
+    let running = tokio::spawn(send(&service, order_to("/slow", "wait-1")));
+    wait_calls(&probe, 1).await;
+    let fetch = {
+        let records = records.clone();
+        tokio::spawn(async move {
+            records_call(
+                &records,
+                Method::GET,
+                "/records?method=POST&path=/slow&key=wait-1&output=true&wait=60s",
+            )
+            .await
+        })
+    };
+    // The fetch is waiting on the record before the close.
+    wait_until(Duration::from_secs(10), "the fetch to wait", async || {
+        store.waiting() == 1
+    })
+    .await;
+    layer.close();
+    let answer = tokio::time::timeout(Duration::from_secs(10), fetch)
+        .await
+        .expect("answered at once, not after its 60 s wait")
+        .expect("join");
+    assert_eq!(answer.status, StatusCode::CONFLICT);
+    assert_eq!(answer.code().as_deref(), Some("idempotency_in_progress"));
+    probe.gate.add_permits(1);
+    let _ = running.await.expect("join");
+}
+
+/// Fetched by its key after its lease lapsed with no late answer, an
+/// unknown outcome is answered saying so: no late answer will come, and
+/// only the request sent again takes it over.
+#[tokio::test]
+async fn a_fetch_of_an_unknown_outcome_whose_lease_lapsed_says_so() {
+    let store = MemoryStore::new();
+    let layer = layer(&store)
+        .lease(Duration::from_millis(300))
+        .output_by_key(true);
+    let records = layer.records_service();
+    let service = layer.layer(unknown_then_late(
+        Arc::new(std::sync::Mutex::new(None)),
+        Arc::new(AtomicUsize::new(0)),
+    ));
+    let first = send(&service, order("unk-3", "{}")).await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    let fetch = async || {
+        records_call(
+            &records,
+            Method::GET,
+            "/records?method=POST&path=/orders&key=unk-3&output=true",
+        )
+        .await
+    };
+    let says_lapsed =
+        |answer: &Answer| String::from_utf8_lossy(&answer.body).contains("send the request again");
+    let early = fetch().await;
+    assert!(!says_lapsed(&early), "the lease was still held");
+    let lapsed = poll_until(Duration::from_secs(10), fetch, says_lapsed).await;
+    assert_eq!(lapsed.status, StatusCode::CONFLICT);
+    assert_eq!(
+        lapsed.code().as_deref(),
+        Some("idempotency_outcome_unknown")
+    );
+    assert!(
+        String::from_utf8_lossy(&lapsed.body).contains("send the request again"),
+        "{:?}",
+        lapsed.body
+    );
+}
+
 /// Without a late answer the lease lapses, and only then a retry takes over
 /// with the next generation.
 #[tokio::test(start_paused = true)]

@@ -92,11 +92,18 @@ pub async fn run(
         demo: demo.is_some(),
     };
     on_start(&started);
-    serve(listener, router, config.header_timeout, shutdown).await;
+    serve(
+        listener,
+        router,
+        config.header_timeout,
+        shutdown,
+        &*drain.close,
+    )
+    .await;
     // Connections are closed; what outlives its request (handlers whose
     // client left, completions being retried, late upstream answers) gets
     // up to the drain timeout to record its outcome.
-    let left = drain(config.drain_timeout).await;
+    let left = (drain.wait)(config.drain_timeout).await;
     if left == 0 {
         tracing::info!("shutdown: every outcome recorded");
     } else {
@@ -123,6 +130,7 @@ async fn serve(
     router: Router,
     header_timeout: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    closing: &(dyn Fn() + Send + Sync),
 ) {
     use hyper_util::{
         rt::{TokioExecutor, TokioIo, TokioTimer},
@@ -168,6 +176,9 @@ async fn serve(
         });
     }
     drop(listener);
+    // Requests that would wait on (answers fetched by key) answer now, so
+    // that the connections close.
+    closing();
     graceful.shutdown().await;
 }
 

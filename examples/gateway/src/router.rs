@@ -216,11 +216,14 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
         protected,
     );
     let metrics = prometheus().clone();
-    let draining = layer.clone();
-    let drain: Drain = Box::new(move |bound| {
-        let layer = draining.clone();
-        Box::pin(async move { layer.drain(bound).await })
-    });
+    let (draining, closing) = (layer.clone(), layer.clone());
+    let drain = Drain {
+        close: Box::new(move || closing.close()),
+        wait: Box::new(move |bound| {
+            let layer = draining.clone();
+            Box::pin(async move { layer.drain(bound).await })
+        }),
+    };
     let protected_headers: Vec<HeaderName> = [
         http::header::AUTHORIZATION,
         idem_layer::IDEMPOTENCY_KEY,
@@ -500,7 +503,11 @@ pub(crate) fn outcome_of(keyed: bool, response: &Response) -> &'static str {
     }
 }
 
-/// Waits for a layer's background work at shutdown, up to a bound;
-/// answers how much was left.
-pub(crate) type Drain =
-    Box<dyn Fn(Duration) -> futures_util::future::BoxFuture<'static, usize> + Send>;
+/// The layer's part of a shutdown: `close` when the server stops taking
+/// requests (answers fetched by key stop waiting), then `wait` for its
+/// background work, up to a bound (answers how much was left).
+pub(crate) struct Drain {
+    pub(crate) close: Box<dyn Fn() + Send + Sync>,
+    pub(crate) wait:
+        Box<dyn Fn(Duration) -> futures_util::future::BoxFuture<'static, usize> + Send>,
+}

@@ -265,10 +265,11 @@ async fn chaos_soak() {
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    // The second gateway writes record format 2 (packed, compact
-    // headers), the first format 1 (expanded, four-byte headers), as in a
-    // rolling upgrade: each replays and takes over the other's records
-    // throughout.
+    // The second gateway writes the default record format (3: a new key's
+    // record one string), the first format 1 (expanded, four-byte
+    // headers): each replays and takes over the other's records
+    // throughout. Both keep replay caches (the default), which the
+    // erasures must reach.
     let expanded: Vec<String> = args
         .iter()
         .cloned()
