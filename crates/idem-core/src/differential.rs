@@ -1,7 +1,7 @@
 //! Differential checking of a store against idem-core's state machine
 //! (feature `conformance`): generated sequences of store calls by several
 //! owners run call by call against the store under test and against
-//! [`machine`](crate::machine) on a record held here, the reference. Every
+//! [`machine`] on a record held here, the reference. Every
 //! answer and, after every call, the record the store reads back must be
 //! the reference's, as far as [`Seen`] and [`RecordSeen`] compare them.
 //!

@@ -110,7 +110,7 @@ pub struct Config {
     /// Admin credential of the records API (at least 16 bytes): a request carrying it in x-idem-admin-token may list every tenant's records and act on another tenant's (tenant=).
     #[arg(long, env = "IDEM_RECORDS_ADMIN_TOKEN", hide_env_values = true, value_parser = parse_secret, help_heading = "Records and operators")]
     pub records_admin_token: Option<Secret>,
-    /// A caller may fetch its own stored answer by its key alone, without the payload (GET <records prefix>?method=…&path=…&key=…&output=true[&wait=10s]). Off by default: turn it on only where keys are random and a tenant is one principal; anonymous callers are always refused.
+    /// A caller may fetch its own stored answer by its key alone, without the payload (a GET on the records prefix with method, path, key and output=true, and wait=10s to wait for a running attempt). Off by default: turn it on only where keys are random and a tenant is one principal; anonymous callers are always refused.
     #[arg(long, env = "IDEM_OUTPUT_BY_KEY", action = ArgAction::SetTrue, help_heading = "Records and operators", hide_short_help = true)]
     pub output_by_key: bool,
     /// The operator page is served over plain HTTP (a loopback or a trusted network): its session cookie is sent without `Secure`. By default the cookie is `Secure`, so a browser sends it only over HTTPS (put the page behind TLS).
