@@ -103,8 +103,6 @@ pub enum Op {
 /// An answer of the store or the reference, as compared.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Seen {
-    /// Nothing was called (the owner holds no lease).
-    Skipped,
     /// [`Reservation::Acquired`].
     Acquired(u64),
     /// [`Reservation::TakenOver`]: the generation and the superseded

@@ -8,6 +8,7 @@
 //! heartbeat answered on the subscriber's own connection, at least every
 //! [`HEARTBEAT`]), [`erased`](ErasureFeed::erased) for each erasure it
 //! hears of, and [`lost`](ErasureFeed::lost) when the subscription ends.
+//! A [`Subscriber`] keeps the store's subscription going and restarts it.
 //! A reader (the layer's replay cache) keeps copies only while the feed is
 //! [`healthy`](ErasureFeed::healthy), tags each with the feed's epoch, and
 //! trusts a copy only while the epoch is the same: every loss of the
@@ -15,8 +16,9 @@
 //! starts a new epoch, so whatever was kept before it is dropped.
 
 use std::{
+    future::Future,
     sync::{
-        Arc,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
@@ -144,6 +146,65 @@ impl ErasureFeed {
     /// that it lagged and must drop everything it kept.
     pub fn subscribe(&self) -> broadcast::Receiver<ScopeHash> {
         self.0.erased.subscribe()
+    }
+}
+
+/// A store's subscriber to its push channel: started on the first
+/// [`feed`](Self::feed), kept connected while the store lives (each time
+/// a subscription ends, the feed is [lost](ErasureFeed::lost) and a new one
+/// is tried a [`HEARTBEAT`] later), stopped when it is dropped. The store
+/// says how to listen; this keeps it going.
+#[derive(Default)]
+pub struct Subscriber {
+    feed: OnceLock<Option<ErasureFeed>>,
+    task: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.get_mut().ok().and_then(Option::take) {
+            task.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber").finish_non_exhaustive()
+    }
+}
+
+impl Subscriber {
+    /// The feed. On the first call, `listener` gives what keeps one
+    /// subscription (it resolves when the subscription ends, having told
+    /// the feed what it heard and [`heard`](ErasureFeed::heard) each proof);
+    /// the subscriber runs it on the current tokio runtime, again after
+    /// each end. `None` (now and on every later call) when `listener` gives
+    /// none (a store without a push channel) or outside a runtime.
+    pub fn feed<L, F>(&self, listener: impl FnOnce() -> Option<L>) -> Option<ErasureFeed>
+    where
+        L: Fn(ErasureFeed) -> F + Send + 'static,
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.feed
+            .get_or_init(|| {
+                let runtime = tokio::runtime::Handle::try_current().ok()?;
+                let listen = listener()?;
+                let feed = ErasureFeed::remote();
+                let kept = feed.clone();
+                let task = runtime.spawn(async move {
+                    loop {
+                        listen(kept.clone()).await;
+                        kept.lost();
+                        tokio::time::sleep(HEARTBEAT).await;
+                    }
+                });
+                if let Ok(mut slot) = self.task.lock() {
+                    *slot = Some(task.abort_handle());
+                }
+                Some(feed)
+            })
+            .clone()
     }
 }
 

@@ -79,7 +79,7 @@ pub fn status_name(status: u32) -> Option<&'static str> {
 }
 
 /// The `grpc-status` trailer (or header, in a trailers-only answer).
-pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+pub const GRPC_STATUS: HeaderName = idem_core::protocol::GRPC_STATUS;
 /// The `grpc-message` trailer: the status message, percent-encoded.
 pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 /// The metadata entry that carries a refusal's problem code.

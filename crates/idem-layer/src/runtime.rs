@@ -84,11 +84,7 @@ impl<S> Runtime<S> {
             .get_or_init(|| {
                 let config = &self.0.config;
                 let (bytes, bound) = config.replay_cache;
-                let feed = if bytes == 0 || bound.is_zero() {
-                    None
-                } else {
-                    self.0.store.erasures()
-                };
+                let feed = || self.0.store.erasures();
                 crate::storm::ReplayCache::new(bytes, bound, feed, config.store_timeout)
             })
             .as_ref()

@@ -12,11 +12,9 @@
 //! transaction pooler a session cannot `LISTEN`: such a store has no feed,
 //! and its caches keep copies at most a second.
 
-use std::sync::OnceLock;
-
 use idem_core::{
     ErasureFeed, ScopeHash,
-    erasures::{HEARTBEAT, WINDOW},
+    erasures::{HEARTBEAT, Subscriber, WINDOW},
 };
 use sqlx::{PgPool, postgres::PgListener};
 
@@ -28,51 +26,30 @@ pub(crate) fn channel(table: &str) -> String {
 /// A store's erasure listener, started on first use.
 #[derive(Default)]
 pub(crate) struct Erasures {
-    feed: OnceLock<Option<ErasureFeed>>,
-    task: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
-}
-
-impl Drop for Erasures {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.get_mut().ok().and_then(Option::take) {
-            task.abort();
-        }
-    }
+    subscriber: Subscriber,
 }
 
 impl Erasures {
     /// The feed, its listener started on the first call (inside a tokio
     /// runtime; `None` outside one).
     pub(crate) fn feed(&self, pool: &PgPool, table: &str) -> Option<ErasureFeed> {
-        self.feed
-            .get_or_init(|| {
-                let runtime = tokio::runtime::Handle::try_current().ok()?;
-                let feed = ErasureFeed::remote();
-                // A pool of its own: the listener keeps its connection, which
-                // must not be one of the store's.
-                let own = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(1)
-                    .acquire_timeout(WINDOW)
-                    .connect_lazy_with(pool.connect_options().as_ref().clone());
-                let task = runtime.spawn(listen(own, channel(table), feed.clone()));
-                if let Ok(mut slot) = self.task.lock() {
-                    *slot = Some(task.abort_handle());
+        self.subscriber.feed(|| {
+            // A pool of its own: the listener keeps its connection, which
+            // must not be one of the store's.
+            let own = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(WINDOW)
+                .connect_lazy_with(pool.connect_options().as_ref().clone());
+            let channel = channel(table);
+            Some(move |feed: ErasureFeed| {
+                let (pool, channel) = (own.clone(), channel.clone());
+                async move {
+                    if let Err(error) = listen_once(&pool, &channel, &feed).await {
+                        tracing::debug!(%error, "the erasures listener ended");
+                    }
                 }
-                Some(feed)
             })
-            .clone()
-    }
-}
-
-/// Keeps listening on `channel` and tells `feed` what it hears; a lost
-/// connection is tried again every heartbeat.
-async fn listen(pool: PgPool, channel: String, feed: ErasureFeed) {
-    loop {
-        if let Err(error) = listen_once(&pool, &channel, &feed).await {
-            tracing::debug!(%error, "the erasures listener ended");
-        }
-        feed.lost();
-        tokio::time::sleep(HEARTBEAT).await;
+        })
     }
 }
 

@@ -13,12 +13,10 @@
 //! `PUBLISH` there travels to every node): its caches keep copies at most a
 //! second.
 
-use std::sync::OnceLock;
-
 use futures_util::{FutureExt, StreamExt};
 use idem_core::{
     ErasureFeed, ScopeHash,
-    erasures::{HEARTBEAT, WINDOW},
+    erasures::{HEARTBEAT, Subscriber, WINDOW},
 };
 
 /// The channel erasures are published on.
@@ -30,16 +28,7 @@ pub(crate) fn channel(prefix: &str) -> String {
 pub(crate) struct Erasures {
     client: Option<redis::Client>,
     channel: String,
-    feed: OnceLock<Option<ErasureFeed>>,
-    task: parking_lot::Mutex<Option<tokio::task::AbortHandle>>,
-}
-
-impl Drop for Erasures {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.get_mut().take() {
-            task.abort();
-        }
-    }
+    subscriber: Subscriber,
 }
 
 impl Erasures {
@@ -48,36 +37,24 @@ impl Erasures {
         Self {
             client: url.and_then(|url| redis::Client::open(url).ok()),
             channel: channel(prefix),
-            feed: OnceLock::new(),
-            task: parking_lot::Mutex::new(None),
+            subscriber: Subscriber::default(),
         }
     }
 
     /// The feed, its subscriber started on the first call (inside a tokio
     /// runtime; `None` outside one, and on a cluster).
     pub(crate) fn feed(&self) -> Option<ErasureFeed> {
-        self.feed
-            .get_or_init(|| {
-                let client = self.client.clone()?;
-                let runtime = tokio::runtime::Handle::try_current().ok()?;
-                let feed = ErasureFeed::remote();
-                let task = runtime.spawn(subscribe(client, self.channel.clone(), feed.clone()));
-                *self.task.lock() = Some(task.abort_handle());
-                Some(feed)
+        self.subscriber.feed(|| {
+            let (client, channel) = (self.client.clone()?, self.channel.clone());
+            Some(move |feed: ErasureFeed| {
+                let (client, channel) = (client.clone(), channel.clone());
+                async move {
+                    if let Err(error) = listen(&client, &channel, &feed).await {
+                        tracing::debug!(%error, "the erasures subscription ended");
+                    }
+                }
             })
-            .clone()
-    }
-}
-
-/// Keeps a subscription to `channel` and tells `feed` what it hears; a
-/// lost connection is tried again every heartbeat.
-async fn subscribe(client: redis::Client, channel: String, feed: ErasureFeed) {
-    loop {
-        if let Err(error) = listen(&client, &channel, &feed).await {
-            tracing::debug!(%error, "the erasures subscription ended");
-        }
-        feed.lost();
-        tokio::time::sleep(HEARTBEAT).await;
+        })
     }
 }
 

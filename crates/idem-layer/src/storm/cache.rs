@@ -97,18 +97,20 @@ pub(crate) struct ReplayCache {
 
 impl ReplayCache {
     /// A cache of at most `bytes`, each entry kept at most `bound` (at most
-    /// [`UNWATCHED_BOUND`] without a `feed`); `None` when either is zero
-    /// (no cache). With a feed, a task (on the current tokio runtime)
-    /// forgets what the feed says was erased.
+    /// [`UNWATCHED_BOUND`] without a feed); `None` when either is zero (no
+    /// cache, and `feed`, which may start the store's subscriber, is not
+    /// asked). With a feed, a task (on the current tokio runtime) forgets
+    /// what the feed says was erased.
     pub(crate) fn new(
         bytes: usize,
         bound: Duration,
-        feed: Option<ErasureFeed>,
+        feed: impl FnOnce() -> Option<ErasureFeed>,
         store_timeout: Duration,
     ) -> Option<Self> {
         if bytes == 0 || bound.is_zero() {
             return None;
         }
+        let feed = feed();
         let bytes = u64::try_from(bytes).unwrap_or(u64::MAX);
         // An estimate for the table's first size: entries of about 1 KB.
         let estimated = usize::try_from(bytes / 1024).unwrap_or(usize::MAX).max(16);
@@ -265,7 +267,7 @@ mod tests {
         let cache = ReplayCache::new(
             1 << 20,
             Duration::from_secs(60),
-            Some(ErasureFeed::local()),
+            || Some(ErasureFeed::local()),
             Duration::from_secs(1),
         )
         .expect("a cache");
@@ -289,10 +291,13 @@ mod tests {
         cache.keep(&soon, &fp, &replay(b"{}", Some(Duration::from_millis(1))));
         std::thread::sleep(Duration::from_millis(5));
         assert!(cache.get(&soon, &fp).is_none());
+        // No cache: the store's feed (which may start its subscriber) is
+        // not asked for.
+        let unasked = || -> Option<ErasureFeed> { panic!("the feed was asked for") };
         assert!(
-            ReplayCache::new(0, Duration::from_secs(1), None, Duration::from_secs(1)).is_none()
+            ReplayCache::new(0, Duration::from_secs(1), unasked, Duration::from_secs(1)).is_none()
         );
-        assert!(ReplayCache::new(1, Duration::ZERO, None, Duration::from_secs(1)).is_none());
+        assert!(ReplayCache::new(1, Duration::ZERO, unasked, Duration::from_secs(1)).is_none());
     }
 
     #[test]
@@ -300,7 +305,7 @@ mod tests {
         let cache = ReplayCache::new(
             1 << 20,
             Duration::from_secs(60),
-            None,
+            || None,
             Duration::from_secs(1),
         )
         .expect("a cache");
@@ -319,7 +324,7 @@ mod tests {
         let cache = ReplayCache::new(
             1 << 20,
             Duration::from_secs(60),
-            Some(feed.clone()),
+            || Some(feed.clone()),
             Duration::from_secs(1),
         )
         .expect("a cache");
@@ -363,7 +368,7 @@ mod tests {
         let cache = ReplayCache::new(
             64 * 1024,
             Duration::from_secs(60),
-            None,
+            || None,
             Duration::from_secs(1),
         )
         .expect("a cache");
