@@ -142,9 +142,11 @@ async fn a_password_user_and_database_from_the_url_are_used() {
 /// A store connected to `server`, which is then killed: a reservation
 /// (30 s lease) fails as unavailable, not as a timeout, since the closed
 /// connection fails the call at once and so does the retry on a new one.
+/// The store's timeout is far longer than that takes even on a loaded
+/// machine, so a timeout means a call that hung, never a slow one.
 async fn store_whose_server_went_away(server: &mut RedisServer) -> RedisStore {
     let store = RedisStore::builder(&server.url())
-        .timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(20))
         .build()
         .expect("store");
     let before = store.reserve(&request("before", 1)).await;
