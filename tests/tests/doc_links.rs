@@ -80,6 +80,77 @@ fn every_relative_link_names_a_file_that_exists() {
     );
 }
 
+/// The repository's Markdown and Rust sources (where rustdoc links live).
+fn sources(root: &Path) -> Vec<PathBuf> {
+    let mut found = markdown_files(root);
+    let mut dirs = vec![
+        root.join("crates"),
+        root.join("examples"),
+        root.join("tests"),
+    ];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// A link out of the docs resolves before the crates are published: none
+/// names a docs.rs page of an idem crate (there is none yet), and one into
+/// the repository's tree names a file or folder that exists.
+#[test]
+fn links_out_resolve_before_the_crates_are_published() {
+    const TREE: [&str; 2] = [
+        "https://github.com/idem-rs/idem/tree/main/",
+        "https://github.com/idem-rs/idem/blob/main/",
+    ];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for file in sources(&root) {
+        if file.ends_with("doc_links.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).expect("a source file");
+        for (at, _) in text.match_indices("docs.rs/idem") {
+            let line = text[..at].lines().count();
+            broken.push(format!(
+                "{}:{line}: a docs.rs page of an idem crate",
+                file.display()
+            ));
+        }
+        for prefix in TREE {
+            for (at, _) in text.match_indices(prefix) {
+                let rest = &text[at + prefix.len()..];
+                let end = rest
+                    .find(|c: char| {
+                        c == ')' || c == '>' || c == '#' || c.is_whitespace() || c == '"'
+                    })
+                    .unwrap_or(rest.len());
+                checked += 1;
+                if !root.join(&rest[..end]).exists() {
+                    broken.push(format!("{}: {prefix}{}", file.display(), &rest[..end]));
+                }
+            }
+        }
+    }
+    assert!(checked >= 5, "only {checked} links into the tree checked");
+    assert!(
+        broken.is_empty(),
+        "links that do not resolve:\n{}",
+        broken.join("\n")
+    );
+}
+
 #[test]
 fn link_targets_are_read_outside_code() {
     let text = "see [a](a.md) and [b](../b.md#part)\n```\n[c](c.md)\n```\n";

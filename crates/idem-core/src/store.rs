@@ -145,8 +145,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Resolves once the store's own work that outlives its calls has
     /// finished: freeing a reservation whose call was given up before its
-    /// answer (the Redis and PostgreSQL stores). The layer's
-    /// [`drain`](https://docs.rs/idem-layer) waits for it at shutdown, so a
+    /// answer (the Redis and PostgreSQL stores). The layer's `drain`
+    /// (`idem_layer::IdempotencyLayer::drain`) waits for it at shutdown, so a
     /// given-up reservation does not hold its key for a lease after the
     /// process ends. The default: nothing to wait for.
     fn settled(&self) -> impl Future<Output = ()> + Send {

@@ -578,3 +578,88 @@ mod tests {
         assert_eq!(stored, vec![0, 3, 5, 6, 7, 9, 11, 12, 16]);
     }
 }
+
+/// The layer for a server whose request body the layer cannot rebuild:
+/// tonic's. The layer hands its inner service a request rebuilt from the
+/// buffered bytes, so it asks the body type to be made from `Bytes`
+/// (axum's `Body`, `Full<Bytes>`); tonic's `Body` is not. This layer takes
+/// any request body, gives the service behind it axum's `Body` (which
+/// tonic's services, like axum's, accept), and is otherwise the layer it
+/// was made from. Made by [`IdempotencyLayer::for_any_body`]:
+///
+/// ```text
+/// tonic::transport::Server::builder()
+///     .layer(layer.for_any_body())
+///     .add_service(payments)
+/// ```
+#[cfg(feature = "axum")]
+pub struct AnyBodyLayer<S> {
+    layer: crate::IdempotencyLayer<S>,
+}
+
+#[cfg(feature = "axum")]
+impl<S> Clone for AnyBodyLayer<S> {
+    fn clone(&self) -> Self {
+        Self {
+            layer: self.layer.clone(),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S> std::fmt::Debug for AnyBodyLayer<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AnyBodyLayer")
+            .field("layer", &self.layer)
+            .finish()
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S: idem_core::Store> crate::IdempotencyLayer<S> {
+    /// This layer for a server that hands it a request body it cannot
+    /// rebuild after buffering (tonic's): see [`AnyBodyLayer`].
+    pub fn for_any_body(self) -> AnyBodyLayer<S> {
+        AnyBodyLayer { layer: self }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S: idem_core::Store, I> tower::Layer<I> for AnyBodyLayer<S> {
+    type Service = AnyBody<crate::Idempotency<I, S>>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        AnyBody(self.layer.layer(inner))
+    }
+}
+
+/// The service [`AnyBodyLayer`] makes: a request of any body type goes
+/// on with axum's `Body`, wrapping it without reading it.
+#[cfg(feature = "axum")]
+#[derive(Clone, Debug)]
+pub struct AnyBody<T>(T);
+
+#[cfg(feature = "axum")]
+impl<T, B> tower::Service<http::Request<B>> for AnyBody<T>
+where
+    T: tower::Service<http::Request<axum::body::Body>>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<crate::BoxError>,
+{
+    type Response = T::Response;
+    type Error = T::Error;
+    type Future = T::Future;
+
+    #[inline]
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    #[inline]
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        self.0.call(request.map(axum::body::Body::new))
+    }
+}

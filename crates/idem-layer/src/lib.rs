@@ -138,7 +138,9 @@
 //! The inner service receives the request with its body rebuilt from the
 //! buffered bytes (`ReqBody: From<Bytes>`: axum's `Body`, `Full<Bytes>`),
 //! and returns a body that is `Unpin`. The layer answers with
-//! [`ResponseBody`].
+//! [`ResponseBody`]. A server whose body cannot be made from bytes
+//! (tonic's) takes [`IdempotencyLayer::for_any_body`] instead, which gives
+//! the inner service axum's `Body`.
 
 /// The README's example, compiled as a doctest so it cannot rot.
 #[cfg(doctest)]

@@ -400,27 +400,8 @@ pub fn payments_layer<S: Store>(store: S) -> IdempotencyLayer<S> {
         .require_key(true)
 }
 
-/// A tonic request with axum's body.
-type ToAxum = fn(http::Request<Body>) -> http::Request<axum::body::Body>;
 /// A retried request with tonic's body.
 type ToTonic = fn(http::Request<idem_client::ReplayBody<Body>>) -> http::Request<Body>;
-/// The layer as [`tonic_layer`] makes it.
-pub type TonicLayer<S> = tower::layer::util::Stack<
-    IdempotencyLayer<S>,
-    tower::layer::util::Stack<tower::util::MapRequestLayer<ToAxum>, tower::layer::util::Identity>,
->;
-
-/// The layer as tonic's server takes it: tonic hands its services a body
-/// type of its own, which the layer (resending a buffered body to the
-/// service) cannot make, so the request body becomes axum's first.
-pub fn tonic_layer<S: Store>(layer: IdempotencyLayer<S>) -> TonicLayer<S> {
-    let to_axum: ToAxum = |request| request.map(axum::body::Body::new);
-    tower::ServiceBuilder::new()
-        .map_request(to_axum)
-        .layer(layer)
-        .into_inner()
-}
-
 /// A tonic channel behind `idem_client`'s retry layer: one
 /// `idempotency-key` for every attempt of a call (the caller's own, or a
 /// fresh one), and the statuses an idempotency layer releases
@@ -445,7 +426,7 @@ pub async fn serve<S: Store>(
     layer: IdempotencyLayer<S>,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
-        .layer(tonic_layer(layer))
+        .layer(layer.for_any_body())
         .add_service(payments)
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
         .await
