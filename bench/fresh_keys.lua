@@ -17,6 +17,9 @@ function request()
   return wrk.format("POST", "/orders", {
     ["Content-Type"] = "application/json",
     ["Authorization"] = "Bearer bench",
+    -- The tenant of axum-orders (the gateway derives its own from
+    -- Authorization).
+    ["X-Tenant-Id"] = "bench",
     ["Idempotency-Key"] = prefix .. "-" .. counter,
   }, '{"sku":"book-42","qty":1,"note":"bench"}')
 end

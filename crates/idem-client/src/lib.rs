@@ -12,7 +12,7 @@
 //! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 //! use tower::ServiceBuilder;
 //!
-//! # fn build() {
+//! # fn _build() {
 //! // The inner client sends `ReplayBody`s: buffered bodies can be resent.
 //! let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody<Full<Bytes>>>();
 //! let client = ServiceBuilder::new()
@@ -72,6 +72,11 @@
 //! `idem_client_limit_wait_seconds{boundary}`,
 //! `idem_client_limit_cooldowns_total{boundary}`,
 //! `idem_client_limit_refusals_total{boundary}`.
+
+// The examples in the docs compile without a warning (an unused import
+// in a guide is a defect a reader would copy); a snippet's binding or
+// helper that nothing after it uses is not one.
+#![doc(test(attr(deny(warnings), allow(dead_code, unused_variables))))]
 
 /// The crate's guide, shown on docs.rs; its examples are compiled as
 /// doctests.

@@ -21,6 +21,11 @@
 //! [`machine`] holds these rules as pure functions; [`conformance`] (feature
 //! `conformance`) checks that a store follows them.
 
+// The examples in the docs compile without a warning (an unused import
+// in a guide is a defect a reader would copy); a snippet's binding or
+// helper that nothing after it uses is not one.
+#![doc(test(attr(deny(warnings), allow(dead_code, unused_variables))))]
+
 mod calls;
 pub mod erasures;
 pub mod handoff;

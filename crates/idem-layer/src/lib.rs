@@ -142,6 +142,11 @@
 //! (tonic's) takes [`IdempotencyLayer::for_any_body`] instead, which gives
 //! the inner service axum's `Body`.
 
+// The examples in the docs compile without a warning (an unused import
+// in a guide is a defect a reader would copy); a snippet's binding or
+// helper that nothing after it uses is not one.
+#![doc(test(attr(deny(warnings), allow(dead_code, unused_variables))))]
+
 /// The README's example, compiled as a doctest so it cannot rot.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]

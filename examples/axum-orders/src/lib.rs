@@ -107,13 +107,42 @@ pub fn orders() -> Router {
 pub mod pg {
     use axum::{
         Json, Router,
-        extract::{Path, State},
+        extract::{FromRef, Path, State},
         http::{HeaderMap, StatusCode, header},
         response::{IntoResponse, Response},
         routing::{get, post},
     };
     use idem_postgres::{IdemTransaction, PgStore};
     use serde_json::{Value, json};
+
+    /// The application's own state, as a real service has one: the
+    /// database pool its reads use, and the idem store. The
+    /// `IdemTransaction` extractor finds the store through
+    /// `FromRef<AppState>`.
+    #[derive(Clone)]
+    pub struct AppState {
+        /// The pool of the application's own queries.
+        pub db: sqlx::PgPool,
+        /// The idem store the layer and `IdemTransaction` use.
+        pub store: PgStore,
+    }
+
+    impl AppState {
+        /// The state of a service whose records and orders share one
+        /// database (and the store's pool).
+        pub fn new(store: PgStore) -> Self {
+            Self {
+                db: store.pool().clone(),
+                store,
+            }
+        }
+    }
+
+    impl FromRef<AppState> for PgStore {
+        fn from_ref(state: &AppState) -> Self {
+            state.store.clone()
+        }
+    }
 
     /// Creates the records table and the `orders` table if missing.
     pub async fn migrate(store: &PgStore) -> Result<(), idem_core::StoreError> {
@@ -165,11 +194,11 @@ pub mod pg {
             .into_response()
     }
 
-    async fn read(State(store): State<PgStore>, Path(id): Path<i64>) -> Response {
+    async fn read(State(state): State<AppState>, Path(id): Path<i64>) -> Response {
         let found: Result<Option<String>, _> =
             sqlx::query_scalar("SELECT body::text FROM orders WHERE id = $1")
                 .bind(id)
-                .fetch_optional(store.pool())
+                .fetch_optional(&state.db)
                 .await;
         match found {
             Ok(Some(body)) => {
@@ -181,12 +210,12 @@ pub mod pg {
         }
     }
 
-    /// The orders routes on `store` (the layer is added by the caller).
-    pub fn orders(store: PgStore) -> Router {
+    /// The orders routes on `state` (the layer is added by the caller).
+    pub fn orders(state: AppState) -> Router {
         Router::new()
             .route("/orders", post(create))
             .route("/orders/{id}", get(read))
-            .with_state(store)
+            .with_state(state)
     }
 }
 

@@ -1,18 +1,25 @@
 //! Run with `cargo run --release -p axum-orders`.
 //!
-//! An orders API behind the idempotency layer: `POST /orders` creates an
-//! order with a fresh id (201 + `Location`), `GET /orders/{id}` reads it
-//! back, and the records API lives at `/_idempotency/records`. The tenant is
-//! the `x-tenant-id` header; requests without one share the anonymous
-//! tenant.
+//! The service to copy: an orders API behind the idempotency layer.
+//! `POST /orders` creates an order with a fresh id (201 + `Location`),
+//! `GET /orders/{id}` reads it back, and the records API lives at
+//! `/_idempotency/records`, outside the keyed routes, with the layer told
+//! where (`records_path`) so its 409/422 answers link the record they met.
+//! The tenant is the `x-tenant-id` header, which an authentication layer
+//! in front would set; a keyed request without one is refused
+//! (`401 idempotency_tenant_missing`), never run as somebody else's. On
+//! Redis the store is made with `connect()`, which checks the server
+//! before serving (unreachable, evicting or too old: the service exits);
+//! its warnings (no append-only file, say) go to stderr through a
+//! `tracing` subscriber, as every service using idem should install one.
 //!
 //! Environment: `IDEM_LISTEN` (default `127.0.0.1:3000`), `IDEM_STORE`
 //! (`memory`, the default; a `redis://` or `redis+cluster://` URL; or a
 //! `postgres://` URL, where the orders are rows of an `orders` table
 //! written in the same transaction as the completed record),
-//! and `IDEM_LEASE` (default `30s`). Built with the `bench` feature,
-//! `IDEM_LAYER=off` serves the same app without the layer (the baseline of
-//! `bench/load.sh`).
+//! `IDEM_LEASE` (default `30s`) and `RUST_LOG` (default `info`). Built
+//! with the `bench` feature, `IDEM_LAYER=off` serves the same app without
+//! the layer (the baseline of `bench/load.sh`).
 
 use std::time::Duration;
 
@@ -28,22 +35,23 @@ fn exit(error: impl std::fmt::Display) -> ! {
     std::process::exit(2);
 }
 
-/// `routes` behind the layer on `store`, with the records API, once the
-/// store is claimed for the layer's scope hashing.
+/// Where the records API is mounted.
+const RECORDS: &str = "/_idempotency/records";
+
+/// `routes` behind the layer on `store`, and the records API beside them,
+/// once the store is claimed for the layer's scope hashing.
 async fn protected<S: RecordsAdmin + Fleet>(routes: Router, store: S, lease: Duration) -> Router {
     let layer = IdempotencyLayer::new(store)
-        .tenant(TenantFromHeader::new(http::HeaderName::from_static(
-            "x-tenant-id",
-        )))
-        .allow_anonymous(true)
+        .tenant(TenantFromHeader::from_static("x-tenant-id"))
+        .records_path(RECORDS)
         .lease(lease);
     claim_store(&layer).await;
-    let routes = routes
-        .route_service("/_idempotency/records", layer.records_service())
-        .layer(layer);
+    let records = layer.records_service();
+    let routes = routes.layer(layer);
     #[cfg(feature = "test-hooks")]
     let routes = routes.layer(axum::middleware::from_fn(axum_orders::hooks::hold_after));
-    routes
+    // Added after the layer, so outside it.
+    routes.route_service(RECORDS, records)
 }
 
 /// Claims the store at start and keeps it claimed while serving
@@ -63,6 +71,15 @@ async fn claim_store<S: Fleet>(layer: &IdempotencyLayer<S>) {
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
+    // The layer and the stores report through `tracing`: without a
+    // subscriber, their warnings are lost.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
     let listen = std::env::var("IDEM_LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     // The benchmarks' baseline (feature `bench`): the app without the layer.
     let protect =
@@ -78,7 +95,7 @@ async fn main() -> std::io::Result<()> {
         if let Err(error) = axum_orders::pg::migrate(&pg).await {
             exit(format!("could not create the tables: {error}"));
         }
-        let routes = axum_orders::pg::orders(pg.clone());
+        let routes = axum_orders::pg::orders(axum_orders::pg::AppState::new(pg.clone()));
         if protect {
             protected(routes, pg, lease).await
         } else {
@@ -89,7 +106,12 @@ async fn main() -> std::io::Result<()> {
     } else if store == "memory" {
         protected(axum_orders::orders(), MemoryStore::new(), lease).await
     } else {
-        let redis = RedisStore::from_url(&store).unwrap_or_else(|error| exit(error));
+        // Checked before serving: reachable, keeping what it is told, new
+        // enough for the record format.
+        let redis = RedisStore::builder(&store)
+            .connect()
+            .await
+            .unwrap_or_else(|error| exit(error));
         protected(axum_orders::orders(), redis, lease).await
     };
     let listener = tokio::net::TcpListener::bind(&listen).await?;

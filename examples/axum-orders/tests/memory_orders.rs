@@ -48,6 +48,7 @@ async fn every_order_reads_back_as_it_was_created() {
         for n in 1..=ORDERS {
             let body = format!("{{\"sku\":\"book-{n}\",\"qty\":{n}}}");
             let request = Request::post(format!("http://{addr}/orders"))
+                .header("x-tenant-id", "acme")
                 .header("idempotency-key", format!("order-{n}"))
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(body)))
@@ -83,6 +84,55 @@ async fn every_order_reads_back_as_it_was_created() {
     }
 }
 
+/// The service as it is meant to be copied: a keyed request without a
+/// tenant is refused and runs nothing; the records API sits beside the
+/// keyed routes, and a conflict links the record it met, which the caller
+/// reads there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_to_copy_refuses_anonymous_keys_and_links_its_records() {
+    let (_process, addr) = start("on");
+    let client = client();
+    let order = |tenant: Option<&str>, body: &'static str| {
+        let mut request = Request::post(format!("http://{addr}/orders"))
+            .header("idempotency-key", "order-1")
+            .header("content-type", "application/json");
+        if let Some(tenant) = tenant {
+            request = request.header("x-tenant-id", tenant);
+        }
+        request
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("request")
+    };
+    let anonymous = send(&client, order(None, r#"{"sku":"book"}"#)).await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED, "{anonymous:?}");
+    assert_eq!(
+        anonymous.code().as_deref(),
+        Some("idempotency_tenant_missing")
+    );
+    assert_eq!(
+        send(&client, get(&addr, 1)).await.status,
+        StatusCode::NOT_FOUND
+    );
+
+    let created = send(&client, order(Some("acme"), r#"{"sku":"book"}"#)).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
+    let conflict = send(&client, order(Some("acme"), r#"{"sku":"pen"}"#)).await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let problem: serde_json::Value = serde_json::from_slice(&conflict.body).expect("json");
+    let href = problem["record"]["href"]
+        .as_str()
+        .expect("a link to the record");
+    assert!(href.starts_with("/_idempotency/records?"), "{href}");
+    let record = Request::get(format!("http://{addr}{href}"))
+        .header("x-tenant-id", "acme")
+        .body(Full::default())
+        .expect("request");
+    let record = send(&client, record).await;
+    assert_eq!(record.status, StatusCode::OK, "{record:?}");
+    let record: serde_json::Value = serde_json::from_slice(&record.body).expect("json");
+    assert_eq!(record["state"], "completed", "{record}");
+}
+
 /// The orders API behind the layer passes idem's checks for app authors
 /// (`idem_layer::testing`): a duplicate replays byte for byte, eight
 /// concurrent duplicates create one order, a changed order under a used key
@@ -113,4 +163,24 @@ async fn the_orders_api_passes_the_checks_for_app_authors() {
         .changed_payload_conflicts("kit-3", order("kit-3", "pen"))
         .await
         .expect("conflicts");
+}
+
+/// On Redis the service checks the server before it serves: one it cannot
+/// reach stops it at start (exit 2, saying why) instead of answering every
+/// request 503 later.
+#[test]
+fn a_redis_it_cannot_reach_stops_it_at_start() {
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr").port()
+    };
+    let output = Command::new(env!("CARGO_BIN_EXE_axum-orders"))
+        .env("IDEM_LISTEN", "127.0.0.1:0")
+        .env("IDEM_STORE", format!("redis://127.0.0.1:{closed}"))
+        .output()
+        .expect("run axum-orders");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("axum-orders:"), "{stderr}");
+    assert!(String::from_utf8_lossy(&output.stdout).is_empty());
 }
