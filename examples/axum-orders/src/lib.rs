@@ -65,9 +65,11 @@ fn order_json(order: Bytes) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/json")], order)
 }
 
+/// A body that does not parse is refused without spending the key
+/// ([`Validated`](idem_layer::Validated)): the corrected retry runs.
 async fn create(
     State(orders): State<Orders>,
-    axum::Json(request): axum::Json<Value>,
+    idem_layer::Validated(axum::Json(request)): idem_layer::Validated<axum::Json<Value>>,
 ) -> impl IntoResponse {
     let id = orders.next_id.fetch_add(1, Ordering::Relaxed) + 1;
     let order = Bytes::from(json!({ "id": id, "order": request }).to_string());
@@ -167,7 +169,7 @@ pub mod pg {
         // Read by the crash points only (feature `test-hooks`).
         #[cfg_attr(not(feature = "test-hooks"), allow(unused_variables))] headers: HeaderMap,
         mut tx: IdemTransaction,
-        Json(request): Json<Value>,
+        idem_layer::Validated(Json(request)): idem_layer::Validated<Json<Value>>,
     ) -> Response {
         let inserted: Result<i64, _> =
             sqlx::query_scalar("INSERT INTO orders (body) VALUES ($1::text::jsonb) RETURNING id")

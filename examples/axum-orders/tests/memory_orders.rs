@@ -85,7 +85,8 @@ async fn every_order_reads_back_as_it_was_created() {
 }
 
 /// The service as it is meant to be copied: a keyed request without a
-/// tenant is refused and runs nothing; the records API sits beside the
+/// tenant is refused and runs nothing; a body that does not parse leaves
+/// the key to the corrected retry; the records API sits beside the
 /// keyed routes, and a conflict links the record it met, which the caller
 /// reads there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,8 +115,17 @@ async fn the_service_to_copy_refuses_anonymous_keys_and_links_its_records() {
         StatusCode::NOT_FOUND
     );
 
+    // A body that does not parse spends nothing: the corrected retry with
+    // the same key runs.
+    let malformed = send(&client, order(Some("acme"), r#"{"sku":"#)).await;
+    assert!(malformed.status.is_client_error(), "{malformed:?}");
+    assert_eq!(
+        send(&client, get(&addr, 1)).await.status,
+        StatusCode::NOT_FOUND
+    );
     let created = send(&client, order(Some("acme"), r#"{"sku":"book"}"#)).await;
     assert_eq!(created.status, StatusCode::CREATED, "{created:?}");
+    assert!(!created.replayed(), "{created:?}");
     let conflict = send(&client, order(Some("acme"), r#"{"sku":"pen"}"#)).await;
     assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
     let problem: serde_json::Value = serde_json::from_slice(&conflict.body).expect("json");
