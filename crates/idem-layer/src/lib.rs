@@ -152,7 +152,7 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
-/// Guides to the layer, shown on docs.rs; their examples are compiled as
+/// Guides to the layer, shown in the rustdoc; their examples are compiled as
 /// doctests.
 pub mod guide {
     #![doc = include_str!("docs/layer.md")]

@@ -53,7 +53,7 @@
 // helper that nothing after it uses is not one.
 #![doc(test(attr(deny(warnings), allow(dead_code, unused_variables))))]
 
-/// The crate's guide, shown on docs.rs; its examples are compiled as
+/// The crate's guide, shown in the rustdoc; its examples are compiled as
 /// doctests.
 pub mod guide {
     #![doc = include_str!("docs/guide.md")]
