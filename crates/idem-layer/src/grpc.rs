@@ -585,7 +585,7 @@ mod tests {
 /// (axum's `Body`, `Full<Bytes>`); tonic's `Body` is not. This layer takes
 /// any request body, gives the service behind it axum's `Body` (which
 /// tonic's services, like axum's, accept), and is otherwise the layer it
-/// was made from. Made by [`IdempotencyLayer::for_any_body`]:
+/// was made from. Made by [`IdempotencyLayer::for_any_body`](crate::IdempotencyLayer::for_any_body):
 ///
 /// ```text
 /// tonic::transport::Server::builder()
