@@ -25,6 +25,7 @@ fn main() {
         force_releases: arg(8, Bounds::DEEP.force_releases),
         delayed: arg(9, Bounds::DEEP.delayed),
         stalls: arg(10, Bounds::DEEP.stalls),
+        expiry_changes: Bounds::DEEP.expiry_changes,
     };
     let persistences: &[Persistence] = match std::env::args().nth(12).as_deref() {
         Some("everysec") => &[Persistence::EverySecond],

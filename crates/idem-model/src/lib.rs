@@ -19,7 +19,10 @@
 //!   lease while alive (it stops renewing and then goes on acting);
 //! * the store crashes and restarts (keeping what its [`Persistence`]
 //!   made durable), becomes unreachable for a while without restarting,
-//!   and takes an operator's cancel;
+//!   and takes an operator's cancel, force release, or shortening of a
+//!   format 3 record's expiry (the lease that format judges from the
+//!   expiry is copied here from `lua/string_record.lua`: see
+//!   [`Design::format3_later_start`]);
 //! * the clock advances by a tick, so leases lapse. An owner that is alive,
 //!   has not stalled and reaches the store acts before its lease lapses (the layer renews
 //!   every third of a lease): a tick that would let such a lease lapse is
@@ -82,6 +85,8 @@ impl Model for IdemModel {
                 up: true,
                 reachable: true,
                 started_ms: 0,
+                string_record: false,
+                expiry_cut_ms: 0,
             },
             owners: vec![Owner::Idle; usize::from(self.bounds.owners)],
             effects: Vec::new(),
@@ -228,6 +233,17 @@ impl Model for IdemModel {
             }
             actions.push(Action::DelayedDropped);
         }
+        if reachable
+            && state.left.expiry_changes > 0
+            && state.store.string_record
+            && state
+                .store
+                .slot
+                .as_ref()
+                .is_some_and(|r| r.state == RecordState::Processing)
+        {
+            actions.push(Action::ExpiryShortened);
+        }
     }
 
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
@@ -323,6 +339,10 @@ impl Model for IdemModel {
                 if self.excuses.stall {
                     Self::excuse_owner(&mut state, o);
                 }
+            }
+            Action::ExpiryShortened => {
+                state.left.expiry_changes -= 1;
+                state.store.expiry_cut_ms += LEASE_MS;
             }
             Action::Cancel => {
                 state.left.cancels -= 1;

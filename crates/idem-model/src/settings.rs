@@ -23,6 +23,13 @@ pub struct Design {
     /// An unknown outcome keeps the lease and waits for a late answer; off,
     /// it is released like a temporary failure.
     pub unknown_wait: bool,
+    /// Redis record format 3 judges a new key's lease from its key's
+    /// expiry, taking the later of the start that expiry gives and the
+    /// start the record carries (`string_fields` in
+    /// `idem-redis/src/lua/string_record.lua`), so an expiry
+    /// shortened from outside never shortens a live lease; off, the start
+    /// comes from the expiry alone.
+    pub format3_later_start: bool,
 }
 
 impl Design {
@@ -32,6 +39,7 @@ impl Design {
         retry_release: true,
         retry_abandon: true,
         unknown_wait: true,
+        format3_later_start: true,
     };
 }
 
@@ -107,6 +115,9 @@ pub struct Bounds {
     pub delayed: u8,
     /// Owners that stall past their lease and then act.
     pub stalls: u8,
+    /// Operators who shorten a format 3 record's expiry by a lease
+    /// (`PEXPIRE` by hand) while it is processing.
+    pub expiry_changes: u8,
 }
 
 impl Bounds {
@@ -124,6 +135,7 @@ impl Bounds {
         force_releases: 0,
         delayed: 0,
         stalls: 0,
+        expiry_changes: 0,
     };
 
     /// The deeper run documented in `docs/model.md`: an owner crash, a

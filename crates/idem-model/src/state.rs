@@ -70,6 +70,12 @@ pub struct StoreState {
     pub reachable: bool,
     /// When it last started.
     pub started_ms: u64,
+    /// The record is a format 3 string (a new key's, written by one
+    /// native `SET`, not written since): its lease is judged from its
+    /// key's expiry.
+    pub string_record: bool,
+    /// How much an operator shortened that key's expiry, in ms.
+    pub expiry_cut_ms: u64,
 }
 
 /// One state of the whole system.
@@ -172,6 +178,8 @@ pub enum Action {
     /// lease: it stays alive but stops renewing, lets its lease lapse, and
     /// then goes on acting under it.
     Stall(u8),
+    /// An operator shortens the format 3 record's expiry by a lease.
+    ExpiryShortened,
 }
 
 /// What running the action came to.

@@ -136,7 +136,14 @@ impl IdemModel {
         if self.design.restart_grace {
             machine::lease_after_start(&mut state.store.slot, state.store.started_ms);
         }
+        // A format 3 string that any call writes becomes the format 2 hash
+        // it stands for, whose lease is its own, not its expiry's.
+        let string = state.store.string_record.then(|| state.store.slot.clone());
         let answer = call(&mut state.store.slot, state.now_ms);
+        if string.is_some_and(|before| before != state.store.slot) {
+            state.store.string_record = false;
+            state.store.expiry_cut_ms = 0;
+        }
         if self.persistence == Persistence::Always {
             state.store.durable = state.store.slot.clone();
         }
@@ -191,9 +198,45 @@ impl IdemModel {
                 .slot
                 .as_ref()
                 .is_some_and(|r| r.state == RecordState::Processing && r.owner.is_none());
+        let new_key = state.store.slot.is_none();
+        let cut = if state.store.string_record {
+            state.store.expiry_cut_ms
+        } else {
+            0
+        };
+        let later_start = self.design.format3_later_start;
         let answer = self.on_store(state, |slot, now| {
-            machine::reserve(slot, &request(), now, ids.0, ids.1)
+            // Format 3 judges a string record's lease from its key's
+            // expiry (`string_fields` in idem-redis's
+            // `lua/string_record.lua`, copied here): the start the
+            // expiry gives is `cut` earlier than the start the record
+            // carries, and the later of the two counts.
+            let own = slot
+                .as_mut()
+                .filter(|r| cut > 0 && r.state == RecordState::Processing)
+                .map(|r| {
+                    let own = r.lease_expires_at_ms;
+                    let from_expiry = own.saturating_sub(cut);
+                    r.lease_expires_at_ms = if later_start {
+                        own.max(from_expiry)
+                    } else {
+                        from_expiry
+                    };
+                    own
+                });
+            let answer = machine::reserve(slot, &request(), now, ids.0, ids.1);
+            if let (Some(own), Some(record)) = (own, slot.as_mut())
+                && !matches!(answer, Reservation::TakenOver { .. })
+            {
+                record.lease_expires_at_ms = own;
+            }
+            answer
         });
+        if new_key && matches!(answer, Reservation::Acquired(_)) {
+            // A new key's record: format 3's one native `SET`.
+            state.store.string_record = true;
+            state.store.expiry_cut_ms = 0;
+        }
         if matches!(answer, Reservation::TakenOver { .. }) && !lapsed_before {
             state.violation.get_or_insert(property::TAKEOVER);
         }
@@ -319,6 +362,10 @@ impl IdemModel {
 
     pub(crate) fn restart(&self, state: &mut State) {
         let lost = state.store.slot != state.store.durable;
+        if lost {
+            state.store.string_record = false;
+            state.store.expiry_cut_ms = 0;
+        }
         state.store.slot = state.store.durable.clone();
         state.store.up = true;
         state.store.started_ms = state.now_ms;
