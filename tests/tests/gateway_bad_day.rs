@@ -1140,3 +1140,42 @@ async fn a_callers_deadline_and_the_nothing_ran_marker_never_pass_through() {
     }
     assert_eq!(streams.load(Ordering::SeqCst), 2, "released: the retry ran");
 }
+
+/// An upstream whose handler takes its body through `idem_layer::Validated`
+/// marks a body that does not parse as "nothing ran" on the wire: the
+/// gateway in front of it releases the key and stores nothing, the client
+/// never sees the marker, and the corrected retry with the same key runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_validated_rejection_leaves_the_key_to_the_corrected_retry() {
+    use axum::Json;
+    use idem_layer::Validated;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let ran = Arc::clone(&runs);
+    let app = axum::Router::new().route(
+        "/orders",
+        axum::routing::post(
+            move |Validated(Json(order)): Validated<Json<serde_json::Value>>| {
+                let ran = Arc::clone(&ran);
+                async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, Json(order))
+                }
+            },
+        ),
+    );
+    let server = TestServer::start(app).await;
+    let gateway = start_gateway(&server, &[]).await;
+    let order =
+        |body: &'static str| keyed(gateway.addr, Method::POST, "/orders", "validated-1", body);
+    let malformed = send(&client(), order("{\"sku\":")).await;
+    assert!(malformed.status.is_client_error(), "{malformed:?}");
+    assert_eq!(malformed.header("idem-nothing-ran"), None);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    let corrected = send(&client(), order("{\"sku\":\"book\"}")).await;
+    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
+    assert!(!corrected.replayed());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let again = send(&client(), order("{\"sku\":\"book\"}")).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -128,7 +128,10 @@ pub(crate) fn nothing_ran(parts: &http::response::Parts) -> bool {
 /// An axum extractor that marks the rejection of the extractor it wraps
 /// as [`NothingRan`]: a request whose body does not parse (`Json`'s `422`
 /// or `400`) releases its key instead of spending it, so the corrected
-/// retry with the same key runs.
+/// retry with the same key runs. The rejection also carries the
+/// [`NOTHING_RAN`] header, so a gateway in front of the service hears it
+/// too (the layer and the gateway remove it before the client sees the
+/// answer).
 ///
 /// ```
 /// use axum::{Json, http::StatusCode};
@@ -161,6 +164,9 @@ where
             Err(rejection) => {
                 let mut response = rejection.into_response();
                 response.extensions_mut().insert(NothingRan);
+                response
+                    .headers_mut()
+                    .insert(NOTHING_RAN, http::HeaderValue::from_static("1"));
                 Err(response)
             }
         }
