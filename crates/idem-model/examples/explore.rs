@@ -26,6 +26,7 @@ fn main() {
         delayed: arg(9, Bounds::DEEP.delayed),
         stalls: arg(10, Bounds::DEEP.stalls),
         expiry_changes: Bounds::DEEP.expiry_changes,
+        erasures: Bounds::DEEP.erasures,
     };
     let persistences: &[Persistence] = match std::env::args().nth(12).as_deref() {
         Some("everysec") => &[Persistence::EverySecond],

@@ -22,7 +22,9 @@
 //!   and takes an operator's cancel, force release, or shortening of a
 //!   format 3 record's expiry (the lease that format judges from the
 //!   expiry is copied here from `lua/string_record.lua`: see
-//!   [`Design::format3_later_start`]);
+//!   [`Design::format3_later_start`]), or an operator's erasure, which
+//!   makes the key new and which owners' replay caches hear through the
+//!   store's feed ([`Design::cache_follows_erasures`]);
 //! * the clock advances by a tick, so leases lapse. An owner that is alive,
 //!   has not stalled and reaches the store acts before its lease lapses (the layer renews
 //!   every third of a lease): a tick that would let such a lease lapse is
@@ -40,7 +42,7 @@ mod state;
 mod steps;
 
 use settings::START_MS;
-pub use settings::{Bounds, Design, Excuses, LEASE_MS, Persistence, TICK_MS};
+pub use settings::{Bounds, Design, Excuses, LEASE_MS, Persistence, TICK_MS, erasure_window_ms};
 pub use state::{Action, Effect, Owner, Ran, State, StoreState};
 pub use steps::property;
 use steps::{outcome, request, status_of};
@@ -100,6 +102,10 @@ impl Model for IdemModel {
             lost: false,
             in_flight: None,
             stalled: Vec::new(),
+            caches: vec![None; usize::from(self.bounds.owners)],
+            era: 0,
+            erased_at_ms: 0,
+            unheard: vec![false; usize::from(self.bounds.owners)],
             left: self.bounds,
         }]
     }
@@ -116,6 +122,10 @@ impl Model for IdemModel {
         for (i, owner) in state.owners.iter().enumerate() {
             let Ok(o) = u8::try_from(i) else { continue };
             match owner {
+                Owner::Idle if state.left.requests > 0 && state.caches[i].is_some() => {
+                    // Answered from the owner's replay cache.
+                    actions.push(Action::Request(o, false));
+                }
                 Owner::Idle if reachable && state.left.requests > 0 => {
                     actions.push(Action::Request(o, false));
                     if lose {
@@ -234,6 +244,23 @@ impl Model for IdemModel {
             actions.push(Action::DelayedDropped);
         }
         if reachable
+            && state.left.erasures > 0
+            && state
+                .store
+                .slot
+                .as_ref()
+                .is_some_and(|r| r.state != RecordState::Processing)
+        {
+            actions.push(Action::Erase);
+        }
+        if self.design.cache_follows_erasures {
+            for (i, unheard) in state.unheard.iter().enumerate() {
+                if let (true, Ok(o)) = (*unheard, u8::try_from(i)) {
+                    actions.push(Action::HearErasure(o));
+                }
+            }
+        }
+        if reachable
             && state.left.expiry_changes > 0
             && state.store.string_record
             && state
@@ -252,6 +279,7 @@ impl Model for IdemModel {
             Action::Tick => {
                 state.left.ticks -= 1;
                 state.now_ms += TICK_MS;
+                self.silent_feeds_empty_caches(&mut state);
             }
             Action::Request(o, lost) => self.request_step(&mut state, o, lost),
             Action::Execute(o, ran) => self.execute_step(&mut state, o, ran),
@@ -340,6 +368,8 @@ impl Model for IdemModel {
                     Self::excuse_owner(&mut state, o);
                 }
             }
+            Action::Erase => self.erase_step(&mut state),
+            Action::HearErasure(o) => Self::hear_erasure(&mut state, o),
             Action::ExpiryShortened => {
                 state.left.expiry_changes -= 1;
                 state.store.expiry_cut_ms += LEASE_MS;
@@ -368,6 +398,9 @@ impl Model for IdemModel {
             }),
             Property::always(property::REPLAY, |_, state: &State| {
                 state.violation != Some(property::REPLAY)
+            }),
+            Property::always(property::STALE, |_, state: &State| {
+                state.violation != Some(property::STALE)
             }),
             Property::always(property::COMPLETED, |_, state: &State| {
                 let Some(recorded) = state.recorded.as_ref().filter(|_| !state.lost) else {

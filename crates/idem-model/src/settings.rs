@@ -5,6 +5,13 @@
 pub const TICK_MS: u64 = 1_000;
 /// The lease, two ticks.
 pub const LEASE_MS: u64 = 2 * TICK_MS;
+/// How long after an erasure an owner that has not heard it may still
+/// answer from its replay cache: the feed's window, after which a silent
+/// feed empties the cache (`idem_core::erasures::WINDOW`), in store
+/// milliseconds.
+pub fn erasure_window_ms() -> u64 {
+    u64::try_from(idem_core::erasures::WINDOW.as_millis()).unwrap_or(u64::MAX)
+}
 /// The clock's reading at the start.
 pub(crate) const START_MS: u64 = 1_000_000;
 
@@ -30,6 +37,12 @@ pub struct Design {
     /// shortened from outside never shortens a live lease; off, the start
     /// comes from the expiry alone.
     pub format3_later_start: bool,
+    /// A replay cache keeps its copies only while the store's erasure
+    /// feed is healthy: it drops a copy when it hears the erasure, and
+    /// everything once the feed has been silent for a window
+    /// ([`idem_core::erasures::WINDOW`]); off, it answers from its copies
+    /// whatever the store erased.
+    pub cache_follows_erasures: bool,
 }
 
 impl Design {
@@ -40,6 +53,7 @@ impl Design {
         retry_abandon: true,
         unknown_wait: true,
         format3_later_start: true,
+        cache_follows_erasures: true,
     };
 }
 
@@ -118,6 +132,10 @@ pub struct Bounds {
     /// Operators who shorten a format 3 record's expiry by a lease
     /// (`PEXPIRE` by hand) while it is processing.
     pub expiry_changes: u8,
+    /// Operators' erasures of a record that is not processing. With one or
+    /// more, every owner keeps a replay cache of the answers it recorded or
+    /// was replayed.
+    pub erasures: u8,
 }
 
 impl Bounds {
@@ -136,6 +154,7 @@ impl Bounds {
         delayed: 0,
         stalls: 0,
         expiry_changes: 0,
+        erasures: 0,
     };
 
     /// The deeper run documented in `docs/model.md`: an owner crash, a

@@ -114,6 +114,16 @@ pub struct State {
     pub in_flight: Option<(u8, AttemptId, OwnerToken)>,
     /// Leases whose owner stalled past them (see [`Action::Stall`]).
     pub stalled: Vec<OwnerToken>,
+    /// Each owner's replay cache (kept when erasures are explored): the
+    /// status of the answer it holds a copy of, and the era it was
+    /// recorded in.
+    pub caches: Vec<Option<(u16, u8)>>,
+    /// How many erasures the scope has had: an erasure makes its key new.
+    pub era: u8,
+    /// When the last erasure happened.
+    pub erased_at_ms: u64,
+    /// Owners that have not heard the last erasure yet.
+    pub unheard: Vec<bool>,
     /// Budgets left.
     pub left: Bounds,
 }
@@ -180,6 +190,12 @@ pub enum Action {
     Stall(u8),
     /// An operator shortens the format 3 record's expiry by a lease.
     ExpiryShortened,
+    /// An operator erases the record (completed or released): its key is
+    /// new, and the store's feed tells every owner.
+    Erase,
+    /// Owner `.0` hears the erasure (or finds its feed broken) and drops
+    /// its cached copy.
+    HearErasure(u8),
 }
 
 /// What running the action came to.

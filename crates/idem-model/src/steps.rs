@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    AttemptId, Completion, Fingerprint, IdempotencyKey, Lease, Outcome, OwnerToken, Record,
-    RecordState, Reservation, ReserveRequest, Scope, StoredResponse, machine,
+    AttemptId, Completion, Erasure, Fingerprint, IdempotencyKey, Lease, Outcome, OwnerToken,
+    Record, RecordState, Reservation, ReserveRequest, Scope, StoredResponse, machine,
 };
 
 use crate::{
     IdemModel,
-    settings::{LEASE_MS, Persistence, TICK_MS},
+    settings::{LEASE_MS, Persistence, TICK_MS, erasure_window_ms},
     state::{Effect, Owner, Ran, State},
 };
 
@@ -69,6 +69,9 @@ pub mod property {
     pub const RECORDED: &str = "a held outcome is recorded once the store answers";
     /// Every release and abandon lands in the end.
     pub const FREED: &str = "a released or abandoned key becomes free";
+    /// A replay cache answers an erased answer only within the feed's
+    /// window after the erasure.
+    pub const STALE: &str = "no replay of an erased answer past the erasure window";
 }
 
 impl IdemModel {
@@ -191,6 +194,17 @@ impl IdemModel {
 
     pub(crate) fn request_step(&self, state: &mut State, o: u8, lost: bool) {
         state.left.requests -= 1;
+        if let Some((status, era)) = state.caches.get(usize::from(o)).copied().flatten() {
+            // Answered from the owner's replay cache, without the store.
+            if era != state.era {
+                if state.now_ms >= state.erased_at_ms + erasure_window_ms() {
+                    state.violation.get_or_insert(property::STALE);
+                }
+            } else if state.recorded.as_ref() != Some(&outcome(status)) && !state.lost {
+                state.violation.get_or_insert(property::REPLAY);
+            }
+            return;
+        }
         let ids = Self::ids(state, o);
         let lapsed_before = self.expiry(state).is_some_and(|at| at <= state.now_ms)
             || state
@@ -256,6 +270,7 @@ impl IdemModel {
                 if state.recorded.as_ref() != Some(&replay.outcome) && !state.lost {
                     state.violation.get_or_insert(property::REPLAY);
                 }
+                self.cache(state, o, &replay.outcome);
                 Owner::Idle
             }
             _ => Owner::Idle,
@@ -303,8 +318,11 @@ impl IdemModel {
         let answer = self.on_store(state, |slot, now| {
             machine::complete(slot, &lease, &written, now)
         });
-        if matches!(answer, Completion::Recorded) && state.recorded.is_none() {
-            state.recorded = Some(written);
+        if matches!(answer, Completion::Recorded) {
+            if state.recorded.is_none() {
+                state.recorded = Some(written.clone());
+            }
+            self.cache(state, o, &written);
         }
         if lost {
             // Completions are retried; the retry is answered as the first.
@@ -327,6 +345,64 @@ impl IdemModel {
             }
         }
         state.owners[index] = Owner::Idle;
+    }
+
+    /// Owner `o` keeps a copy of `answer` in its replay cache (when
+    /// erasures are explored; a copy that would outlive an erasure it has
+    /// not heard is not taken while its feed says nothing new).
+    pub(crate) fn cache(&self, state: &mut State, o: u8, answer: &Outcome) {
+        if self.bounds.erasures == 0 {
+            return;
+        }
+        let Outcome::Stored(response) = answer else {
+            return;
+        };
+        if let Some(slot) = state.caches.get_mut(usize::from(o)) {
+            *slot = Some((response.status, state.era));
+        }
+    }
+
+    /// An operator's erasure of the record: its key is new (a new era, in
+    /// which the action may run again), and every owner is told.
+    pub(crate) fn erase_step(&self, state: &mut State) {
+        state.left.erasures -= 1;
+        let answer = self.on_store(state, machine::erase);
+        if !matches!(answer, Erasure::Erased(_)) {
+            return;
+        }
+        state.era += 1;
+        state.erased_at_ms = state.now_ms;
+        state.recorded = None;
+        state.executed.clear();
+        let earlier: Vec<OwnerToken> = state.effects.iter().map(|e| e.token).collect();
+        state.excused.extend(earlier);
+        for unheard in &mut state.unheard {
+            *unheard = true;
+        }
+    }
+
+    /// Owner `o` hears the last erasure (or finds its feed broken): it
+    /// drops its cached copy.
+    pub(crate) fn hear_erasure(state: &mut State, o: u8) {
+        let index = usize::from(o);
+        state.unheard[index] = false;
+        state.caches[index] = None;
+    }
+
+    /// The clock passed the feed's window after an erasure: an owner that
+    /// has not heard it counts its feed as broken and empties its cache.
+    pub(crate) fn silent_feeds_empty_caches(&self, state: &mut State) {
+        if !self.design.cache_follows_erasures
+            || state.now_ms < state.erased_at_ms + erasure_window_ms()
+        {
+            return;
+        }
+        for o in 0..state.unheard.len() {
+            if state.unheard[o] {
+                state.unheard[o] = false;
+                state.caches[o] = None;
+            }
+        }
     }
 
     pub(crate) fn call_fails(&self, state: &mut State, o: u8) {
