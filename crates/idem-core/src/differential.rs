@@ -35,7 +35,7 @@
 //! time while the mismatch stays, until no call can go, so the report is a
 //! shortest failing sequence (a local minimum) and its seed.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -352,13 +352,6 @@ pub fn generate(seed: u64) -> Vec<Op> {
     ops
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
 fn outcome_of(owner: u8, status: u16) -> Outcome {
     if status == 204 {
         return Outcome::NotStored { status };
@@ -404,7 +397,7 @@ pub async fn run<S: RecordsAdmin>(store: &S, lease: Duration, ops: &[Op]) -> Res
             op => op,
         };
         previous = Some(op);
-        let before = now_ms().saturating_sub(millis(TOLERANCE));
+        let before = crate::unix_ms().saturating_sub(millis(TOLERANCE));
         // The store's answer, and the reference's step.
         let (seen, step): (Seen, Step<'_>) = match op {
             Op::Lapse => {
@@ -506,7 +499,7 @@ pub async fn run<S: RecordsAdmin>(store: &S, lease: Duration, ops: &[Op]) -> Res
                 )
             }
         };
-        let after = now_ms().saturating_add(millis(TOLERANCE));
+        let after = crate::unix_ms().saturating_add(millis(TOLERANCE));
         // The reference at both ends of the call's window.
         let (mut early, mut late) = (slot.clone(), slot.clone());
         let (at_early, at_late) = (step(&mut early, before), step(&mut late, after));

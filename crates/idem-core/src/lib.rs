@@ -54,7 +54,7 @@ pub use key::{IdempotencyKey, KeyError};
 pub use query::{OldestRecords, RecordCursor, RecordQuery};
 pub use record::{
     ATTEMPT_HISTORY, Attempt, AttemptId, AttemptOutcome, LateEvidence, Lease, Outcome, OwnerToken,
-    Record, RecordState, StoredResponse,
+    Record, RecordState, StoredResponse, unix_ms,
 };
 pub use scope::{Fingerprint, Scope, ScopeFormat, ScopeHash, ScopeSecret, push_hex};
 pub use store::{Fleet, RecordsAdmin, Store};

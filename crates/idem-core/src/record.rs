@@ -318,6 +318,18 @@ pub struct Record {
     pub attempts: Vec<Attempt>,
 }
 
+/// This process's clock in Unix milliseconds (0 before 1970): the time a
+/// record's `*_ms` fields are written in, where a store reads no clock of
+/// its own.
+#[inline]
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
 impl Record {
     /// The attempt with this id, if it is still in the history.
     pub fn attempt(&self, id: AttemptId) -> Option<&Attempt> {

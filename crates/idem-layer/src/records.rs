@@ -261,13 +261,6 @@ const LIST_LIMIT: usize = 1_000;
 /// The longest an output request waits for a running attempt.
 pub const OUTPUT_WAIT_MAX: Duration = Duration::from_secs(60);
 
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
 /// A processing record past the wait: `409 idempotency_outcome_unknown`
 /// when its attempt answered its caller that the outcome is unknown, else
 /// `409 idempotency_in_progress`; `Retry-After` the lease left (at least
@@ -450,7 +443,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
                 Ok(record) => record,
                 Err(error) => return Ok(unavailable_problem(&error)),
             };
-            let now_ms = unix_ms();
+            let now_ms = idem_core::unix_ms();
             let Some(record) = record.filter(|r| !r.is_expired(now_ms)) else {
                 return Err(not_found(
                     "no answer for this key: no record (never made, expired, or erased)",

@@ -1,9 +1,6 @@
 //! The memory store's builder: capacity, bytes, tenant quotas.
 
-use std::{
-    sync::{Arc, atomic::AtomicUsize},
-    time::{SystemTime, UNIX_EPOCH},
-};
+use std::sync::{Arc, atomic::AtomicUsize};
 
 use parking_lot::Mutex;
 
@@ -63,9 +60,7 @@ impl MemoryStoreBuilder {
     pub fn build(self) -> MemoryStore {
         let shards = (0..self.shards).map(|_| Shard::default()).collect();
         let now = tokio::time::Instant::now();
-        let base_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let base_ms = idem_core::unix_ms();
         MemoryStore {
             inner: Arc::new(Inner {
                 shards,

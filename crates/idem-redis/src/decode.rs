@@ -762,10 +762,4 @@ pub(crate) fn lease_args(invocation: &mut Invocation<'_>, lease: &Lease) {
 }
 
 /// This process' clock, in Unix milliseconds (0 before 1970).
-pub(crate) fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-        })
-}
+pub(crate) use idem_core::unix_ms;

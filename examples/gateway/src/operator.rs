@@ -427,12 +427,6 @@ fn ago(now_ms: u64, then_ms: u64) -> String {
     humantime::format_duration(Duration::from_secs(seconds)).to_string()
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 /// A shortened tenant hash or scope, for reading.
 fn short(text: &str) -> &str {
     text.get(..16).unwrap_or(text)
@@ -520,7 +514,7 @@ impl<S: RecordsAdmin> Operator<S> {
     }
 
     fn render(&self, records: &[Record], csrf: &str, flash: Option<&str>) -> String {
-        let now = now_ms();
+        let now = idem_core::unix_ms();
         let path = &self.path;
         let mut out = String::new();
         let _ = write!(
