@@ -105,7 +105,6 @@ impl Model for IdemModel {
             caches: vec![None; usize::from(self.bounds.owners)],
             era: 0,
             erased_at_ms: 0,
-            unheard: vec![false; usize::from(self.bounds.owners)],
             left: self.bounds,
         }]
     }
@@ -254,8 +253,10 @@ impl Model for IdemModel {
             actions.push(Action::Erase);
         }
         if self.design.cache_follows_erasures {
-            for (i, unheard) in state.unheard.iter().enumerate() {
-                if let (true, Ok(o)) = (*unheard, u8::try_from(i)) {
+            for (i, cached) in state.caches.iter().enumerate() {
+                if let (Some((_, era)), Ok(o)) = (cached, u8::try_from(i))
+                    && *era != state.era
+                {
                     actions.push(Action::HearErasure(o));
                 }
             }

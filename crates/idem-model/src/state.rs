@@ -120,10 +120,9 @@ pub struct State {
     pub caches: Vec<Option<(u16, u8)>>,
     /// How many erasures the scope has had: an erasure makes its key new.
     pub era: u8,
-    /// When the last erasure happened.
+    /// When the last erasure happened. An owner whose cached copy is of
+    /// an earlier era has not heard it yet.
     pub erased_at_ms: u64,
-    /// Owners that have not heard the last erasure yet.
-    pub unheard: Vec<bool>,
     /// Budgets left.
     pub left: Bounds,
 }

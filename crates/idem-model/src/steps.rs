@@ -376,17 +376,12 @@ impl IdemModel {
         state.executed.clear();
         let earlier: Vec<OwnerToken> = state.effects.iter().map(|e| e.token).collect();
         state.excused.extend(earlier);
-        for unheard in &mut state.unheard {
-            *unheard = true;
-        }
     }
 
     /// Owner `o` hears the last erasure (or finds its feed broken): it
     /// drops its cached copy.
     pub(crate) fn hear_erasure(state: &mut State, o: u8) {
-        let index = usize::from(o);
-        state.unheard[index] = false;
-        state.caches[index] = None;
+        state.caches[usize::from(o)] = None;
     }
 
     /// The clock passed the feed's window after an erasure: an owner that
@@ -397,10 +392,10 @@ impl IdemModel {
         {
             return;
         }
-        for o in 0..state.unheard.len() {
-            if state.unheard[o] {
-                state.unheard[o] = false;
-                state.caches[o] = None;
+        let era = state.era;
+        for cached in &mut state.caches {
+            if cached.is_some_and(|(_, of)| of != era) {
+                *cached = None;
             }
         }
     }
