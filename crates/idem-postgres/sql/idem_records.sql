@@ -46,3 +46,26 @@ CREATE TABLE IF NOT EXISTS idem_records_duties (
     holder        text NOT NULL,
     expires_at_ms bigint NOT NULL
 );
+
+-- Events that leave with the write (the transactional outbox): a handler
+-- adds them through `IdemTransaction::emit`; they commit or roll back with
+-- its writes and the completed record, and a relay
+-- (`idem_postgres::relay`) publishes them in `seq` order, marks them
+-- published, and deletes them once they have been published a while.
+CREATE TABLE IF NOT EXISTS idem_records_outbox (
+    seq             bigserial PRIMARY KEY,
+    id              text NOT NULL UNIQUE,  -- the message id: scope, generation and position
+    scope           bytea,                 -- the record's scope (NULL: emitted without the layer)
+    generation      bigint,                -- the attempt's generation that committed it
+    position        integer NOT NULL,      -- 1, 2, ... in the order the handler emitted them
+    subject         text NOT NULL,
+    payload         bytea NOT NULL,
+    created_at_ms   bigint NOT NULL,       -- written in the committing transaction
+    published_at_ms bigint                 -- NULL until the broker acknowledged it
+);
+
+-- The relay reads the unpublished events in order; the sweep, the published.
+CREATE INDEX IF NOT EXISTS idem_records_outbox_unpublished
+    ON idem_records_outbox (seq) WHERE published_at_ms IS NULL;
+CREATE INDEX IF NOT EXISTS idem_records_outbox_published
+    ON idem_records_outbox (published_at_ms) WHERE published_at_ms IS NOT NULL;

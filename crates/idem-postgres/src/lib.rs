@@ -62,6 +62,9 @@ pub mod guide {
 mod builder;
 mod erasures;
 mod given_up;
+mod outbox;
+#[cfg(feature = "relay")]
+pub mod relay;
 mod row;
 mod sql;
 mod store;
@@ -79,7 +82,7 @@ pub use builder::PgStoreBuilder;
 pub use idem_core::IdentityClaim;
 use sql::{NOW_MS, RESERVE_TRIES, Sql, claim_ms, failed, started_ms};
 use sweep::{Sweeper, Sweeping};
-pub use tx::{CommitError, IdemTransaction};
+pub use tx::{CommitError, EmitError, IdemTransaction};
 
 /// The SQL that creates the records table, its index, its identity table
 /// (`idem_records_identity`) and its duties table (`idem_records_duties`,

@@ -35,6 +35,8 @@ pub(crate) struct Sql {
     pub(crate) list: String,
     /// The channel erasures are sent on (`erasures.rs`).
     pub(crate) erased: String,
+    /// The statement writing a transaction's events (`outbox.rs`).
+    pub(crate) emit: String,
 }
 
 impl Sql {
@@ -45,6 +47,7 @@ impl Sql {
         Self {
             table: table.to_owned(),
             erased: crate::erasures::channel(table),
+            emit: crate::outbox::insert_sql(table),
             reserve: format!(
                 "WITH t AS (SELECT {NOW_MS} AS now), \
                  ins AS (INSERT INTO {table} (scope, tenant, operation, key, fingerprint, state, \

@@ -2,13 +2,17 @@
 
 use std::ops::{Deref, DerefMut};
 
+use bytes::Bytes;
 use idem_core::{
     Completion, CompletionSlot, Current, DeferredCompletion, Lease, Outcome, Release, Store,
     StoreError, handoff::BoxFuture,
 };
 use sqlx::{PgConnection, Postgres, Transaction};
 
-use crate::{PgStore, failed};
+use crate::{
+    PgStore, failed,
+    outbox::{self, Emitted},
+};
 
 /// A transaction on the store's database for a handler's own writes.
 ///
@@ -52,12 +56,15 @@ pub struct IdemTransaction {
     tx: Transaction<'static, Postgres>,
     slot: Option<CompletionSlot>,
     store: PgStore,
+    /// The events [`emit`](Self::emit) added, written when it commits.
+    events: Vec<Emitted>,
 }
 
 impl std::fmt::Debug for IdemTransaction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdemTransaction")
             .field("deferred", &self.slot.is_some())
+            .field("events", &self.events.len())
             .finish_non_exhaustive()
     }
 }
@@ -75,6 +82,31 @@ pub enum CommitError {
     AlreadyHandedOver,
 }
 
+/// [`IdemTransaction::emit`] refused an event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EmitError {
+    /// The subject is no NATS subject an event can be published on: empty,
+    /// with whitespace or an empty token (`a..b`, a leading or trailing
+    /// `.`), or with a wildcard token (`*`, `>`).
+    #[error("{0:?} is not a subject an event can be published on")]
+    Subject(String),
+}
+
+/// Whether `subject` is one an event can be published on (see
+/// [`EmitError::Subject`]).
+fn publishable(subject: &str) -> bool {
+    !subject.is_empty()
+        && subject.split('.').all(|token| {
+            !token.is_empty()
+                && token != "*"
+                && token != ">"
+                && !token
+                    .bytes()
+                    .any(|b| b.is_ascii_whitespace() || b.is_ascii_control())
+        })
+}
+
 impl IdemTransaction {
     /// Begins a transaction for a request: `slot` is the layer's
     /// [`CompletionSlot`] from the request extensions (`None` when the layer
@@ -88,7 +120,51 @@ impl IdemTransaction {
             tx,
             slot,
             store: store.clone(),
+            events: Vec::new(),
         })
+    }
+
+    /// Adds an event for the relay to publish on `subject` (the
+    /// transactional outbox; see [`relay`](crate::relay)).
+    ///
+    /// The event is written to the outbox table in this transaction when it
+    /// commits: under the layer, with the completed record, only if the
+    /// attempt still holds its lease (a fenced attempt's events never
+    /// leave), carrying the record's scope and the attempt's generation;
+    /// without the layer, with the handler's writes. A transaction that
+    /// rolls back, or a response the layer does not record, takes its
+    /// events with it. The events of one transaction are published in the
+    /// order they were emitted, each with a message id derived from scope,
+    /// generation and position, so a re-publish is the same message.
+    ///
+    /// ```no_run
+    /// # async fn charge(mut tx: idem_postgres::IdemTransaction) -> Result<(), Box<dyn std::error::Error>> {
+    /// sqlx::query("INSERT INTO ledger (account, cents) VALUES ('acme', 1299)")
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// tx.emit("charges", r#"{"account":"acme","cents":1299}"#)?;
+    /// tx.commit().await?; // the row, the event and the record, together
+    /// # Ok(()) }
+    /// ```
+    pub fn emit(
+        &mut self,
+        subject: impl Into<String>,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), EmitError> {
+        let subject = subject.into();
+        if !publishable(&subject) {
+            return Err(EmitError::Subject(subject));
+        }
+        self.events.push(Emitted {
+            subject,
+            payload: payload.into(),
+        });
+        Ok(())
+    }
+
+    /// How many events [`emit`](Self::emit) has added so far.
+    pub fn emitted(&self) -> usize {
+        self.events.len()
     }
 
     /// Whether the layer will commit this transaction with the outcome
@@ -115,14 +191,31 @@ impl IdemTransaction {
     /// transaction is a refusal whose writes rightly rolled back (a `?`
     /// on a validation error, say): it is recorded as usual.
     pub async fn commit(self) -> Result<(), CommitError> {
-        let Self { tx, slot, store } = self;
+        let Self {
+            mut tx,
+            slot,
+            store,
+            events,
+        } = self;
         match slot {
-            None => Ok(tx.commit().await?),
+            None => {
+                let prefix = outbox::unkeyed_prefix();
+                outbox::write(
+                    &mut tx,
+                    &store.inner.sql.emit,
+                    store.pooled(),
+                    &prefix,
+                    None,
+                    &events,
+                )
+                .await?;
+                Ok(tx.commit().await?)
+            }
             Some(slot) => {
                 // Settled either way: handed over, or refused and rolled
                 // back as it is dropped (the handler is told).
                 slot.settled();
-                slot.put(Box::new(Deferred { tx, store }))
+                slot.put(Box::new(Deferred { tx, store, events }))
                     .map_err(|_| CommitError::AlreadyHandedOver)
             }
         }
@@ -159,6 +252,7 @@ impl DerefMut for IdemTransaction {
 struct Deferred {
     tx: Transaction<'static, Postgres>,
     store: PgStore,
+    events: Vec<Emitted>,
 }
 
 impl DeferredCompletion for Deferred {
@@ -168,12 +262,28 @@ impl DeferredCompletion for Deferred {
         outcome: Outcome,
     ) -> BoxFuture<Result<Completion, StoreError>> {
         Box::pin(async move {
-            let Deferred { mut tx, store } = *self;
-            let written = store
-                .complete_query(&lease, &outcome)
-                .execute(&mut *tx)
-                .await
-                .map(|done| done.rows_affected());
+            let Deferred {
+                mut tx,
+                store,
+                events,
+            } = *self;
+            // The fenced completion, then (the attempt holds its lease)
+            // its events: both in the handler's transaction.
+            let written = async {
+                let completed = store
+                    .complete_query(&lease, &outcome)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if completed == 1 {
+                    let prefix = outbox::id_prefix(&lease.scope, lease.generation);
+                    let attempt = Some((&lease.scope, lease.generation));
+                    let sql = &store.inner.sql.emit;
+                    outbox::write(&mut tx, sql, store.pooled(), &prefix, attempt, &events).await?;
+                }
+                Ok::<_, sqlx::Error>(completed)
+            }
+            .await;
             match written {
                 Ok(1) => {}
                 Ok(_) => {

@@ -146,11 +146,14 @@ pub mod pg {
         }
     }
 
-    /// Creates the records table and the `orders` table if missing.
+    /// Creates the records table (with its outbox), the `orders` table
+    /// and the `payments` ledger if missing.
     pub async fn migrate(store: &PgStore) -> Result<(), idem_core::StoreError> {
         store.migrate().await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, body jsonb NOT NULL)",
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS orders (id bigserial PRIMARY KEY, body jsonb NOT NULL); \
+             CREATE TABLE IF NOT EXISTS payments (id bigserial PRIMARY KEY, \
+               account text NOT NULL, cents bigint NOT NULL)",
         )
         .execute(store.pool())
         .await
@@ -196,6 +199,52 @@ pub mod pg {
             .into_response()
     }
 
+    /// A payment as the client sends it.
+    #[derive(Debug, serde::Deserialize)]
+    struct Payment {
+        account: String,
+        cents: i64,
+    }
+
+    /// Takes a payment: its ledger row and its `charges` event (for the
+    /// outbox relay to publish; the charge consumer charges it) commit
+    /// with the completed record, or none of them does.
+    async fn pay(
+        #[cfg_attr(not(feature = "test-hooks"), allow(unused_variables))] headers: HeaderMap,
+        mut tx: IdemTransaction,
+        idem_layer::Validated(Json(payment)): idem_layer::Validated<Json<Payment>>,
+    ) -> Response {
+        let inserted: Result<i64, _> = sqlx::query_scalar(
+            "INSERT INTO payments (account, cents) VALUES ($1, $2) RETURNING id",
+        )
+        .bind(&payment.account)
+        .bind(payment.cents)
+        .fetch_one(&mut *tx)
+        .await;
+        let id = match inserted {
+            Ok(id) => id,
+            Err(error) => return failed(error),
+        };
+        let event = json!({ "id": format!("pay-{id}"), "account": payment.account, "cents": payment.cents });
+        if let Err(error) = tx.emit("charges", event.to_string()) {
+            return failed(error);
+        }
+        #[cfg(feature = "test-hooks")]
+        if super::hooks::hold(&headers, "before-commit") {
+            super::hooks::hold_forever("before commit").await;
+        }
+        if let Err(error) = tx.commit().await {
+            return failed(error);
+        }
+        let body = json!({ "id": id, "account": payment.account, "cents": payment.cents });
+        (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/payments/{id}"))],
+            Json(body),
+        )
+            .into_response()
+    }
+
     async fn read(State(state): State<AppState>, Path(id): Path<i64>) -> Response {
         let found: Result<Option<String>, _> =
             sqlx::query_scalar("SELECT body::text FROM orders WHERE id = $1")
@@ -212,11 +261,13 @@ pub mod pg {
         }
     }
 
-    /// The orders routes on `state` (the layer is added by the caller).
+    /// The orders and payments routes on `state` (the layer is added by
+    /// the caller).
     pub fn orders(state: AppState) -> Router {
         Router::new()
             .route("/orders", post(create))
             .route("/orders/{id}", get(read))
+            .route("/payments", post(pay))
             .with_state(state)
     }
 }

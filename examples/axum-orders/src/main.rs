@@ -2,7 +2,10 @@
 //!
 //! The service to copy: an orders API behind the idempotency layer.
 //! `POST /orders` creates an order with a fresh id (201 + `Location`),
-//! `GET /orders/{id}` reads it back, and the records API lives at
+//! `GET /orders/{id}` reads it back (on PostgreSQL, `POST /payments` also
+//! takes a payment `{"account": …, "cents": …}`: its ledger row, its
+//! `charges` event for `outbox-relay` to publish and the completed record
+//! commit together), and the records API lives at
 //! `/_idempotency/records`, outside the keyed routes, with the layer told
 //! where (`records_path`) so its 409/422 answers link the record they met.
 //! The tenant is the `x-tenant-id` header, which an authentication layer

@@ -2,8 +2,11 @@
 //! once, whatever the broker redelivers.
 //!
 //! A message is `{"id": "...", "account": "...", "cents": 1299}` on the
-//! `charges` subject. The business id is the idempotency key and the
-//! account the tenant. Each charge runs through
+//! `charges` subject. The account is the tenant. The idempotency key is the
+//! message id (`Nats-Msg-Id`) when the message has one (an event published
+//! by `outbox-relay` from idem's PostgreSQL outbox: its event id, the same
+//! on every re-publish, so a copy the broker delivers again past its
+//! duplicate window is still charged once), else the business id. Each charge runs through
 //! [`IdempotencyLayer::run`](idem_layer::IdempotencyLayer::run): the first
 //! delivery executes it (here: appends a line to the ledger file) and the
 //! outcome is recorded; the message is acknowledged only after that (when
@@ -18,8 +21,8 @@
 //! Run with `cargo run -p charge-consumer` next to a `nats-server -js`
 //! (`src/main.rs` calls [`run`]).
 //! Environment: `NATS_URL` (`nats://127.0.0.1:4222`), `IDEM_STORE`
-//! (`memory` or a `redis://` URL; use Redis so records outlive the
-//! process), `LEDGER` (`charges.ledger`), `ACK_WAIT` (`30s`), `STREAM`
+//! (`memory`, a `redis://` or a `postgres://` URL; use Redis or PostgreSQL
+//! so records outlive the process), `LEDGER` (`charges.ledger`), `ACK_WAIT` (`30s`), `STREAM`
 //! (`CHARGES`), `CONSUMER` (`charge-consumer`).
 
 use std::{io::Write, time::Duration};
@@ -87,11 +90,14 @@ async fn handle<S: Store>(
             return message.ack_with(AckKind::Term).await;
         }
     };
-    let Ok(key) = IdempotencyKey::parse(charge.id.as_bytes()) else {
-        eprintln!(
-            "charge-consumer: {:?} is no valid key, terminated",
-            charge.id
-        );
+    // An outbox event's id, else the business id.
+    let id = message
+        .headers
+        .as_ref()
+        .and_then(|headers| headers.get(async_nats::header::NATS_MESSAGE_ID))
+        .map_or(charge.id.as_str(), |id| id.as_str());
+    let Ok(key) = IdempotencyKey::parse(id.as_bytes()) else {
+        eprintln!("charge-consumer: {id:?} is no valid key, terminated");
         return message.ack_with(AckKind::Term).await;
     };
     let command = Command::new(charge.account.clone(), "charge", key, &charge)?;
@@ -254,11 +260,15 @@ async fn consume<S: Store>(layer: IdempotencyLayer<S>) -> Result<(), Error> {
 }
 
 /// Consumes `charge` commands until the stream ends, on the store
-/// `IDEM_STORE` names (`memory`, or a `redis://` URL).
+/// `IDEM_STORE` names (`memory`, a `redis://` or a `postgres://` URL).
 pub async fn run() -> Result<(), Error> {
     let store = env("IDEM_STORE", "memory");
     if store == "memory" {
         consume(IdempotencyLayer::new(idem_memory::MemoryStore::new())).await
+    } else if store.starts_with("postgres://") || store.starts_with("postgresql://") {
+        let store = idem_postgres::PgStore::from_url(&store)?;
+        store.migrate().await?;
+        consume(IdempotencyLayer::new(store)).await
     } else {
         consume(IdempotencyLayer::new(idem_redis::RedisStore::from_url(
             &store,
