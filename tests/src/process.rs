@@ -21,6 +21,13 @@ impl Spawned {
     /// Starts `command` and waits for its first stdout line; a process
     /// that prints none is killed and the test fails.
     pub fn start(command: &mut Command) -> Self {
+        Self::start_after(command, "")
+    }
+
+    /// Starts `command` and waits for its first stdout line containing
+    /// `marker` (the banner), skipping the lines before it (a test binary
+    /// run as a child prints its harness's lines first).
+    pub fn start_after(command: &mut Command, marker: &str) -> Self {
         let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -29,7 +36,13 @@ impl Spawned {
         let stdout = child.stdout.take().expect("stdout");
         let mut stdout = BufReader::new(stdout);
         let mut banner = String::new();
-        let _ = stdout.read_line(&mut banner);
+        loop {
+            banner.clear();
+            let read = stdout.read_line(&mut banner).unwrap_or(0);
+            if read == 0 || (banner.contains(marker) && !banner.trim().is_empty()) {
+                break;
+            }
+        }
         // Keep draining stdout so the process never blocks on it.
         std::thread::spawn(move || stdout.lines().for_each(drop));
         let (tx, lines) = mpsc::channel();

@@ -19,7 +19,8 @@
 //! Environment: `IDEM_LISTEN` (default `127.0.0.1:3000`), `IDEM_STORE`
 //! (`memory`, the default; a `redis://` or `redis+cluster://` URL; or a
 //! `postgres://` URL, where the orders are rows of an `orders` table
-//! written in the same transaction as the completed record),
+//! written in the same transaction as the completed record;
+//! `IDEM_TRANSACTION_POOLER=true` behind PgBouncer in transaction mode),
 //! `IDEM_LEASE` (default `30s`) and `RUST_LOG` (default `info`). Built
 //! with the `bench` feature, `IDEM_LAYER=off` serves the same app without
 //! the layer (the baseline of `bench/load.sh`).
@@ -94,7 +95,13 @@ async fn main() -> std::io::Result<()> {
         Err(_) => Duration::from_secs(30),
     };
     let app = if store.starts_with("postgres://") || store.starts_with("postgresql://") {
-        let pg = PgStore::from_url(&store).unwrap_or_else(|error| exit(error));
+        // Behind a transaction pooler (PgBouncer), statements go unnamed.
+        let pooled = std::env::var("IDEM_TRANSACTION_POOLER").is_ok_and(|v| v == "true");
+        let pg = PgStore::builder()
+            .url(&store)
+            .transaction_pooler(pooled)
+            .build()
+            .unwrap_or_else(|error| exit(error));
         if let Err(error) = axum_orders::pg::migrate(&pg).await {
             exit(format!("could not create the tables: {error}"));
         }

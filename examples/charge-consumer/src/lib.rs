@@ -14,7 +14,12 @@
 //! broker the work is in progress until the layer has recorded it). A
 //! redelivery (the acknowledgement was lost, the consumer died after
 //! executing) is answered from the record and acknowledged, without
-//! charging again. A charge in progress elsewhere is NAKed with a delay, a
+//! charging again. A consumer that died between charging and recording
+//! leaves the charge's outcome unknown: once its lease (`IDEM_LEASE`)
+//! lapses, the redelivery takes the charge over, finds the charge in the
+//! ledger ([`CommandContext::superseded`](idem_layer::CommandContext) says
+//! to reconcile) and records it without charging again. A charge in
+//! progress elsewhere is NAKed with a delay, a
 //! temporary failure is NAKed for redelivery, and a changed payload under
 //! a known id is terminated (never charged).
 //!
@@ -22,7 +27,9 @@
 //! (`src/main.rs` calls [`run`]).
 //! Environment: `NATS_URL` (`nats://127.0.0.1:4222`), `IDEM_STORE`
 //! (`memory`, a `redis://` or a `postgres://` URL; use Redis or PostgreSQL
-//! so records outlive the process), `LEDGER` (`charges.ledger`), `ACK_WAIT` (`30s`), `STREAM`
+//! so records outlive the process), `LEDGER` (`charges.ledger`), `ACK_WAIT` (`30s`), `IDEM_LEASE`
+//! (`30s`: how long a charge whose consumer died waits before a
+//! redelivery takes it over and reconciles it against the ledger), `STREAM`
 //! (`CHARGES`), `CONSUMER` (`charge-consumer`).
 
 use std::{io::Write, time::Duration};
@@ -75,6 +82,21 @@ fn record_charge(ledger: &str, charge: &Charge, attempt: u64) -> std::io::Result
     Ok(())
 }
 
+/// Whether the ledger holds a charge of `id` (how a takeover reconciles:
+/// the charge itself is the evidence of an attempt that died before its
+/// outcome was recorded). A ledger that is a pipe holds nothing to read.
+fn charged_before(ledger: &str, id: &str) -> bool {
+    let Ok(metadata) = std::fs::metadata(ledger) else {
+        return false;
+    };
+    if !metadata.is_file() {
+        return false;
+    }
+    let prefix = format!("charged {id} ");
+    std::fs::read_to_string(ledger)
+        .is_ok_and(|text| text.lines().any(|line| line.starts_with(&prefix)))
+}
+
 /// Handles one message: runs the charge once, then acknowledges, NAKs or
 /// terminates it.
 async fn handle<S: Store>(
@@ -105,12 +127,28 @@ async fn handle<S: Store>(
         .run(&command, |ctx| {
             let charge = charge.clone();
             async move {
+                // A takeover: the attempt before this one died with its
+                // outcome unknown, after charging or before. Reconcile by
+                // the charge's id before charging again.
+                if ctx.superseded.is_some() && charged_before(ledger, &charge.id) {
+                    eprintln!(
+                        "charge-consumer: {} was charged by the attempt before; not again",
+                        charge.id
+                    );
+                    return Ok(Receipt {
+                        charge: charge.id,
+                        cents: charge.cents,
+                        attempt: ctx.generation,
+                    });
+                }
                 eprintln!(
                     "charge-consumer: charging {} (attempt {})",
                     charge.id, ctx.generation
                 );
                 record_charge(ledger, &charge, ctx.generation)
                     .map_err(|error| ActionError::Temporary(error.to_string()))?;
+                #[cfg(feature = "test-hooks")]
+                crash_point_before_record(&charge.id).await;
                 Ok::<_, ActionError<String>>(Receipt {
                     charge: charge.id,
                     cents: charge.cents,
@@ -224,7 +262,21 @@ async fn crash_point(id: &str) {
     }
 }
 
+/// For the crash tests (feature `test-hooks`): with
+/// `CONSUMER_CRASH_BEFORE_RECORD=<id>`, the consumer stops right after
+/// charging that id, before its outcome is recorded, and waits to be
+/// killed.
+#[cfg(feature = "test-hooks")]
+async fn crash_point_before_record(id: &str) {
+    if std::env::var("CONSUMER_CRASH_BEFORE_RECORD").is_ok_and(|crash| crash == id) {
+        eprintln!("charge-consumer: crash point: charged {id}, not recorded");
+        std::future::pending::<()>().await;
+    }
+}
+
 async fn consume<S: Store>(layer: IdempotencyLayer<S>) -> Result<(), Error> {
+    let lease = humantime::parse_duration(&env("IDEM_LEASE", "30s"))?;
+    let layer = layer.lease(lease);
     let url = env("NATS_URL", "nats://127.0.0.1:4222");
     let ledger = env("LEDGER", "charges.ledger");
     let ack_wait = humantime::parse_duration(&env("ACK_WAIT", "30s"))?;

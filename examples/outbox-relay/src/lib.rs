@@ -85,6 +85,12 @@ impl Options {
     pub fn from_env() -> Self {
         Self::parse()
     }
+
+    /// The options from the environment alone, whatever the process's
+    /// arguments (exits with a usage message when they are wrong).
+    pub fn from_vars() -> Self {
+        Self::parse_from(["outbox-relay"])
+    }
 }
 
 /// Latency buckets of the lag histogram, in seconds.
