@@ -3,6 +3,7 @@
 
 pub mod browser;
 pub mod cutter;
+pub mod deploy;
 pub mod layer_suite;
 pub mod nats_server;
 pub mod pgbouncer;

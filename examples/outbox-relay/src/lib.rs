@@ -16,8 +16,8 @@
 //! (`IDEM_TRANSACTION_POOLER=true`), give `OUTBOX_LISTEN_URL`, a direct
 //! connection on which the relay `LISTEN`s; without one it polls.
 //!
-//! The banner line on stdout names the metrics address
-//! (`http://…/metrics`); the alert rules and the dashboard panels for these
+//! The banner line on stdout names the metrics address (`http://…`,
+//! `GET /metrics`); the alert rules and the dashboard panels for these
 //! metrics are `deploy/prometheus/idem-outbox.rules.yml` and
 //! `deploy/grafana/idem-outbox.json`.
 
@@ -160,7 +160,7 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
         }
     });
     println!(
-        "outbox-relay metrics on http://{addr}/metrics, relaying {}_outbox to {}",
+        "outbox-relay metrics on http://{addr} (GET /metrics); relaying {}_outbox to {}",
         options.table, options.nats
     );
     relay.run(shutdown()).await?;
