@@ -47,6 +47,17 @@
 //! one `COMMIT` makes the rows and the completed record durable, or
 //! neither. An attempt that lost its lease (taken over, cancelled) commits
 //! nothing. Without the layer (an unkeyed request) `commit` commits at once.
+//!
+//! # Events that leave with the write
+//!
+//! [`IdemTransaction::emit`] adds events to the transaction: they are
+//! written to the outbox table (`<table>_outbox`) right before it commits,
+//! after the fenced completion matched, so they commit with the handler's
+//! writes and the record or not at all, and carry the record's scope and
+//! the attempt's generation in their ids. The `relay` module (feature `relay`,
+//! the `outbox-relay` binary in `examples/`) publishes them to NATS
+//! JetStream in order, each once within the broker's duplicate window.
+//! The guide's "Events that leave with the write" says what holds and how.
 
 // The examples in the docs compile without a warning (an unused import
 // in a guide is a defect a reader would copy); a snippet's binding or

@@ -125,7 +125,7 @@ impl IdemTransaction {
     }
 
     /// Adds an event for the relay to publish on `subject` (the
-    /// transactional outbox; see [`relay`](crate::relay)).
+    /// transactional outbox; the `relay` module, feature `relay`, publishes it).
     ///
     /// The event is written to the outbox table in this transaction when it
     /// commits: under the layer, with the completed record, only if the
