@@ -201,18 +201,26 @@ async fn events_commit_with_the_record_and_leave_in_order() {
         StatusCode::CREATED
     );
     assert_eq!(scene.outbox().await, 3);
-    let (scope_column, generation): (Vec<u8>, i64) = {
+    let (scope_column, generation, attempt): (Vec<u8>, i64, uuid::Uuid) = {
         let mut tx = scene.store.pool().begin().await.expect("begin");
-        let row: (Vec<u8>, i64) =
-            sqlx::query_as("SELECT scope, generation FROM idem_records_outbox WHERE position = 2")
-                .fetch_one(&mut *tx)
-                .await
-                .expect("row");
+        let row: (Vec<u8>, i64, uuid::Uuid) = sqlx::query_as(
+            "SELECT scope, generation, attempt FROM idem_records_outbox WHERE position = 2",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .expect("row");
         tx.commit().await.expect("commit");
         row
     };
     assert_eq!(scope_column, scope.hash().as_bytes().to_vec());
     assert_eq!(generation, 1);
+    let record = scene
+        .store
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(attempt, record.attempts[0].id.0, "the attempt that emitted");
 }
 
 /// A response the layer does not record (a 5xx) rolls the handler's

@@ -57,6 +57,7 @@ CREATE TABLE IF NOT EXISTS idem_records_outbox (
     id              text NOT NULL UNIQUE,  -- the message id: scope, generation and position
     scope           bytea,                 -- the record's scope (NULL: emitted without the layer)
     generation      bigint,                -- the attempt's generation that committed it
+    attempt         uuid,                  -- that attempt's id (as in the record's attempts)
     position        integer NOT NULL,      -- 1, 2, ... in the order the handler emitted them
     subject         text NOT NULL,
     payload         bytea NOT NULL,

@@ -22,7 +22,7 @@
 //! the transaction commits, so a listening relay wakes at once.
 
 use bytes::Bytes;
-use idem_core::ScopeHash;
+use idem_core::{Lease, ScopeHash};
 use sqlx::PgConnection;
 
 /// One event a handler emitted, waiting for its transaction's commit.
@@ -60,24 +60,24 @@ pub(crate) fn insert_sql(records: &str) -> String {
     let channel = channel(records);
     format!(
         "WITH ins AS (INSERT INTO {outbox} \
-           (id, scope, generation, position, subject, payload, created_at_ms) \
-           SELECT $1 || '-' || e.position, $2, $3, e.position, e.subject, e.payload, \
+           (id, scope, generation, attempt, position, subject, payload, created_at_ms) \
+           SELECT $1 || '-' || e.position, $2, $3, $4, e.position, e.subject, e.payload, \
              {now} \
-           FROM unnest($4::text[], $5::bytea[]) WITH ORDINALITY AS e(subject, payload, position) \
+           FROM unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS e(subject, payload, position) \
            ORDER BY e.position RETURNING 1) \
          SELECT count(*) AS written, pg_notify('{channel}', '') FROM ins",
         now = crate::sql::NOW_MS,
     )
 }
 
-/// Writes `events` in the transaction `conn` is in: `scope` and
-/// `generation` are the attempt's (both `None` outside the layer).
+/// Writes `events` in the transaction `conn` is in: `attempt` is the
+/// lease's scope, generation and attempt id (`None` outside the layer).
 pub(crate) async fn write(
     conn: &mut PgConnection,
     sql: &str,
     pooled: bool,
     prefix: &str,
-    attempt: Option<(&ScopeHash, u64)>,
+    attempt: Option<&Lease>,
     events: &[Emitted],
 ) -> Result<(), sqlx::Error> {
     if events.is_empty() {
@@ -85,18 +85,15 @@ pub(crate) async fn write(
     }
     let subjects: Vec<&str> = events.iter().map(|e| e.subject.as_str()).collect();
     let payloads: Vec<&[u8]> = events.iter().map(|e| e.payload.as_ref()).collect();
-    let (scope, generation) = match attempt {
-        Some((scope, generation)) => (
-            Some(scope.as_bytes().to_vec()),
-            Some(crate::row::ms(generation)),
-        ),
-        None => (None, None),
-    };
+    let scope = attempt.map(|lease| lease.scope.as_bytes().to_vec());
+    let generation = attempt.map(|lease| crate::row::ms(lease.generation));
+    let id = attempt.map(|lease| lease.attempt.0);
     sqlx::query(sql)
         .persistent(!pooled)
         .bind(prefix)
         .bind(scope)
         .bind(generation)
+        .bind(id)
         .bind(subjects)
         .bind(payloads)
         .execute(conn)

@@ -277,9 +277,9 @@ impl DeferredCompletion for Deferred {
                     .rows_affected();
                 if completed == 1 {
                     let prefix = outbox::id_prefix(&lease.scope, lease.generation);
-                    let attempt = Some((&lease.scope, lease.generation));
                     let sql = &store.inner.sql.emit;
-                    outbox::write(&mut tx, sql, store.pooled(), &prefix, attempt, &events).await?;
+                    let lease = Some(&lease);
+                    outbox::write(&mut tx, sql, store.pooled(), &prefix, lease, &events).await?;
                 }
                 Ok::<_, sqlx::Error>(completed)
             }
