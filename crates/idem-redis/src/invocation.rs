@@ -51,11 +51,13 @@ const CONVERSION_ROUNDS: usize = 3;
 /// Rewrites a record kept as one string as the hash it stands for
 /// (`convert.lua`), for a script that met it.
 static CONVERT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
-    Script::new(&crate::format::substitute(&format!(
-        "{}\n{}",
-        crate::scripts::STRING_RECORD,
-        include_str!("lua/convert.lua")
-    )))
+    Script::new(&crate::string_record::substitute_layout(
+        &crate::format::substitute(&format!(
+            "{}\n{}",
+            crate::scripts::STRING_RECORD,
+            include_str!("lua/convert.lua")
+        )),
+    ))
 });
 
 thread_local! {

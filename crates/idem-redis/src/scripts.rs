@@ -19,6 +19,7 @@ use redis::Script;
 use idem_core::ATTEMPT_HISTORY;
 
 use crate::format::{self, RecordFormat};
+use crate::string_record;
 
 const HEAD: &str = include_str!("lua/head.lua");
 const CLOCK: &str = include_str!("lua/clock.lua");
@@ -69,8 +70,9 @@ pub(crate) fn source(body: &str, constants: Constants, tenant_field: &str) -> St
     let body = body
         .replacen("--@holder\n", HOLDER, 1)
         .replacen("--@fence\n", FENCE, 1);
-    format::substitute(&format!("{head}\n{body}"))
-        .replace("@TENANT_FIELD@", &format!("'{tenant_field}'"))
+    let source = format::substitute(&format!("{head}\n{body}"))
+        .replace("@TENANT_FIELD@", &format!("'{tenant_field}'"));
+    string_record::substitute_layout(&source)
 }
 
 /// The scripts of one store.
@@ -118,14 +120,20 @@ impl Scripts {
             abandon: std::sync::Arc::new(script("abandon")),
             force_release: script("force_release"),
             erase: script("erase"),
-            watch: Script::new(&format::substitute(include_str!("lua/watch.lua"))),
-            count_lapsed: Script::new(&format::substitute(include_str!("lua/count_lapsed.lua"))),
-            complete_string: Script::new(
+            watch: Script::new(&no_prologue(include_str!("lua/watch.lua"))),
+            count_lapsed: Script::new(&no_prologue(include_str!("lua/count_lapsed.lua"))),
+            complete_string: Script::new(&no_prologue(
                 &include_str!("lua/complete_string.lua")
                     .replace("@NOTIFY@", if constants.notify { "true" } else { "false" }),
-            ),
+            )),
         }
     }
+}
+
+/// A script that runs without the prologue, its fields and the string
+/// record's layout filled in.
+fn no_prologue(source: &str) -> String {
+    string_record::substitute_layout(&format::substitute(source))
 }
 
 /// The body of the script `name`, empty for an unknown name.
@@ -207,6 +215,115 @@ mod tests {
         assert!(source(body("reserve"), off, "tenant").contains("local FORMAT = ''"));
     }
 
+    /// The sources that read or write a record kept as one string.
+    fn string_sources() -> [(&'static str, &'static str); 5] {
+        [
+            ("string_record.lua", STRING_RECORD),
+            ("watch.lua", include_str!("lua/watch.lua")),
+            ("count_lapsed.lua", include_str!("lua/count_lapsed.lua")),
+            (
+                "complete_string.lua",
+                include_str!("lua/complete_string.lua"),
+            ),
+            ("convert.lua", include_str!("lua/convert.lua")),
+        ]
+    }
+
+    /// The string record's layout is defined once (string_record.rs): the
+    /// sources reach into a string record only through its placeholders.
+    /// A literal offset (`string.sub(raw, 3, 38)`) or a literal format or
+    /// state byte (`'3p'`) would escape a change of the layout.
+    #[test]
+    fn string_records_are_read_through_the_layout_alone() {
+        let reaching = [
+            "string.sub(raw,",
+            "string.find(raw,",
+            "string.match(raw,",
+            "'SETRANGE',",
+        ];
+        let mut used = std::collections::BTreeSet::new();
+        for (name, source) in string_sources() {
+            for line in source.lines() {
+                let code = line.split("--").next().unwrap_or_default();
+                for call in reaching {
+                    for (at, _) in code.match_indices(call) {
+                        // The call's arguments, up to its closing bracket.
+                        let args = &code[at + call.len()..];
+                        let mut depth = 0;
+                        let end = args
+                            .char_indices()
+                            .find(|(_, c)| {
+                                match c {
+                                    '(' => depth += 1,
+                                    ')' if depth == 0 => return true,
+                                    ')' => depth -= 1,
+                                    _ => {}
+                                }
+                                false
+                            })
+                            .map_or(args.len(), |(end, _)| end);
+                        for arg in args[..end].split(',') {
+                            let arg = arg.trim();
+                            assert!(
+                                arg.is_empty() || !arg.bytes().all(|b| b.is_ascii_digit()),
+                                "{name}: a literal offset {arg} in {line:?}"
+                            );
+                        }
+                    }
+                }
+                for literal in ["'3'", "'3p'", "'3a'", "'3c'"] {
+                    assert!(!code.contains(literal), "{name}: {literal} in {line:?}");
+                }
+                for (placeholder, _) in string_record::layout() {
+                    if code.contains(&format!("@{placeholder}@")) {
+                        used.insert(placeholder);
+                    }
+                }
+            }
+        }
+        // Every placeholder is used, and none is left once assembled.
+        for (placeholder, _) in string_record::layout() {
+            assert!(used.contains(placeholder), "{placeholder} unused");
+        }
+        let constants = Constants {
+            notify: true,
+            format: RecordFormat::V3,
+        };
+        let get = source(
+            &format!("{STRING_RECORD}\n{}", body("get")),
+            constants,
+            "tenant",
+        );
+        let assembled = [
+            get,
+            no_prologue(include_str!("lua/watch.lua")),
+            no_prologue(include_str!("lua/count_lapsed.lua")),
+            no_prologue(include_str!("lua/complete_string.lua")),
+            no_prologue(&format!(
+                "{STRING_RECORD}\n{}",
+                include_str!("lua/convert.lua")
+            )),
+        ];
+        for script in &assembled {
+            assert!(!script.contains("@S_"), "a layout placeholder left");
+        }
+        // What the layout renders: string_record.rs's ranges, 1-based.
+        let [get, watch, _, complete, _] = &assembled;
+        for read in [
+            "string.sub(raw, 3, 38)",
+            "string.sub(raw, 39, 74)",
+            "string.sub(raw, 75, 138)",
+            "([tb])(%d+):', 139)",
+            "local version = string.sub(raw, 1, 1)",
+            "if version ~= '3' then",
+            "string.sub(raw, 2, 2)",
+        ] {
+            assert!(get.contains(read), "{read}");
+        }
+        assert!(watch.contains("redis.call('SETRANGE', KEYS[1], 1, 'a')"));
+        assert!(complete.contains("'3c' .. string.sub(raw, 3) .. ARGV[2]"));
+    }
+
     /// The sources name fields only through placeholders (format.rs), and
     /// every placeholder names a field: a field spelled out in a source
     /// would escape a rename.
@@ -241,7 +358,12 @@ mod tests {
                 let mut parts = code.split('@');
                 parts.next();
                 while let (Some(name), Some(_)) = (parts.next(), parts.next()) {
-                    if constants.contains(&format!("@{name}@").as_str()) || name == "TENANT_FIELD" {
+                    if constants.contains(&format!("@{name}@").as_str())
+                        || name == "TENANT_FIELD"
+                        || string_record::layout()
+                            .iter()
+                            .any(|(layout, _)| *layout == name)
+                    {
                         continue;
                     }
                     assert!(

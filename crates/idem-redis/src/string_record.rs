@@ -55,10 +55,54 @@ const PROCESSING: u8 = b'p';
 const WATCHED: u8 = b'a';
 const COMPLETED: u8 = b'c';
 
-/// Where the fixed fields end.
+/// Where the format byte and the state byte are (0-based).
+const VERSION_AT: usize = 0;
+const STATE_AT: usize = 1;
+/// Where the fixed fields are; the variable part (`<start>:…`) follows
+/// the fingerprint.
 const OWNER: std::ops::Range<usize> = 2..38;
 const ATTEMPT: std::ops::Range<usize> = 38..74;
 const FINGERPRINT: std::ops::Range<usize> = 74..138;
+
+/// The layout as the Lua sources name it: each placeholder (between `@`s,
+/// upper case) and what replaces it, derived from the constants above, so
+/// the layout is defined once (a test in `scripts.rs` forbids a literal
+/// offset into a string record in the sources). Offsets are Lua's
+/// (1-based, inclusive ends); `S_STATE_OFFSET` is `SETRANGE`'s (0-based).
+pub(crate) fn layout() -> Vec<(&'static str, String)> {
+    let quoted = |bytes: &[u8]| format!("'{}'", String::from_utf8_lossy(bytes));
+    let lua = |at: usize| (at + 1).to_string();
+    vec![
+        ("S_NUMBER", char::from(VERSION).to_string()),
+        ("S_VERSION", quoted(&[VERSION])),
+        ("S_PROCESSING", quoted(&[PROCESSING])),
+        ("S_WATCHED", quoted(&[WATCHED])),
+        ("S_COMPLETED", quoted(&[COMPLETED])),
+        ("S_HEAD_PROCESSING", quoted(&[VERSION, PROCESSING])),
+        ("S_HEAD_WATCHED", quoted(&[VERSION, WATCHED])),
+        ("S_HEAD_COMPLETED", quoted(&[VERSION, COMPLETED])),
+        ("S_VERSION_AT", lua(VERSION_AT)),
+        ("S_STATE_AT", lua(STATE_AT)),
+        ("S_STATE_OFFSET", STATE_AT.to_string()),
+        ("S_AFTER_HEAD", lua(STATE_AT + 1)),
+        ("S_OWNER_FROM", lua(OWNER.start)),
+        ("S_OWNER_TO", OWNER.end.to_string()),
+        ("S_ATTEMPT_FROM", lua(ATTEMPT.start)),
+        ("S_ATTEMPT_TO", ATTEMPT.end.to_string()),
+        ("S_FP_FROM", lua(FINGERPRINT.start)),
+        ("S_FP_TO", FINGERPRINT.end.to_string()),
+        ("S_VARIABLE_AT", lua(FINGERPRINT.end)),
+    ]
+}
+
+/// `source` with the layout's placeholders (`@S_…@`) replaced.
+pub(crate) fn substitute_layout(source: &str) -> String {
+    layout()
+        .into_iter()
+        .fold(source.to_owned(), |source, (name, value)| {
+            source.replace(&format!("@{name}@"), &value)
+        })
+}
 
 /// What a reservation writes: the processing record.
 pub(crate) struct Reservation<'a> {
@@ -78,6 +122,7 @@ impl Reservation<'_> {
     pub(crate) fn write(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
         let mut ids = [uuid::Uuid::encode_buffer(), uuid::Uuid::encode_buffer()];
         let [owner, attempt] = &mut ids;
+        debug_assert_eq!((VERSION_AT, STATE_AT, OWNER.start), (0, 1, 2));
         out.write_all(&[VERSION, PROCESSING])?;
         out.write_all(self.token.hyphenated().encode_lower(owner).as_bytes())?;
         out.write_all(self.attempt.hyphenated().encode_lower(attempt).as_bytes())?;

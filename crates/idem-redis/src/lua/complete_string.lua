@@ -11,15 +11,15 @@
 -- by another owner, no record): the caller then runs complete.lua, which
 -- answers every such case.
 local raw = redis.pcall('GET', KEYS[1])
-if type(raw) ~= 'string' or string.sub(raw, 3, 38) ~= ARGV[1] then
+if type(raw) ~= 'string' or string.sub(raw, @S_OWNER_FROM@, @S_OWNER_TO@) ~= ARGV[1] then
   return 0
 end
-local head = string.sub(raw, 1, 2)
-if head ~= '3p' and head ~= '3a' then
+local head = string.sub(raw, @S_VERSION_AT@, @S_STATE_AT@)
+if head ~= @S_HEAD_PROCESSING@ and head ~= @S_HEAD_WATCHED@ then
   return 0
 end
-redis.call('SET', KEYS[1], '3c' .. string.sub(raw, 3) .. ARGV[2], 'KEEPTTL')
-if head == '3a' and @NOTIFY@ then
+redis.call('SET', KEYS[1], @S_HEAD_COMPLETED@ .. string.sub(raw, @S_AFTER_HEAD@) .. ARGV[2], 'KEEPTTL')
+if head == @S_HEAD_WATCHED@ and @NOTIFY@ then
   redis.call('PUBLISH', KEYS[1] .. ':c', '1')
 end
 return 1

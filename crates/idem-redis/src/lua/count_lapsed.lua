@@ -22,9 +22,9 @@ for _, key in ipairs(page[2]) do
       -- start it carries, whichever is later (string_record.lua: an
       -- expiry changed from outside never shortens a live lease).
       local raw = redis.pcall('GET', key)
-      local head = type(raw) == 'string' and string.sub(raw, 1, 2)
-      if head == '3p' or head == '3a' then
-        local carried, lease_ms, retention_ms = string.match(raw, '^(%d+):(%d+):(%d+):', 139)
+      local head = type(raw) == 'string' and string.sub(raw, @S_VERSION_AT@, @S_STATE_AT@)
+      if head == @S_HEAD_PROCESSING@ or head == @S_HEAD_WATCHED@ then
+        local carried, lease_ms, retention_ms = string.match(raw, '^(%d+):(%d+):(%d+):', @S_VARIABLE_AT@)
         local pttl = redis.call('PTTL', key)
         if lease_ms and pttl > 0 then
           local started = math.max(now + pttl - tonumber(retention_ms), tonumber(carried))

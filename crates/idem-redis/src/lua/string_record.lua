@@ -14,19 +14,19 @@
 -- lengthen one by the writer's clock skew. (The key's expiry, not its
 -- remaining time: every read of one record answers the same start.)
 local function string_fields(raw, expires_at, now)
-  local version = string.sub(raw, 1, 1)
-  if version ~= '3' then
-    if string.match(version, '^%d$') and tonumber(version) > 3 then
+  local version = string.sub(raw, @S_VERSION_AT@, @S_VERSION_AT@)
+  if version ~= @S_VERSION@ then
+    if string.match(version, '^%d$') and tonumber(version) > @S_NUMBER@ then
       return nil, redis.error_reply('idem: record format ' .. version ..
-        ' is newer than this store reads (3); upgrade every instance')
+        ' is newer than this store reads (@S_NUMBER@); upgrade every instance')
     end
     return nil, redis.error_reply('idem: a string record of no known format')
   end
   local corrupt = redis.error_reply('idem: a string record that does not parse')
-  local kind = string.sub(raw, 2, 2)
+  local kind = string.sub(raw, @S_STATE_AT@, @S_STATE_AT@)
   local _, at, carried, lease_ms, retention_ms, form, length =
-    string.find(raw, '^(%d+):(%d+):(%d+):([tb])(%d+):', 139)
-  if not at or (kind ~= 'p' and kind ~= 'a' and kind ~= 'c') then
+    string.find(raw, '^(%d+):(%d+):(%d+):([tb])(%d+):', @S_VARIABLE_AT@)
+  if not at or (kind ~= @S_PROCESSING@ and kind ~= @S_WATCHED@ and kind ~= @S_COMPLETED@) then
     return nil, corrupt
   end
   -- A field led by its length, from `from`; and where the next begins.
@@ -46,18 +46,18 @@ local function string_fields(raw, expires_at, now)
     -- No expiry (set by hand): as if reserved now.
     expires_at = now + retention
   end
-  local fields = {@state@, kind == 'c' and 'completed' or 'processing',
+  local fields = {@state@, kind == @S_COMPLETED@ and 'completed' or 'processing',
     @n@, string.format('%d:%s:%s', math.max(expires_at - retention, tonumber(carried)),
       lease_ms, retention_ms),
-    @owner@, string.sub(raw, 3, 38), @fp@, string.sub(raw, 75, 138),
-    @cur_id@, string.sub(raw, 39, 74),
+    @owner@, string.sub(raw, @S_OWNER_FROM@, @S_OWNER_TO@), @fp@, string.sub(raw, @S_FP_FROM@, @S_FP_TO@),
+    @cur_id@, string.sub(raw, @S_ATTEMPT_FROM@, @S_ATTEMPT_TO@),
     form == 'b' and @tenant_bin@ or @tenant@, tenant, @op@, op, @key@, key, @v@, '2'}
-  if kind == 'a' then
+  if kind == @S_WATCHED@ then
     -- Waited on (watch.lua): the hash keeps the mark.
     table.insert(fields, @w@)
     table.insert(fields, '1')
   end
-  if kind ~= 'c' then
+  if kind ~= @S_COMPLETED@ then
     return fields
   end
   local status, stored, ended_ms, headers_length

@@ -14,15 +14,15 @@ if fields.err then
   -- publishes for it, convert.lua keeps the mark), without rewriting it
   -- as a hash.
   local raw = redis.pcall('GET', KEYS[1])
-  if type(raw) ~= 'string' or string.sub(raw, 1, 1) ~= '3' then
+  if type(raw) ~= 'string' or string.sub(raw, @S_VERSION_AT@, @S_VERSION_AT@) ~= @S_VERSION@ then
     return redis.error_reply(fields.err)
   end
-  local kind = string.sub(raw, 2, 2)
-  if kind == 'c' then
+  local kind = string.sub(raw, @S_STATE_AT@, @S_STATE_AT@)
+  if kind == @S_COMPLETED@ then
     return 'completed'
   end
-  if kind == 'p' then
-    redis.call('SETRANGE', KEYS[1], 1, 'a')
+  if kind == @S_PROCESSING@ then
+    redis.call('SETRANGE', KEYS[1], @S_STATE_OFFSET@, @S_WATCHED@)
   end
   return 'processing'
 end
