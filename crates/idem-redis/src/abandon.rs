@@ -56,7 +56,8 @@ impl Drop for Abandon<'_> {
             let abandon = async move |conn: &mut Conn| {
                 let mut invocation = Invocation::on_record(&script, &prefix, &scope);
                 invocation.uuid(&attempt).uuid(&token);
-                invocation.invoke(conn).await
+                let answer = invocation.invoke(conn).await?;
+                crate::string_record::converting(answer, &invocation, conn).await
             };
             let mut pause = Duration::from_millis(100);
             let on_its_connection = async {

@@ -9,7 +9,7 @@ use redis::Value;
 
 use crate::{RedisStore, errors::unavailable, keys::millis};
 use crate::{
-    invocation::Invocation,
+    invocation::{Answer, Invocation},
     pool::{Conn, Pool},
 };
 
@@ -144,7 +144,8 @@ impl RedisStore {
         invocation: Invocation<'_>,
         wait: bool,
     ) -> Result<(Value, Option<usize>), StoreError> {
-        self.run_on(invocation, wait, None).await
+        let (answer, acked) = self.run_on(invocation, wait, None).await?;
+        Ok((answer.into_reply()?, acked))
     }
 
     /// [`run`](Self::run), telling in `used`, when given, the connection
@@ -154,7 +155,7 @@ impl RedisStore {
         invocation: Invocation<'_>,
         wait: bool,
         mut used: Option<&mut Option<Conn>>,
-    ) -> Result<(Value, Option<usize>), StoreError> {
+    ) -> Result<(Answer, Option<usize>), StoreError> {
         let bound = self.call_bound();
         let mut lane = None;
         let call = async {
@@ -207,8 +208,9 @@ impl RedisStore {
         invocation: &Invocation<'_>,
         conn: &mut Conn,
         wait: bool,
-    ) -> redis::RedisResult<(Value, Option<usize>)> {
-        let value = invocation.invoke(conn).await?;
+    ) -> redis::RedisResult<(Answer, Option<usize>)> {
+        let answer = invocation.invoke(conn).await?;
+        let value = crate::string_record::converting(answer, invocation, conn).await?;
         let acked = match (wait, self.wait_replicas, conn) {
             (true, Some((replicas, timeout)), Conn::Single(c)) => Some(
                 Box::pin(

@@ -26,39 +26,37 @@ pub(crate) struct Invocation<'s> {
     bytes: usize,
 }
 
-/// What a native command on a record answers when the record is kept as
-/// a hash (Redis' `WRONGTYPE`): `+OK`, which the native commands used on
-/// records (`SET … GET`) never answer.
-pub(crate) const HASH_RECORD: Value = Value::Okay;
-
-/// What a native write on a record answers when Redis refused it for
-/// want of memory (`OOM`, under `noeviction`): `+OOM`, which the native
-/// commands used on records never answer; its caller reads instead (a
-/// replay needs no write).
-pub(crate) fn out_of_memory() -> Value {
-    Value::SimpleString("OOM".to_owned())
+/// What a call answered, typed: its reply, or what the record it met
+/// asks of the store.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    /// The command's or the script's reply.
+    Reply(Value),
+    /// A native command met a record kept as a hash (Redis' `WRONGTYPE`):
+    /// its caller runs the script instead.
+    HashRecord,
+    /// A native write was refused for want of memory (`OOM`, under
+    /// `noeviction`): its caller reads instead (a replay needs no write).
+    OutOfMemory,
+    /// A script met a record kept as one string (format 3, `WRONGTYPE`):
+    /// the store converts it and runs the script again
+    /// (`string_record::converting`).
+    StringRecord,
 }
 
-/// Whether `reply` is [`out_of_memory`]'s.
-pub(crate) fn is_out_of_memory(reply: &Value) -> bool {
-    matches!(reply, Value::SimpleString(text) if text == "OOM")
+impl Answer {
+    /// The reply. A record a script could not take after its conversions
+    /// (a key of another type: `WRONGTYPE` each time) is the server's
+    /// refusal, which fail-open never covers.
+    pub(crate) fn into_reply(self) -> Result<Value, idem_core::StoreError> {
+        match self {
+            Answer::Reply(value) => Ok(value),
+            other => Err(idem_core::StoreError::refused(format!(
+                "WRONGTYPE: the record's key holds another type ({other:?})"
+            ))),
+        }
+    }
 }
-
-/// How many times a script that met a string record converts it and runs
-/// again (see [`Invocation::invoke`]).
-const CONVERSION_ROUNDS: usize = 3;
-
-/// Rewrites a record kept as one string as the hash it stands for
-/// (`convert.lua`), for a script that met it.
-static CONVERT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
-    Script::new(&crate::string_record::substitute_layout(
-        &crate::format::substitute(&format!(
-            "{}\n{}",
-            crate::scripts::STRING_RECORD,
-            include_str!("lua/convert.lua")
-        )),
-    ))
-});
 
 thread_local! {
     /// Emptied commands of ended calls, their buffers kept for this
@@ -86,6 +84,14 @@ impl<'s> Invocation<'s> {
         invocation
     }
 
+    /// A call of `script` on one key given as bytes (a call's record
+    /// key, [`record_key`](Self::record_key)), not itself a record call.
+    pub(crate) fn on_key_bytes(script: &'s Script, key: &[u8]) -> Self {
+        let mut invocation = Self::of(script, 1);
+        invocation.arg(key);
+        invocation
+    }
+
     /// A call of `script` on `key`, a record's key (as
     /// [`on_record`](Self::on_record) makes one).
     pub(crate) fn on_record_key(script: &'s Script, key: &str) -> Self {
@@ -96,7 +102,7 @@ impl<'s> Invocation<'s> {
 
     /// The native command `name` on the record key of `scope` under
     /// `prefix`; arguments follow with [`arg`](Self::arg). A record kept as
-    /// a hash answers it [`HASH_RECORD`] (see [`invoke`](Self::invoke)).
+    /// a hash answers it [`Answer::HashRecord`] (see [`invoke`](Self::invoke)).
     pub(crate) fn native(name: &str, prefix: &str, scope: &ScopeHash) -> Self {
         let mut invocation = Self::blank(None);
         invocation.record = true;
@@ -202,73 +208,55 @@ impl<'s> Invocation<'s> {
         self.arg(text)
     }
 
-    /// Runs the call on `conn`.
+    /// Runs the call on `conn`, its answer typed: a native command that
+    /// met a record kept as a hash answers [`Answer::HashRecord`], one
+    /// refused for memory [`Answer::OutOfMemory`], and a script that met a
+    /// record kept as one string [`Answer::StringRecord`] (the store then
+    /// converts it: the transport knows no record format).
     ///
-    /// A record kept as one string (format 3, `string_record.rs`) meets a
-    /// script with `WRONGTYPE`: `convert.lua` then rewrites it as the hash
-    /// it stands for, and the script runs again. A native command meets a
-    /// record kept as a hash the same way, and is answered
-    /// [`HASH_RECORD`] for its caller to run the script instead.
-    ///
-    /// The calls off the hot path (loading the script, a conversion, a
-    /// cluster's query) are boxed: a future is as large as its largest
-    /// state, and every store call's future is moved whole at least once.
-    pub(crate) async fn invoke(&self, conn: &mut Conn) -> redis::RedisResult<Value> {
+    /// The calls off the hot path (loading the script, a cluster's query)
+    /// are boxed: a future is as large as its largest state, and every
+    /// store call's future is moved whole at least once.
+    pub(crate) async fn invoke(&self, conn: &mut Conn) -> redis::RedisResult<Answer> {
         match self.query(conn).await {
             Err(error) => Box::pin(self.recover(error, conn)).await,
-            ok => ok,
+            Ok(value) => Ok(Answer::Reply(value)),
         }
     }
 
     /// After `error`: loads the script and runs it again (`NOSCRIPT`), or
-    /// converts a string record and runs the script again, or answers
-    /// [`HASH_RECORD`] (`WRONGTYPE`); else the error stands.
+    /// types what the record answered (`WRONGTYPE`, `OOM`); else the
+    /// error stands.
     async fn recover(
         &self,
         mut error: redis::RedisError,
         conn: &mut Conn,
-    ) -> redis::RedisResult<Value> {
+    ) -> redis::RedisResult<Answer> {
         if let (Some(script), ErrorKind::Server(ServerErrorKind::NoScript)) =
             (self.script, error.kind())
         {
             load(script, conn).await?;
             match self.query(conn).await {
                 Err(again) => error = again,
-                ok => return ok,
+                Ok(value) => return Ok(Answer::Reply(value)),
             }
         }
-        if self.record && self.script.is_none() && error.code() == Some("OOM") {
-            return Ok(out_of_memory());
+        match (self.record, self.script.is_some(), error.code()) {
+            (true, false, Some("OOM")) => Ok(Answer::OutOfMemory),
+            (true, false, Some("WRONGTYPE")) => Ok(Answer::HashRecord),
+            (true, true, Some("WRONGTYPE")) => Ok(Answer::StringRecord),
+            _ => Err(error),
         }
-        if !self.record || error.code() != Some("WRONGTYPE") {
-            return Err(error);
+    }
+
+    /// The record's key this call is on (the first key of a script call,
+    /// the first argument of a native command).
+    pub(crate) fn record_key(&self) -> Option<&[u8]> {
+        let at = if self.script.is_some() { 3 } else { 1 };
+        match self.cmd.args_iter().nth(at) {
+            Some(redis::Arg::Simple(key)) => Some(key),
+            _ => None,
         }
-        if self.script.is_none() {
-            return Ok(HASH_RECORD);
-        }
-        let Some(redis::Arg::Simple(key)) = self.cmd.args_iter().nth(3) else {
-            return Err(error);
-        };
-        let mut convert = Self::of(&CONVERT, 1);
-        convert.arg(key);
-        // Another call may convert the record first (then this one finds a
-        // hash and converts nothing), and a record that expired meanwhile
-        // may be a new string again: a few rounds, each converting what is
-        // there and running the script again.
-        for _ in 0..CONVERSION_ROUNDS {
-            match convert.query(conn).await {
-                Err(missing) if missing.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    load(&CONVERT, conn).await?;
-                    convert.query(conn).await?
-                }
-                other => other?,
-            };
-            match self.query(conn).await {
-                Err(again) if again.code() == Some("WRONGTYPE") => error = again,
-                done => return done,
-            }
-        }
-        Err(error)
     }
 
     async fn query(&self, conn: &mut Conn) -> redis::RedisResult<Value> {

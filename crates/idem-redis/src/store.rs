@@ -17,7 +17,7 @@ use crate::{
     abandon::Abandon,
     decode::{self, *},
     errors::corrupt,
-    invocation::{HASH_RECORD, Invocation, is_out_of_memory},
+    invocation::{Answer, Invocation},
     keys::{millis, record_key_pieces},
     pool::Pool,
     string_record::{self, Found},
@@ -70,31 +70,21 @@ fn decode_reservation(
     })
 }
 
-/// Where a reservation is (see [`Store::reserve`] on [`RedisStore`]), in
-/// one number so that the reservation's future stays small: format 3's
-/// `SET … NX PX … GET` ([`Step::NATIVE`]), its `GET` when Redis refused
-/// the `SET` for want of memory ([`Step::READ`]: a replay still needs no
-/// write), the reserve script ([`Step::SCRIPT`]), or reading the remaining time of a string record
-/// held by another owner, whose lease ends when that time falls to the
-/// number (the retention less the lease, in ms).
+/// Where a reservation is (see [`Store::reserve`] on [`RedisStore`]): the
+/// small state of its loop, one call per step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Step(i64);
-
-impl Step {
-    const NATIVE: Self = Self(i64::MIN);
-    const SCRIPT: Self = Self(i64::MIN + 1);
-    const READ: Self = Self(i64::MIN + 2);
-
-    /// Reading the remaining time of a record whose lease ends when it
-    /// falls to `lease_ends_at`.
-    fn lease_of(lease_ends_at: i64) -> Self {
-        Self(lease_ends_at.max(i64::MIN + 3))
-    }
-
-    /// The lease's end, while reading a record's remaining time.
-    fn lease_ends_at(self) -> Option<i64> {
-        (self.0 > Self::READ.0).then_some(self.0)
-    }
+enum Step {
+    /// Format 3's `SET … NX PX … GET`: a new key, or the record it found.
+    Native,
+    /// Its `GET`, when Redis refused the `SET` for want of memory (a
+    /// replay still needs no write).
+    Read,
+    /// The reserve script: a hash, or a lease that ran out.
+    Script,
+    /// Reading the remaining time (`PTTL`) of a string record held by
+    /// another owner, whose lease ends when that time falls to
+    /// `lease_ends_at` (the retention less the lease, in ms).
+    LeaseLeft { lease_ends_at: i64 },
 }
 
 impl RedisStore {
@@ -221,32 +211,35 @@ impl Store for RedisStore {
         // record is a hash. One call site, so that the reservation's
         // future holds one call's state.
         let mut step = if self.format.string_records() {
-            Step::NATIVE
+            Step::Native
         } else {
-            Step::SCRIPT
+            Step::Script
         };
         let (reservation, acked) = loop {
             let invocation = match step {
-                Step::NATIVE => self.reserve_native(request, &guard),
-                Step::SCRIPT => self.reserve_script(request, &guard),
-                Step::READ => Invocation::native("GET", &self.prefix, request.scope.hash()),
-                _ => Invocation::native("PTTL", &self.prefix, request.scope.hash()),
+                Step::Native => self.reserve_native(request, &guard),
+                Step::Script => self.reserve_script(request, &guard),
+                Step::Read => Invocation::native("GET", &self.prefix, request.scope.hash()),
+                Step::LeaseLeft { .. } => {
+                    Invocation::native("PTTL", &self.prefix, request.scope.hash())
+                }
             };
-            let (reply, acked) = self
+            let writes = matches!(step, Step::Native | Step::Script);
+            let (answer, acked) = self
                 .run_on(
                     invocation,
-                    self.wait_replicas.is_some() && matches!(step, Step::NATIVE | Step::SCRIPT),
+                    self.wait_replicas.is_some() && writes,
                     Some(&mut guard.conn),
                 )
                 .await?;
-            if step == Step::SCRIPT {
-                break (decode_reservation(reply, lease)?, acked);
-            }
-            let found = match (step.lease_ends_at(), reply) {
-                (Some(lease_ends_at), Value::Int(pttl)) => {
+            let found = match (step, answer) {
+                (Step::Script, answer) => {
+                    break (decode_reservation(answer.into_reply()?, lease)?, acked);
+                }
+                (Step::LeaseLeft { lease_ends_at }, Answer::Reply(Value::Int(pttl))) => {
                     match Found::lease_left(lease_ends_at, pttl) {
                         0 => {
-                            step = Step::SCRIPT;
+                            step = Step::Script;
                             continue;
                         }
                         left => {
@@ -255,22 +248,22 @@ impl Store for RedisStore {
                         }
                     }
                 }
-                (None, reply) if is_out_of_memory(&reply) => {
-                    step = Step::READ;
+                (Step::Native, Answer::OutOfMemory) => {
+                    step = Step::Read;
                     continue;
                 }
-                (None, Value::Nil) if step == Step::READ => {
+                (Step::Read, Answer::Reply(Value::Nil)) => {
                     return Err(StoreError::Refused(
                         "Redis is out of memory (OOM under noeviction): a new key cannot be reserved"
                             .into(),
                     ));
                 }
-                (None, Value::Nil) => Found::Ours,
-                (None, Value::BulkString(raw)) => {
+                (Step::Native, Answer::Reply(Value::Nil)) => Found::Ours,
+                (Step::Native | Step::Read, Answer::Reply(Value::BulkString(raw))) => {
                     string_record::found(raw, &request.fingerprint, &guard.token)?
                 }
-                (None, HASH_RECORD) => {
-                    step = Step::SCRIPT;
+                (_, Answer::HashRecord) => {
+                    step = Step::Script;
                     continue;
                 }
                 (_, other) => {
@@ -283,7 +276,7 @@ impl Store for RedisStore {
                     Found::Replay(replay) => Reservation::Completed(replay),
                     Found::Conflict => Reservation::Conflict,
                     Found::Held { lease_ends_at } => {
-                        step = Step::lease_of(lease_ends_at);
+                        step = Step::LeaseLeft { lease_ends_at };
                         continue;
                     }
                 },

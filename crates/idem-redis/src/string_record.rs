@@ -11,10 +11,11 @@
 //!   reservation). It reads no clock.
 //! * **Every other path that may write** (a renewal, a release, a
 //!   takeover, a cancel, an operator's act) runs the format 2 scripts.
-//!   Those meet a string with `WRONGTYPE`;
-//!   [`Invocation::invoke`](crate::invocation::Invocation) then has
-//!   `convert.lua` rewrite the string as the packed format 2 hash it stands
-//!   for (same expiry) and runs the script again. A record stays a hash from
+//!   Those meet a string with `WRONGTYPE`, which the transport answers
+//!   [`Answer::StringRecord`]; the store's step for it,
+//!   [`converting`], then has `convert.lua` rewrite the string as the
+//!   packed format 2 hash it stands for (same expiry) and runs the script
+//!   again. A record stays a hash from
 //!   then on. Reads take the string as it is (`get.lua` through
 //!   `string_record.lua`, `count_lapsed.lua`), and so does a waiter, which
 //!   marks it waited on by its state byte (`watch.lua`).
@@ -44,6 +45,10 @@
 //! ran out, the reserve script decides on the converted hash.
 
 use idem_core::{Fingerprint, Outcome, Replay, StoreError};
+use redis::Script;
+
+use crate::invocation::{Answer, Invocation};
+use crate::pool::Conn;
 
 use crate::decode::{TenantForm, newer_format, replay_from, write_headers};
 use crate::errors::corrupt;
@@ -102,6 +107,57 @@ pub(crate) fn substitute_layout(source: &str) -> String {
         .fold(source.to_owned(), |source, (name, value)| {
             source.replace(&format!("@{name}@"), &value)
         })
+}
+
+/// How many times a script that met a string record converts it and runs
+/// again (see [`converting`]).
+const CONVERSION_ROUNDS: usize = 3;
+
+/// Rewrites a record kept as one string as the hash it stands for
+/// (`convert.lua`), for a script that met it.
+static CONVERT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+    Script::new(&substitute_layout(&crate::format::substitute(&format!(
+        "{}\n{}",
+        crate::scripts::STRING_RECORD,
+        include_str!("lua/convert.lua")
+    ))))
+});
+
+/// The store's step for a record kept as one string that a script met
+/// ([`Answer::StringRecord`], from the transport, which knows no record
+/// format): `answer` as it is, or, for that one, the record rewritten as
+/// the hash it stands for (same expiry) and the script run again. The
+/// callers await the transport's call themselves, so that no async layer
+/// grows every call's future; the conversion is boxed (off the hot path).
+pub(crate) async fn converting(
+    answer: Answer,
+    invocation: &Invocation<'_>,
+    conn: &mut Conn,
+) -> redis::RedisResult<Answer> {
+    match answer {
+        Answer::StringRecord => Box::pin(converted(invocation, conn)).await,
+        answer => Ok(answer),
+    }
+}
+
+/// Converts the record `invocation` met and runs it again. Another call
+/// may convert the record first (then this one finds a hash and converts
+/// nothing), and a record that expired meanwhile may be a new string
+/// again: a few rounds, each converting what is there and running the
+/// script again.
+async fn converted(invocation: &Invocation<'_>, conn: &mut Conn) -> redis::RedisResult<Answer> {
+    let Some(key) = invocation.record_key() else {
+        return Ok(Answer::StringRecord);
+    };
+    let convert = Invocation::on_key_bytes(&CONVERT, key);
+    for _ in 0..CONVERSION_ROUNDS {
+        convert.invoke(conn).await?;
+        match invocation.invoke(conn).await? {
+            Answer::StringRecord => {}
+            answer => return Ok(answer),
+        }
+    }
+    Ok(Answer::StringRecord)
 }
 
 /// What a reservation writes: the processing record.
