@@ -190,8 +190,15 @@ async fn events_commit_with_the_record_and_leave_in_order() {
         idem_core::IdempotencyKey::parse(b"k1").expect("key"),
     );
     let hex = scope.hash().to_hex();
+    let record = scene
+        .store
+        .get(scope.hash())
+        .await
+        .expect("get")
+        .expect("record");
+    let attempt = record.attempts[0].id.0.simple();
     let expected: Vec<(String, String)> = (1..=3)
-        .map(|n| (format!("{hex}-1-{n}"), format!("k1:{n}")))
+        .map(|n| (format!("{hex}-1-{attempt}-{n}"), format!("k1:{n}")))
         .collect();
     assert_eq!(scene.stream().await, expected);
 
@@ -315,7 +322,12 @@ async fn a_fenced_attempts_events_never_leave() {
     assert_eq!(
         scene.stream().await,
         vec![(
-            format!("{}-{}-1", scope.hash().to_hex(), second.generation),
+            format!(
+                "{}-{}-{}-1",
+                scope.hash().to_hex(),
+                second.generation,
+                second.attempt.0.simple()
+            ),
             "current".to_owned()
         )]
     );
@@ -659,4 +671,126 @@ async fn a_second_relay_waits_for_the_batch_the_first_holds() {
         payloads,
         (1..=6).map(|n| format!("k8:{n}")).collect::<Vec<_>>()
     );
+}
+
+/// A key reused after its record expired starts at generation 1 again:
+/// its events get ids of their own (the attempt's id is in them), so the
+/// outbox takes them and the broker does not drop them as the old ones.
+#[tokio::test]
+async fn a_key_reused_after_its_record_expired_emits_new_event_ids() {
+    let Some(scene) = scene().await else { return };
+    assert_eq!(scene.call("k9", &[]).await, StatusCode::CREATED);
+    assert_eq!(scene.relay().publish_once().await.expect("publish"), 1);
+    // The record expires and is swept (here: deleted at once).
+    let mut tx = scene.store.pool().begin().await.expect("begin");
+    sqlx::query("DELETE FROM idem_records")
+        .execute(&mut *tx)
+        .await
+        .expect("delete");
+    tx.commit().await.expect("commit");
+    assert_eq!(scene.call("k9", &[]).await, StatusCode::CREATED);
+    assert_eq!(scene.relay().publish_once().await.expect("publish"), 1);
+    let stream = scene.stream().await;
+    assert_eq!(
+        stream.len(),
+        2,
+        "the second payment's event was dropped: {stream:?}"
+    );
+    assert_ne!(stream[0].0, stream[1].0);
+    assert!(
+        stream.iter().all(|(id, _)| id.contains("-1-")),
+        "{stream:?}"
+    );
+}
+
+/// An event the broker can never take (larger than its `max_payload`) is
+/// set aside, with why; the events before and after it leave once each,
+/// and the relay does not publish the ones before it again and again.
+#[tokio::test]
+async fn an_event_the_broker_refuses_for_good_is_set_aside() {
+    let Some(scene) = scene().await else { return };
+    let mut tx = IdemTransaction::begin(&scene.store, None)
+        .await
+        .expect("begin");
+    tx.emit("events.orders", "before").expect("emit");
+    tx.emit("events.orders", vec![b'x'; 1_100_000])
+        .expect("emit");
+    tx.emit("events.orders", "after").expect("emit");
+    tx.commit().await.expect("commit");
+    assert_eq!(scene.relay().publish_once().await.expect("publish"), 3);
+    assert_eq!(scene.relay().publish_once().await.expect("publish"), 0);
+    let payloads: Vec<String> = scene.stream().await.into_iter().map(|(_, p)| p).collect();
+    assert_eq!(payloads, ["before", "after"]);
+    let refusal: String = scene
+        .read("SELECT refusal FROM idem_records_outbox WHERE refused_at_ms IS NOT NULL")
+        .await;
+    assert!(refusal.contains("max payload"), "{refusal}");
+    let backlog = scene.relay().backlog().await.expect("backlog");
+    assert_eq!(backlog.events, 0, "a refused event counted as waiting");
+}
+
+/// A batch that fails leaves marked what the broker acknowledged before
+/// the failure: a relay retrying never sends those again.
+#[tokio::test]
+async fn what_the_broker_acknowledged_before_a_failure_is_marked() {
+    let Some(scene) = scene().await else { return };
+    let mut tx = IdemTransaction::begin(&scene.store, None)
+        .await
+        .expect("begin");
+    tx.emit("events.orders", "taken").expect("emit");
+    tx.emit("nowhere.orders", "no stream takes it")
+        .expect("emit");
+    tx.emit("events.orders", "held back").expect("emit");
+    tx.commit().await.expect("commit");
+    assert!(scene.relay().publish_once().await.is_err());
+    assert!(scene.relay().publish_once().await.is_err());
+    assert_eq!(scene.unpublished().await, 2);
+    let payloads: Vec<String> = scene.stream().await.into_iter().map(|(_, p)| p).collect();
+    assert_eq!(payloads, ["taken"], "sent again, or sent past the failure");
+}
+
+/// A failing relay pauses between tries, doubling, whatever wakes it
+/// meanwhile: a commit's notification does not make it retry at once.
+/// Each of a dozen commits waits briefly for a try it might set off; the
+/// tries stay within what the pauses allow in the time it took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_relay_backs_off_whatever_wakes_it() {
+    let Some(scene) = scene().await else { return };
+    let tries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = tries.clone();
+    let relay = scene.relay().on_stage(move |stage| {
+        let counted = counted.clone();
+        async move {
+            if matches!(stage, idem_postgres::relay::Stage::Selected { .. }) {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    });
+    let running = tokio::spawn(relay.run(std::future::pending()));
+    let started = std::time::Instant::now();
+    for n in 0..12 {
+        let before = tries.load(std::sync::atomic::Ordering::SeqCst);
+        let mut tx = IdemTransaction::begin(&scene.store, None)
+            .await
+            .expect("begin");
+        tx.emit("nowhere.orders", format!("{n}")).expect("emit");
+        tx.commit().await.expect("commit");
+        idem_tests::poll_until(
+            Duration::from_millis(300),
+            async || tries.load(std::sync::atomic::Ordering::SeqCst),
+            |now| *now > before,
+        )
+        .await;
+    }
+    let elapsed = started.elapsed();
+    running.abort();
+    let made = tries.load(std::sync::atomic::Ordering::SeqCst);
+    // Tries at 0, 0.1, 0.3, 0.7, 1.5 s, ...: two more than the doublings
+    // of 100 ms that fit in the time, and one for the race at the end.
+    let doublings = (elapsed.as_secs_f64() / 0.1).log2().ceil().max(0.0) as usize;
+    assert!(
+        made <= doublings + 3,
+        "{made} tries in {elapsed:?}: the pause was cut short"
+    );
+    assert!(made >= 2, "the relay never retried");
 }

@@ -62,11 +62,13 @@ CREATE TABLE IF NOT EXISTS idem_records_outbox (
     subject         text NOT NULL,
     payload         bytea NOT NULL,
     created_at_ms   bigint NOT NULL,       -- written in the committing transaction
-    published_at_ms bigint                 -- NULL until the broker acknowledged it
+    published_at_ms bigint,                -- NULL until the broker acknowledged it
+    refused_at_ms   bigint,                -- the broker refused it for good (too large): set aside
+    refusal         text                   -- why
 );
 
 -- The relay reads the unpublished events in order; the sweep, the published.
 CREATE INDEX IF NOT EXISTS idem_records_outbox_unpublished
-    ON idem_records_outbox (seq) WHERE published_at_ms IS NULL;
+    ON idem_records_outbox (seq) WHERE published_at_ms IS NULL AND refused_at_ms IS NULL;
 CREATE INDEX IF NOT EXISTS idem_records_outbox_published
     ON idem_records_outbox (published_at_ms) WHERE published_at_ms IS NOT NULL;

@@ -13,16 +13,17 @@
 //! * without the layer (an unkeyed request), when the handler commits.
 //!
 //! Each event's id, the message id the relay publishes it with, is derived
-//! from the record's scope, the attempt's generation and the event's
-//! position (`<scope hex>-<generation>-<position>`), so a re-publish of the
-//! same row carries the same id. Without the layer the id is
+//! from the record's scope, the attempt's generation and id, and the
+//! event's position (`<scope hex>-<generation>-<attempt>-<position>`), so
+//! a re-publish of the same row carries the same id, and a key reused
+//! after its record expired (generation 1 again) never repeats one. Without the layer the id is
 //! `tx-<uuid>-<position>`, the UUID drawn once per transaction.
 //!
 //! The same statement sends `NOTIFY` on `<table>:outbox`, delivered when
 //! the transaction commits, so a listening relay wakes at once.
 
 use bytes::Bytes;
-use idem_core::{Lease, ScopeHash};
+use idem_core::Lease;
 use sqlx::PgConnection;
 
 /// One event a handler emitted, waiting for its transaction's commit.
@@ -43,9 +44,16 @@ pub(crate) fn channel(table: &str) -> String {
 }
 
 /// The prefix of the ids of the events an attempt emits: the record's
-/// scope and the attempt's generation (the position follows).
-pub(crate) fn id_prefix(scope: &ScopeHash, generation: u64) -> String {
-    format!("{}-{generation}", scope.to_hex())
+/// scope, the attempt's generation and the attempt's id (the position
+/// follows). The attempt's id keeps ids unique over time: a key reused
+/// after its record expired or was erased starts at generation 1 again.
+pub(crate) fn id_prefix(lease: &Lease) -> String {
+    format!(
+        "{}-{}-{}",
+        lease.scope.to_hex(),
+        lease.generation,
+        lease.attempt.0.simple()
+    )
 }
 
 /// The prefix of the ids of events emitted outside the layer.

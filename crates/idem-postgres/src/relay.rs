@@ -25,6 +25,14 @@
 //!   out": a transaction that drew a lower `seq` but commits after a higher
 //!   one would be skipped for good. It reads what is unpublished, whatever
 //!   its `seq`, so a late commit leaves with the next batch.
+//! * **A transaction's events in order.** A batch is sent in waves: each
+//!   wave sends the next event of every transaction in it and awaits the
+//!   acknowledgements, so a failed event holds back the ones after it in
+//!   its transaction (never published ahead of it), and the other
+//!   transactions go on. What the broker acknowledged is marked even when
+//!   the batch failed, so it is not sent again. An event the broker
+//!   refuses for good (larger than its `max_payload`) is set aside
+//!   (`refused_at_ms`, `refusal`) and the rest goes on.
 //! * **Several relays keep a scope's order.** The batch's rows stay locked
 //!   until they are marked: a second relay's `FOR UPDATE` waits for them,
 //!   then skips them (now published) and takes the rows after. Two relays
@@ -49,9 +57,12 @@
 //!
 //! # Metrics
 //!
-//! Through the `metrics` facade: `idem_outbox_published_total`,
-//! `idem_outbox_duplicates_total` (re-publishes the broker dropped),
-//! `idem_outbox_publish_failures_total`, `idem_outbox_swept_total`, the
+//! Through the `metrics` facade: `idem_outbox_published_total` (events
+//! marked published, re-publishes the broker dropped among them),
+//! `idem_outbox_duplicates_total` (those re-publishes),
+//! `idem_outbox_publish_failures_total` (failed batches),
+//! `idem_outbox_refused_total` (events set aside: the broker refuses them
+//! for good), `idem_outbox_swept_total`, the
 //! histogram `idem_outbox_lag_seconds` (from the event's write in the
 //! committing transaction to its mark, on the database's clock), and the
 //! gauges `idem_outbox_backlog` (events not yet published) and
@@ -59,7 +70,7 @@
 
 use std::{pin::Pin, sync::Arc, time::Duration};
 
-use async_nats::jetstream::{self, message::PublishMessage};
+use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use sqlx::{
     PgPool, Row,
     postgres::{PgConnectOptions, PgListener, PgPoolOptions},
@@ -74,6 +85,9 @@ pub const PUBLISHED: &str = "idem_outbox_published_total";
 pub const DUPLICATES: &str = "idem_outbox_duplicates_total";
 /// Batches that failed (database or broker); they are tried again.
 pub const FAILURES: &str = "idem_outbox_publish_failures_total";
+/// Events the broker refused for good (larger than its `max_payload`):
+/// set aside, never published (see the [module](self)).
+pub const REFUSED: &str = "idem_outbox_refused_total";
 /// Published events deleted by the sweep.
 pub const SWEPT: &str = "idem_outbox_swept_total";
 /// From an event's write (in its committing transaction) to its mark as
@@ -128,6 +142,7 @@ pub struct Backlog {
 /// The relay's statements for one records table.
 struct Statements {
     select: String,
+    refuse: String,
     mark: String,
     sweep: String,
     backlog: String,
@@ -140,7 +155,11 @@ impl Statements {
         Self {
             select: format!(
                 "SELECT seq, id, subject, payload FROM {outbox} \
-                 WHERE published_at_ms IS NULL ORDER BY seq LIMIT $1 FOR UPDATE"
+                 WHERE published_at_ms IS NULL AND refused_at_ms IS NULL \
+                 ORDER BY seq LIMIT $1 FOR UPDATE"
+            ),
+            refuse: format!(
+                "UPDATE {outbox} SET refused_at_ms = {NOW_MS}, refusal = $2 WHERE seq = $1"
             ),
             mark: format!(
                 "UPDATE {outbox} SET published_at_ms = {NOW_MS} WHERE seq = ANY($1) \
@@ -154,7 +173,7 @@ impl Statements {
             backlog: format!(
                 "SELECT count(*) AS events, \
                    COALESCE({NOW_MS} - min(created_at_ms), 0) AS oldest_ms \
-                 FROM {outbox} WHERE published_at_ms IS NULL"
+                 FROM {outbox} WHERE published_at_ms IS NULL AND refused_at_ms IS NULL"
             ),
             channel: outbox::channel(records),
         }
@@ -283,34 +302,66 @@ impl Relay {
         }
         let events = rows.len();
         self.stage(Stage::Selected { events }).await;
-        let mut seqs = Vec::with_capacity(events);
-        let mut acks = Vec::with_capacity(events);
-        for row in &rows {
-            seqs.push(row.try_get::<i64, _>("seq")?);
-            let id: String = row.try_get("id")?;
-            let subject: String = row.try_get("subject")?;
-            let payload: Vec<u8> = row.try_get("payload")?;
-            let message = PublishMessage::build()
-                .payload(payload.into())
-                .message_id(id);
-            let ack = self
-                .jetstream
-                .send_publish(subject, message)
-                .await
-                .map_err(|error| RelayError::Publish(error.to_string()))?;
-            acks.push(ack);
-        }
+        let mut waves = Waves::of(&rows)?;
+        // In waves: each wave sends the next event of every transaction
+        // (one scope's attempt, or a transaction without the layer) in the
+        // batch, and awaits the broker's acknowledgements. A transaction
+        // whose event failed sends nothing more (its events leave in the
+        // order emitted, or not yet); the others go on. What the broker
+        // acknowledged is marked, failure or not, so it is never sent
+        // again.
+        let mut acked = Vec::with_capacity(events);
         let mut duplicates = 0u64;
-        for ack in acks {
-            let ack = ack
-                .await
-                .map_err(|error| RelayError::Publish(error.to_string()))?;
-            duplicates += u64::from(ack.duplicate);
+        let mut failure = None;
+        while let Some(wave) = waves.next_wave() {
+            let mut sent = Vec::with_capacity(wave.len());
+            for (group, row) in wave {
+                let seq = row.try_get::<i64, _>("seq")?;
+                let id: String = row.try_get("id")?;
+                let subject: String = row.try_get("subject")?;
+                let payload: Vec<u8> = row.try_get("payload")?;
+                let message = PublishMessage::build()
+                    .payload(payload.into())
+                    .message_id(id);
+                match self.jetstream.send_publish(subject, message).await {
+                    Ok(ack) => sent.push((group, seq, ack)),
+                    Err(error) if error.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                        // Never publishable: set aside, and its
+                        // transaction's next events go on.
+                        tracing::error!(seq, %error, "the broker refuses an outbox event for good; set aside");
+                        sqlx::query(&self.sql.refuse)
+                            .persistent(!self.pooled)
+                            .bind(seq)
+                            .bind(error.to_string())
+                            .execute(&mut *tx)
+                            .await?;
+                        metrics::counter!(REFUSED).increment(1);
+                    }
+                    Err(error) => {
+                        waves.stop(group);
+                        failure.get_or_insert(RelayError::Publish(error.to_string()));
+                    }
+                }
+            }
+            for (group, seq, ack) in sent {
+                match ack.await {
+                    Ok(ack) => {
+                        acked.push(seq);
+                        duplicates += u64::from(ack.duplicate);
+                    }
+                    Err(error) => {
+                        waves.stop(group);
+                        failure.get_or_insert(RelayError::Publish(error.to_string()));
+                    }
+                }
+            }
         }
-        self.stage(Stage::Published { events }).await;
+        if failure.is_none() {
+            self.stage(Stage::Published { events }).await;
+        }
         let lags: Vec<i64> = sqlx::query_scalar(&self.sql.mark)
             .persistent(!self.pooled)
-            .bind(&seqs)
+            .bind(&acked)
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -318,9 +369,12 @@ impl Relay {
         for lag in lags {
             histogram.record(Duration::from_millis(u64::try_from(lag).unwrap_or(0)).as_secs_f64());
         }
-        metrics::counter!(PUBLISHED).increment(events as u64);
+        metrics::counter!(PUBLISHED).increment(acked.len() as u64);
         metrics::counter!(DUPLICATES).increment(duplicates);
-        Ok(events)
+        match failure {
+            Some(failure) => Err(failure),
+            None => Ok(events),
+        }
     }
 
     /// Deletes events published longer ago than
@@ -373,55 +427,139 @@ impl Relay {
         } else {
             Duration::from_millis(100)
         });
-        let mut gauges = tokio::time::interval(Duration::from_secs(5));
-        let mut sweeps = tokio::time::interval(Duration::from_secs(60));
-        for ticks in [&mut gauges, &mut sweeps] {
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        }
+        // The chores run on their own schedule, busy or idle: a relay
+        // behind a sustained load still reports its backlog.
+        let mut chores = Chores::default();
         let mut pause = Duration::from_millis(100);
         tokio::pin!(shutdown);
         loop {
+            // A relay kept busy by full batches still hears its shutdown.
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                () = std::future::ready(()) => {}
+            }
+            chores.run_due(&self).await;
             let wait = match self.publish_once().await {
-                Ok(events) if events >= self.batch as usize => Duration::ZERO,
+                Ok(events) if events >= self.batch as usize => continue,
                 Ok(_) => {
                     pause = Duration::from_millis(100);
                     poll
                 }
                 Err(error) => {
                     tracing::warn!(%error, retry_in = ?pause, "the outbox relay failed a batch");
-                    let waited = pause;
+                    // The pause holds whatever wakes the relay meanwhile
+                    // (a commit's notification would retry at once).
+                    tokio::select! {
+                        () = &mut shutdown => return Ok(()),
+                        () = tokio::time::sleep(pause) => {}
+                    }
                     pause = (pause * 2).min(Duration::from_secs(5));
-                    waited
+                    continue;
                 }
             };
-            if wait.is_zero() {
-                continue;
-            }
             tokio::select! {
                 () = &mut shutdown => return Ok(()),
                 () = wake.notified() => {}
-                () = tokio::time::sleep(wait) => {}
-                _ = gauges.tick() => {
-                    if let Err(error) = self.backlog().await {
-                        tracing::warn!(%error, "could not read the outbox backlog");
-                    }
-                }
-                _ = sweeps.tick() => {
-                    match self.sweep().await {
-                        Ok(0) => {}
-                        Ok(swept) => tracing::debug!(swept, "swept published outbox events"),
-                        Err(error) => tracing::warn!(%error, "sweeping the outbox failed"),
-                    }
-                }
+                () = tokio::time::sleep(wait.min(chores.until_due())) => {}
             }
         }
+    }
+}
+
+/// The relay's chores and when each is due: the backlog gauges every 5 s,
+/// the sweep every minute (the first of each at once).
+struct Chores {
+    gauges: tokio::time::Instant,
+    sweep: tokio::time::Instant,
+}
+
+impl Default for Chores {
+    fn default() -> Self {
+        let now = tokio::time::Instant::now();
+        Self {
+            gauges: now,
+            sweep: now,
+        }
+    }
+}
+
+impl Chores {
+    const GAUGES: Duration = Duration::from_secs(5);
+    const SWEEP: Duration = Duration::from_secs(60);
+
+    async fn run_due(&mut self, relay: &Relay) {
+        let now = tokio::time::Instant::now();
+        if now >= self.gauges {
+            self.gauges = now + Self::GAUGES;
+            if let Err(error) = relay.backlog().await {
+                tracing::warn!(%error, "could not read the outbox backlog");
+            }
+        }
+        if now >= self.sweep {
+            self.sweep = now + Self::SWEEP;
+            match relay.sweep().await {
+                Ok(0) => {}
+                Ok(swept) => tracing::debug!(swept, "swept published outbox events"),
+                Err(error) => tracing::warn!(%error, "sweeping the outbox failed"),
+            }
+        }
+    }
+
+    /// How long until the next chore.
+    fn until_due(&self) -> Duration {
+        self.gauges
+            .min(self.sweep)
+            .saturating_duration_since(tokio::time::Instant::now())
+    }
+}
+
+/// A batch's events by transaction (the id without its position), each
+/// transaction's in `seq` order, and which transactions stopped.
+struct Waves<'r> {
+    groups: Vec<std::collections::VecDeque<&'r sqlx::postgres::PgRow>>,
+    stopped: Vec<bool>,
+}
+
+impl<'r> Waves<'r> {
+    fn of(rows: &'r [sqlx::postgres::PgRow]) -> Result<Self, sqlx::Error> {
+        let mut index: std::collections::HashMap<String, usize> = Default::default();
+        let mut groups: Vec<std::collections::VecDeque<&sqlx::postgres::PgRow>> = Vec::new();
+        for row in rows {
+            let id: String = row.try_get("id")?;
+            let transaction = id.rsplit_once('-').map_or(id.as_str(), |(head, _)| head);
+            let at = *index.entry(transaction.to_owned()).or_insert_with(|| {
+                groups.push(Default::default());
+                groups.len() - 1
+            });
+            groups[at].push_back(row);
+        }
+        let stopped = vec![false; groups.len()];
+        Ok(Self { groups, stopped })
+    }
+
+    /// The next event of every transaction not stopped, with its group.
+    fn next_wave(&mut self) -> Option<Vec<(usize, &'r sqlx::postgres::PgRow)>> {
+        let wave: Vec<_> = self
+            .groups
+            .iter_mut()
+            .enumerate()
+            .filter(|(group, _)| !self.stopped[*group])
+            .filter_map(|(group, rows)| Some((group, rows.pop_front()?)))
+            .collect();
+        (!wave.is_empty()).then_some(wave)
+    }
+
+    /// The transaction `group` sends nothing more in this batch.
+    fn stop(&mut self, group: usize) {
+        self.stopped[group] = true;
     }
 }
 
 /// Registers the relay's metrics at zero, so that dashboards and alert
 /// rules find them before the first event.
 pub fn register() {
-    for name in [PUBLISHED, DUPLICATES, FAILURES, SWEPT] {
+    for name in [PUBLISHED, DUPLICATES, FAILURES, REFUSED, SWEPT] {
         metrics::counter!(name).increment(0);
     }
     let _ = metrics::histogram!(LAG);

@@ -135,7 +135,8 @@ impl IdemTransaction {
     /// rolls back, or a response the layer does not record, takes its
     /// events with it. The events of one transaction are published in the
     /// order they were emitted, each with a message id derived from scope,
-    /// generation and position, so a re-publish is the same message.
+    /// generation, attempt and position, so a re-publish is the same
+    /// message.
     ///
     /// ```no_run
     /// # async fn charge(mut tx: idem_postgres::IdemTransaction) -> Result<(), Box<dyn std::error::Error>> {
@@ -276,7 +277,7 @@ impl DeferredCompletion for Deferred {
                     .await?
                     .rows_affected();
                 if completed == 1 {
-                    let prefix = outbox::id_prefix(&lease.scope, lease.generation);
+                    let prefix = outbox::id_prefix(&lease);
                     let sql = &store.inner.sql.emit;
                     let lease = Some(&lease);
                     outbox::write(&mut tx, sql, store.pooled(), &prefix, lease, &events).await?;

@@ -174,8 +174,12 @@ pub mod pg {
         mut tx: IdemTransaction,
         idem_layer::Validated(Json(request)): idem_layer::Validated<Json<Value>>,
     ) -> Response {
+        // Unnamed (`persistent(false)`): the service runs behind
+        // PgBouncer in transaction mode too, where a named statement of
+        // one client collides with another's on a shared server connection.
         let inserted: Result<i64, _> =
             sqlx::query_scalar("INSERT INTO orders (body) VALUES ($1::text::jsonb) RETURNING id")
+                .persistent(false)
                 .bind(request.to_string())
                 .fetch_one(&mut *tx)
                 .await;
@@ -199,6 +203,9 @@ pub mod pg {
             .into_response()
     }
 
+    /// The longest account name a payment takes.
+    const MAX_ACCOUNT: usize = 256;
+
     /// A payment as the client sends it.
     #[derive(Debug, serde::Deserialize)]
     struct Payment {
@@ -214,9 +221,15 @@ pub mod pg {
         mut tx: IdemTransaction,
         idem_layer::Validated(Json(payment)): idem_layer::Validated<Json<Payment>>,
     ) -> Response {
+        // Its event must fit the broker's max_payload with room to spare.
+        if payment.account.is_empty() || payment.account.len() > MAX_ACCOUNT {
+            let refusal = json!({ "error": format!("account must be 1 to {MAX_ACCOUNT} bytes") });
+            return (StatusCode::UNPROCESSABLE_ENTITY, Json(refusal)).into_response();
+        }
         let inserted: Result<i64, _> = sqlx::query_scalar(
             "INSERT INTO payments (account, cents) VALUES ($1, $2) RETURNING id",
         )
+        .persistent(false)
         .bind(&payment.account)
         .bind(payment.cents)
         .fetch_one(&mut *tx)
@@ -248,6 +261,7 @@ pub mod pg {
     async fn read(State(state): State<AppState>, Path(id): Path<i64>) -> Response {
         let found: Result<Option<String>, _> =
             sqlx::query_scalar("SELECT body::text FROM orders WHERE id = $1")
+                .persistent(false)
                 .bind(id)
                 .fetch_optional(&state.db)
                 .await;

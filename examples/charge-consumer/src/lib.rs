@@ -276,10 +276,16 @@ async fn crash_point_before_record(id: &str) {
 
 async fn consume<S: Store>(layer: IdempotencyLayer<S>) -> Result<(), Error> {
     let lease = humantime::parse_duration(&env("IDEM_LEASE", "30s"))?;
+    if lease.is_zero() {
+        return Err("IDEM_LEASE must be longer than zero".into());
+    }
     let layer = layer.lease(lease);
     let url = env("NATS_URL", "nats://127.0.0.1:4222");
     let ledger = env("LEDGER", "charges.ledger");
     let ack_wait = humantime::parse_duration(&env("ACK_WAIT", "30s"))?;
+    if ack_wait.is_zero() {
+        return Err("ACK_WAIT must be longer than zero".into());
+    }
     let client = async_nats::connect(&url).await?;
     let js = jetstream::new(client);
     let stream = js

@@ -116,6 +116,11 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
     metrics::set_global_recorder(recorder)?;
     idem_postgres::relay::register();
 
+    if options.duplicate_window.is_zero() {
+        return Err("OUTBOX_DUPLICATE_WINDOW must be longer than zero \
+                    (the broker would take its default, two minutes)"
+            .into());
+    }
     let store = PgStore::builder()
         .url(&options.database)
         .table(&options.table)
@@ -123,7 +128,9 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
         .max_connections(4)
         .sweep_every(None)
         .build()?;
-    let client = async_nats::connect(&options.nats).await?;
+    let client = async_nats::connect(&options.nats)
+        .await
+        .map_err(|error| format!("NATS_URL {}: {error}", options.nats))?;
     let jetstream = async_nats::jetstream::new(client);
     if let Some(stream) = &options.stream {
         jetstream
@@ -139,11 +146,25 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
         .batch(options.batch)
         .keep_published(options.keep_published);
     if let Some(url) = &options.listen_url {
-        relay = relay.listen_on(url)?;
+        relay = relay
+            .listen_on(url)
+            .map_err(|error| format!("OUTBOX_LISTEN_URL: {error}"))?;
     }
     let relay = configure(relay);
+    // The outbox must be there: a relay on the wrong database would fail
+    // every batch for good.
+    if let Err(error) = relay.backlog().await {
+        return Err(format!(
+            "cannot read {}_outbox ({error}); create it with PgStore::migrate \
+             or sql/idem_records.sql",
+            options.table
+        )
+        .into());
+    }
 
-    let listener = tokio::net::TcpListener::bind(&options.metrics).await?;
+    let listener = tokio::net::TcpListener::bind(&options.metrics)
+        .await
+        .map_err(|error| format!("OUTBOX_METRICS {}: {error}", options.metrics))?;
     let addr = listener.local_addr()?;
     let upkeep = handle.clone();
     tokio::spawn(async move {

@@ -32,7 +32,8 @@ fn the_relays_alert_rules_pass_their_unit_tests() {
         [
             "IdemOutboxStalled",
             "IdemOutboxPublishFailing",
-            "IdemOutboxLagHigh"
+            "IdemOutboxLagHigh",
+            "IdemOutboxEventRefused"
         ]
     );
 }
@@ -77,5 +78,81 @@ async fn every_metric_the_relays_dashboard_and_rules_query_is_exported_from_the_
     assert!(
         missing.is_empty(),
         "queried but not exported: {missing:?}; exported: {names:?}"
+    );
+}
+
+/// The backlog gauges follow a relay that is behind, busy with full
+/// batches (one event each, every mark slowed by a trigger): they read
+/// the backlog when it starts and again as it shrinks, never only once
+/// the relay is idle.
+#[tokio::test]
+async fn the_backlog_gauges_move_while_every_batch_is_full() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    let Some(nats) = NatsServer::spawn() else {
+        return;
+    };
+    let database = server.database();
+    let store = idem_postgres::PgStore::from_url(&database).expect("store");
+    store.migrate().await.expect("migrate");
+    let fill = "INSERT INTO idem_records_outbox (id, position, subject, payload, created_at_ms) \
+                SELECT 'slow-' || i, 1, 'charges', 'x', 0 FROM generate_series(1, 1000) AS i; \
+                CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
+                  $$ BEGIN PERFORM pg_sleep(0.02); RETURN NEW; END $$; \
+                CREATE TRIGGER slow BEFORE UPDATE ON idem_records_outbox \
+                  FOR EACH ROW EXECUTE FUNCTION slow();";
+    sqlx::raw_sql(fill)
+        .execute(store.pool())
+        .await
+        .expect("fill");
+    let relay = Spawned::start(
+        Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+            .env("DATABASE_URL", &database)
+            .env("NATS_URL", nats.url())
+            .env("OUTBOX_STREAM", "CHARGES")
+            .env("OUTBOX_SUBJECTS", "charges")
+            .env("OUTBOX_BATCH", "1")
+            .env("OUTBOX_METRICS", "127.0.0.1:0")
+            .env("RUST_LOG", "warn"),
+    );
+    let backlog = async || {
+        let request = Request::get(format!("http://{}/metrics", relay.address()))
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let text = String::from_utf8_lossy(&send(&client(), request).await.body).into_owned();
+        text.lines()
+            .find_map(|line| line.strip_prefix("idem_outbox_backlog "))
+            .and_then(|value| value.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let mut seen = BTreeSet::new();
+    idem_tests::poll_until(
+        std::time::Duration::from_secs(20),
+        async || {
+            let now = backlog().await;
+            if now > 0.0 {
+                seen.insert(now as u64);
+            }
+            seen.len()
+        },
+        |readings| *readings >= 2,
+    )
+    .await;
+    assert!(
+        seen.len() >= 2,
+        "the backlog gauge did not move while the relay was behind: {seen:?}"
+    );
+    let mut tx = store.pool().begin().await.expect("begin");
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idem_records_outbox WHERE published_at_ms IS NULL",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .expect("left");
+    tx.commit().await.expect("commit");
+    assert!(
+        left > 0,
+        "the relay caught up before the gauge was read twice"
     );
 }
