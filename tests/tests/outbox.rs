@@ -727,6 +727,7 @@ async fn an_event_the_broker_refuses_for_good_is_set_aside() {
     assert!(refusal.contains("max payload"), "{refusal}");
     let backlog = scene.relay().backlog().await.expect("backlog");
     assert_eq!(backlog.events, 0, "a refused event counted as waiting");
+    assert_eq!(backlog.refused, 1, "the set-aside event is not reported");
 }
 
 /// A batch that fails leaves marked what the broker acknowledged before

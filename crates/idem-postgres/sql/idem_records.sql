@@ -67,8 +67,11 @@ CREATE TABLE IF NOT EXISTS idem_records_outbox (
     refusal         text                   -- why
 );
 
--- The relay reads the unpublished events in order; the sweep, the published.
+-- The relay reads the unpublished events in order; the sweep, the
+-- published; the backlog gauges, the ones set aside.
 CREATE INDEX IF NOT EXISTS idem_records_outbox_unpublished
     ON idem_records_outbox (seq) WHERE published_at_ms IS NULL AND refused_at_ms IS NULL;
 CREATE INDEX IF NOT EXISTS idem_records_outbox_published
     ON idem_records_outbox (published_at_ms) WHERE published_at_ms IS NOT NULL;
+CREATE INDEX IF NOT EXISTS idem_records_outbox_refused
+    ON idem_records_outbox (seq) WHERE refused_at_ms IS NOT NULL;

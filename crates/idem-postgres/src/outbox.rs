@@ -62,8 +62,9 @@ pub(crate) fn unkeyed_prefix() -> String {
 }
 
 /// The statement that writes a transaction's events (one row each, in
-/// order) and notifies the relay, in one round trip.
-pub(crate) fn insert_sql(records: &str) -> String {
+/// order) and notifies the relay, in one round trip; `now` is the
+/// database's clock in milliseconds (`sql::NOW_MS`).
+pub(crate) fn insert_sql(records: &str, now: &str) -> String {
     let outbox = table(records);
     let channel = channel(records);
     format!(
@@ -73,8 +74,7 @@ pub(crate) fn insert_sql(records: &str) -> String {
              {now} \
            FROM unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS e(subject, payload, position) \
            ORDER BY e.position RETURNING 1) \
-         SELECT count(*) AS written, pg_notify('{channel}', '') FROM ins",
-        now = crate::sql::NOW_MS,
+         SELECT count(*) AS written, pg_notify('{channel}', '') FROM ins"
     )
 }
 

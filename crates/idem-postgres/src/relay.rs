@@ -62,7 +62,8 @@
 //! `idem_outbox_duplicates_total` (those re-publishes),
 //! `idem_outbox_publish_failures_total` (failed batches),
 //! `idem_outbox_refused_total` (events set aside: the broker refuses them
-//! for good), `idem_outbox_swept_total`, the
+//! for good), `idem_outbox_swept_total`, the gauge
+//! `idem_outbox_refused_waiting` (those still set aside), the
 //! histogram `idem_outbox_lag_seconds` (from the event's write in the
 //! committing transaction to its mark, on the database's clock), and the
 //! gauges `idem_outbox_backlog` (events not yet published) and
@@ -88,6 +89,9 @@ pub const FAILURES: &str = "idem_outbox_publish_failures_total";
 /// Events the broker refused for good (larger than its `max_payload`):
 /// set aside, never published (see the [module](self)).
 pub const REFUSED: &str = "idem_outbox_refused_total";
+/// Events set aside (refused for good) still in the outbox, waiting for
+/// an operator.
+pub const SET_ASIDE: &str = "idem_outbox_refused_waiting";
 /// Published events deleted by the sweep.
 pub const SWEPT: &str = "idem_outbox_swept_total";
 /// From an event's write (in its committing transaction) to its mark as
@@ -133,10 +137,13 @@ pub enum RelayError {
 /// The unpublished events and the oldest one's age.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backlog {
-    /// Events committed and not yet published.
+    /// Events committed and not yet published (those set aside apart).
     pub events: u64,
     /// How long the oldest of them has waited (zero when none).
     pub oldest: Duration,
+    /// Events set aside because the broker refuses them for good, waiting
+    /// for an operator (see the [module](self)).
+    pub refused: u64,
 }
 
 /// The relay's statements for one records table.
@@ -172,7 +179,9 @@ impl Statements {
             ),
             backlog: format!(
                 "SELECT count(*) AS events, \
-                   COALESCE({NOW_MS} - min(created_at_ms), 0) AS oldest_ms \
+                   COALESCE({NOW_MS} - min(created_at_ms), 0) AS oldest_ms, \
+                   (SELECT count(*) FROM {outbox} WHERE refused_at_ms IS NOT NULL \
+                     AND published_at_ms IS NULL) AS refused \
                  FROM {outbox} WHERE published_at_ms IS NULL AND refused_at_ms IS NULL"
             ),
             channel: outbox::channel(records),
@@ -401,12 +410,15 @@ impl Relay {
         let row = crate::on_pool!(self, statement, fetch_one)?;
         let events: i64 = row.try_get("events")?;
         let oldest_ms: i64 = row.try_get("oldest_ms")?;
+        let refused: i64 = row.try_get("refused")?;
         let backlog = Backlog {
             events: u64::try_from(events).unwrap_or(0),
             oldest: Duration::from_millis(u64::try_from(oldest_ms).unwrap_or(0)),
+            refused: u64::try_from(refused).unwrap_or(0),
         };
         metrics::gauge!(BACKLOG).set(backlog.events as f64);
         metrics::gauge!(OLDEST).set(backlog.oldest.as_secs_f64());
+        metrics::gauge!(SET_ASIDE).set(backlog.refused as f64);
         Ok(backlog)
     }
 
@@ -565,6 +577,7 @@ pub fn register() {
     let _ = metrics::histogram!(LAG);
     metrics::gauge!(BACKLOG).set(0.0);
     metrics::gauge!(OLDEST).set(0.0);
+    metrics::gauge!(SET_ASIDE).set(0.0);
 }
 
 /// Aborts a task when dropped.

@@ -47,7 +47,7 @@ impl Sql {
         Self {
             table: table.to_owned(),
             erased: crate::erasures::channel(table),
-            emit: crate::outbox::insert_sql(table),
+            emit: crate::outbox::insert_sql(table, NOW_MS),
             reserve: format!(
                 "WITH t AS (SELECT {NOW_MS} AS now), \
                  ins AS (INSERT INTO {table} (scope, tenant, operation, key, fingerprint, state, \

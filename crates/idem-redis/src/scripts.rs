@@ -28,7 +28,7 @@ const FENCE: &str = include_str!("lua/fence.lua");
 const HOLDER: &str = include_str!("lua/holder.lua");
 /// Reads a record kept as one string (format 3): for `get.lua` and
 /// `convert.lua`.
-pub(crate) const STRING_RECORD: &str = include_str!("lua/string_record.lua");
+pub(crate) use string_record::LUA as STRING_RECORD;
 
 /// The settings a store's scripts are assembled with.
 #[derive(Debug, Clone, Copy)]

@@ -109,6 +109,10 @@ pub(crate) fn substitute_layout(source: &str) -> String {
         })
 }
 
+/// Reads a record kept as one string: the Lua shared by `get.lua` and
+/// `convert.lua` (`string_fields`).
+pub(crate) const LUA: &str = include_str!("lua/string_record.lua");
+
 /// How many times a script that met a string record converts it and runs
 /// again (see [`converting`]).
 const CONVERSION_ROUNDS: usize = 3;
@@ -118,7 +122,7 @@ const CONVERSION_ROUNDS: usize = 3;
 static CONVERT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
     Script::new(&substitute_layout(&crate::format::substitute(&format!(
         "{}\n{}",
-        crate::scripts::STRING_RECORD,
+        LUA,
         include_str!("lua/convert.lua")
     ))))
 });

@@ -275,14 +275,16 @@ async fn crash_point_before_record(id: &str) {
 }
 
 async fn consume<S: Store>(layer: IdempotencyLayer<S>) -> Result<(), Error> {
-    let lease = humantime::parse_duration(&env("IDEM_LEASE", "30s"))?;
+    let lease = humantime::parse_duration(&env("IDEM_LEASE", "30s"))
+        .map_err(|error| format!("IDEM_LEASE: {error}"))?;
     if lease.is_zero() {
         return Err("IDEM_LEASE must be longer than zero".into());
     }
     let layer = layer.lease(lease);
     let url = env("NATS_URL", "nats://127.0.0.1:4222");
     let ledger = env("LEDGER", "charges.ledger");
-    let ack_wait = humantime::parse_duration(&env("ACK_WAIT", "30s"))?;
+    let ack_wait = humantime::parse_duration(&env("ACK_WAIT", "30s"))
+        .map_err(|error| format!("ACK_WAIT: {error}"))?;
     if ack_wait.is_zero() {
         return Err("ACK_WAIT must be longer than zero".into());
     }

@@ -122,12 +122,13 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
             .into());
     }
     let store = PgStore::builder()
-        .url(&options.database)
+        .url(options.database.clone())
         .table(&options.table)
         .transaction_pooler(options.transaction_pooler)
         .max_connections(4)
         .sweep_every(None)
-        .build()?;
+        .build()
+        .map_err(|error| format!("DATABASE_URL: {error}"))?;
     let client = async_nats::connect(&options.nats)
         .await
         .map_err(|error| format!("NATS_URL {}: {error}", options.nats))?;
@@ -153,13 +154,19 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
     let relay = configure(relay);
     // The outbox must be there: a relay on the wrong database would fail
     // every batch for good.
-    if let Err(error) = relay.backlog().await {
-        return Err(format!(
-            "cannot read {}_outbox ({error}); create it with PgStore::migrate \
-             or sql/idem_records.sql",
-            options.table
-        )
-        .into());
+    match relay.backlog().await {
+        Ok(_) => {}
+        Err(idem_postgres::relay::RelayError::Database(sqlx::Error::Database(error)))
+            if error.code().as_deref() == Some("42P01") =>
+        {
+            return Err(format!(
+                "DATABASE_URL has no {}_outbox table ({error}); create it with \
+                 PgStore::migrate or sql/idem_records.sql",
+                options.table
+            )
+            .into());
+        }
+        Err(error) => return Err(format!("DATABASE_URL: cannot read the outbox: {error}").into()),
     }
 
     let listener = tokio::net::TcpListener::bind(&options.metrics)
