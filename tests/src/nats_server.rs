@@ -67,3 +67,28 @@ impl Drop for NatsServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Every message of the JetStream stream `stream` on the server at `url`,
+/// in stream order: its message id (`Nats-Msg-Id`, which each must carry)
+/// and its payload.
+pub async fn stream_messages(url: &str, stream: &str) -> Vec<(String, bytes::Bytes)> {
+    let client = async_nats::connect(url).await.expect("nats");
+    let jetstream = async_nats::jetstream::new(client);
+    let mut stream = jetstream.get_stream(stream).await.expect("stream");
+    let state = stream.info().await.expect("info").state.clone();
+    let mut messages = Vec::new();
+    if state.messages == 0 {
+        return messages;
+    }
+    for seq in state.first_sequence..=state.last_sequence {
+        let message = stream.get_raw_message(seq).await.expect("message");
+        let id = message
+            .headers
+            .get(async_nats::header::NATS_MESSAGE_ID)
+            .expect("a message id")
+            .as_str()
+            .to_owned();
+        messages.push((id, message.payload));
+    }
+    messages
+}

@@ -17,7 +17,11 @@ use idem_core::{
 };
 use idem_layer::{IdempotencyLayer, TenantFromHeader};
 use idem_postgres::{EmitError, IdemTransaction, PgStore, relay::Relay};
-use idem_tests::{nats_server::NatsServer, pgbouncer::PgBouncer, postgres_server::PgServer};
+use idem_tests::{
+    nats_server::{NatsServer, stream_messages},
+    pgbouncer::PgBouncer,
+    postgres_server::PgServer,
+};
 use tower::ServiceExt;
 
 /// Emits `x-events` events (default 1) on `events.orders`, payloads
@@ -149,23 +153,11 @@ impl Scene {
 
     /// Every message of the stream, in stream order: (message id, payload).
     async fn stream(&self) -> Vec<(String, String)> {
-        let mut stream = self.jetstream.get_stream("EVENTS").await.expect("stream");
-        let info = stream.info().await.expect("info").clone();
-        let mut messages = Vec::new();
-        for seq in info.state.first_sequence..=info.state.last_sequence {
-            if info.state.messages == 0 {
-                break;
-            }
-            let message = stream.get_raw_message(seq).await.expect("message");
-            let id = message
-                .headers
-                .get(async_nats::header::NATS_MESSAGE_ID)
-                .expect("a message id")
-                .as_str()
-                .to_owned();
-            messages.push((id, String::from_utf8_lossy(&message.payload).into_owned()));
-        }
-        messages
+        stream_messages(&self.nats.url(), "EVENTS")
+            .await
+            .into_iter()
+            .map(|(id, payload)| (id, String::from_utf8_lossy(&payload).into_owned()))
+            .collect()
     }
 }
 

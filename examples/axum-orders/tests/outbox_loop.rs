@@ -189,22 +189,8 @@ impl Loop {
 
     /// The stream's messages, counted by message id.
     async fn stream(&self) -> BTreeMap<String, usize> {
-        let client = async_nats::connect(self.nats.url()).await.expect("nats");
-        let jetstream = async_nats::jetstream::new(client);
-        let mut stream = jetstream.get_stream("CHARGES").await.expect("stream");
-        let state = stream.info().await.expect("info").state.clone();
         let mut ids = BTreeMap::new();
-        if state.messages == 0 {
-            return ids;
-        }
-        for seq in state.first_sequence..=state.last_sequence {
-            let message = stream.get_raw_message(seq).await.expect("message");
-            let id = message
-                .headers
-                .get(async_nats::header::NATS_MESSAGE_ID)
-                .expect("a message id")
-                .as_str()
-                .to_owned();
+        for (id, _) in idem_tests::nats_server::stream_messages(&self.nats.url(), "CHARGES").await {
             *ids.entry(id).or_default() += 1;
         }
         ids

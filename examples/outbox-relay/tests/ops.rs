@@ -18,6 +18,14 @@ use idem_tests::{
     send,
 };
 
+/// A relay's `/metrics` text.
+async fn metrics_of(relay: &Spawned) -> String {
+    let request = Request::get(format!("http://{}/metrics", relay.address()))
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    String::from_utf8_lossy(&send(&client(), request).await.body).into_owned()
+}
+
 /// The rules are valid, and each alert fires on the series its test
 /// gives and stays quiet on the others (`idem-outbox.rules.test.yml`).
 #[test]
@@ -58,11 +66,7 @@ async fn every_metric_the_relays_dashboard_and_rules_query_is_exported_from_the_
             .env("OUTBOX_METRICS", "127.0.0.1:0")
             .env("RUST_LOG", "warn"),
     );
-    let request = Request::get(format!("http://{}/metrics", relay.address()))
-        .body(Full::new(Bytes::new()))
-        .expect("request");
-    let text = String::from_utf8_lossy(&send(&client(), request).await.body).into_owned();
-    let names = exported(&text);
+    let names = exported(&metrics_of(&relay).await);
 
     let queries = dashboard_queries("idem-outbox.json");
     assert!(queries.len() >= 8, "{queries:?}");
@@ -117,11 +121,9 @@ async fn the_backlog_gauges_move_while_every_batch_is_full() {
             .env("RUST_LOG", "warn"),
     );
     let backlog = async || {
-        let request = Request::get(format!("http://{}/metrics", relay.address()))
-            .body(Full::new(Bytes::new()))
-            .expect("request");
-        let text = String::from_utf8_lossy(&send(&client(), request).await.body).into_owned();
-        text.lines()
+        metrics_of(&relay)
+            .await
+            .lines()
             .find_map(|line| line.strip_prefix("idem_outbox_backlog "))
             .and_then(|value| value.trim().parse::<f64>().ok())
             .unwrap_or(0.0)
