@@ -128,4 +128,27 @@ impl PgBouncer {
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
     }
+
+    /// A guard that, dropped while its test fails, prints what PgBouncer
+    /// logged (server logins that failed, waits, timeouts): the evidence
+    /// when a call through the pooler stalled.
+    pub fn log_on_failure(&'static self) -> LogOnFailure {
+        LogOnFailure(self)
+    }
+}
+
+/// See [`PgBouncer::log_on_failure`].
+#[derive(Debug)]
+pub struct LogOnFailure(&'static PgBouncer);
+
+impl Drop for LogOnFailure {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- pgbouncer on port {} logged:\n{}--- end of pgbouncer's log",
+                self.0.port,
+                self.0.log()
+            );
+        }
+    }
 }
