@@ -287,9 +287,9 @@ impl Relay {
     }
 
     /// Publishes one batch of the oldest unpublished events and marks it:
-    /// how many were published (0: the outbox had none). On an error
-    /// nothing is marked, and the batch is published again later (the
-    /// broker drops the copies within its duplicate window).
+    /// how many the batch held (0: the outbox had none). On an error what
+    /// the broker acknowledged is marked, and the rest is published again
+    /// later (the broker drops copies within its duplicate window).
     pub async fn publish_once(&self) -> Result<usize, RelayError> {
         let result = self.publish_batch().await;
         if result.is_err() {
@@ -453,9 +453,11 @@ impl Relay {
             }
             chores.run_due(&self).await;
             let wait = match self.publish_once().await {
-                Ok(events) if events >= self.batch as usize => continue,
-                Ok(_) => {
+                Ok(events) => {
                     pause = Duration::from_millis(100);
+                    if events >= self.batch as usize {
+                        continue;
+                    }
                     poll
                 }
                 Err(error) => {
