@@ -47,7 +47,7 @@ pub(crate) fn channel(table: &str) -> String {
 /// scope, the attempt's generation and the attempt's id (the position
 /// follows). The attempt's id keeps ids unique over time: a key reused
 /// after its record expired or was erased starts at generation 1 again.
-pub(crate) fn id_prefix(lease: &Lease) -> String {
+fn id_prefix(lease: &Lease) -> String {
     format!(
         "{}-{}-{}",
         lease.scope.to_hex(),
@@ -57,7 +57,7 @@ pub(crate) fn id_prefix(lease: &Lease) -> String {
 }
 
 /// The prefix of the ids of events emitted outside the layer.
-pub(crate) fn unkeyed_prefix() -> String {
+fn unkeyed_prefix() -> String {
     format!("tx-{}", uuid::Uuid::new_v4().simple())
 }
 
@@ -79,18 +79,19 @@ pub(crate) fn insert_sql(records: &str, now: &str) -> String {
 }
 
 /// Writes `events` in the transaction `conn` is in: `attempt` is the
-/// lease's scope, generation and attempt id (`None` outside the layer).
+/// lease whose scope, generation and attempt id they carry (`None`
+/// outside the layer). A transaction without events costs nothing here.
 pub(crate) async fn write(
     conn: &mut PgConnection,
     sql: &str,
     pooled: bool,
-    prefix: &str,
     attempt: Option<&Lease>,
     events: &[Emitted],
 ) -> Result<(), sqlx::Error> {
     if events.is_empty() {
         return Ok(());
     }
+    let prefix = attempt.map_or_else(unkeyed_prefix, id_prefix);
     let subjects: Vec<&str> = events.iter().map(|e| e.subject.as_str()).collect();
     let payloads: Vec<&[u8]> = events.iter().map(|e| e.payload.as_ref()).collect();
     let scope = attempt.map(|lease| lease.scope.as_bytes().to_vec());
@@ -98,7 +99,7 @@ pub(crate) async fn write(
     let id = attempt.map(|lease| lease.attempt.0);
     sqlx::query(sql)
         .persistent(!pooled)
-        .bind(prefix)
+        .bind(&prefix)
         .bind(scope)
         .bind(generation)
         .bind(id)

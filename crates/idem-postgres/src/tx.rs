@@ -200,16 +200,8 @@ impl IdemTransaction {
         } = self;
         match slot {
             None => {
-                let prefix = outbox::unkeyed_prefix();
-                outbox::write(
-                    &mut tx,
-                    &store.inner.sql.emit,
-                    store.pooled(),
-                    &prefix,
-                    None,
-                    &events,
-                )
-                .await?;
+                let sql = &store.inner.sql.emit;
+                outbox::write(&mut tx, sql, store.pooled(), None, &events).await?;
                 Ok(tx.commit().await?)
             }
             Some(slot) => {
@@ -277,10 +269,8 @@ impl DeferredCompletion for Deferred {
                     .await?
                     .rows_affected();
                 if completed == 1 {
-                    let prefix = outbox::id_prefix(&lease);
                     let sql = &store.inner.sql.emit;
-                    let lease = Some(&lease);
-                    outbox::write(&mut tx, sql, store.pooled(), &prefix, lease, &events).await?;
+                    outbox::write(&mut tx, sql, store.pooled(), Some(&lease), &events).await?;
                 }
                 Ok::<_, sqlx::Error>(completed)
             }
