@@ -130,7 +130,7 @@ impl PgStoreBuilder {
                     batch: sweep_batch,
                     pooled: self.pooled,
                 };
-                Sweeper(runtime.spawn(sweeping.every(every)))
+                Sweeper::new(runtime.spawn(sweeping.every(every)))
             });
         Ok(PgStore {
             inner: Arc::new(Inner {

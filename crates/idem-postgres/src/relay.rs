@@ -77,6 +77,7 @@ use sqlx::{
     postgres::{PgConnectOptions, PgListener, PgPoolOptions},
 };
 use tokio::sync::Notify;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::{PgStore, outbox, sql::NOW_MS};
 
@@ -111,8 +112,8 @@ pub enum Stage {
         /// How many events the batch holds.
         events: usize,
     },
-    /// The broker acknowledged every event of the batch; they are not
-    /// marked yet.
+    /// The broker acknowledged every event of the batch it can take (an
+    /// event it refuses for good is set aside); they are not marked yet.
     Published {
         /// How many events the batch holds.
         events: usize,
@@ -311,7 +312,7 @@ impl Relay {
         }
         let events = rows.len();
         self.stage(Stage::Selected { events }).await;
-        let mut waves = Waves::of(&rows)?;
+        let mut waves = Waves::of(rows)?;
         // In waves: each wave sends the next event of every transaction
         // (one scope's attempt, or a transaction without the layer) in the
         // batch, and awaits the broker's acknowledgements. A transaction
@@ -324,11 +325,13 @@ impl Relay {
         let mut failure = None;
         while let Some(wave) = waves.next_wave() {
             let mut sent = Vec::with_capacity(wave.len());
-            for (group, row) in wave {
-                let seq = row.try_get::<i64, _>("seq")?;
-                let id: String = row.try_get("id")?;
-                let subject: String = row.try_get("subject")?;
-                let payload: Vec<u8> = row.try_get("payload")?;
+            for (group, event) in wave {
+                let Pending {
+                    seq,
+                    id,
+                    subject,
+                    payload,
+                } = event;
                 let message = PublishMessage::build()
                     .payload(payload.into())
                     .message_id(id);
@@ -432,7 +435,7 @@ impl Relay {
         let wake = Arc::new(Notify::new());
         let listener = self.listen.clone().map(|options| {
             let (wake, channel) = (wake.clone(), self.sql.channel.clone());
-            AbortOnDrop(tokio::spawn(listen(options, channel, wake)))
+            AbortOnDropHandle::new(tokio::spawn(listen(options, channel, wake)))
         });
         let poll = self.poll.unwrap_or(if listener.is_some() {
             Duration::from_secs(1)
@@ -528,45 +531,58 @@ impl Chores {
     }
 }
 
-/// A batch's events by transaction (the id without its position), each
-/// transaction's in `seq` order, and which transactions stopped.
-struct Waves<'r> {
-    groups: Vec<std::collections::VecDeque<&'r sqlx::postgres::PgRow>>,
-    stopped: Vec<bool>,
+/// An unpublished event as the batch's `SELECT` read it.
+struct Pending {
+    seq: i64,
+    id: String,
+    subject: String,
+    payload: Vec<u8>,
 }
 
-impl<'r> Waves<'r> {
-    fn of(rows: &'r [sqlx::postgres::PgRow]) -> Result<Self, sqlx::Error> {
+/// A batch's events by transaction (the id without its position), each
+/// transaction's in `seq` order. A transaction that stopped is emptied.
+struct Waves {
+    groups: Vec<std::collections::VecDeque<Pending>>,
+}
+
+impl Waves {
+    fn of(rows: Vec<sqlx::postgres::PgRow>) -> Result<Self, sqlx::Error> {
         let mut index: std::collections::HashMap<String, usize> = Default::default();
-        let mut groups: Vec<std::collections::VecDeque<&sqlx::postgres::PgRow>> = Vec::new();
+        let mut groups: Vec<std::collections::VecDeque<Pending>> = Vec::new();
         for row in rows {
-            let id: String = row.try_get("id")?;
-            let transaction = id.rsplit_once('-').map_or(id.as_str(), |(head, _)| head);
+            let event = Pending {
+                seq: row.try_get("seq")?,
+                id: row.try_get("id")?,
+                subject: row.try_get("subject")?,
+                payload: row.try_get("payload")?,
+            };
+            let transaction = event
+                .id
+                .rsplit_once('-')
+                .map_or(event.id.as_str(), |(head, _)| head);
             let at = *index.entry(transaction.to_owned()).or_insert_with(|| {
                 groups.push(Default::default());
                 groups.len() - 1
             });
-            groups[at].push_back(row);
+            groups[at].push_back(event);
         }
-        let stopped = vec![false; groups.len()];
-        Ok(Self { groups, stopped })
+        Ok(Self { groups })
     }
 
-    /// The next event of every transaction not stopped, with its group.
-    fn next_wave(&mut self) -> Option<Vec<(usize, &'r sqlx::postgres::PgRow)>> {
+    /// The next event of every transaction that has one, with its group.
+    fn next_wave(&mut self) -> Option<Vec<(usize, Pending)>> {
         let wave: Vec<_> = self
             .groups
             .iter_mut()
             .enumerate()
-            .filter(|(group, _)| !self.stopped[*group])
-            .filter_map(|(group, rows)| Some((group, rows.pop_front()?)))
+            .filter_map(|(group, events)| Some((group, events.pop_front()?)))
             .collect();
         (!wave.is_empty()).then_some(wave)
     }
 
     /// The transaction `group` sends nothing more in this batch.
     fn stop(&mut self, group: usize) {
-        self.stopped[group] = true;
+        self.groups[group].clear();
     }
 }
 
@@ -580,15 +596,6 @@ pub fn register() {
     metrics::gauge!(BACKLOG).set(0.0);
     metrics::gauge!(OLDEST).set(0.0);
     metrics::gauge!(SET_ASIDE).set(0.0);
-}
-
-/// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Listens on `channel` and wakes the relay on each notification; on a

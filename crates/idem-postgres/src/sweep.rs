@@ -7,14 +7,8 @@ use idem_core::StoreError;
 use crate::sql::failed;
 use sqlx::PgPool;
 
-/// Aborts the sweep task when the store's last handle is dropped.
-pub(crate) struct Sweeper(pub(crate) tokio::task::JoinHandle<()>);
-
-impl Drop for Sweeper {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
+/// The sweep task, aborted when the store's last handle is dropped.
+pub(crate) type Sweeper = tokio_util::task::AbortOnDropHandle<()>;
 
 /// What the background sweep needs (not the store, so that the task does
 /// not keep the store alive).
