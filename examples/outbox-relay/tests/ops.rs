@@ -18,6 +18,41 @@ use idem_tests::{
     send,
 };
 
+/// A migrated database of the shared server and a private NATS.
+struct Scene {
+    database: String,
+    store: idem_postgres::PgStore,
+    nats: NatsServer,
+}
+
+impl Scene {
+    /// `None` skips (no PostgreSQL or `nats-server`, outside CI).
+    async fn new() -> Option<Self> {
+        let server = PgServer::shared()?;
+        let nats = NatsServer::spawn()?;
+        let database = server.database();
+        let store = idem_postgres::PgStore::from_url(&database).expect("store");
+        store.migrate().await.expect("migrate");
+        Some(Self {
+            database,
+            store,
+            nats,
+        })
+    }
+
+    /// The `outbox-relay` binary on this scene, with `settings` besides.
+    fn relay(&self, settings: &[(&str, &str)]) -> Spawned {
+        Spawned::start(
+            Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+                .env("DATABASE_URL", &self.database)
+                .env("NATS_URL", self.nats.url())
+                .env("OUTBOX_METRICS", "127.0.0.1:0")
+                .env("RUST_LOG", "warn")
+                .envs(settings.iter().copied()),
+        )
+    }
+}
+
 /// A relay's `/metrics` text.
 async fn metrics_of(relay: &Spawned) -> String {
     let request = Request::get(format!("http://{}/metrics", relay.address()))
@@ -50,22 +85,10 @@ fn the_relays_alert_rules_pass_their_unit_tests() {
 /// or never alert.
 #[tokio::test]
 async fn every_metric_the_relays_dashboard_and_rules_query_is_exported_from_the_start() {
-    let Some(server) = PgServer::shared() else {
+    let Some(scene) = Scene::new().await else {
         return;
     };
-    let Some(nats) = NatsServer::spawn() else {
-        return;
-    };
-    let database = server.database();
-    let store = idem_postgres::PgStore::from_url(&database).expect("store");
-    store.migrate().await.expect("migrate");
-    let relay = Spawned::start(
-        Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-            .env("DATABASE_URL", &database)
-            .env("NATS_URL", nats.url())
-            .env("OUTBOX_METRICS", "127.0.0.1:0")
-            .env("RUST_LOG", "warn"),
-    );
+    let relay = scene.relay(&[]);
     let names = exported(&metrics_of(&relay).await);
 
     let queries = dashboard_queries("idem-outbox.json");
@@ -91,15 +114,10 @@ async fn every_metric_the_relays_dashboard_and_rules_query_is_exported_from_the_
 /// the relay is idle.
 #[tokio::test]
 async fn the_backlog_gauges_move_while_every_batch_is_full() {
-    let Some(server) = PgServer::shared() else {
+    let Some(scene) = Scene::new().await else {
         return;
     };
-    let Some(nats) = NatsServer::spawn() else {
-        return;
-    };
-    let database = server.database();
-    let store = idem_postgres::PgStore::from_url(&database).expect("store");
-    store.migrate().await.expect("migrate");
+    let store = &scene.store;
     let fill = "INSERT INTO idem_records_outbox (id, position, subject, payload, created_at_ms) \
                 SELECT 'slow-' || i, 1, 'charges', 'x', 0 FROM generate_series(1, 1000) AS i; \
                 CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS \
@@ -110,16 +128,11 @@ async fn the_backlog_gauges_move_while_every_batch_is_full() {
         .execute(store.pool())
         .await
         .expect("fill");
-    let relay = Spawned::start(
-        Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-            .env("DATABASE_URL", &database)
-            .env("NATS_URL", nats.url())
-            .env("OUTBOX_STREAM", "CHARGES")
-            .env("OUTBOX_SUBJECTS", "charges")
-            .env("OUTBOX_BATCH", "1")
-            .env("OUTBOX_METRICS", "127.0.0.1:0")
-            .env("RUST_LOG", "warn"),
-    );
+    let relay = scene.relay(&[
+        ("OUTBOX_STREAM", "CHARGES"),
+        ("OUTBOX_SUBJECTS", "charges"),
+        ("OUTBOX_BATCH", "1"),
+    ]);
     let backlog = async || {
         metrics_of(&relay)
             .await
