@@ -24,9 +24,9 @@ use crate::{
     body::BoxError,
     classify::{RemoteAnswer, Verdict},
     engine::{Lapse, renewing, settle},
-    metrics::{self as m, Outcome as Counted, StoreOp},
+    metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
-    runtime::{Runtime, commit_call, store_call},
+    runtime::Runtime,
 };
 
 /// What the handler produced, read as far as the storable limit.
@@ -343,7 +343,7 @@ where
                 None => problem(ProblemCode::HandlerFailed, &detail, None),
             }
         };
-        let buffered = match renewing(config, store, &lease, Some(&lapse), work).await {
+        let buffered = match renewing(store, &lease, Some(&lapse), work).await {
             Ok(Ok(Produced::Answer(buffered))) => buffered,
             Ok(Ok(Produced::Unknown(response, unknown))) => {
                 m::count(Counted::Unknown);
@@ -519,11 +519,7 @@ async fn settle_in_transaction<S: Store, B>(
     deferred: Box<dyn DeferredCompletion>,
     outcome: Outcome,
 ) -> Option<Response<ResponseBody<B>>> {
-    let outcome = rt.sealed(lease, &outcome).unwrap_or(outcome);
-    let commit = deferred.commit(lease.clone(), outcome);
-    let committed = commit_call(&rt.config, commit)
-        .await
-        .and_then(|completion| rt.opened(completion, &lease.scope));
+    let committed = rt.store.commit(lease, deferred, outcome).await;
     match committed {
         Ok(Completion::Recorded) => {
             m::count(Counted::Executed);
@@ -566,7 +562,7 @@ fn unavailable<B>(detail: &str) -> Response<ResponseBody<B>> {
 /// that its outcome is unknown, before the answer goes out: whoever reads
 /// the record afterwards (the records API, an operator) sees it.
 async fn keep_unknown<S: Store>(rt: &Runtime<S>, lease: &Lease) {
-    let marked = store_call(&rt.config, StoreOp::Renew, rt.store.mark_unknown(lease)).await;
+    let marked = rt.store.mark_unknown(lease).await;
     if let Err(error) = marked {
         tracing::warn!(%error, "the unknown outcome could not be kept in the record's history");
     }
@@ -592,7 +588,7 @@ async fn await_late<S: Store>(
         let response = late.await?;
         Some(buffer(response, max_response).await)
     });
-    let (verdict, produced) = match renewing(config, &*rt.store, &lease, None, answer).await {
+    let (verdict, produced) = match renewing(&*rt.store, &lease, None, answer).await {
         Ok(Some(buffered)) => (
             buffered.verdict(config),
             outcome_of(buffered, &config.replay_denylist),

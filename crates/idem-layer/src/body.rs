@@ -2,8 +2,10 @@
 
 use std::{
     collections::VecDeque,
+    future::Future,
     pin::Pin,
     task::{Context, Poll},
+    time::Duration,
 };
 
 use bytes::Bytes;
@@ -126,5 +128,21 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
                 .field("prefix_chunks", &prefix.len())
                 .finish_non_exhaustive(),
         }
+    }
+}
+
+/// Awaits `future` within `bound` (`None`: unbounded), arming the timer
+/// only if the future is still pending after a first poll: work that is
+/// already done (a memory-store call, a body that has arrived) runs no
+/// timer.
+pub(crate) async fn within<F: Future + Unpin>(
+    bound: Option<Duration>,
+    mut future: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut future).poll(cx)));
+    match (first.await, bound) {
+        (Poll::Ready(output), _) => Ok(output),
+        (Poll::Pending, None) => Ok(future.await),
+        (Poll::Pending, Some(bound)) => tokio::time::timeout(bound, future).await,
     }
 }

@@ -278,7 +278,7 @@ impl<S: Store> IdempotencyLayer<S> {
         // Lists the attempt if its lease lapses while it runs; dropped
         // last, after its outcome was recorded or handed on.
         let lapse = Lapse::new(&self.runtime.pending);
-        let produced = renewing(config, &*self.runtime.store, &lease, Some(&lapse), work).await;
+        let produced = renewing(&*self.runtime.store, &lease, Some(&lapse), work).await;
         // The action ran: its result is recorded whatever happens to its
         // encoding. One that does not encode (a map with keys JSON cannot
         // name, a failing `Serialize`) is recorded without its value, so a

@@ -96,11 +96,6 @@ pub(crate) struct Config {
     /// Whether new responses are sealed (else the keyring only opens).
     pub(crate) seal_new: bool,
     pub(crate) store_timeout: Duration,
-    /// The store's own bound on its hot calls ([`idem_core::Store::call_bound`]).
-    pub(crate) store_bound: Option<Duration>,
-    /// Whether a store call that runs out of time met a busy backend
-    /// ([`Store::timeout_means_busy`](idem_core::Store::timeout_means_busy)).
-    pub(crate) timeout_busy: bool,
     /// Thrown when the store belongs to instances that derive record
     /// identities otherwise (found after a start the store was down for).
     pub(crate) store_guard: crate::config::StoreGuard,

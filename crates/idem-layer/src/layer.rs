@@ -102,8 +102,6 @@ impl<S: Store> IdempotencyLayer<S> {
             sealing: None,
             seal_new: false,
             store_timeout: Duration::from_secs(1),
-            store_bound: None,
-            timeout_busy: false,
             store_guard: crate::config::StoreGuard::default(),
             should_retry_header: None,
             error_member: false,
@@ -125,7 +123,7 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     fn with(mut self, change: impl FnOnce(&mut Config)) -> Self {
-        change(self.runtime.config_mut());
+        self.runtime.configure(change);
         self
     }
 
@@ -182,8 +180,13 @@ impl<S: Store> IdempotencyLayer<S> {
         self.runtime.flights.waiting()
     }
 
-    /// The store the layer uses.
-    pub fn store(&self) -> &Arc<S> {
+    /// The store as the layer calls it (see [`stores`](crate::stores)):
+    /// every call bounded by the store timeout and timed, and stored
+    /// responses sealed and opened with the layer's keyring. The records
+    /// API and the gateway's operator page go through it; so does a test
+    /// that reads what the layer stored. The store as given is
+    /// `store().inner().inner()`.
+    pub fn store(&self) -> &Arc<crate::stores::LayerStore<S>> {
         &self.runtime.store
     }
 

@@ -194,6 +194,7 @@ pub mod records;
 mod runtime;
 pub mod sealing;
 mod service;
+pub mod stores;
 mod storm;
 pub mod tenant;
 pub mod testing;

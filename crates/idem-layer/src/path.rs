@@ -7,7 +7,9 @@
 //! normalized path and, when the path changes, passes the request on with
 //! the normalized path, so that what runs is exactly what was scoped.
 
-use std::borrow::Cow;
+use std::{borrow::Cow, sync::Arc};
+
+use crate::recent::Recent;
 
 /// Whether a byte is an RFC 3986 unreserved character.
 fn unreserved(byte: u8) -> bool {
@@ -144,9 +146,52 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// The operation of a scope: the method and the route (`POST /orders`).
+/// The request path and the records API name operations the same way, so
+/// the records API finds what the layer stored.
+pub(crate) fn operation_name(method: &str, route: &str) -> String {
+    let mut name = String::with_capacity(method.len() + 1 + route.len());
+    name.push_str(method);
+    name.push(' ');
+    name.push_str(route);
+    name
+}
+
+/// How many operations each thread keeps named.
+const RECENT_OPERATIONS: usize = 8;
+
+thread_local! {
+    /// The operations a thread named lately, the oldest replaced first: a
+    /// service has a few routes, and their names are shared, not made
+    /// again for every request.
+    static OPERATIONS: std::cell::RefCell<Recent<Arc<str>, RECENT_OPERATIONS>> =
+        const { std::cell::RefCell::new(Recent::new()) };
+}
+
+/// [`operation_name`] as shared text, from the thread's recent operations
+/// when it named this one lately.
+pub(crate) fn shared_operation_name(method: &str, route: &str) -> Arc<str> {
+    let names = |name: &str| {
+        name.len() == method.len() + 1 + route.len()
+            && name.as_bytes()[method.len()] == b' '
+            && name.starts_with(method)
+            && name.ends_with(route)
+    };
+    // A thread past its thread-locals' end (a future dropped while the
+    // thread exits) names the operation anew.
+    let found =
+        OPERATIONS.try_with(|recent| recent.borrow().iter().find(|name| names(name)).cloned());
+    if let Ok(Some(name)) = found {
+        return name;
+    }
+    let name: Arc<str> = operation_name(method, route).into();
+    let _ = OPERATIONS.try_with(|recent| recent.borrow_mut().push(Arc::clone(&name)));
+    name
+}
+
 #[cfg(test)]
 mod tests {
-    use super::normalize_path;
+    use super::{RECENT_OPERATIONS, normalize_path, operation_name, shared_operation_name};
     use proptest::prelude::*;
 
     proptest! {
@@ -234,6 +279,39 @@ mod tests {
             assert_eq!(normalize_path(input), expected, "{input:?}");
             // Normalizing twice changes nothing.
             assert_eq!(normalize_path(expected), expected, "{expected:?} again");
+        }
+    }
+
+    /// The shared name of an operation is its name, whether the thread
+    /// named it lately or not: routes of one length, methods of one
+    /// length, and more operations than a thread keeps, each named in
+    /// turn, twice.
+    #[test]
+    fn shared_operation_names_are_the_names() {
+        let mut operations = vec![
+            ("POST", "/ab"),
+            ("POST", "/cd"),
+            ("PUTS", "/ab"),
+            ("PUT", "/abc"),
+            ("PUT", "/ab c"),
+            ("POST", "/"),
+            ("DELETE", "/orders/{id}"),
+        ];
+        operations.extend((0..RECENT_OPERATIONS).map(|n| {
+            (
+                "PATCH",
+                ["/a", "/b", "/c", "/d", "/e", "/f", "/g", "/h"][n % 8],
+            )
+        }));
+        for _ in 0..2 {
+            for &(method, route) in &operations {
+                for _ in 0..2 {
+                    assert_eq!(
+                        &*shared_operation_name(method, route),
+                        operation_name(method, route)
+                    );
+                }
+            }
         }
     }
 }

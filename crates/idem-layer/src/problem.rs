@@ -7,9 +7,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
-use idem_core::protocol::codes;
+use idem_core::{StoreError, protocol::codes};
 
-use crate::ResponseBody;
+use crate::{
+    ResponseBody,
+    metrics::{self as m, Outcome as Counted},
+};
 
 /// The stable problem codes of the contract.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -507,6 +510,46 @@ pub(crate) fn problem_about<B>(
 pub(crate) fn retry_after_secs(wait: Duration) -> u64 {
     let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
     secs.max(1)
+}
+
+pub(crate) fn store_unavailable<B>(error: &StoreError) -> Response<ResponseBody<B>> {
+    // A tenant at its quota is not a store in trouble: counted apart, so
+    // that an alert on store errors does not fire for one busy tenant.
+    m::count(match error {
+        StoreError::QuotaExceeded { .. } => Counted::QuotaExceeded,
+        _ => Counted::StoreError,
+    });
+    unavailable_problem(error)
+}
+
+/// `503 idempotency_store_unavailable` for a failed store call, of the
+/// layer and of the records API alike; the error itself is logged.
+pub(crate) fn unavailable_problem<B>(error: &StoreError) -> Response<ResponseBody<B>> {
+    tracing::warn!(%error, "idempotency store call failed");
+    // What went wrong inside is for the logs (above), not for the caller.
+    let (code, detail, retry_after) = match error {
+        StoreError::Full { retry_after, .. } => (
+            ProblemCode::StoreUnavailable,
+            "the idempotency store is full; retry after records expire",
+            *retry_after,
+        ),
+        StoreError::Busy { retry_after } => (
+            ProblemCode::StoreUnavailable,
+            "every connection to the idempotency store is in use; retry shortly",
+            *retry_after,
+        ),
+        StoreError::QuotaExceeded { retry_after, .. } => (
+            ProblemCode::QuotaExceeded,
+            "the caller holds its quota of idempotency records; retry after its oldest expire",
+            *retry_after,
+        ),
+        _ => (
+            ProblemCode::StoreUnavailable,
+            "the idempotency store is unavailable; retry shortly",
+            Duration::from_secs(1),
+        ),
+    };
+    problem(code, detail, Some(retry_after))
 }
 
 #[cfg(test)]

@@ -148,9 +148,10 @@ use crate::{
     ResponseBody,
     headers::ADMIN_TOKEN,
     listing::Listing,
-    metrics::StoreOp,
+    path::operation_name,
+    problem::unavailable_problem,
     problem::{ProblemCode, problem},
-    runtime::{Runtime, list_call, operation_name, store_call, unavailable_problem},
+    runtime::Runtime,
 };
 
 /// The body type of the records API.
@@ -439,7 +440,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
         let deadline = tokio::time::Instant::now() + wait;
         let not_found = |detail: &str| (ProblemCode::RecordNotFound, detail.to_owned());
         loop {
-            let record = match store_call(config, StoreOp::Get, self.rt.store.get(&scope)).await {
+            let record = match self.rt.store.get(&scope).await {
                 Ok(record) => record,
                 Err(error) => return Ok(unavailable_problem(&error)),
             };
@@ -467,7 +468,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
                     };
                     // As a retry would get it: a content coding the
                     // request does not accept is decoded or refused.
-                    return Ok(match self.rt.opened(replay, &scope) {
+                    return Ok(match self.rt.store.open(replay, &scope) {
                         Ok(replay) => {
                             crate::answer::replay_to(&parts.headers, replay, config.max_response)
                         }
@@ -483,7 +484,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
                         return Ok(still_running(&record, now_ms));
                     }
                     tokio::select! {
-                        () = crate::runtime::wait_for_change(&*self.rt.store, &scope, left) => {}
+                        () = self.rt.store.changed(&scope, left) => {}
                         () = self.rt.closing.cancelled() => {}
                     }
                 }
@@ -494,8 +495,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
     /// Erases one record (not a processing one): counted and logged by
     /// its scope hash, never its key; this layer's replay cache forgets it.
     async fn erase_one(&self, scope: &ScopeHash) -> Response<RecordsBody> {
-        let config = &self.rt.config;
-        match store_call(config, StoreOp::Erase, self.rt.store.erase(scope)).await {
+        match self.rt.store.erase(scope).await {
             Ok(Erasure::Erased(record)) => {
                 self.erased(&record);
                 json_response(
@@ -536,7 +536,6 @@ impl<S: RecordsAdmin> RecordsService<S> {
             Ok(listing) => listing,
             Err(wait) => return listing_busy("erase", wait),
         };
-        let config = &self.rt.config;
         let (mut erased, mut processing) = (0usize, 0usize);
         let mut after = None;
         let stopped = |erased: usize, processing: usize, error: &idem_core::StoreError| {
@@ -558,14 +557,14 @@ impl<S: RecordsAdmin> RecordsService<S> {
                 after: after.take(),
                 ..RecordQuery::default()
             };
-            let records = match list_call(config, self.rt.store.list(&query)).await {
+            let records = match self.rt.store.list(&query).await {
                 Ok(records) => records,
                 Err(error) => return stopped(erased, processing, &error),
             };
             let full_page = records.len() == LIST_LIMIT;
             after = records.last().map(idem_core::RecordCursor::after);
             for record in records {
-                match store_call(config, StoreOp::Erase, self.rt.store.erase(&record.scope)).await {
+                match self.rt.store.erase(&record.scope).await {
                     Ok(Erasure::Erased(record)) => {
                         self.erased(&record);
                         erased += 1;
@@ -628,7 +627,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
                     Ok(listing) => listing,
                     Err(wait) => return Ok(listing_busy("list", wait)),
                 };
-                match list_call(config, self.rt.store.list(&list)).await {
+                match self.rt.store.list(&list).await {
                     Ok(records) => json_response(
                         StatusCode::OK,
                         &json!({ "records": records.iter().map(record_json).collect::<Vec<_>>() }),
@@ -638,7 +637,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
             }
             (&Method::GET, true) => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, StoreOp::Get, self.rt.store.get(&scope)).await {
+                match self.rt.store.get(&scope).await {
                     Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record)),
                     Ok(None) => return Err(not_found()),
                     Err(error) => unavailable(error),
@@ -646,7 +645,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
             }
             (&Method::DELETE, _) => {
                 let scope = self.scope(tenant, &query)?;
-                match store_call(config, StoreOp::Cancel, self.rt.store.cancel(&scope)).await {
+                match self.rt.store.cancel(&scope).await {
                     Ok(Cancellation::Cancelled(record)) => answer_cancel("cancelled", &record),
                     Ok(Cancellation::AlreadyCancelled(record)) => {
                         answer_cancel("already_cancelled", &record)
@@ -666,13 +665,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
                     return Err((ProblemCode::AdminRequired, detail.to_owned()));
                 }
                 let scope = self.scope(tenant, &query)?;
-                match store_call(
-                    config,
-                    StoreOp::ForceRelease,
-                    self.rt.store.force_release(&scope),
-                )
-                .await
-                {
+                match self.rt.store.force_release(&scope).await {
                     Ok(ForceRelease::Released(record)) => {
                         tracing::warn!(scope = %record.scope, "an operator released a record");
                         json_response(

@@ -20,13 +20,16 @@ use crate::{
     answer::{cancelled, in_progress_about, replay_to},
     attempt::attempt,
     body::BoxError,
+    body::within,
     disconnect::{ReleaseOnDrop, ResponseFuture, attempt_started},
     engine::{Admission, Found, admit},
     headers::read_key,
     metrics::{self as m, Outcome as Counted},
     normalize_path,
+    path::shared_operation_name,
+    problem::store_unavailable,
     problem::{ProblemCode, RecordRef, problem, problem_about},
-    runtime::{Runtime, shared_operation_name, store_unavailable, within},
+    runtime::Runtime,
 };
 
 /// The service produced by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -383,12 +386,7 @@ fn pointer(
 /// `None` when the read fails or finds nothing any more: the `422` stands
 /// without it.
 async fn conflicting<S: Store>(rt: &Runtime<S>, request: &ReserveRequest) -> Option<RecordRef> {
-    let read = crate::runtime::store_call(
-        &rt.config,
-        crate::metrics::StoreOp::Get,
-        rt.store.get(request.scope.hash()),
-    )
-    .await;
+    let read = rt.store.get(request.scope.hash()).await;
     let record = read.ok()??;
     let first_seen = std::time::UNIX_EPOCH + Duration::from_millis(record.created_at_ms);
     Some(pointer(

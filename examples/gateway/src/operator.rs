@@ -32,6 +32,7 @@ use axum::{
     routing::{get, post},
 };
 use idem_core::{ForceRelease, Record, RecordQuery, RecordState, RecordsAdmin, ScopeHash};
+use idem_layer::stores::LayerStore;
 use rand::Rng;
 use sha2::Digest;
 
@@ -105,7 +106,8 @@ struct Session {
 
 /// The page's state.
 pub(crate) struct Operator<S> {
-    store: Arc<S>,
+    /// The layer's store: its calls bounded and timed like the layer's.
+    store: Arc<LayerStore<S>>,
     /// SHA-256 of the admin token.
     token: [u8; 32],
     /// By SHA-256 of the session id (the id itself is only in the cookie).
@@ -171,7 +173,7 @@ impl SignInBudget {
 
 /// The page's routes under `path` (`{prefix}/operator`).
 pub(crate) fn routes<S: RecordsAdmin>(
-    store: Arc<S>,
+    store: Arc<LayerStore<S>>,
     token: &[u8],
     unknowns: Unknowns,
     path: &str,
@@ -499,9 +501,11 @@ impl<S: RecordsAdmin> Operator<S> {
             limit: LISTED,
             ..RecordQuery::default()
         };
-        let listed = tokio::time::timeout(Duration::from_secs(30), self.store.list(&query))
+        // The layer's store bounds the listing (30 s at least).
+        let listed = self
+            .store
+            .list(&query)
             .await
-            .map_err(|_| "the store did not answer the listing within 30 s".to_owned())?
             .map_err(|error| format!("the store could not list its records: {error}"))?;
         let listed = Arc::new(listed);
         *last = Some(Listing {
@@ -792,8 +796,9 @@ mod tests {
 
     #[test]
     fn a_session_is_found_by_its_cookie_only() {
+        let layer = idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new());
         let operator = Operator {
-            store: Arc::new(()),
+            store: Arc::clone(layer.store()),
             token: [0; 32],
             sessions: Mutex::new(HashMap::new()),
             unknowns: Unknowns::default(),

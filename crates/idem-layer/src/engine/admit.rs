@@ -5,16 +5,15 @@
 
 use std::time::Duration;
 
-use idem_core::{Attempt, Lease, Reservation, ReserveRequest, Store, StoreError};
+use idem_core::{Attempt, Lease, Reservation, ReserveRequest, ScopeHash, Store, StoreError};
 
+use super::deadline_after;
 use crate::{
     InFlight,
     found::Found,
-    metrics::{self as m, Outcome as Counted, Saved, StoreOp},
+    metrics::{self as m, Outcome as Counted, Saved},
     pending::Held,
-    runtime::{
-        RUNNING_RETRY_AFTER, Runtime, deadline_after, store_call, wait_bound, wait_for_change,
-    },
+    runtime::Runtime,
     storm::{Flight, Role, Shared, follow},
 };
 
@@ -128,18 +127,15 @@ async fn round<S: Store>(
     mut wait_first: Option<Duration>,
     on_conflict: &mut impl FnMut(&mut ReserveRequest) -> bool,
 ) -> Option<Admission> {
-    let (config, store) = (&*rt.config, &*rt.store);
+    let store = &*rt.store;
     loop {
         if let Some(hint) = wait_first.take() {
             let now = tokio::time::Instant::now();
             if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
                 let _waiting = rt.flights.wait();
-                wait_for_change(
-                    store,
-                    request.scope.hash(),
-                    wait_bound(deadline - now, hint),
-                )
-                .await;
+                store
+                    .changed(request.scope.hash(), wait_bound(deadline - now, hint))
+                    .await;
             }
         }
         // Before every reservation (a waiting duplicate's too: the attempt
@@ -153,13 +149,10 @@ async fn round<S: Store>(
                 Held::Running => Admission::Found(Found::InProgress(RUNNING_RETRY_AFTER)),
             });
         }
-        let reservation = match store_call(config, StoreOp::Reserve, store.reserve(request)).await {
+        let reservation = match store.reserve(request).await {
             Ok(reservation) => {
                 rt.pending.store_answered();
-                match rt.opened(reservation, request.scope.hash()) {
-                    Ok(reservation) => reservation,
-                    Err(error) => return Some(Admission::Failed(error)),
-                }
+                reservation
             }
             Err(error) => return Some(Admission::Failed(error)),
         };
@@ -205,4 +198,52 @@ async fn round<S: Store>(
         };
         return Some(Admission::Found(found));
     }
+}
+
+/// The `Retry-After` hint for a duplicate of an attempt that runs here
+/// past its lapsed lease (the lease says nothing of when it ends).
+pub(crate) const RUNNING_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+impl<S> Runtime<S> {
+    /// Before a reservation of `scope`: `Err` when this layer holds an
+    /// attempt of it that still runs after its lease lapsed, or an outcome
+    /// of it that the store has not taken yet, even when tried again now
+    /// (see [`pending`](crate::pending)). Either way the action ran or
+    /// runs: fail-open does not apply, and the retry that the store would
+    /// let take over waits instead. A running attempt is waited for until
+    /// `deadline` (the in-flight wait mode's; `None`: not at all).
+    pub(crate) async fn outcome_recorded(
+        &self,
+        scope: &ScopeHash,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<(), crate::pending::Held> {
+        // One try of the completion: a store call, within its timeout. A
+        // try that fails ends the wait at once; the floor is for a busy
+        // machine that runs the try late.
+        let bound = self
+            .config
+            .store_timeout
+            .saturating_mul(2)
+            .max(Duration::from_secs(2));
+        loop {
+            return match self.pending.settled(scope, bound).await {
+                Err(crate::pending::Held::Running) => {
+                    let now = tokio::time::Instant::now();
+                    if let Some(deadline) = deadline.filter(|deadline| now < *deadline) {
+                        self.pending.changed(scope, deadline - now).await;
+                        continue;
+                    }
+                    Err(crate::pending::Held::Running)
+                }
+                settled => settled,
+            };
+        }
+    }
+}
+
+/// How long a waiting duplicate waits for the record to change: until its
+/// own deadline, and no longer than the holder's lease has left (a lapsed
+/// lease publishes nothing; the next reservation takes it over).
+pub(crate) fn wait_bound(deadline_left: Duration, lease_left: Duration) -> Duration {
+    deadline_left.min(lease_left.max(Duration::from_millis(1)))
 }

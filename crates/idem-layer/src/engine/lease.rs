@@ -12,11 +12,7 @@ use std::{
 use futures_util::{FutureExt, future::Fuse};
 use idem_core::{Lease, Renewal, Store};
 
-use crate::{
-    config::Config,
-    metrics::StoreOp,
-    runtime::{deadline_after, store_call},
-};
+use super::deadline_after;
 
 /// Where an attempt that runs on after its lease lapsed is listed (see
 /// [`pending`](crate::pending)): listed while its renewals fail past the
@@ -54,12 +50,7 @@ impl<'a> Lapse<'a> {
 /// when the store answers one of the layer's reservations; the store
 /// renews a lapsed lease that nothing took over) while the attempt runs,
 /// which is listed meanwhile so that this layer's retries of it wait.
-async fn keep_alive<S: Store>(
-    config: &Config,
-    store: &S,
-    lease: &Lease,
-    lapse: Option<&Lapse<'_>>,
-) {
+async fn keep_alive<S: Store>(store: &S, lease: &Lease, lapse: Option<&Lapse<'_>>) {
     let period = (lease.ttl / 3).max(Duration::from_millis(1));
     let retry = (period / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut held_until = deadline_after(lease.ttl);
@@ -75,7 +66,7 @@ async fn keep_alive<S: Store>(
             _ => tokio::time::sleep_until(next).await,
         }
         let sent = tokio::time::Instant::now();
-        match store_call(config, StoreOp::Renew, store.renew(lease)).await {
+        match store.renew(lease).await {
             Ok(Renewal::Renewed) => {
                 if lapsed.take().is_some() {
                     tracing::info!("the lapsed lease was renewed: nothing took it over");
@@ -131,7 +122,6 @@ async fn keep_alive<S: Store>(
 /// With `lapse`, a lease that lapses while the store is down is renewed
 /// on and the attempt listed meanwhile (see [`keep_alive`]).
 pub(crate) fn renewing<'a, S: Store, W: Future + 'a>(
-    config: &'a Config,
     store: &'a S,
     lease: &'a Lease,
     lapse: Option<&'a Lapse<'a>>,
@@ -139,20 +129,19 @@ pub(crate) fn renewing<'a, S: Store, W: Future + 'a>(
 ) -> impl Future<Output = W::Output> + 'a {
     Renewing {
         work,
-        keeper: keep_alive(config, store, lease, lapse).fuse(),
+        keeper: keep_alive(store, lease, lapse).fuse(),
     }
 }
 
 /// Drives `work` while the lease is held; `None` once it is lost.
 pub(super) fn while_held<'a, S: Store, W: Future + 'a>(
-    config: &'a Config,
     store: &'a S,
     lease: &'a Lease,
     work: W,
 ) -> impl Future<Output = Option<W::Output>> + 'a {
     WhileHeld {
         work,
-        keeper: keep_alive(config, store, lease, None),
+        keeper: keep_alive(store, lease, None),
     }
 }
 

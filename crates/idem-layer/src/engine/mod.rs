@@ -9,7 +9,16 @@ mod admit;
 mod lease;
 mod settle;
 
+use std::time::Duration;
+
 pub(crate) use crate::found::Found;
 pub(crate) use admit::{Admission, admit};
 pub(crate) use lease::{Lapse, renewing};
 pub(crate) use settle::settle;
+
+/// `now + bound`, saturating far in the future instead of overflowing.
+pub(crate) fn deadline_after(bound: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(bound)
+        .unwrap_or_else(|| now + crate::MAX_DURATION)
+}

@@ -6,14 +6,17 @@
 use std::time::Duration;
 
 use idem_core::{
-    Completion, Current, Lease, Outcome, Reservation, ReserveRequest, Store, StoreError,
+    Completion, Current, Lease, Outcome, Release, Reservation, ReserveRequest, Store, StoreError,
 };
 use tracing::Instrument;
 
-use super::lease::{lapsed_backoff, while_held};
+use super::{
+    deadline_after,
+    lease::{lapsed_backoff, while_held},
+};
 use crate::{
-    metrics::{self as m, Outcome as Counted, StoreOp},
-    runtime::{Runtime, deadline_after, store_call},
+    metrics::{self as m, Outcome as Counted},
+    runtime::Runtime,
 };
 
 /// Records what an attempt produced: stores the outcome, or releases the
@@ -30,7 +33,7 @@ pub(crate) async fn settle<S: Store>(
     if !stores {
         return rt.release(lease).await;
     }
-    match rt.complete(lease, &outcome).await {
+    match rt.store.complete(lease, &outcome).await {
         Ok(completion) => completed(rt, request, &outcome, completion).await,
         Err(error) => {
             // The action ran; its client gets the real response, and the
@@ -73,14 +76,13 @@ fn record_in_background<S: Store>(
 /// at once. Only a vacant scope is written; if another attempt reserved
 /// it meanwhile, that attempt's record stands.
 async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: &Outcome) {
-    let config = &*rt.config;
     let store = &*rt.store;
     // A record that is there but vacant was released (by an operator, or
     // by this attempt's own release that a takeover followed): it did not
     // vanish, and its release stands; the outcome is kept on it as late
     // evidence.
     let scope = request.scope.hash();
-    if let Ok(Some(_)) = store_call(config, StoreOp::Get, store.get(scope)).await {
+    if let Ok(Some(_)) = store.get(scope).await {
         m::count(Counted::Fenced);
         tracing::warn!(
             status = outcome.status(),
@@ -89,7 +91,7 @@ async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: 
         );
         return;
     }
-    let lease = match store_call(config, StoreOp::Reserve, store.reserve(request)).await {
+    let lease = match store.reserve(request).await {
         Ok(Reservation::Acquired(lease)) => lease,
         Ok(_) => {
             tracing::warn!(
@@ -103,7 +105,7 @@ async fn recreate<S: Store>(rt: &Runtime<S>, request: &ReserveRequest, outcome: 
             return;
         }
     };
-    match rt.complete(&lease, outcome).await {
+    match rt.store.complete(&lease, outcome).await {
         Ok(Completion::Recorded) => tracing::warn!(
             status = outcome.status(),
             "the record vanished under the completion (a failover may have lost it); made \
@@ -129,7 +131,6 @@ async fn record_later<S: Store>(
     outcome: Outcome,
     pending: crate::pending::Registration,
 ) {
-    let config = &*rt.config;
     let store = &*rt.store;
     let attempt = async || {
         let tried = try_record(&rt, &request, &lease, &outcome).await;
@@ -145,7 +146,7 @@ async fn record_later<S: Store>(
             }
         }
     };
-    if while_held(config, store, &lease, retries).await.is_some() {
+    if while_held(store, &lease, retries).await.is_some() {
         return;
     }
     // The lease was lost: to a newer attempt or a cancellation (the
@@ -186,7 +187,7 @@ async fn try_record<S: Store>(
     lease: &Lease,
     outcome: &Outcome,
 ) -> Result<(), StoreError> {
-    let completion = rt.complete(lease, outcome).await?;
+    let completion = rt.store.complete(lease, outcome).await?;
     if completed(rt, request, outcome, completion).await.is_none() {
         tracing::info!("outcome recorded after a store error");
     }
@@ -217,6 +218,84 @@ async fn completed<S: Store>(
             m::count(Counted::Fenced);
             tracing::warn!("completion fenced: a newer attempt or a cancellation owns the record");
             Some(current)
+        }
+    }
+}
+
+impl<S: Store> Runtime<S> {
+    /// Releases the key after a temporary failure or a dropped attempt.
+    /// Answers what the record says now when the lease was lost (the
+    /// attempt was superseded or cancelled), so the attempt's client can
+    /// get that instead.
+    pub(crate) async fn release(&self, lease: &Lease) -> Option<Current> {
+        m::count(Counted::Released);
+        let released = self.store.release(lease).await;
+        match released {
+            Ok(Release::Released) => None,
+            Ok(Release::Fenced(current)) => {
+                m::count(Counted::Fenced);
+                Some(current)
+            }
+            Err(error) => {
+                self.release_in_background(lease, &error);
+                None
+            }
+        }
+    }
+
+    /// Starts [`release_later`] after a release's store error (a rare
+    /// path, kept out of [`release`](Self::release)'s code).
+    #[cold]
+    #[inline(never)]
+    fn release_in_background(&self, lease: &Lease, error: &StoreError) {
+        use tracing::Instrument;
+        m::count(Counted::StoreError);
+        tracing::warn!(%error, "could not release the reservation yet; retrying in the background");
+        // Listed before the client gets its answer: its retry finds it.
+        let pending = self.pending.register(lease.scope);
+        self.tasks
+            .spawn(release_later(self.clone(), lease.clone(), pending).in_current_span());
+    }
+}
+
+/// Retries a release the store did not take, like a completion (see
+/// [`pending`](crate::pending)): at once when a reservation of its scope
+/// reaches this layer (which waits for that try, so the retry the client
+/// was told it may send runs instead of meeting `409`) or when the store
+/// answers any reservation, else backing off to two tries a second, until
+/// the store answers or the record's retention passed. A release is fenced
+/// by its lease's generation and owner token: a late one changes nothing
+/// of a record another attempt took over.
+async fn release_later<S: Store>(
+    rt: Runtime<S>,
+    lease: Lease,
+    pending: crate::pending::Registration,
+) {
+    let deadline = deadline_after(rt.config.retention);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        pending.pause(pause).await;
+        match rt.store.release(&lease).await {
+            Ok(answer) => {
+                pending.tried(true);
+                if let Release::Fenced(_) = answer {
+                    m::count(Counted::Fenced);
+                }
+                tracing::info!("reservation released after a store error");
+                return;
+            }
+            Err(error) => {
+                pending.tried(false);
+                if tokio::time::Instant::now() + pause >= deadline {
+                    tracing::error!(
+                        %error,
+                        "the reservation could not be released within the record's retention"
+                    );
+                    return;
+                }
+                tracing::debug!(%error, "releasing the reservation failed again");
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
         }
     }
 }
