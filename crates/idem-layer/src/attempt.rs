@@ -26,12 +26,15 @@ use crate::{
     engine::{Lapse, renewing, settle},
     metrics::{self as m, Outcome as Counted},
     problem::{ProblemCode, problem},
+    protocol::Protocol,
     runtime::Runtime,
 };
 
 /// What the handler produced, read as far as the storable limit.
 enum Buffered<B> {
     Complete {
+        /// The answer's protocol, as its head says.
+        protocol: Protocol,
         parts: http::response::Parts,
         body: Bytes,
         trailers: Option<http::HeaderMap>,
@@ -39,6 +42,7 @@ enum Buffered<B> {
     /// Passed on as it comes, not stored: over the storable limit, or a
     /// gRPC answer that streams (see [`grpc`](crate::grpc)).
     Passed {
+        protocol: Protocol,
         parts: http::response::Parts,
         prefix: VecDeque<Bytes>,
         rest: B,
@@ -52,11 +56,10 @@ enum Buffered<B> {
 }
 
 impl<B> Buffered<B> {
-    /// The answer's verdict (see [`classify`](crate::classify)): for a
-    /// gRPC answer by its `grpc-status` (or its absence); for a gRPC stream
-    /// (its status still to come) stored, since the call ran and answered
-    /// (it is recorded as answered, not stored); otherwise by the HTTP
-    /// status. An answer marked [`RemoteAnswer`] is an upstream's.
+    /// The answer's verdict (see [`classify`](crate::classify)), as its
+    /// protocol reads it ([`Protocol::verdict`], [`Protocol::passed_verdict`]);
+    /// an answer whose body failed by its HTTP status. An answer marked
+    /// [`RemoteAnswer`] is an upstream's.
     fn verdict(&self, config: &crate::config::Config) -> Verdict {
         let (Buffered::Complete { parts, .. }
         | Buffered::Passed { parts, .. }
@@ -73,15 +76,15 @@ impl<B> Buffered<B> {
         }
         match self {
             Buffered::Complete {
-                parts, trailers, ..
-            } if crate::grpc::is_grpc(&parts.headers) => {
-                let status = crate::grpc::status(&parts.headers, trailers.as_ref());
-                config.classify.verdict(parts.status, Some(status), remote)
-            }
-            Buffered::Passed { parts, .. } if crate::grpc::is_grpc(&parts.headers) => {
-                Verdict::Stored
-            }
-            _ => config.classify.verdict(parts.status, None, remote),
+                protocol,
+                parts,
+                trailers,
+                ..
+            } => protocol.verdict(config, parts, trailers.as_ref(), remote),
+            Buffered::Passed {
+                protocol, parts, ..
+            } => protocol.passed_verdict(config, parts, remote),
+            Buffered::Failed { parts, .. } => config.classify.verdict(parts.status, None, remote),
         }
     }
 }
@@ -108,9 +111,8 @@ where
     B::Error: Into<BoxError>,
 {
     let (parts, mut body) = response.into_parts();
-    // A gRPC answer is read as messages: a second one, or a status that
-    // lags the first, makes it a stream.
-    let mut framing = crate::grpc::is_grpc(&parts.headers).then(crate::grpc::Framing::default);
+    let protocol = Protocol::of(&parts.headers);
+    let mut framing = protocol.framing();
     let mut chunks = VecDeque::new();
     let mut total = 0usize;
     let mut trailers: Option<http::HeaderMap> = None;
@@ -128,6 +130,7 @@ where
                 // passed on from here.
                 Err(_) => {
                     return Buffered::Passed {
+                        protocol,
                         parts,
                         prefix: chunks,
                         rest: body,
@@ -162,6 +165,7 @@ where
         chunks.push_back(data);
         if total > limit || streams {
             return Buffered::Passed {
+                protocol,
                 parts,
                 prefix: chunks,
                 rest: body,
@@ -180,6 +184,7 @@ where
         }
     };
     Buffered::Complete {
+        protocol,
         parts,
         body,
         trailers,
@@ -208,6 +213,7 @@ where
             mut parts,
             body,
             mut trailers,
+            ..
         } => {
             let status = parts.status.as_u16();
             // idem's own marker never reaches the client, nor the store.
@@ -242,6 +248,7 @@ where
             mut parts,
             prefix,
             rest,
+            ..
         } => {
             crate::headers::opted_out(&mut parts);
             let status = parts.status.as_u16();

@@ -189,6 +189,7 @@ pub mod metrics;
 mod path;
 mod pending;
 pub mod problem;
+mod protocol;
 mod recent;
 pub mod records;
 mod runtime;

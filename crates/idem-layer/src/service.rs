@@ -29,6 +29,7 @@ use crate::{
     path::shared_operation_name,
     problem::store_unavailable,
     problem::{ProblemCode, RecordRef, problem, problem_about},
+    protocol::Protocol,
     runtime::Runtime,
 };
 
@@ -69,17 +70,14 @@ impl<I, S> Idempotency<I, S> {
         &self,
         code: ProblemCode,
         detail: &str,
-        grpc: bool,
+        protocol: Protocol,
     ) -> ResponseFuture<Response<ResponseBody<B>>, E>
     where
         B: Send + 'static,
         E: 'static,
     {
         m::count(Counted::Rejected);
-        let mut refusal = self.rt.config.shape(problem(code, detail, None));
-        if grpc {
-            refusal = crate::grpc::refusal(refusal, self.rt.config.should_retry_header.as_ref());
-        }
+        let refusal = protocol.answered(problem(code, detail, None), &self.rt.config);
         ResponseFuture::new(async move { Ok(refusal) })
     }
 
@@ -129,8 +127,8 @@ where
                 let detail = format!(
                     "the method {method:?} differs from a protected method only by case; send it in upper case"
                 );
-                let grpc = crate::grpc::is_grpc(request.headers());
-                return self.refuse(ProblemCode::MethodCaseMismatch, &detail, grpc);
+                let protocol = Protocol::of(request.headers());
+                return self.refuse(ProblemCode::MethodCaseMismatch, &detail, protocol);
             }
             let future = inner.call(request);
             return ResponseFuture::new(async move { Ok(without_no_store(future.await?)) });
@@ -143,30 +141,27 @@ where
             let future = inner.call(request);
             return ResponseFuture::new(async move { Ok(without_no_store(future.await?)) });
         }
-        // A gRPC caller gets the layer's refusals as gRPC statuses.
-        let grpc = crate::grpc::is_grpc(request.headers());
+        // Picked once: what is fingerprinted, and how refusals are written
+        // (a gRPC caller gets them as gRPC statuses).
+        let protocol = Protocol::of(request.headers());
         if self.rt.config.store_guard.refused() {
             let detail = "the store belongs to instances that derive record identities otherwise \
                           (another secret or format); the request was not run";
-            return self.refuse(ProblemCode::StoreUnavailable, detail, grpc);
+            return self.refuse(ProblemCode::StoreUnavailable, detail, protocol);
         }
         if self.misconfigured {
             let detail = "the idempotency layer's configuration is invalid (see the service's log); the request was not run";
-            return self.refuse(ProblemCode::Misconfigured, detail, grpc);
+            return self.refuse(ProblemCode::Misconfigured, detail, protocol);
         }
         let rt = self.rt.clone();
-        if rt.config.shapes_problems() || grpc {
+        if protocol.rewrites(&rt.config) {
             let config = Arc::clone(&rt.config);
             return ResponseFuture::new_with(move || async move {
-                let response = config.shape(handle(rt, inner, request).await?);
-                Ok(if grpc {
-                    crate::grpc::refusal(response, config.should_retry_header.as_ref())
-                } else {
-                    response
-                })
+                let response = handle(rt, inner, request, protocol).await?;
+                Ok(protocol.answered(response, &config))
             });
         }
-        ResponseFuture::new_with(|| handle(rt, inner, request))
+        ResponseFuture::new_with(move || handle(rt, inner, request, protocol))
     }
 }
 
@@ -228,6 +223,7 @@ fn handle<I, S, ReqBody, ResBody>(
     rt: Runtime<S>,
     inner: I,
     request: Request<ReqBody>,
+    protocol: Protocol,
 ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, I::Error>>
 where
     I: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -275,7 +271,7 @@ where
         };
         // A gRPC call is fingerprinted over its message uncompressed; a
         // streaming call is refused before anything runs.
-        let print = match grpc_fingerprinted(&parts, &body, config.max_body) {
+        let print = match protocol.fingerprinted(&parts, &body, config.max_body) {
             Ok(print) => print,
             Err((code, detail)) => {
                 m::count(Counted::Rejected);
@@ -395,28 +391,6 @@ async fn conflicting<S: Store>(rt: &Runtime<S>, request: &ReserveRequest) -> Opt
         record.state.as_str(),
         Some(humantime::format_rfc3339_millis(first_seen).to_string()),
     ))
-}
-
-/// What a gRPC call's fingerprint covers when it is not its body as it
-/// came (see [`grpc::fingerprinted`](crate::grpc)), or why it is refused:
-/// a streaming call, or a body that is no gRPC message.
-fn grpc_fingerprinted(
-    parts: &Parts,
-    body: &Bytes,
-    limit: usize,
-) -> Result<Option<Bytes>, (ProblemCode, String)> {
-    if !crate::grpc::is_grpc(&parts.headers) {
-        return Ok(None);
-    }
-    crate::grpc::fingerprinted(&parts.headers, body, limit).map_err(|unreadable| match unreadable {
-        crate::grpc::Unreadable::Stream => (
-            ProblemCode::StreamRefused,
-            "the keyed gRPC call carries more than one request message; only unary calls are \
-             protected: call streaming methods without an idempotency-key"
-                .to_owned(),
-        ),
-        crate::grpc::Unreadable::Malformed(detail) => (ProblemCode::BodyInvalid, detail),
-    })
 }
 
 /// Reads a keyed request's body within the limit, or the refusal.
