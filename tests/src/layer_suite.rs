@@ -79,7 +79,7 @@ impl App {
     pub fn layer<S: SuiteStore>(store: S) -> IdempotencyLayer<S> {
         IdempotencyLayer::new(store)
             .tenant(TenantFromHeader::from_static("x-tenant"))
-            .max_response(1024)
+            .answers(|a| a.max_response(1024))
     }
 
     /// The app behind `layer`, with a fresh tenant.
@@ -360,8 +360,7 @@ pub async fn an_answer_is_fetched_by_its_key<S: SuiteStore>(store: S) {
     let app = Arc::new(App::with_layer(
         App::layer(Arc::clone(&store))
             .sealing(keyring())
-            .records_admin_token("the admin")
-            .output_by_key(true),
+            .records(|r| r.admin_token("the admin").output_by_key(true)),
     ));
     let output = |key: &str| format!("?method=POST&path=/orders&key={key}&output=true");
     let first = app.post("/orders", "out-1", "{\"amount\":5}").await;
@@ -561,7 +560,7 @@ pub async fn outcomes_are_stored_or_released_by_status<S: SuiteStore>(store: S) 
 /// the next generation, learns whom it superseded, and is replayed after.
 pub async fn lapsed_lease_is_taken_over<S: SuiteStore>(store: S) {
     let lease = Duration::from_secs(1);
-    let layer = App::layer(store).lease(lease);
+    let layer = App::layer(store).timing(|t| t.lease(lease));
     let store = Arc::clone(layer.store());
     let app = App::with_layer(layer);
     let request = Request::post("/ctx")
@@ -821,7 +820,7 @@ pub async fn fingerprint_formats_read_each_other<S: SuiteStore>(store: S) {
     let blake = App {
         tenant: sha.tenant.clone(),
         ..App::with_layer(
-            App::layer(Arc::clone(&store)).fingerprint_format(FingerprintFormat::Blake3),
+            App::layer(Arc::clone(&store)).fingerprints(|f| f.format(FingerprintFormat::Blake3)),
         )
     };
     let record = async |key: &str| {

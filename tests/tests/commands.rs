@@ -51,7 +51,7 @@ type Outcome = Result<Done<Receipt>, CommandError<Declined>>;
 
 /// The behaviours of the direct API, on one store.
 async fn suite<S: Store>(store: S) {
-    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(5));
+    let layer = IdempotencyLayer::new(store).timing(|t| t.lease(Duration::from_secs(5)));
     let runs = Arc::new(AtomicUsize::new(0));
     let pay = |cents: u64| {
         let runs = Arc::clone(&runs);

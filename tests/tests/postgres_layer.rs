@@ -614,8 +614,10 @@ fn counting(
     let counted = Arc::clone(&runs);
     let layer = IdempotencyLayer::new(store.clone())
         .tenant(TenantFromHeader::from_static("x-tenant-id"))
-        .store_timeout(store_timeout)
-        .lease(Duration::from_secs(60));
+        .timing(|s| {
+            s.store_timeout(store_timeout)
+                .lease(Duration::from_secs(60))
+        });
     let router = Router::new()
         .route(
             "/orders",
@@ -799,8 +801,7 @@ async fn a_second_layer_after_a_restart_replays_the_outcome_the_first_held() {
         let gate = Arc::new(Semaphore::new(0));
         let (counted, gated) = (Arc::clone(&runs), Arc::clone(&gate));
         let layer = IdempotencyLayer::new(store)
-            .store_timeout(Duration::from_millis(300))
-            .lease(lease)
+            .timing(|t| t.store_timeout(Duration::from_millis(300)).lease(lease))
             .tenant(TenantFromHeader::from_static("x-tenant-id"));
         let router = Router::new()
             .route(
@@ -1109,8 +1110,9 @@ async fn a_timeout_behind_a_busy_pooler_never_fails_open() {
         let _ = tx.rollback().await;
     });
     hold.await.expect("held");
-    let (router, runs) =
-        fail_open_orders(IdempotencyLayer::new(store).store_timeout(Duration::from_millis(300)));
+    let (router, runs) = fail_open_orders(
+        IdempotencyLayer::new(store).timing(|t| t.store_timeout(Duration::from_millis(300))),
+    );
     let answer = router
         .oneshot(
             Request::post("/orders")

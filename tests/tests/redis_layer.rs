@@ -61,11 +61,10 @@ fn app(store: RedisStore) -> App {
 }
 
 fn app_with(store: RedisStore, in_flight: InFlight) -> App {
-    app_of(
-        IdempotencyLayer::new(store)
-            .store_timeout(Duration::from_millis(300))
-            .in_flight(in_flight),
-    )
+    app_of(IdempotencyLayer::new(store).timing(|s| {
+        s.store_timeout(Duration::from_millis(300))
+            .in_flight(in_flight)
+    }))
 }
 
 fn app_of(layer: IdempotencyLayer<RedisStore>) -> App {
@@ -651,11 +650,10 @@ async fn running_on_a_killed_redis() -> Option<(RedisServer, App, tokio::task::J
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let mut server = RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])?;
     let store = RedisStore::from_url(&server.url()).expect("store");
-    let app = app_of(
-        IdempotencyLayer::new(store)
-            .store_timeout(Duration::from_millis(300))
-            .lease(Duration::from_secs(1)),
-    );
+    let app = app_of(IdempotencyLayer::new(store).timing(|s| {
+        s.store_timeout(Duration::from_millis(300))
+            .lease(Duration::from_secs(1))
+    }));
     let first = app.slow_running("k", Duration::from_secs(10)).await;
     server.kill();
     Some((server, app, first))
@@ -712,9 +710,10 @@ async fn a_release_that_failed_is_retried_and_the_retry_runs() {
         return;
     };
     let app = app_of(
-        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
-            .store_timeout(Duration::from_millis(300))
-            .lease(Duration::from_secs(30)),
+        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store")).timing(|s| {
+            s.store_timeout(Duration::from_millis(300))
+                .lease(Duration::from_secs(30))
+        }),
     );
     let router = app.router.clone();
     let first = tokio::spawn(async move { call(&router, "/unavailable", "k", "{}").await });
@@ -768,8 +767,7 @@ async fn a_second_layer_after_a_restart_replays_the_outcome_the_first_held() {
     let lease = Duration::from_secs(4);
     let layer = |server: &RedisServer| {
         IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
-            .store_timeout(Duration::from_millis(300))
-            .lease(lease)
+            .timing(|t| t.store_timeout(Duration::from_millis(300)).lease(lease))
     };
     let (a, b) = (app_of(layer(&server)), app_of(layer(&server)));
     b.gate.add_permits(10);
@@ -1174,9 +1172,10 @@ async fn the_layer_keeps_its_store_claim_alive() {
     };
     let store = RedisStore::from_url(&server.url()).expect("store");
     let key = store.identity_key();
-    let layer = IdempotencyLayer::new(store)
-        .lease(Duration::from_millis(500))
-        .retention(Duration::from_secs(2));
+    let layer = IdempotencyLayer::new(store).timing(|s| {
+        s.lease(Duration::from_millis(500))
+            .retention(Duration::from_secs(2))
+    });
     let claimed = layer.keep_store_claimed(false).await;
     assert!(
         matches!(claimed, Ok(idem_core::IdentityClaim::Held)),
@@ -1309,7 +1308,7 @@ async fn waiting_duplicates_share_one_reservation() {
     };
     let app = app_of(
         IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store"))
-            .in_flight(InFlight::Wait(Duration::from_secs(20)))
+            .timing(|t| t.in_flight(InFlight::Wait(Duration::from_secs(20))))
             .replay_cache(0, Duration::ZERO),
     );
     let first = app.slow_running("together", Duration::from_secs(30)).await;

@@ -25,7 +25,7 @@ impl<S: Fleet> IdempotencyLayer<S> {
     ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
         let marker = self.store_identity();
         let legacy = self.legacy_store_identity();
-        let ttl = self.runtime.config.retention;
+        let ttl = self.runtime.config.timing.retention;
         claim_upgrading(&*self.runtime.store, &marker, Some(&legacy), ttl, replace).await
     }
 
@@ -37,7 +37,7 @@ impl<S: Fleet> IdempotencyLayer<S> {
         &self,
         replace: bool,
     ) -> Result<idem_core::IdentityClaim, idem_core::StoreError> {
-        let ttl = self.runtime.config.retention;
+        let ttl = self.runtime.config.timing.retention;
         let guard = self.runtime.config.store_guard.clone();
         let (marker, legacy) = (self.store_identity(), self.legacy_store_identity());
         keep_claimed_guarded(self.store(), marker, Some(legacy), ttl, replace, guard).await

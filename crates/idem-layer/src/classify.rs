@@ -8,7 +8,7 @@
 //! * **Released**: the key is released; a retry runs again.
 //! * **Unknown**: the action may have run and its answer is not known. The
 //!   attempt keeps its lease, a late answer is awaited in the background
-//!   (bounded by [`unknown_outcome_wait`](crate::IdempotencyLayer::unknown_outcome_wait))
+//!   (bounded by [`unknown_outcome_wait`](crate::settings::Timing::unknown_outcome_wait))
 //!   and recorded if it comes; otherwise the lease lapses and a later retry
 //!   takes over as the next generation. Never released at once.
 //!

@@ -262,8 +262,8 @@ impl<S: Store> IdempotencyLayer<S> {
                 (secret, format) => command.scope.rehashed_as(format, secret.as_ref()),
             },
             fingerprint: command.fingerprint,
-            lease: config.lease,
-            retention: config.retention,
+            lease: config.timing.lease,
+            retention: config.timing.retention,
         };
         let (lease, superseded) = match self.reserve_command(&mut request).await? {
             Ok(reserved) => reserved,
@@ -299,29 +299,17 @@ impl<S: Store> IdempotencyLayer<S> {
             }
             Err(_panic) => return self.give_up(&lease, CommandError::Retry(None)).await,
         };
-        let outcome = match body {
-            Ok(body) => Outcome::Stored(StoredResponse {
-                status,
-                headers: vec![(
-                    http::header::CONTENT_TYPE,
-                    Bytes::from_static(b"application/json"),
-                )],
-                body: Bytes::from(body),
-            }),
-            Err(error) => {
-                tracing::error!(
-                    %error,
-                    status,
-                    "the command's result does not encode as JSON; it is recorded without it"
-                );
-                Outcome::NotStored { status }
-            }
-        };
+        let outcome = encoded(status, body);
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
         // A command's result is its handler's own: never unknown by
         // default; a classifier that says so keeps the result recorded
         // (answered, as for a stored status), never released.
-        let stores = self.runtime.config.classify.verdict(status, None, false)
+        let stores = self
+            .runtime
+            .config
+            .answers
+            .classify
+            .verdict(status, None, false)
             != crate::classify::Verdict::Released;
         match settle(&self.runtime, &request, &lease, stores, outcome).await {
             // Fenced: a newer attempt or a cancellation owns the record;
@@ -331,20 +319,7 @@ impl<S: Store> IdempotencyLayer<S> {
             // not recorded yet, and gets a handle to wait on.
             None => match self.runtime.pending.recording(request.scope.hash()) {
                 None => result,
-                Some(recording) => match result {
-                    Ok(done) => Ok(Done::Unrecorded {
-                        value: done.into_inner(),
-                        recording,
-                    }),
-                    Err(CommandError::Failed {
-                        error, replayed, ..
-                    }) => Err(CommandError::Failed {
-                        error,
-                        replayed,
-                        recording: Some(recording),
-                    }),
-                    Err(other) => Err(other),
-                },
+                Some(recording) => unrecorded(result, recording),
             },
         }
     }
@@ -430,5 +405,50 @@ fn answer<T: DeserializeOwned, E: DeserializeOwned>(
         Current::Processing { retry_after } => Err(CommandError::InProgress { retry_after }),
         Current::Cancelled => Err(CommandError::Cancelled),
         Current::Vacant => Err(CommandError::Retry(None)),
+    }
+}
+
+/// The outcome a command's encoded result makes: stored as JSON, or, when
+/// it did not encode, recorded without it (logged).
+fn encoded(status: u16, body: Result<Vec<u8>, serde_json::Error>) -> Outcome {
+    match body {
+        Ok(body) => Outcome::Stored(StoredResponse {
+            status,
+            headers: vec![(
+                http::header::CONTENT_TYPE,
+                Bytes::from_static(b"application/json"),
+            )],
+            body: Bytes::from(body),
+        }),
+        Err(error) => {
+            tracing::error!(
+                %error,
+                status,
+                "the command's result does not encode as JSON; it is recorded without it"
+            );
+            Outcome::NotStored { status }
+        }
+    }
+}
+
+/// A result whose recording a store error held up: the caller gets it
+/// with a handle to wait on.
+fn unrecorded<T, E>(
+    result: Result<Done<T>, CommandError<E>>,
+    recording: crate::Recording,
+) -> Result<Done<T>, CommandError<E>> {
+    match result {
+        Ok(done) => Ok(Done::Unrecorded {
+            value: done.into_inner(),
+            recording,
+        }),
+        Err(CommandError::Failed {
+            error, replayed, ..
+        }) => Err(CommandError::Failed {
+            error,
+            replayed,
+            recording: Some(recording),
+        }),
+        Err(other) => Err(other),
     }
 }

@@ -1,38 +1,14 @@
-//! The layer's settings: what may be configured, the defaults the
-//! contract sets, and what a configuration may not be.
+//! The settings a layer holds (a few of its own and the groups of
+//! [`settings`](crate::settings)), and what a configuration may not be.
 
 use std::{sync::Arc, time::Duration};
 
-use http::{HeaderName, Method, header};
+use http::{Method, request::Parts};
 
 use crate::{
-    fingerprint::FingerprintFn, headers::HOP_BY_HOP, problem::ProblemHook, tenant::TenantExtractor,
+    settings::{Answers, Fingerprints, InFlight, Problems, RecordsApi, Sealing, Timing},
+    tenant::TenantExtractor,
 };
-
-/// What to do with a duplicate that arrives while the first is running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InFlight {
-    /// Answer `409 idempotency_in_progress` with `Retry-After` at once.
-    Reject,
-    /// Wait up to this long for the outcome and replay it; answer 409 when
-    /// the bound passes.
-    Wait(Duration),
-}
-
-/// What to do when the client disconnects while the handler runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnDisconnect {
-    /// Keep running the handler to completion, in a task of its own once
-    /// the client is gone, and record its outcome, so a retry is replayed
-    /// (the default: the lost-acknowledgement case). A request whose client
-    /// goes away before its handler started (while its body arrives, its
-    /// key is reserved, or it waits as a duplicate) is dropped: nothing of
-    /// it runs on.
-    Detach,
-    /// Drop the handler and release the reservation, so a retry executes
-    /// again.
-    Release,
-}
 
 /// A configuration the layer refuses to start with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,6 +40,8 @@ pub enum ConfigError {
 /// refused at start, so that no deadline computed from them can overflow.
 pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// Every setting of a layer: a few of its own, and the groups of
+/// [`settings`](crate::settings).
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
@@ -73,66 +51,28 @@ pub(crate) struct Config {
     /// source (else it is the default: the `Tenant` request extension).
     pub(crate) tenant_chosen: bool,
     pub(crate) allow_anonymous: bool,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,
-    pub(crate) fingerprint_format: crate::fingerprint::FingerprintFormat,
-    /// The key of keyed fingerprints, when they are keyed or read keyed.
-    pub(crate) fingerprint_key: Option<[u8; 32]>,
-    /// Whether new records get keyed fingerprints (else the key only
-    /// reads records keyed before).
-    pub(crate) fingerprint_keyed: bool,
-    pub(crate) max_body: usize,
-    pub(crate) body_timeout: Duration,
-    pub(crate) max_response: usize,
-    pub(crate) lease: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) in_flight: InFlight,
-    /// How answers are classified: stored, released or unknown.
-    pub(crate) classify: crate::classify::Classifier,
-    pub(crate) replay_denylist: Vec<HeaderName>,
-    pub(crate) fail_open: bool,
-    /// Seals stored responses at rest (see [`sealing`](crate::sealing)).
-    pub(crate) sealing: Option<crate::sealing::Keyring>,
-    /// Whether new responses are sealed (else the keyring only opens).
-    pub(crate) seal_new: bool,
-    pub(crate) store_timeout: Duration,
-    /// Thrown when the store belongs to instances that derive record
-    /// identities otherwise (found after a start the store was down for).
-    pub(crate) store_guard: crate::config::StoreGuard,
-    /// The header that tells a client whether to retry after a refusal
-    /// (`Stripe-Should-Retry`, say), if one is set.
-    pub(crate) should_retry_header: Option<HeaderName>,
-    /// Whether refusals carry the `error` member SDKs read.
-    pub(crate) error_member: bool,
-    pub(crate) on_disconnect: OnDisconnect,
-    pub(crate) unknown_wait: Duration,
-    pub(crate) problem_type_base: Option<Arc<str>>,
-    /// Where the records API is mounted, for links to a record.
-    pub(crate) records_path: Option<Arc<str>>,
-    pub(crate) problem_hook: Option<Arc<ProblemHook>>,
-    /// SHA-256 of the records API's admin credential, if one is set.
-    pub(crate) admin_token: Option<[u8; 32]>,
-    /// Whether a caller may fetch its own stored answer by its key alone
-    /// ([`IdempotencyLayer::output_by_key`](crate::IdempotencyLayer::output_by_key)).
-    pub(crate) output_by_key: bool,
-    /// Whether a tenant may release its own processing records without
-    /// the admin credential ([`IdempotencyLayer::tenant_release`](crate::IdempotencyLayer::tenant_release)).
-    pub(crate) tenant_release: bool,
     /// The key of scope hashes; none: unkeyed.
     pub(crate) scope_secret: Option<idem_core::ScopeSecret>,
     pub(crate) scope_format: idem_core::ScopeFormat,
+    pub(crate) fail_open: bool,
+    /// Thrown when the store belongs to instances that derive record
+    /// identities otherwise (found after a start the store was down for).
+    pub(crate) store_guard: crate::config::StoreGuard,
     /// The replay cache's bytes and bound on an entry's life
     /// ([`IdempotencyLayer::replay_cache`](crate::IdempotencyLayer::replay_cache)).
     pub(crate) replay_cache: (usize, Duration),
+    pub(crate) timing: Timing,
+    pub(crate) fingerprints: Fingerprints,
+    pub(crate) answers: Answers,
+    pub(crate) sealing: Sealing,
+    pub(crate) problems: Problems,
+    pub(crate) records: RecordsApi,
 }
 
 impl Config {
     /// Whether problem answers are shaped (a type base or a hook is set).
     pub(crate) fn shapes_problems(&self) -> bool {
-        self.problem_type_base.is_some()
-            || self.problem_hook.is_some()
-            || self.should_retry_header.is_some()
-            || self.error_member
+        self.problems.shape()
     }
 
     /// A problem answer with the configured type base and hook applied.
@@ -143,60 +83,85 @@ impl Config {
         if !self.shapes_problems() {
             return response;
         }
+        let problems = &self.problems;
         crate::problem::shape(
-            self.problem_type_base.as_deref(),
-            self.problem_hook.as_deref(),
-            self.should_retry_header.as_ref(),
-            self.error_member,
+            problems.type_base.as_deref(),
+            problems.hook.as_deref(),
+            problems.should_retry_header.as_ref(),
+            problems.error_member,
             response,
         )
     }
 }
 
 impl Config {
+    /// The caller's tenant: the extractor's, or the anonymous tenant when
+    /// allowed; `None` when the caller is not identified.
+    /// Why a request has no tenant: with no source chosen, that the
+    /// default one (the `Tenant` request extension) was not set, which is
+    /// what a layer built without [`tenant`](crate::IdempotencyLayer::tenant)
+    /// answers to every keyed request unless a middleware sets it.
+    pub(crate) fn tenant_missing_detail(&self) -> &'static str {
+        if self.tenant_chosen {
+            "a request with an Idempotency-Key must come from an identified caller"
+        } else {
+            "no tenant: the layer's tenant source is its default, the `Tenant` request \
+             extension, and nothing set it on this request (an authentication middleware in \
+             front of the layer sets it; or choose a source with `IdempotencyLayer::tenant`, \
+             such as a header or `Authorization`, or allow anonymous callers)"
+        }
+    }
+
+    pub(crate) fn tenant_of(&self, parts: &Parts) -> Option<Arc<str>> {
+        // A caller named twice is not identified, nor anonymous.
+        if self.tenant.ambiguous(parts) {
+            return None;
+        }
+        match self.tenant.shared_tenant(parts) {
+            Some(tenant) => Some(tenant),
+            None if self.allow_anonymous => Some(crate::tenant::ANONYMOUS_TENANT.into()),
+            None => None,
+        }
+    }
+}
+
+impl Config {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        let wait = match self.in_flight {
+        let timing = &self.timing;
+        let wait = match timing.in_flight {
             InFlight::Wait(bound) => bound,
             InFlight::Reject => Duration::ZERO,
         };
         for (name, value) in [
-            ("the lease", self.lease),
-            ("the retention", self.retention),
-            ("the store timeout", self.store_timeout),
-            ("the body timeout", self.body_timeout),
+            ("the lease", timing.lease),
+            ("the retention", timing.retention),
+            ("the store timeout", timing.store_timeout),
+            ("the body timeout", timing.body_timeout),
             ("the in-flight wait", wait),
-            ("the unknown-outcome wait", self.unknown_wait),
+            ("the unknown-outcome wait", timing.unknown_wait),
         ] {
             if value > MAX_DURATION {
                 return Err(ConfigError::TooLong(name));
             }
         }
-        if self.lease.is_zero() {
+        if timing.lease.is_zero() {
             return Err(ConfigError::Zero("the lease"));
         }
-        if self.store_timeout.is_zero() {
+        if timing.store_timeout.is_zero() {
             return Err(ConfigError::Zero("the store timeout"));
         }
-        if self.retention <= self.lease {
+        if timing.retention <= timing.lease {
             return Err(ConfigError::RetentionNotLongerThanLease {
-                retention: self.retention,
-                lease: self.lease,
+                retention: timing.retention,
+                lease: timing.lease,
             });
         }
-        if let Some(base) = &self.problem_type_base {
+        if let Some(base) = &self.problems.type_base {
             crate::problem::check_type_base(base)
                 .map_err(|why| ConfigError::ProblemTypeBase(base.to_string(), why))?;
         }
         Ok(())
     }
-}
-
-/// The headers never replayed: [`HOP_BY_HOP`], `Date`, `Set-Cookie` and
-/// `Content-Length` (recomputed from the stored body).
-pub fn default_replay_denylist() -> Vec<HeaderName> {
-    let mut denied = HOP_BY_HOP.to_vec();
-    denied.extend([header::DATE, header::SET_COOKIE, header::CONTENT_LENGTH]);
-    denied
 }
 
 /// A switch a layer consults before every protected request

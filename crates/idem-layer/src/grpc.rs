@@ -13,7 +13,7 @@
 //! A gRPC failure travels as HTTP 200, so the layer decides by the call's
 //! `grpc-status` (from the trailers, or from the head of a trailers-only
 //! answer) and by who produced it, three ways: stored, released or
-//! unknown, through [`IdempotencyLayer::classify_grpc`](crate::IdempotencyLayer::classify_grpc).
+//! unknown, through [`Answers::classify_grpc`](crate::settings::Answers::classify_grpc).
 //! [`default_grpc_verdict`](crate::classify::default_grpc_verdict) has
 //! the table, per code and producer.
 //!
@@ -100,7 +100,7 @@ pub const STREAM_GRACE: Duration = Duration::from_millis(100);
 pub use idem_core::protocol::is_grpc;
 
 /// The earlier two-way gRPC outcome predicate, for
-/// [`grpc_should_store`](crate::IdempotencyLayer::grpc_should_store):
+/// [`grpc_should_store`](crate::settings::Answers::grpc_should_store):
 /// which statuses are stored and which release the key, as
 /// [`default_should_store`](crate::default_should_store) stores 4xx and
 /// releases 5xx. The layer's default is now three-way:

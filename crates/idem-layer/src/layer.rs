@@ -2,24 +2,24 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use http::{HeaderName, Method, StatusCode, header, request::Parts};
-use idem_core::{Fingerprint, RecordsAdmin, Store};
+use http::Method;
+use idem_core::{RecordsAdmin, Store};
 use tower::Layer;
 
 use crate::{
     Idempotency, RecordsService,
-    classify::{Producer, Verdict},
-    config::{Config, ConfigError, InFlight, OnDisconnect, default_replay_denylist},
-    fingerprint::FingerprintFn,
-    problem::ProblemHook,
+    config::{Config, ConfigError},
     runtime::Runtime,
+    settings::{Answers, Fingerprints, Problems, RecordsApi, Sealing, Timing},
     tenant::{Tenant, TenantExtractor, TenantFromExtension},
 };
 
 /// Tower layer that makes requests carrying an `Idempotency-Key` safe to
 /// retry.
 ///
-/// Built with consuming setters; every default follows the contract:
+/// Built with consuming setters: a few of its own, and the groups of
+/// [`settings`](crate::settings), each documented there with its defaults
+/// (every default follows the contract):
 ///
 /// | setting | default |
 /// |---|---|
@@ -27,19 +27,15 @@ use crate::{
 /// | [`require_key`](Self::require_key) | off: keyless requests pass through |
 /// | [`tenant`](Self::tenant) | the [`Tenant`] request extension |
 /// | [`allow_anonymous`](Self::allow_anonymous) | off: 401 without a tenant |
-/// | [`fingerprint_headers`](Self::fingerprint_headers) | `content-type` |
-/// | [`fingerprint_format`](Self::fingerprint_format) | SHA-256 (both read) |
 /// | [`scope_secret`](Self::scope_secret), [`scope_format`](Self::scope_format) | unkeyed SHA-256 |
-/// | [`max_body`](Self::max_body) | 1 MiB (then 413) |
-/// | [`body_timeout`](Self::body_timeout) | 30 s to receive a keyed body (then 408) |
-/// | [`max_response`](Self::max_response) | 1 MiB (larger responses are not stored) |
-/// | [`lease`](Self::lease) | 30 s, renewed every third |
-/// | [`retention`](Self::retention) | 24 h |
-/// | [`in_flight`](Self::in_flight) | [`InFlight::Reject`] |
-/// | [`store_timeout`](Self::store_timeout) | 1 s per store call |
+/// | [`replay_cache`](Self::replay_cache) | 16 MiB, an entry at most 60 s (`0`: none) |
 /// | [`fail_open`](Self::fail_open) | off: 503 when the store fails |
-/// | [`on_disconnect`](Self::on_disconnect) | [`OnDisconnect::Detach`] |
-/// | [`replay_cache`](Self::replay_cache) | 16 MiB, an entry at most 1 s (`0`: none) |
+/// | [`timing`](Self::timing) | [`Timing`]: a 30 s lease, 24 h retention, 1 s per store call, duplicates refused |
+/// | [`fingerprints`](Self::fingerprints) | [`Fingerprints`]: `content-type` and the body up to 1 MiB, SHA-256, unkeyed |
+/// | [`answers`](Self::answers) | [`Answers`]: the default classifiers, responses up to 1 MiB stored |
+/// | [`sealing`](Self::sealing) | [`Sealing::off`] |
+/// | [`problems`](Self::problems) | [`Problems`]: RFC 9457 documents, `urn:idem:problem:` types |
+/// | [`records`](Self::records) | [`RecordsApi`]: no admin credential, no output by key |
 ///
 /// Call [`validate`](Self::validate) at start: it refuses a retention not
 /// longer than the lease, a zero lease or store timeout, and durations
@@ -66,9 +62,7 @@ impl<S> fmt::Debug for IdempotencyLayer<S> {
         f.debug_struct("IdempotencyLayer")
             .field("methods", &self.runtime.config.methods)
             .field("require_key", &self.runtime.config.require_key)
-            .field("lease", &self.runtime.config.lease)
-            .field("retention", &self.runtime.config.retention)
-            .field("in_flight", &self.runtime.config.in_flight)
+            .field("timing", &self.runtime.config.timing)
             .finish_non_exhaustive()
     }
 }
@@ -85,37 +79,17 @@ impl<S: Store> IdempotencyLayer<S> {
             tenant: Arc::new(TenantFromExtension::<Tenant>::new()),
             tenant_chosen: false,
             allow_anonymous: false,
-            fingerprint_headers: vec![header::CONTENT_TYPE],
-            fingerprint_fn: None,
-            fingerprint_format: crate::fingerprint::FingerprintFormat::Sha256,
-            fingerprint_key: None,
-            fingerprint_keyed: false,
-            max_body: 1024 * 1024,
-            body_timeout: Duration::from_secs(30),
-            max_response: 1024 * 1024,
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(24 * 3600),
-            in_flight: InFlight::Reject,
-            classify: crate::classify::Classifier::default(),
-            replay_denylist: default_replay_denylist(),
-            fail_open: false,
-            sealing: None,
-            seal_new: false,
-            store_timeout: Duration::from_secs(1),
-            store_guard: crate::config::StoreGuard::default(),
-            should_retry_header: None,
-            error_member: false,
-            on_disconnect: OnDisconnect::Detach,
-            unknown_wait: Duration::from_secs(60),
-            problem_type_base: None,
-            records_path: None,
-            problem_hook: None,
-            admin_token: None,
-            output_by_key: false,
-            tenant_release: false,
             scope_secret: None,
             scope_format: crate::ScopeFormat::Sha256,
+            fail_open: false,
+            store_guard: crate::config::StoreGuard::default(),
             replay_cache: (DEFAULT_REPLAY_CACHE_BYTES, DEFAULT_REPLAY_CACHE_BOUND),
+            timing: Timing::default(),
+            fingerprints: Fingerprints::default(),
+            answers: Answers::default(),
+            sealing: Sealing::default(),
+            problems: Problems::default(),
+            records: RecordsApi::default(),
         };
         Self {
             runtime: Runtime::new(store, config),
@@ -193,7 +167,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// The marker of how this layer derives its records' identities: its
     /// scope hashing ([`scope_format`](Self::scope_format) and, keyed by
     /// it, the [`scope_secret`](Self::scope_secret)) and its fingerprints
-    /// ([`fingerprint_format`](Self::fingerprint_format), and a digest of
+    /// ([`Fingerprints::format`], and a digest of
     /// the fingerprint key, when fingerprints are keyed or read keyed).
     /// Layers whose markers differ find no record of each other, or answer
     /// a genuine retry `422`, on one store. The marker is a keyed hash and
@@ -202,7 +176,7 @@ impl<S: Store> IdempotencyLayer<S> {
     pub fn store_identity(&self) -> String {
         let config = &self.runtime.config;
         // The fingerprint key as a digest under a label of its own.
-        let key = config.fingerprint_key.map(|key| {
+        let key = config.fingerprints.key.map(|key| {
             let mut hex = String::with_capacity(64);
             idem_core::push_hex(&mut hex, &key);
             let digest =
@@ -213,8 +187,8 @@ impl<S: Store> IdempotencyLayer<S> {
         });
         let fingerprints = format!(
             "{:?} {} {}",
-            config.fingerprint_format,
-            if config.fingerprint_keyed {
+            config.fingerprints.format,
+            if config.fingerprints.keyed {
                 "keyed"
             } else {
                 "read-keyed"
@@ -326,219 +300,6 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 }
 
-/// When two requests are the same: the fingerprint, and the request body it reads.
-impl<S: Store> IdempotencyLayer<S> {
-    /// The headers included in the fingerprint (default `content-type`).
-    pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        let headers = headers.into_iter().collect();
-        self.with(|c| c.fingerprint_headers = headers)
-    }
-
-    /// The hash the default fingerprint writes new records with (default
-    /// [`FingerprintFormat::Sha256`](crate::fingerprint::FingerprintFormat)).
-    /// Whatever it is set to, a request whose record was written in the
-    /// other format still replays: a reservation that meets another
-    /// fingerprint is tried once more in the other format before the layer
-    /// answers `422` (one more store call, on conflicts only). Versions
-    /// before this one read only SHA-256, so set
-    /// [`Blake3`](crate::fingerprint::FingerprintFormat::Blake3) once
-    /// every instance sharing the store runs this version. A
-    /// [`fingerprint_fn`](Self::fingerprint_fn) replaces both.
-    pub fn fingerprint_format(self, format: crate::fingerprint::FingerprintFormat) -> Self {
-        self.with(|c| c.fingerprint_format = format)
-    }
-
-    /// Keys the default fingerprint with a key derived from `secret`
-    /// (HKDF-SHA256 under a label of its own; HMAC-SHA256 over the
-    /// SHA-256 fingerprint, BLAKE3's keyed hash over a BLAKE3 one): a
-    /// record's fingerprint no longer lets whoever reads the store confirm
-    /// a guess of a short request body by hashing it. Records written
-    /// before (unkeyed) still replay: a reservation that meets another
-    /// fingerprint is tried unkeyed, then in the other format, before the
-    /// layer answers `422` (store calls on conflicts only). Instances of
-    /// a version before this one do not key theirs: a retry of a keyed
-    /// record that reaches one gets `422` (never a second run), so key
-    /// fingerprints once every instance sharing the store runs this
-    /// version. Use a secret of at least 32 random bytes, the same on
-    /// every instance.
-    pub fn fingerprint_secret(self, secret: impl AsRef<[u8]>) -> Self {
-        let key = fingerprint_key(secret.as_ref());
-        self.with(|c| {
-            c.fingerprint_key = Some(key);
-            c.fingerprint_keyed = true;
-        })
-    }
-
-    /// Writes fingerprints unkeyed, and still reads records whose
-    /// fingerprints were keyed with `secret` (see
-    /// [`fingerprint_secret`](Self::fingerprint_secret)): how keying is
-    /// turned off without a `422` for a retry of a record keyed before.
-    pub fn fingerprint_secret_for_reading(self, secret: impl AsRef<[u8]>) -> Self {
-        let key = fingerprint_key(secret.as_ref());
-        self.with(|c| {
-            c.fingerprint_key = Some(key);
-            c.fingerprint_keyed = false;
-        })
-    }
-
-    /// Replaces the default fingerprint: `f(operation, request head, body)`.
-    pub fn fingerprint_fn(
-        self,
-        f: impl Fn(&str, &Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
-    ) -> Self {
-        let f: Arc<FingerprintFn> = Arc::new(f);
-        self.with(|c| c.fingerprint_fn = Some(f))
-    }
-
-    /// The largest request body read for a keyed request (default 1 MiB);
-    /// beyond it: `413 request_body_too_large`, handler not run.
-    pub fn max_body(self, bytes: usize) -> Self {
-        self.with(|c| c.max_body = bytes)
-    }
-
-    /// How long a keyed request's body may take to arrive (default 30 s);
-    /// beyond it: `408 request_body_timeout`, handler not run, nothing
-    /// reserved. Protects against bodies that never end.
-    pub fn body_timeout(self, timeout: Duration) -> Self {
-        self.with(|c| c.body_timeout = timeout)
-    }
-}
-
-/// How long: the lease, the retention, duplicates in flight, unknown outcomes and
-/// clients that leave.
-impl<S: Store> IdempotencyLayer<S> {
-    /// The lease length (default 30 s), renewed every third while the
-    /// handler runs.
-    pub fn lease(self, lease: Duration) -> Self {
-        self.with(|c| c.lease = lease)
-    }
-
-    /// How long records are kept (default 24 h). Must exceed the longest
-    /// retry horizon of your clients, and the lease.
-    pub fn retention(self, retention: Duration) -> Self {
-        self.with(|c| c.retention = retention)
-    }
-
-    /// How duplicates in flight are answered.
-    pub fn in_flight(self, mode: InFlight) -> Self {
-        self.with(|c| c.in_flight = mode)
-    }
-
-    /// How long the layer keeps waiting, in the background and renewing
-    /// the lease, for the late answer of a request whose outcome is unknown
-    /// (default 60 s). See [`UnknownOutcome`](crate::UnknownOutcome).
-    pub fn unknown_outcome_wait(self, bound: Duration) -> Self {
-        self.with(|c| c.unknown_wait = bound)
-    }
-
-    /// What a client disconnect does to the running handler.
-    pub fn on_disconnect(self, mode: OnDisconnect) -> Self {
-        self.with(|c| c.on_disconnect = mode)
-    }
-}
-
-/// What is stored and replayed: which outcomes, how large, which headers.
-impl<S: Store> IdempotencyLayer<S> {
-    /// Adds a header to every refusal that tells a client whether to retry
-    /// (`true` or `false`, see [`should_retry`](crate::problem::should_retry)),
-    /// under the name common SDKs read (`Stripe-Should-Retry`,
-    /// `x-should-retry`). Off by default.
-    pub fn should_retry_header(self, name: HeaderName) -> Self {
-        self.with(|c| c.should_retry_header = Some(name))
-    }
-
-    /// With `true`, every refusal's problem document also carries the
-    /// member common SDKs read (Stripe's among them), beside RFC 9457's:
-    /// `"error": {"type": "idempotency_error", "code": …, "message": …}`
-    /// (see [`with_error_member`](crate::problem::with_error_member)). Off
-    /// by default.
-    pub fn error_member(self, on: bool) -> Self {
-        self.with(|c| c.error_member = on)
-    }
-
-    /// The switch that makes this layer refuse every protected request
-    /// (`503 idempotency_store_unavailable`, nothing run) once thrown: give
-    /// the one [`keep_claimed_guarded`](crate::keep_claimed_guarded) throws
-    /// when the store, unreachable at start, turns out to belong to
-    /// instances that derive record identities otherwise
-    /// ([`keep_store_claimed`](Self::keep_store_claimed) uses the layer's
-    /// own).
-    pub fn store_guard(self, guard: crate::config::StoreGuard) -> Self {
-        self.with(|c| c.store_guard = guard)
-    }
-
-    /// How HTTP answers are classified: stored, released or unknown, by
-    /// status and by who produced them (see [`classify`](crate::classify)).
-    /// The default is [`default_http_verdict`](crate::classify::default_http_verdict).
-    pub fn classify_http(
-        self,
-        classifier: impl Fn(StatusCode, Producer) -> Verdict + Send + Sync + 'static,
-    ) -> Self {
-        let classifier: crate::classify::HttpClassifier = Arc::new(classifier);
-        self.with(|c| c.classify.http = classifier)
-    }
-
-    /// How gRPC answers are classified, by `grpc-status` (`None` when the
-    /// answer has none) and by who produced them. A gRPC failure travels
-    /// as HTTP 200, so gRPC answers are judged by this, not
-    /// [`classify_http`](Self::classify_http). The default is
-    /// [`default_grpc_verdict`](crate::classify::default_grpc_verdict).
-    pub fn classify_grpc(
-        self,
-        classifier: impl Fn(Option<u32>, Producer) -> Verdict + Send + Sync + 'static,
-    ) -> Self {
-        let classifier: crate::classify::GrpcClassifier = Arc::new(classifier);
-        self.with(|c| c.classify.grpc = classifier)
-    }
-
-    /// Which handler statuses are stored and replayed; the others release
-    /// the key. See [`default_should_store`](crate::default_should_store).
-    ///
-    /// The earlier, two-way form of [`classify_http`](Self::classify_http),
-    /// kept as a migration path: it decides a handler's answers exactly as
-    /// before; an upstream's `502` and `504` (an answer marked
-    /// [`RemoteAnswer`](crate::classify::RemoteAnswer)) stay unknown.
-    pub fn store_outcome_if(
-        self,
-        predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
-    ) -> Self {
-        let classifier = crate::classify::Classifier::http_from_bool(Arc::new(predicate));
-        self.with(|c| c.classify.http = classifier)
-    }
-
-    /// Which gRPC statuses (`grpc-status`, as a number) of a gRPC answer
-    /// are stored and replayed; the others release the key.
-    ///
-    /// The earlier, two-way form of [`classify_grpc`](Self::classify_grpc),
-    /// kept as a migration path: a handler's answers are decided exactly as
-    /// before (one without `grpc-status` releases); an upstream's
-    /// deadline, cancellation, `UNKNOWN`, `INTERNAL`, `DATA_LOSS` or
-    /// missing status stays unknown. See
-    /// [`default_grpc_should_store`](crate::grpc::default_grpc_should_store).
-    pub fn grpc_should_store(
-        self,
-        predicate: impl Fn(u32) -> bool + Send + Sync + 'static,
-    ) -> Self {
-        let classifier = crate::classify::Classifier::grpc_from_bool(Arc::new(predicate));
-        self.with(|c| c.classify.grpc = classifier)
-    }
-
-    /// The largest response stored for replay (default 1 MiB). A larger
-    /// response reaches the first caller; retries get
-    /// `409 idempotency_response_not_stored` and the handler is not run
-    /// again.
-    pub fn max_response(self, bytes: usize) -> Self {
-        self.with(|c| c.max_response = bytes)
-    }
-
-    /// Response headers never stored nor replayed. See
-    /// [`default_replay_denylist`].
-    pub fn replay_denylist(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        let headers = headers.into_iter().collect();
-        self.with(|c| c.replay_denylist = headers)
-    }
-}
-
 /// The replay cache's default size: 16 MiB.
 pub const DEFAULT_REPLAY_CACHE_BYTES: usize = 16 << 20;
 /// The longest a replay cache's entry lives by default: a minute, where the
@@ -573,16 +334,8 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 }
 
-/// When the store fails: its timeout, and fail-open.
+/// When the store fails, and who may cut it off.
 impl<S: Store> IdempotencyLayer<S> {
-    /// The timeout of every store call (default 1 s). A store that bounds
-    /// its own calls within it ([`Store::call_bound`](idem_core::Store::call_bound):
-    /// `idem-redis` does, with its own timeout) is trusted to end them,
-    /// and the layer arms no second timer for them.
-    pub fn store_timeout(self, timeout: Duration) -> Self {
-        self.with(|c| c.store_timeout = timeout)
-    }
-
     /// With `true`, run the handler without protection when the store
     /// cannot be reached or times out (counted as `fail_open`), instead of
     /// `503 idempotency_store_unavailable` (default `false`).
@@ -590,121 +343,58 @@ impl<S: Store> IdempotencyLayer<S> {
         self.with(|c| c.fail_open = open)
     }
 
-    /// Seals every response this layer stores with `keyring` (the
-    /// current key), and opens sealed records with any of its keys: the
-    /// store holds the status and a ciphertext, never the response's
-    /// headers or body. Records stored without sealing still replay. A
-    /// sealed record that does not open is never replayed (503). See
-    /// [`sealing`](crate::sealing).
-    ///
-    /// ```
-    /// use idem_layer::{IdempotencyLayer, sealing::Keyring};
-    /// use idem_memory::MemoryStore;
-    ///
-    /// let keyring = Keyring::derived(b"the deployment secret from your vault");
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).sealing(keyring);
-    /// ```
-    pub fn sealing(self, keyring: crate::sealing::Keyring) -> Self {
-        self.with(|c| {
-            c.sealing = Some(keyring);
-            c.seal_new = true;
-        })
-    }
-
-    /// Opens records sealed with `keyring`'s keys, and stores new
-    /// responses in clear: how sealing is turned off without losing the
-    /// records sealed before. Without a keyring, a sealed record is never
-    /// replayed (503).
-    pub fn unsealing(self, keyring: crate::sealing::Keyring) -> Self {
-        self.with(|c| {
-            c.sealing = Some(keyring);
-            c.seal_new = false;
-        })
+    /// The switch that makes this layer refuse every protected request
+    /// (`503 idempotency_store_unavailable`, nothing run) once thrown: give
+    /// the one [`keep_claimed_guarded`](crate::keep_claimed_guarded) throws
+    /// when the store, unreachable at start, turns out to belong to
+    /// instances that derive record identities otherwise
+    /// ([`keep_store_claimed`](Self::keep_store_claimed) uses the layer's
+    /// own).
+    pub fn store_guard(self, guard: crate::config::StoreGuard) -> Self {
+        self.with(|c| c.store_guard = guard)
     }
 }
 
-/// Answers and operators: problem documents and the records API's admin credential.
+/// The groups of settings (see [`settings`](crate::settings)): each
+/// setter changes its group as the layer holds it (the defaults, or what an
+/// earlier call set), `layer.timing(|t| t.lease(lease))`; `|_| group`
+/// gives a group built beforehand.
 impl<S: Store> IdempotencyLayer<S> {
-    /// The base of every problem's `type` (default `urn:idem:problem:`):
-    /// with `"https://docs.example.com/errors/"` a conflict's `type` is
-    /// `https://docs.example.com/errors/idempotency_conflict`, so that
-    /// errors link to documentation, as the IETF draft asks.
-    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
-        let base: Arc<str> = Arc::from(base.into());
-        self.with(|c| c.problem_type_base = Some(base))
+    /// How long things last and may take: the lease, the retention, the
+    /// store timeout, the body timeout, duplicates in flight, unknown
+    /// outcomes and clients that leave ([`Timing`]).
+    pub fn timing(self, change: impl FnOnce(Timing) -> Timing) -> Self {
+        self.with(|c| c.timing = change(std::mem::take(&mut c.timing)))
     }
 
-    /// Replaces problem answers (of the layer and of its records API):
-    /// `hook` gets each [`Problem`](crate::Problem) and answers the response
-    /// to send instead, or `None` to keep idem's own. Whatever it answers,
-    /// the outcome stays the same: a refused request was not executed.
-    ///
-    /// ```
-    /// use bytes::Bytes;
-    /// use http::Response;
-    /// use idem_layer::{IdempotencyLayer, Problem};
-    /// use idem_memory::MemoryStore;
-    ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).problem_hook(|problem: &Problem| {
-    ///     let body = format!("{{\"error\":\"{}\"}}", problem.code.as_str());
-    ///     Response::builder()
-    ///         .status(problem.status)
-    ///         .header("content-type", "application/json")
-    ///         .body(Bytes::from(body))
-    ///         .ok()
-    /// });
-    /// ```
-    pub fn problem_hook(
-        self,
-        hook: impl Fn(&crate::Problem) -> Option<http::Response<bytes::Bytes>> + Send + Sync + 'static,
-    ) -> Self {
-        let hook: Arc<ProblemHook> = Arc::new(hook);
-        self.with(|c| c.problem_hook = Some(hook))
+    /// When two requests are the same: the fingerprint and the request
+    /// body it reads ([`Fingerprints`]).
+    pub fn fingerprints(self, change: impl FnOnce(Fingerprints) -> Fingerprints) -> Self {
+        self.with(|c| c.fingerprints = change(std::mem::take(&mut c.fingerprints)))
     }
 
-    /// Where the [records API](crate::records) is mounted
-    /// (`/_idempotency/records`, say): a `422` or `409` then links the
-    /// record its key collided with, in its `record.href`, as the caller
-    /// reads it there (its own tenant). Without it the answer still says
-    /// the record's state (and for a `422` when it was first seen).
-    pub fn records_path(self, path: impl Into<String>) -> Self {
-        let path: Arc<str> = Arc::from(path.into());
-        self.with(|c| c.records_path = Some(path))
+    /// What is stored and replayed: how HTTP and gRPC answers are
+    /// classified, how large a stored response may be, which headers are
+    /// never stored ([`Answers`]).
+    pub fn answers(self, change: impl FnOnce(Answers) -> Answers) -> Self {
+        self.with(|c| c.answers = change(std::mem::take(&mut c.answers)))
     }
 
-    /// An admin credential for the records API: a request whose
-    /// `x-idem-admin-token` header carries it may list every tenant's
-    /// records and act on another tenant's (`tenant=`). Keep it as secret
-    /// as a database password.
-    pub fn records_admin_token(self, token: impl AsRef<[u8]>) -> Self {
-        use sha2::Digest;
-        let digest: [u8; 32] = sha2::Sha256::digest(token.as_ref()).into();
-        self.with(|c| c.admin_token = Some(digest))
+    /// Stored responses sealed at rest, replacing the layer's choice
+    /// ([`Sealing`]; a [`Keyring`](crate::sealing::Keyring) seals).
+    pub fn sealing(self, sealing: impl Into<Sealing>) -> Self {
+        let sealing = sealing.into();
+        self.with(|c| c.sealing = sealing)
     }
 
-    /// Lets a caller fetch the stored answer of its own record by its key
-    /// alone, without resending the payload (off by default): `GET` on the
-    /// records API with `output=true` (see [`records`](crate::records)).
-    ///
-    /// Off, the payload's fingerprint works as a capability: only a caller
-    /// holding the payload gets the answer. On, anyone who can act as the
-    /// tenant and knows the key gets it. Turn it on only where keys are
-    /// random and never shown to others in the tenant, and a tenant is one
-    /// principal (a user or a service's own credential, not a header value
-    /// several callers share). The anonymous tenant is always refused, and
-    /// so is `tenant=` (the admin credential reads records, not answers).
-    pub fn output_by_key(self, on: bool) -> Self {
-        self.with(|c| c.output_by_key = on)
+    /// How refusals are written: problem documents ([`Problems`]).
+    pub fn problems(self, change: impl FnOnce(Problems) -> Problems) -> Self {
+        self.with(|c| c.problems = change(std::mem::take(&mut c.problems)))
     }
 
-    /// Lets a tenant release its own processing records through the
-    /// records API (`action=release`) without the admin credential (off by
-    /// default). A release frees the key while the attempt that held it
-    /// may still run, so a retry may run beside it: an operator's act,
-    /// once the owner is known to be gone. Turn it on only where a tenant
-    /// is trusted to judge that for its own records.
-    pub fn tenant_release(self, allowed: bool) -> Self {
-        self.with(|c| c.tenant_release = allowed)
+    /// The records API's settings ([`RecordsApi`]).
+    pub fn records(self, change: impl FnOnce(RecordsApi) -> RecordsApi) -> Self {
+        self.with(|c| c.records = change(std::mem::take(&mut c.records)))
     }
 }
 
@@ -738,14 +428,4 @@ impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
             });
         Idempotency::new(inner, self.runtime.clone(), !valid)
     }
-}
-
-/// The key of keyed fingerprints that `secret` gives (HKDF-SHA256 under a
-/// label of its own).
-fn fingerprint_key(secret: &[u8]) -> [u8; 32] {
-    let mut key = [0; 32];
-    // 32 bytes is far below HKDF-SHA256's limit.
-    let _ =
-        hkdf::Hkdf::<sha2::Sha256>::new(None, secret).expand(b"idem fingerprint key v1", &mut key);
-    key
 }

@@ -52,7 +52,7 @@
 //!
 //! # Choices where the contract is silent
 //!
-//! * A response too large to store (over [`IdempotencyLayer::max_response`])
+//! * A response too large to store (over [`Answers::max_response`](crate::settings::Answers::max_response))
 //!   reaches the first caller; later retries get
 //!   `409 idempotency_response_not_stored`, and the handler is not run again.
 //! * A handler that panics before it answers releases the key and answers
@@ -195,6 +195,7 @@ pub mod records;
 mod runtime;
 pub mod sealing;
 mod service;
+pub mod settings;
 pub mod stores;
 mod storm;
 pub mod tenant;
@@ -206,7 +207,7 @@ pub use claim::{keep_claimed, keep_claimed_guarded};
 pub use classify::default_should_store;
 pub use command::{ActionError, Command, CommandContext, CommandError, Done};
 pub use config::StoreGuard;
-pub use config::{ConfigError, InFlight, MAX_DURATION, OnDisconnect, default_replay_denylist};
+pub use config::{ConfigError, MAX_DURATION};
 pub use context::IdempotencyContext;
 pub use disconnect::ResponseFuture;
 #[cfg(feature = "axum")]
@@ -229,6 +230,7 @@ pub use problem::{
 };
 pub use records::RecordsService;
 pub use service::Idempotency;
+pub use settings::{InFlight, OnDisconnect, default_replay_denylist};
 pub use tenant::{
     Tenant, TenantExtractor, TenantFromAuthorization, TenantFromExtension, TenantFromHeader,
     TenantFromKeyedAuthorization, TenantHash, TenantHasher,

@@ -255,7 +255,7 @@ fn document(
     Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
 }
 
-/// A refusal of the layer, as a [problem hook](crate::IdempotencyLayer::problem_hook)
+/// A refusal of the layer, as a [problem hook](crate::settings::Problems::hook)
 /// sees it. Also in the extensions of every problem response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -282,7 +282,7 @@ pub struct Problem {
 pub struct RecordRef {
     /// The record in the records API, as the caller's own tenant reads it
     /// (when the layer knows where the API is:
-    /// [`records_path`](crate::IdempotencyLayer::records_path)).
+    /// [`RecordsApi::path`](crate::settings::RecordsApi::path)).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub href: Option<String>,
     /// Its state: `processing`, `completed`, `cancelled` or `released`.
@@ -389,7 +389,7 @@ pub fn describedby_link(base: &str, code: &str) -> Option<HeaderValue> {
 }
 
 /// Whether a client should retry after a refusal of `code`, as the
-/// should-retry header says it (`IdempotencyLayer::should_retry_header`):
+/// should-retry header says it (`Problems::should_retry_header`):
 /// `true` where the same request may succeed later (in progress, the
 /// store unavailable or busy, a listing or quota to wait for, a body too
 /// slow, a handler failure that released the key); `false` where it never

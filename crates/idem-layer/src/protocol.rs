@@ -85,7 +85,7 @@ impl Protocol {
         let response = config.shape(response);
         match self {
             Protocol::Http => response,
-            Protocol::Grpc => grpc::refusal(response, config.should_retry_header.as_ref()),
+            Protocol::Grpc => grpc::refusal(response, config.problems.should_retry_header.as_ref()),
         }
     }
 
@@ -112,7 +112,10 @@ impl Protocol {
             Protocol::Http => None,
             Protocol::Grpc => Some(grpc::status(&parts.headers, trailers)),
         };
-        config.classify.verdict(parts.status, status, remote)
+        config
+            .answers
+            .classify
+            .verdict(parts.status, status, remote)
     }
 
     /// The verdict of an answer of this protocol passed on before its end
@@ -127,7 +130,7 @@ impl Protocol {
         remote: bool,
     ) -> Verdict {
         match self {
-            Protocol::Http => config.classify.verdict(parts.status, None, remote),
+            Protocol::Http => config.answers.classify.verdict(parts.status, None, remote),
             Protocol::Grpc => Verdict::Stored,
         }
     }

@@ -84,7 +84,7 @@ impl<S> Runtime<S> {
                 let config = &self.0.config;
                 let (bytes, bound) = config.replay_cache;
                 let feed = || self.0.store.erasures();
-                crate::storm::ReplayCache::new(bytes, bound, feed, config.store_timeout)
+                crate::storm::ReplayCache::new(bytes, bound, feed, config.timing.store_timeout)
             })
             .as_ref()
     }

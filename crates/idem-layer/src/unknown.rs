@@ -25,7 +25,7 @@ pub type LateResponse = Response<UnsyncBoxBody<Bytes, BoxError>>;
 /// The layer then neither stores the response nor releases the key: the
 /// client gets the response as it is (a `504`, say), the attempt keeps its
 /// lease, and, if a late answer was attached, the layer keeps waiting for
-/// it in the background (up to [`IdempotencyLayer::unknown_outcome_wait`](crate::IdempotencyLayer::unknown_outcome_wait),
+/// it in the background (up to [`Timing::unknown_outcome_wait`](crate::settings::Timing::unknown_outcome_wait),
 /// renewing the lease) and records it, so that a retry replays it. Without
 /// a late answer, or if none comes, the lease lapses and a later retry
 /// takes over with the next generation. Retries in the meantime get `409`.

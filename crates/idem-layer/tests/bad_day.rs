@@ -78,7 +78,7 @@ async fn failed_renewals_are_retried_before_the_lease_lapses() {
         .tenant(idem_layer::TenantFromHeader::new(
             http::HeaderName::from_static(TENANT),
         ))
-        .lease(Duration::from_millis(1500));
+        .timing(|t| t.lease(Duration::from_millis(1500)));
     let service = layer.layer(inner(&probe));
     let first = tokio::spawn(send(&service, order_to("/sleep/3000", "renew-1")));
     wait_calls(&probe, 1).await;
@@ -137,7 +137,7 @@ async fn superseded_attempts_client_gets_the_records_answer_on_failure() {
 async fn a_completion_after_an_operators_release_leaves_the_record_released() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let layer = layer(&store).records_admin_token("the admin");
+    let layer = layer(&store).records(|r| r.admin_token("the admin"));
     let service = service(&layer, &probe);
     let records = layer.records_service();
     let first = tokio::spawn(send(&service, order_to("/slow", "rel-1")));
@@ -206,7 +206,7 @@ async fn unknown_outcome_keeps_the_key_and_records_the_late_answer() {
     let store = MemoryStore::new();
     let (send_late, late) = oneshot::channel();
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = layer(&store).output_by_key(true);
+    let layer = layer(&store).records(|r| r.output_by_key(true));
     let records = layer.records_service();
     let service = layer.layer(unknown_then_late(
         Arc::new(std::sync::Mutex::new(Some(late))),
@@ -271,7 +271,7 @@ async fn a_fetched_answer_honours_accept_encoding() {
     let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     encoder.write_all(b"{\"order\":9}").expect("gzip");
     let gzipped = Bytes::from(encoder.finish().expect("gzip"));
-    let layer = layer(&MemoryStore::new()).output_by_key(true);
+    let layer = layer(&MemoryStore::new()).records(|r| r.output_by_key(true));
     let records = layer.records_service();
     let service = layer.layer(tower::service_fn(move |_: Request<Full<Bytes>>| {
         let body = gzipped.clone();
@@ -305,7 +305,7 @@ async fn a_fetched_answer_honours_accept_encoding() {
 async fn closing_the_layer_ends_a_fetchs_wait() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let layer = layer(&store).output_by_key(true);
+    let layer = layer(&store).records(|r| r.output_by_key(true));
     let service = service(&layer, &probe);
     let records = layer.records_service();
     let running = tokio::spawn(send(&service, order_to("/slow", "wait-1")));
@@ -344,8 +344,8 @@ async fn closing_the_layer_ends_a_fetchs_wait() {
 async fn a_fetch_of_an_unknown_outcome_whose_lease_lapsed_says_so() {
     let store = MemoryStore::new();
     let layer = layer(&store)
-        .lease(Duration::from_millis(300))
-        .output_by_key(true);
+        .timing(|t| t.lease(Duration::from_millis(300)))
+        .records(|r| r.output_by_key(true));
     let records = layer.records_service();
     let service = layer.layer(unknown_then_late(
         Arc::new(std::sync::Mutex::new(None)),
@@ -384,7 +384,7 @@ async fn a_fetch_of_an_unknown_outcome_whose_lease_lapsed_says_so() {
 async fn unknown_outcome_without_an_answer_lapses_to_a_takeover() {
     let store = MemoryStore::new();
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = layer(&store).lease(Duration::from_secs(2));
+    let layer = layer(&store).timing(|t| t.lease(Duration::from_secs(2)));
     let service = layer.layer(unknown_then_late(
         Arc::new(std::sync::Mutex::new(None)),
         Arc::clone(&calls),
@@ -423,7 +423,7 @@ async fn an_informational_answer_keeps_the_key() {
     let store = MemoryStore::new();
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&calls);
-    let layer = layer(&store).lease(Duration::from_secs(2));
+    let layer = layer(&store).timing(|t| t.lease(Duration::from_secs(2)));
     let service = layer.layer(tower::service_fn(move |_: Request<Full<Bytes>>| {
         counted.fetch_add(1, Ordering::SeqCst);
         async move {
@@ -538,7 +538,10 @@ async fn big_numbers_that_differ_conflict() {
 async fn in_progress_hint_is_short() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let service = service(&layer(&store).lease(Duration::from_secs(300)), &probe);
+    let service = service(
+        &layer(&store).timing(|t| t.lease(Duration::from_secs(300))),
+        &probe,
+    );
     let first = tokio::spawn(send(&service, order_to("/slow", "hint-1")));
     wait_calls(&probe, 1).await;
     let busy = send(&service, order_to("/slow", "hint-1")).await;
@@ -599,9 +602,9 @@ fn absurd_durations_are_configuration_errors() {
     let store = MemoryStore::new();
     let years = |n: u64| Duration::from_secs(n * 365 * 24 * 3600);
     let cases = [
-        layer(&store).retention(years(9000)),
-        layer(&store).in_flight(InFlight::Wait(years(292_400_000_000))),
-        layer(&store).lease(years(200)).retention(years(300)),
+        layer(&store).timing(|t| t.retention(years(9000))),
+        layer(&store).timing(|t| t.in_flight(InFlight::Wait(years(292_400_000_000)))),
+        layer(&store).timing(|t| t.lease(years(200)).retention(years(300))),
     ];
     for layer in cases {
         assert!(
@@ -609,7 +612,12 @@ fn absurd_durations_are_configuration_errors() {
             "{layer:?}"
         );
     }
-    assert!(layer(&store).retention(years(99)).validate().is_ok());
+    assert!(
+        layer(&store)
+            .timing(|t| t.retention(years(99)))
+            .validate()
+            .is_ok()
+    );
 }
 
 /// The store is answering but cannot serve the key (full): fail-open does
@@ -809,7 +817,7 @@ async fn a_tenant_wide_erase_pages_past_the_records_it_keeps() {
     let runs = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(MemoryStore::new())
         .tenant(idem_layer::TenantFromHeader::from_static("x-tenant"))
-        .records_admin_token("an admin token of sixteen bytes+");
+        .records(|r| r.admin_token("an admin token of sixteen bytes+"));
     let handler = {
         let (gate, runs) = (Arc::clone(&gate), Arc::clone(&runs));
         move |headers: http::HeaderMap| {

@@ -38,7 +38,7 @@ async fn hundred_concurrent_duplicates_execute_once_reject_mode() {
 async fn hundred_concurrent_duplicates_execute_once_wait_mode() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(10)));
+    let layer = layer(&store).timing(|t| t.in_flight(InFlight::Wait(Duration::from_secs(10))));
     let svc = service(&layer, &probe);
     let tasks: Vec<_> = (0..100)
         .map(|_| tokio::spawn(send(&svc, keyed("/slow", "same"))))
@@ -76,7 +76,7 @@ async fn hundred_concurrent_duplicates_execute_once_wait_mode() {
 async fn wait_mode_gives_409_when_the_bound_passes() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(2)));
+    let layer = layer(&store).timing(|t| t.in_flight(InFlight::Wait(Duration::from_secs(2))));
     let svc = service(&layer, &probe);
     let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
@@ -143,7 +143,7 @@ async fn disconnect_in_detach_mode_records_the_outcome() {
 async fn a_waiter_whose_client_went_away_is_dropped() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let layer = layer(&store).in_flight(InFlight::Wait(Duration::from_secs(30)));
+    let layer = layer(&store).timing(|t| t.in_flight(InFlight::Wait(Duration::from_secs(30))));
     let svc = service(&layer, &probe);
     let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
@@ -182,7 +182,8 @@ async fn stacked_layers_both_record_the_outcome_when_the_client_goes_away() {
 
 #[tokio::test]
 async fn disconnect_in_release_mode_drops_the_handler_and_frees_the_key() {
-    let (_store, probe, svc) = fresh_with(|layer| layer.on_disconnect(OnDisconnect::Release));
+    let (_store, probe, svc) =
+        fresh_with(|layer| layer.timing(|t| t.on_disconnect(OnDisconnect::Release)));
     let client = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
     client.abort();

@@ -277,7 +277,8 @@ async fn a_status_a_retry_may_cure_releases_the_key_and_one_it_would_repeat_is_s
 #[tokio::test]
 async fn the_grpc_predicate_is_configurable() {
     let handler = Handler::new(Answer::TrailersOnly { status: "9" });
-    let layer = tenant_layer(MemoryStore::new()).grpc_should_store(|status| status == 0);
+    let layer =
+        tenant_layer(MemoryStore::new()).answers(|a| a.grpc_should_store(|status| status == 0));
     let mut app = layered(&layer, &handler, &Scope::default());
     call(&mut app, call_request("p-1", message(b"x"), true)).await;
     call(&mut app, call_request("p-1", message(b"x"), true)).await;
@@ -683,11 +684,11 @@ async fn every_answer_is_classified_by_its_status_and_its_producer() {
         }
     }
     // A classifier of the user's: DEADLINE_EXCEEDED from a handler released.
-    let released = tenant_layer(MemoryStore::new()).classify_grpc(|status, producer| {
-        match (status, producer) {
+    let released = tenant_layer(MemoryStore::new()).answers(|s| {
+        s.classify_grpc(|status, producer| match (status, producer) {
             (Some(4), Producer::Handler) => Verdict::Released,
             _ => default_grpc_verdict(status, producer),
-        }
+        })
     });
     let runs = Arc::new(AtomicUsize::new(0));
     let mut app = answering(&released, "4", false, &runs);
@@ -700,7 +701,8 @@ async fn every_answer_is_classified_by_its_status_and_its_producer() {
 /// did, and never releases an upstream's deadline.
 #[tokio::test]
 async fn the_bool_predicate_keeps_an_upstreams_deadline_unknown() {
-    let layer = tenant_layer(MemoryStore::new()).grpc_should_store(|status| status == 0);
+    let layer =
+        tenant_layer(MemoryStore::new()).answers(|a| a.grpc_should_store(|status| status == 0));
     let runs = Arc::new(AtomicUsize::new(0));
     let mut app = answering(&layer, "4", false, &runs);
     call(&mut app, call_request("b-1", message(b"x"), true)).await;
@@ -740,7 +742,7 @@ async fn nothing_ran_in_the_trailers_releases_the_key() {
 #[tokio::test]
 async fn grpc_refusals_carry_the_should_retry_header() {
     let layer = tenant_layer(MemoryStore::new())
-        .should_retry_header(http::HeaderName::from_static("x-should-retry"));
+        .problems(|p| p.should_retry_header(http::HeaderName::from_static("x-should-retry")));
     let handler = Handler::new(Answer::Stream);
     let mut app = layered(&layer, &handler, &Scope::default());
     let mut first_app = app.clone();

@@ -229,7 +229,7 @@ async fn problems_leak_nothing_and_can_be_shaped() {
 
     let documented = IdempotencyLayer::new(MemoryStore::new())
         .tenant(TenantFromHeader::from_static("x-tenant"))
-        .problem_type_base("https://docs.example.com/errors/");
+        .problems(|p| p.type_base("https://docs.example.com/errors/"));
     let app = Router::new()
         .route("/payments", post(pay))
         .layer(documented);
@@ -243,15 +243,17 @@ async fn problems_leak_nothing_and_can_be_shaped() {
 
     let hooked = IdempotencyLayer::new(MemoryStore::new())
         .tenant(TenantFromHeader::from_static("x-tenant"))
-        .problem_hook(|problem: &Problem| {
-            Response::builder()
-                .status(problem.status)
-                .header("content-type", "application/vnd.acme.error+json")
-                .body(Bytes::from(format!(
-                    "{{\"error\":\"{}\"}}",
-                    problem.code.as_str()
-                )))
-                .ok()
+        .problems(|s| {
+            s.hook(|problem: &Problem| {
+                Response::builder()
+                    .status(problem.status)
+                    .header("content-type", "application/vnd.acme.error+json")
+                    .body(Bytes::from(format!(
+                        "{{\"error\":\"{}\"}}",
+                        problem.code.as_str()
+                    )))
+                    .ok()
+            })
         });
     let records = hooked.records_service();
     let app = Router::new()
@@ -383,7 +385,7 @@ async fn a_problem_type_base_can_never_add_a_link_target() {
     ] {
         let layer = idem_layer::IdempotencyLayer::new(MemoryStore::new())
             .allow_anonymous(true)
-            .problem_type_base(base);
+            .problems(|p| p.type_base(base));
         assert!(
             matches!(
                 layer.validate(),
@@ -414,7 +416,7 @@ async fn a_problem_type_base_can_never_add_a_link_target() {
         assert_eq!(document["code"], "idempotency_misconfigured", "{document}");
     }
     let good = idem_layer::IdempotencyLayer::new(MemoryStore::new())
-        .problem_type_base("https://docs.example.com/errors/");
+        .problems(|p| p.type_base("https://docs.example.com/errors/"));
     assert!(good.validate().is_ok());
 }
 
@@ -428,8 +430,7 @@ async fn the_records_service_under_the_layer_is_not_keyed() {
     let idempotency = IdempotencyLayer::new(MemoryStore::new())
         .tenant(TenantFromHeader::from_static("x-tenant-id"))
         .require_key(true)
-        .tenant_release(true)
-        .records_path("/_idempotency/records");
+        .records(|r| r.tenant_release(true).path("/_idempotency/records"));
     let app = Router::new()
         .route("/orders", post(|| async { StatusCode::CREATED }))
         .route_service("/_idempotency/records", idempotency.records_service())

@@ -177,7 +177,9 @@ async fn after_a_rotation_both_generations_replay_and_a_wrong_key_replays_nothin
         .layer(
             IdempotencyLayer::new(store.clone())
                 .tenant(TenantFromHeader::from_static("x-tenant"))
-                .unsealing(Keyring::derived(SECRET).rotated_to(2, [2; 32])),
+                .sealing(idem_layer::settings::Sealing::open_only(
+                    Keyring::derived(SECRET).rotated_to(2, [2; 32]),
+                )),
         );
     let opened = post_order(&unsealing, "new").await;
     assert_eq!(opened.body, new.body);
@@ -236,7 +238,7 @@ async fn fingerprints_are_keyed_and_unkeyed_records_still_replay() {
             .layer(
                 IdempotencyLayer::new(store.clone())
                     .tenant(TenantFromHeader::from_static("x-tenant"))
-                    .fingerprint_secret(secret),
+                    .fingerprints(|f| f.secret(secret)),
             )
     };
     let send = |app: Router, key: &'static str, body: &'static str| async move {

@@ -71,7 +71,8 @@ async fn different_payload_is_a_conflict_in_every_state() {
 
 #[tokio::test]
 async fn duplicate_in_flight_gets_409_with_retry_after() {
-    let (_store, probe, svc) = fresh_with(|layer| layer.lease(Duration::from_secs(12)));
+    let (_store, probe, svc) =
+        fresh_with(|layer| layer.timing(|t| t.lease(Duration::from_secs(12))));
     let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
 
@@ -97,7 +98,7 @@ async fn duplicate_in_flight_gets_409_with_retry_after() {
 /// handler learns which attempt it superseded.
 #[tokio::test(start_paused = true)]
 async fn lapsed_lease_is_taken_over_with_next_generation() {
-    let (store, probe, svc) = fresh_with(|layer| layer.lease(Duration::from_secs(5)));
+    let (store, probe, svc) = fresh_with(|layer| layer.timing(|t| t.lease(Duration::from_secs(5))));
     let request = || keyed("/ctx", "k");
 
     // The "crashed" first attempt, with the fingerprint the layer computes.
@@ -244,7 +245,7 @@ async fn outcome_predicate_is_configurable() {
     let probe = Probe::default();
     // Store 503s too.
     let svc = service(
-        &layer(&store).store_outcome_if(|s| s.as_u16() != 404),
+        &layer(&store).answers(|a| a.store_outcome_if(|s| s.as_u16() != 404)),
         &probe,
     );
     send(&svc, keyed("/status/503", "a")).await;
@@ -256,7 +257,7 @@ async fn outcome_predicate_is_configurable() {
 
 #[tokio::test]
 async fn response_over_storable_limit_reaches_first_caller_only() {
-    let (_store, probe, svc) = fresh_with(|layer| layer.max_response(1024));
+    let (_store, probe, svc) = fresh_with(|layer| layer.answers(|a| a.max_response(1024)));
     let first = send(&svc, keyed("/big/5000", "k")).await;
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(
@@ -430,7 +431,7 @@ async fn tenants_are_isolated_and_required() {
 
 #[tokio::test]
 async fn body_over_the_limit_is_413_and_never_executes() {
-    let (store, probe, svc) = fresh_with(|layer| layer.max_body(100));
+    let (store, probe, svc) = fresh_with(|layer| layer.fingerprints(|f| f.max_body(100)));
     // A keyed body of `len` bytes, its length declared or not.
     let body_of = |len: usize, declared: bool| {
         let request = post("/orders").key("k").tenant("t1");
@@ -490,8 +491,9 @@ async fn custom_fingerprint_replaces_the_default() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     // Only the operation counts: any payload replays.
-    let layer = layer(&store)
-        .fingerprint_fn(|op, _, _| idem_core::Fingerprint::from_bytes([op.len() as u8; 32]));
+    let layer = layer(&store).fingerprints(|s| {
+        s.function(|op, _, _| idem_core::Fingerprint::from_bytes([op.len() as u8; 32]))
+    });
     let svc = service(&layer, &probe);
     send(&svc, order("k", r#"{"a":1}"#)).await;
     assert!(send(&svc, order("k", r#"{"a":2}"#)).await.replayed());
@@ -512,7 +514,8 @@ async fn handler_sees_the_context() {
 /// out (no takeover while the process is alive).
 #[tokio::test(start_paused = true)]
 async fn long_handler_keeps_its_lease() {
-    let (_store, probe, svc) = fresh_with(|layer| layer.lease(Duration::from_secs(3)));
+    let (_store, probe, svc) =
+        fresh_with(|layer| layer.timing(|t| t.lease(Duration::from_secs(3))));
     let first = tokio::spawn(svc.clone().oneshot(keyed("/slow", "k")));
     wait_calls(&probe, 1).await;
     for _ in 0..5 {
@@ -541,16 +544,16 @@ async fn a_changed_configuration_is_validated_again() {
     let valid = layer(&store);
     let first = send(&service(&valid, &probe), order("v1", r#"{"qty":1}"#)).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let invalid = valid
-        .clone()
-        .lease(Duration::from_secs(30))
-        .retention(Duration::from_secs(30));
+    let invalid = valid.clone().timing(|s| {
+        s.lease(Duration::from_secs(30))
+            .retention(Duration::from_secs(30))
+    });
     let refused = send(&service(&invalid, &probe), order("v2", r#"{"qty":1}"#)).await;
     refused.assert_problem(
         StatusCode::INTERNAL_SERVER_ERROR,
         "idempotency_misconfigured",
     );
-    let mended = invalid.retention(Duration::from_secs(60));
+    let mended = invalid.timing(|t| t.retention(Duration::from_secs(60)));
     let again = send(&service(&mended, &probe), order("v3", r#"{"qty":1}"#)).await;
     assert_eq!(again.status, StatusCode::CREATED);
     // The first layer, applied again, is still valid.
@@ -563,9 +566,10 @@ async fn a_changed_configuration_is_validated_again() {
 async fn retention_not_longer_than_lease_is_a_configuration_error() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let layer = layer(&store)
-        .lease(Duration::from_secs(30))
-        .retention(Duration::from_secs(30));
+    let layer = layer(&store).timing(|s| {
+        s.lease(Duration::from_secs(30))
+            .retention(Duration::from_secs(30))
+    });
     assert!(matches!(
         layer.validate(),
         Err(idem_layer::ConfigError::RetentionNotLongerThanLease { .. })
@@ -674,7 +678,7 @@ async fn body_that_never_ends_is_408() {
         async { Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty())) }
     });
     let svc = layer(&store)
-        .body_timeout(Duration::from_secs(5))
+        .timing(|t| t.body_timeout(Duration::from_secs(5)))
         .layer(inner);
     let endless = futures_util::stream::pending::<Result<bytes::Bytes, std::io::Error>>();
     let request = http::Request::post("/orders")

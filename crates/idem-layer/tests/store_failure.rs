@@ -136,14 +136,14 @@ impl idem_core::RecordsAdmin for Switched {
 fn switched_layer(store: &Switched) -> IdempotencyLayer<Switched> {
     IdempotencyLayer::new(store.clone())
         .tenant(TenantFromHeader::new(HeaderName::from_static(TENANT)))
-        .store_timeout(Duration::from_millis(200))
+        .timing(|t| t.store_timeout(Duration::from_millis(200)))
 }
 
 /// A switched store, a probe and a layer with a 600 ms lease: what the
 /// tests of lapsed leases start from.
 fn leased_600ms() -> (Switched, Probe, IdempotencyLayer<Switched>) {
     let store = switched();
-    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let layer = switched_layer(&store).timing(|t| t.lease(Duration::from_millis(600)));
     (store, Probe::default(), layer)
 }
 
@@ -274,7 +274,7 @@ async fn after_a_failed_takeover_a_changed_request_conflicts() {
 #[tokio::test]
 async fn a_waiting_duplicate_of_an_attempt_running_past_its_lapsed_lease_replays_it() {
     let (store, probe, layer) = leased_600ms();
-    let layer = layer.in_flight(InFlight::Wait(Duration::from_secs(30)));
+    let layer = layer.timing(|t| t.in_flight(InFlight::Wait(Duration::from_secs(30))));
     let first = running_past_its_lease(&store, &layer, &probe).await;
     let duplicate = tokio::spawn(send(&layer.layer(inner(&probe)), order_at("/slow", "k")));
     // The test runs on one thread: the duplicate goes as far as it can
@@ -422,9 +422,10 @@ async fn full_memory_store_refuses_new_keys_and_keeps_live_records() {
 async fn full_memory_store_accepts_new_keys_once_records_expire() {
     let store = MemoryStore::builder().capacity(2).build();
     let probe = Probe::default();
-    let layer = layer(&store)
-        .retention(Duration::from_secs(60))
-        .lease(Duration::from_secs(5));
+    let layer = layer(&store).timing(|s| {
+        s.retention(Duration::from_secs(60))
+            .lease(Duration::from_secs(5))
+    });
     let svc = service(&layer, &probe);
     send(&svc, order("a", "{}")).await;
     send(&svc, order("b", "{}")).await;
@@ -543,7 +544,7 @@ async fn a_retry_is_refused_while_the_outcome_held_here_is_not_recorded() {
 #[tokio::test]
 async fn a_waiting_duplicate_is_refused_while_the_outcome_held_here_is_not_recorded() {
     let (store, probe, layer) = leased_600ms();
-    let layer = layer.in_flight(InFlight::Wait(Duration::from_secs(60)));
+    let layer = layer.timing(|t| t.in_flight(InFlight::Wait(Duration::from_secs(60))));
     let svc = layer.layer(inner(&probe));
     let first = tokio::spawn(send(&svc, order_at("/slow", "k")));
     wait_calls(&probe, 1).await;
@@ -599,7 +600,7 @@ fn order_at(path: &str, key: &str) -> http::Request<http_body_util::Full<bytes::
 async fn a_redelivery_waits_for_the_command_outcome_held_here() {
     use idem_layer::{ActionError, Command, CommandError, Done};
     let store = switched();
-    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let layer = switched_layer(&store).timing(|t| t.lease(Duration::from_millis(600)));
     let key = idem_core::IdempotencyKey::parse(b"charge-1").expect("key");
     let command =
         Command::new("shop", "charge", key, &serde_json::json!({"cents": 5})).expect("command");
@@ -661,7 +662,7 @@ async fn a_redelivery_of_a_command_running_past_its_lapsed_lease_is_in_progress(
     use idem_layer::{ActionError, Command, CommandError, Done};
     let store = switched();
     store.mode.store(FAIL_RENEWS, Ordering::SeqCst);
-    let layer = switched_layer(&store).lease(Duration::from_millis(600));
+    let layer = switched_layer(&store).timing(|t| t.lease(Duration::from_millis(600)));
     let key = idem_core::IdempotencyKey::parse(b"charge-2").expect("key");
     let command =
         Command::new("shop", "charge", key, &serde_json::json!({"cents": 7})).expect("command");

@@ -106,7 +106,7 @@ async fn the_checks_fail_without_the_layer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_failure_check_fails_when_failures_are_stored() {
-    let storing = layer().store_outcome_if(|_| true);
+    let storing = layer().answers(|a| a.store_outcome_if(|_| true));
     let checks = Checks::new(orders().layer(storing), |key: &str| {
         order(key, "book", false)
     });

@@ -86,7 +86,7 @@ impl RedisStoreBuilder {
     /// the write, at most `timeout` (single-node deployments only; see the
     /// crate docs for what this buys). A call is then bounded by the
     /// store's timeout plus this one; give the layer's store timeout
-    /// (`IdempotencyLayer::store_timeout`) as much, or it gives up on a
+    /// (`Timing::store_timeout`) as much, or it gives up on a
     /// reservation whose replicas are still acknowledging it (the gateway
     /// does this itself).
     pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {

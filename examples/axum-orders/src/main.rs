@@ -47,8 +47,8 @@ const RECORDS: &str = "/_idempotency/records";
 async fn protected<S: RecordsAdmin + Fleet>(routes: Router, store: S, lease: Duration) -> Router {
     let layer = IdempotencyLayer::new(store)
         .tenant(TenantFromHeader::from_static("x-tenant-id"))
-        .records_path(RECORDS)
-        .lease(lease);
+        .records(|r| r.path(RECORDS))
+        .timing(|t| t.lease(lease));
     claim_store(&layer).await;
     let records = layer.records_service();
     let routes = routes.layer(layer);

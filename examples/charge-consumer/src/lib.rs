@@ -280,7 +280,7 @@ async fn consume<S: Store>(layer: IdempotencyLayer<S>) -> Result<(), Error> {
     if lease.is_zero() {
         return Err("IDEM_LEASE must be longer than zero".into());
     }
-    let layer = layer.lease(lease);
+    let layer = layer.timing(|t| t.lease(lease));
     let url = env("NATS_URL", "nats://127.0.0.1:4222");
     let ledger = env("LEDGER", "charges.ledger");
     let ack_wait = humantime::parse_duration(&env("ACK_WAIT", "30s"))

@@ -27,6 +27,7 @@ use axum::{
 use idem_core::{Fleet, RecordsAdmin, ScopeHash, Store};
 use idem_layer::{
     IdempotencyLayer, ProblemCode, Tenant, TenantFromAuthorization, TenantFromHeader,
+    settings::{Fingerprints, Problems, RecordsApi, Sealing, Timing},
 };
 
 /// A store's own health check for `/healthz`: `Ok` with what it found
@@ -114,18 +115,54 @@ pub(crate) fn layer<S: Store>(
     // store timeout alone would cut a reservation's `WAIT` short and answer
     // 503 for a write that reached its replicas.
     let store_timeout = store.call_bound().unwrap_or(config.store_timeout);
-    let mut layer = IdempotencyLayer::new(store)
+    let timing = Timing::default()
         .unknown_outcome_wait(config.unknown_outcome_wait)
-        .methods(config.methods.clone())
         .lease(config.lease)
         .retention(config.retention)
         .in_flight(config.in_flight)
-        .max_body(config.max_body)
         .body_timeout(config.body_timeout)
-        .max_response(config.max_body)
-        .store_timeout(store_timeout)
+        .store_timeout(store_timeout);
+    let mut fingerprints = Fingerprints::default().max_body(config.max_body);
+    if config.blake3_fingerprints || config.store == "memory" {
+        fingerprints = fingerprints.format(idem_layer::fingerprint::FingerprintFormat::Blake3);
+    }
+    // Fingerprints are keyed like responses are sealed: with a key every
+    // gateway of the store shares.
+    if shares_a_key(config, tenants) {
+        fingerprints = if config.unkeyed_fingerprints {
+            fingerprints.secret_for_reading(&tenants.secret)
+        } else {
+            fingerprints.secret(&tenants.secret)
+        };
+    }
+    let mut records = RecordsApi::default().path(format!("{}/records", config.records_prefix));
+    if let Some(token) = &config.records_admin_token {
+        records = records.admin_token(token.as_bytes());
+    }
+    records = records.output_by_key(config.output_by_key);
+    let mut problems = Problems::default().error_member(config.problem_error_member);
+    if let Some(base) = &config.problem_type_base {
+        problems = problems.type_base(base.clone());
+    }
+    if let Some(name) = &config.should_retry_header {
+        problems = problems.should_retry_header(name.clone());
+    }
+    // Sealed records open on every gateway that holds their key, whether
+    // it seals new ones or not.
+    let sealing = if seals(config, tenants) {
+        Sealing::seal(keyring(config, tenants))
+    } else {
+        Sealing::open_only(keyring(config, tenants))
+    };
+    let mut layer = IdempotencyLayer::new(store)
+        .timing(|_| timing)
+        .methods(config.methods.clone())
+        .fingerprints(|_| fingerprints)
+        .answers(|answers| answers.max_response(config.max_body))
         .replay_cache(config.replay_cache_bytes, config.replay_cache_ttl)
-        .records_path(format!("{}/records", config.records_prefix))
+        .records(|_| records)
+        .problems(|_| problems)
+        .sealing(sealing)
         .allow_anonymous(config.allow_anonymous)
         .require_key(config.require_key)
         .fail_open(config.fail_open);
@@ -137,19 +174,6 @@ pub(crate) fn layer<S: Store>(
             tenants.secret.clone(),
         )),
     };
-    if let Some(token) = &config.records_admin_token {
-        layer = layer.records_admin_token(token.as_bytes());
-    }
-    layer = layer.output_by_key(config.output_by_key);
-    if let Some(base) = &config.problem_type_base {
-        layer = layer.problem_type_base(base.clone());
-    }
-    if let Some(name) = &config.should_retry_header {
-        layer = layer.should_retry_header(name.clone());
-    }
-    if config.problem_error_member {
-        layer = layer.error_member(true);
-    }
     // The memory store's records live in this process only: keying their
     // scopes changes no stored identity.
     if config.keyed_scopes || config.store == "memory" {
@@ -158,25 +182,6 @@ pub(crate) fn layer<S: Store>(
     if config.blake3_scopes || config.store == "memory" {
         layer = layer.scope_format(idem_core::ScopeFormat::Blake3);
     }
-    if config.blake3_fingerprints || config.store == "memory" {
-        layer = layer.fingerprint_format(idem_layer::fingerprint::FingerprintFormat::Blake3);
-    }
-    // Fingerprints are keyed like responses are sealed: with a key every
-    // gateway of the store shares.
-    if shares_a_key(config, tenants) {
-        layer = if config.unkeyed_fingerprints {
-            layer.fingerprint_secret_for_reading(&tenants.secret)
-        } else {
-            layer.fingerprint_secret(&tenants.secret)
-        };
-    }
-    // Sealed records open on every gateway that holds their key, whether
-    // it seals new ones or not.
-    layer = if seals(config, tenants) {
-        layer.sealing(keyring(config, tenants))
-    } else {
-        layer.unsealing(keyring(config, tenants))
-    };
     layer.validate()?;
     Ok(layer)
 }

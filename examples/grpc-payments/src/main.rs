@@ -55,7 +55,7 @@ async fn main() {
         serve(
             listener,
             payments,
-            payments_layer(MemoryStore::new()).lease(lease),
+            payments_layer(MemoryStore::new()).timing(|t| t.lease(lease)),
         )
         .await
     } else if store.starts_with("postgres://") || store.starts_with("postgresql://") {
@@ -63,10 +63,20 @@ async fn main() {
         if let Err(error) = pg.migrate().await {
             exit(format!("could not create the records table: {error}"));
         }
-        serve(listener, payments, payments_layer(pg).lease(lease)).await
+        serve(
+            listener,
+            payments,
+            payments_layer(pg).timing(|t| t.lease(lease)),
+        )
+        .await
     } else {
         let redis = RedisStore::from_url(&store).unwrap_or_else(|error| exit(error));
-        serve(listener, payments, payments_layer(redis).lease(lease)).await
+        serve(
+            listener,
+            payments,
+            payments_layer(redis).timing(|t| t.lease(lease)),
+        )
+        .await
     };
     if let Err(error) = served {
         exit(error);

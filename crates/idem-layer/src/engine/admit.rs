@@ -49,7 +49,7 @@ pub(crate) async fn admit<S: Store>(
     request: &mut ReserveRequest,
     mut on_conflict: impl FnMut(&mut ReserveRequest) -> bool,
 ) -> Admission {
-    let deadline = match rt.config.in_flight {
+    let deadline = match rt.config.timing.in_flight {
         InFlight::Wait(bound) => Some(deadline_after(bound)),
         InFlight::Reject => None,
     };
@@ -222,6 +222,7 @@ impl<S> Runtime<S> {
         // machine that runs the try late.
         let bound = self
             .config
+            .timing
             .store_timeout
             .saturating_mul(2)
             .max(Duration::from_secs(2));

@@ -271,7 +271,7 @@ async fn release_later<S: Store>(
     lease: Lease,
     pending: crate::pending::Registration,
 ) {
-    let deadline = deadline_after(rt.config.retention);
+    let deadline = deadline_after(rt.config.timing.retention);
     let mut pause = Duration::from_millis(100);
     loop {
         pending.pause(pause).await;

@@ -59,7 +59,7 @@ pub(crate) fn update_part(hasher: &mut Sha256, part: &[u8]) {
 /// whose reservation meets a record with another fingerprint tries the
 /// other format before it answers `422`, so records written in either
 /// format replay. What a layer *writes* is its
-/// [`fingerprint_format`](crate::IdempotencyLayer::fingerprint_format).
+/// [`Fingerprints::format`](crate::settings::Fingerprints::format).
 /// A version before this one reads only [`Sha256`](Self::Sha256) and
 /// answers `422 idempotency_conflict` to a retry whose record is in
 /// BLAKE3, so switch writers to BLAKE3 only once every instance sharing

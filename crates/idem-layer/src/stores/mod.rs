@@ -40,10 +40,6 @@ pub type LayerStore<S> = Sealed<Bounded<S>>;
 /// `store` wrapped for `config` (made again whenever a setting changes
 /// while the layer is built).
 pub(crate) fn wrap<S: idem_core::Store>(store: &Arc<S>, config: &Config) -> Arc<LayerStore<S>> {
-    let bounded = Bounded::new(Arc::clone(store), config.store_timeout);
-    Arc::new(Sealed::new(
-        bounded,
-        config.sealing.clone(),
-        config.seal_new,
-    ))
+    let bounded = Bounded::new(Arc::clone(store), config.timing.store_timeout);
+    Arc::new(Sealed::new(bounded, config.sealing.clone()))
 }

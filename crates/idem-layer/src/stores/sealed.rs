@@ -10,7 +10,10 @@ use idem_core::{
 };
 
 use super::Bounded;
-use crate::sealing::{Keyring, Opens};
+use crate::{
+    sealing::{Keyring, Opens},
+    settings::Sealing,
+};
 
 /// A store that keeps stored responses sealed at rest (see
 /// [`sealing`](crate::sealing)): a completion's response is sealed with
@@ -33,13 +36,12 @@ pub struct Sealed<S> {
 }
 
 impl<S> Sealed<S> {
-    /// `inner`, sealing new responses with `keyring` when `seal_new` and
-    /// opening stored ones with it.
-    pub fn new(inner: S, keyring: Option<Keyring>, seal_new: bool) -> Self {
+    /// `inner`, sealing and opening responses as `sealing` says.
+    pub fn new(inner: S, sealing: Sealing) -> Self {
         Self {
             inner,
-            keyring,
-            seal_new,
+            keyring: sealing.keyring,
+            seal_new: sealing.seal_new,
         }
     }
 

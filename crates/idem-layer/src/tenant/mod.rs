@@ -47,8 +47,6 @@ use std::{fmt::Display, sync::Arc};
 
 use http::{HeaderName, request::Parts};
 
-use crate::config::Config;
-
 mod hash;
 
 pub(crate) use hash::Hashing;
@@ -331,37 +329,6 @@ impl TenantExtractor for TenantFromKeyedAuthorization {
 /// Prepares the key at every call: [`TenantHasher`] prepares it once.
 pub fn keyed_tenant(secret: &[u8], prefix: &str, value: &[u8]) -> String {
     Hashing::keyed(secret).tenant(prefix, value)
-}
-
-impl Config {
-    /// The caller's tenant: the extractor's, or the anonymous tenant when
-    /// allowed; `None` when the caller is not identified.
-    /// Why a request has no tenant: with no source chosen, that the
-    /// default one (the `Tenant` request extension) was not set, which is
-    /// what a layer built without [`tenant`](crate::IdempotencyLayer::tenant)
-    /// answers to every keyed request unless a middleware sets it.
-    pub(crate) fn tenant_missing_detail(&self) -> &'static str {
-        if self.tenant_chosen {
-            "a request with an Idempotency-Key must come from an identified caller"
-        } else {
-            "no tenant: the layer's tenant source is its default, the `Tenant` request \
-             extension, and nothing set it on this request (an authentication middleware in \
-             front of the layer sets it; or choose a source with `IdempotencyLayer::tenant`, \
-             such as a header or `Authorization`, or allow anonymous callers)"
-        }
-    }
-
-    pub(crate) fn tenant_of(&self, parts: &Parts) -> Option<Arc<str>> {
-        // A caller named twice is not identified, nor anonymous.
-        if self.tenant.ambiguous(parts) {
-            return None;
-        }
-        match self.tenant.shared_tenant(parts) {
-            Some(tenant) => Some(tenant),
-            None if self.allow_anonymous => Some(ANONYMOUS_TENANT.into()),
-            None => None,
-        }
-    }
 }
 
 #[cfg(test)]

@@ -219,36 +219,39 @@ impl Plain<'_> {
             }
         }
         out[count_at..count_at + 8].copy_from_slice(&(count as u64).to_be_bytes());
-        if !sorted {
-            let members = &mut members[..count];
-            let body = self.body;
-            let key = |member: &Member| member_key(body, member);
-            members.sort_unstable_by(|a, b| key(a).cmp(key(b)));
-            if members
-                .windows(2)
-                .any(|pair| key(&pair[0]) == key(&pair[1]))
-            {
-                return false;
+        sorted || self.sort_members(out, first, &mut members[..count])
+    }
+
+    /// Puts an object's members, written to `out` from `first` in the
+    /// order they came, in key order; `false` for a repeated key.
+    fn sort_members(&self, out: &mut Vec<u8>, first: usize, members: &mut [Member]) -> bool {
+        let body = self.body;
+        let key = |member: &Member| member_key(body, member);
+        members.sort_unstable_by(|a, b| key(a).cmp(key(b)));
+        if members
+            .windows(2)
+            .any(|pair| key(&pair[0]) == key(&pair[1]))
+        {
+            return false;
+        }
+        // The members' tokens, as written, are put back in key order from
+        // a copy: on the stack when they are short (most bodies), else on
+        // the heap.
+        let mut stack = [0u8; 512];
+        let mut heap = Vec::new();
+        let written: &[u8] = match stack.get_mut(..out.len() - first) {
+            Some(copy) => {
+                copy.copy_from_slice(&out[first..]);
+                copy
             }
-            // The members' tokens, as written, are put back in key order
-            // from a copy: on the stack when they are short (most
-            // bodies), else on the heap.
-            let mut stack = [0u8; 512];
-            let mut heap = Vec::new();
-            let written: &[u8] = match stack.get_mut(..out.len() - first) {
-                Some(copy) => {
-                    copy.copy_from_slice(&out[first..]);
-                    copy
-                }
-                None => {
-                    heap.extend_from_slice(&out[first..]);
-                    &heap
-                }
-            };
-            out.truncate(first);
-            for &(_, _, start, end) in members.iter() {
-                out.extend_from_slice(&written[start as usize - first..end as usize - first]);
+            None => {
+                heap.extend_from_slice(&out[first..]);
+                &heap
             }
+        };
+        out.truncate(first);
+        for &(_, _, start, end) in members.iter() {
+            out.extend_from_slice(&written[start as usize - first..end as usize - first]);
         }
         true
     }
