@@ -170,9 +170,9 @@ impl RedisStoreBuilder {
         Ok(store)
     }
 
-    /// Builds the store. Connections are made lazily, on first use; the
-    /// server is not checked (see [`connect`](Self::connect)).
-    pub fn build(self) -> Result<RedisStore, BuildError> {
+    /// The connection pool the URL names: a cluster's, or a single
+    /// node's, each connection bounded by the store's timeout.
+    fn pool(&self) -> Result<Pool, BuildError> {
         let invalid = |reason: &str| BuildError::InvalidUrl {
             url: self.url.clone(),
             reason: reason.to_owned(),
@@ -195,8 +195,7 @@ impl RedisStoreBuilder {
             (None, Some(nodes)) => Some(("rediss", nodes)),
             (None, None) => None,
         };
-        let single = cluster.is_none();
-        let pool = if let Some((scheme, nodes)) = cluster {
+        if let Some((scheme, nodes)) = cluster {
             if self.wait_replicas.is_some() {
                 return Err(invalid(
                     "waiting for replicas is supported on single-node deployments only",
@@ -216,7 +215,7 @@ impl RedisStoreBuilder {
             let pool = config
                 .create_pool(Some(Runtime::Tokio1))
                 .map_err(|e| BuildError::Pool(e.to_string()))?;
-            Pool::Cluster(pool)
+            Ok(Pool::Cluster(pool))
         } else if self.url.starts_with("redis://") || self.url.starts_with("rediss://") {
             // The store bounds each call itself (its timeout, plus the
             // wait for replicas that a `WAIT` spends on the server), so the
@@ -231,12 +230,19 @@ impl RedisStoreBuilder {
                 .runtime(Runtime::Tokio1)
                 .build()
                 .map_err(|e| BuildError::Pool(e.to_string()))?;
-            Pool::Single(pool)
+            Ok(Pool::Single(pool))
         } else {
-            return Err(invalid(
+            Err(invalid(
                 "expected redis://, rediss://, redis+cluster:// or rediss+cluster://",
-            ));
-        };
+            ))
+        }
+    }
+
+    /// Builds the store. Connections are made lazily, on first use; the
+    /// server is not checked (see [`connect`](Self::connect)).
+    pub fn build(self) -> Result<RedisStore, BuildError> {
+        let pool = self.pool()?;
+        let single = matches!(pool, Pool::Single(_));
         let watch = crate::watch::Watch::new(single.then_some(self.url.as_str()));
         let erasures =
             crate::erasures::Erasures::new(single.then_some(self.url.as_str()), &self.prefix);

@@ -127,6 +127,7 @@ use std::time::Duration;
 use idem_core::{Record, ScopeHash, StoreError};
 
 mod abandon;
+mod admin;
 mod builder;
 mod cluster;
 mod connection;

@@ -1,14 +1,12 @@
 //! The store contract on Redis: `Store` (reservations, renewals,
-//! completions, releases, cancels, reads) and `RecordsAdmin` (listings,
-//! the lapsed count, force releases), each a script call on the record's
-//! slot.
+//! completions, releases, cancels, reads), each a script call on the
+//! record's slot (the records API's calls are in `admin`).
 
 use std::time::Duration;
 
 use idem_core::{
-    Attempt, AttemptId, Cancellation, Completion, Current, Erasure, ForceRelease, Lease,
-    OldestRecords, Outcome, OwnerToken, Record, RecordQuery, RecordState, RecordsAdmin, Release,
-    Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
+    Attempt, AttemptId, Cancellation, Completion, Current, Fingerprint, Lease, Outcome, OwnerToken,
+    Record, Release, Renewal, Reservation, ReserveRequest, ScopeHash, Store, StoreError,
 };
 use redis::Value;
 
@@ -18,20 +16,9 @@ use crate::{
     decode::{self, *},
     errors::corrupt,
     invocation::{Answer, Invocation},
-    keys::{millis, record_key_pieces},
-    pool::Pool,
+    keys::millis,
     string_record::{self, Found},
 };
-
-/// How many record reads [`RecordsAdmin::list`](idem_core::RecordsAdmin::list) keeps in
-/// flight at once.
-const LIST_READS_AT_ONCE: usize = 32;
-
-/// How many keys one call of the lapsed-records count asks `SCAN` for
-/// (`count_lapsed.lua`): each call holds Redis for its page (about 5 µs a
-/// key on a small machine, the `SCAN` included), so a call stays under a
-/// millisecond.
-const COUNT_LAPSED_PAGE: usize = 100;
 
 /// The reserve script's answer; `lease` makes the lease of a generation.
 /// A new key's hot path answers the integer 1 (acquired, generation 1), a
@@ -85,6 +72,61 @@ enum Step {
     /// another owner, whose lease ends when that time falls to
     /// `lease_ends_at` (the retention less the lease, in ms).
     LeaseLeft { lease_ends_at: i64 },
+}
+
+/// What one answer of a reservation's loop settles: the next call, or the
+/// reservation.
+enum Next {
+    Call(Step),
+    Done(Reservation),
+}
+
+impl Step {
+    /// The step after `answer` to this step's call, for a request of
+    /// `fingerprint` reserving under `token` (`lease` makes its lease at a
+    /// generation).
+    fn answered(
+        self,
+        answer: Answer,
+        fingerprint: &Fingerprint,
+        token: &uuid::Uuid,
+        lease: impl Fn(u64) -> Lease,
+    ) -> Result<Next, StoreError> {
+        let found = match (self, answer) {
+            (Step::Script, answer) => {
+                return Ok(Next::Done(decode_reservation(answer.into_reply()?, lease)?));
+            }
+            (Step::LeaseLeft { lease_ends_at }, Answer::Reply(Value::Int(pttl))) => {
+                return Ok(match Found::lease_left(lease_ends_at, pttl) {
+                    0 => Next::Call(Step::Script),
+                    left => Next::Done(Reservation::InProgress {
+                        retry_after: Duration::from_millis(left),
+                    }),
+                });
+            }
+            (Step::Native, Answer::OutOfMemory) => return Ok(Next::Call(Step::Read)),
+            (Step::Read, Answer::Reply(Value::Nil)) => {
+                return Err(StoreError::Refused(
+                    "Redis is out of memory (OOM under noeviction): a new key cannot be reserved"
+                        .into(),
+                ));
+            }
+            (Step::Native, Answer::Reply(Value::Nil)) => Found::Ours,
+            (Step::Native | Step::Read, Answer::Reply(Value::BulkString(raw))) => {
+                string_record::found(raw, fingerprint, token)?
+            }
+            (_, Answer::HashRecord) => return Ok(Next::Call(Step::Script)),
+            (_, other) => {
+                return Err(corrupt(format!("unexpected reservation reply {other:?}")));
+            }
+        };
+        Ok(match found {
+            Found::Ours => Next::Done(Reservation::Acquired(lease(1))),
+            Found::Replay(replay) => Next::Done(Reservation::Completed(replay)),
+            Found::Conflict => Next::Done(Reservation::Conflict),
+            Found::Held { lease_ends_at } => Next::Call(Step::LeaseLeft { lease_ends_at }),
+        })
+    }
 }
 
 impl RedisStore {
@@ -232,56 +274,10 @@ impl Store for RedisStore {
                     Some(&mut guard.conn),
                 )
                 .await?;
-            let found = match (step, answer) {
-                (Step::Script, answer) => {
-                    break (decode_reservation(answer.into_reply()?, lease)?, acked);
-                }
-                (Step::LeaseLeft { lease_ends_at }, Answer::Reply(Value::Int(pttl))) => {
-                    match Found::lease_left(lease_ends_at, pttl) {
-                        0 => {
-                            step = Step::Script;
-                            continue;
-                        }
-                        left => {
-                            let retry_after = Duration::from_millis(left);
-                            break (Reservation::InProgress { retry_after }, acked);
-                        }
-                    }
-                }
-                (Step::Native, Answer::OutOfMemory) => {
-                    step = Step::Read;
-                    continue;
-                }
-                (Step::Read, Answer::Reply(Value::Nil)) => {
-                    return Err(StoreError::Refused(
-                        "Redis is out of memory (OOM under noeviction): a new key cannot be reserved"
-                            .into(),
-                    ));
-                }
-                (Step::Native, Answer::Reply(Value::Nil)) => Found::Ours,
-                (Step::Native | Step::Read, Answer::Reply(Value::BulkString(raw))) => {
-                    string_record::found(raw, &request.fingerprint, &guard.token)?
-                }
-                (_, Answer::HashRecord) => {
-                    step = Step::Script;
-                    continue;
-                }
-                (_, other) => {
-                    return Err(corrupt(format!("unexpected reservation reply {other:?}")));
-                }
-            };
-            break (
-                match found {
-                    Found::Ours => Reservation::Acquired(lease(1)),
-                    Found::Replay(replay) => Reservation::Completed(replay),
-                    Found::Conflict => Reservation::Conflict,
-                    Found::Held { lease_ends_at } => {
-                        step = Step::LeaseLeft { lease_ends_at };
-                        continue;
-                    }
-                },
-                acked,
-            );
+            match step.answered(answer, &request.fingerprint, &guard.token, lease)? {
+                Next::Call(next) => step = next,
+                Next::Done(reservation) => break (reservation, acked),
+            }
         };
         if let (
             Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. },
@@ -417,141 +413,5 @@ impl Store for RedisStore {
 
     async fn get(&self, scope: &ScopeHash) -> Result<Option<Record>, StoreError> {
         self.read(scope, false, None).await
-    }
-}
-
-/// An operator's act on one record (force release, erasure): the kind
-/// its script answered, and the record when it sent one.
-async fn operator_act(
-    store: &RedisStore,
-    script: &redis::Script,
-    scope: &ScopeHash,
-) -> Result<(String, Option<Record>), StoreError> {
-    let invocation = Invocation::on_record(script, &store.prefix, scope);
-    operator_reply(store, invocation, scope).await
-}
-
-/// The kind and the record an operator's script answered.
-async fn operator_reply(
-    store: &RedisStore,
-    invocation: Invocation<'_>,
-    scope: &ScopeHash,
-) -> Result<(String, Option<Record>), StoreError> {
-    let reply = items(store.run(invocation, false).await?.0)?;
-    let Some((kind, pairs)) = reply.split_first() else {
-        return Err(corrupt("an operator's script answered nothing"));
-    };
-    let record = if pairs.is_empty() {
-        None
-    } else {
-        Some(decode_record(*scope, pairs)?)
-    };
-    Ok((text(kind)?, record))
-}
-
-impl RecordsAdmin for RedisStore {
-    async fn list(&self, query: &RecordQuery) -> Result<Vec<Record>, StoreError> {
-        let clock: Vec<u64> = self.command(redis::cmd("TIME")).await?;
-        let now_ms = match clock.as_slice() {
-            [secs, micros] => secs * 1000 + micros / 1000,
-            _ => return Err(corrupt("TIME answered oddly")),
-        };
-        use futures_util::TryStreamExt;
-        // A query that only processing records can match reads the others'
-        // state alone (most records are completed).
-        let only_processing = query.lapsed || query.state == Some(RecordState::Processing);
-        // A tenant's listing reads other tenants' records no further than
-        // their tenant: as the 'tenant' field holds it (every record before
-        // the binary form, and every tenant without one), and as
-        // 'tenant_bin' does.
-        let binary = query
-            .tenant
-            .as_deref()
-            .map(|tenant| match encode_tenant(tenant) {
-                ("tenant_bin", binary) => binary,
-                _ => Vec::new(),
-            });
-        let tenant = query.tenant.as_deref().zip(binary.as_deref());
-        // The reads share the connection, LIST_READS_AT_ONCE in flight:
-        // Redis takes them in batches instead of one round trip each.
-        // Only the oldest matches so far are kept: a listing holds no more
-        // than its answer and a page of keys, however many records it
-        // reads.
-        let found = self
-            .record_scopes()
-            .map_ok(|page| futures_util::stream::iter(page.into_iter().map(Ok)))
-            .try_flatten()
-            .map_ok(|scope| async move { self.read(&scope, only_processing, tenant).await })
-            .try_buffer_unordered(LIST_READS_AT_ONCE)
-            .try_fold(OldestRecords::new(query.limit), |mut found, record| {
-                if let Some(record) = record.filter(|record| query.matches(record, now_ms)) {
-                    found.offer(record);
-                }
-                std::future::ready(Ok(found))
-            })
-            .await?;
-        Ok(found.into_oldest_first())
-    }
-
-    /// Counted inside Redis on a single node: `SCAN` pages of record keys,
-    /// each read by `count_lapsed.lua` where it lives, so a record's fields
-    /// never cross the network and the count costs Redis about a third of
-    /// reading each record out (see the README's lapsed-records gauge). A
-    /// key `SCAN` names twice (a table Redis resized during the count) is
-    /// counted twice. On a cluster (whose scripts may touch only the keys
-    /// they name) the lapsed records are listed and counted.
-    async fn count_lapsed(&self, limit: usize) -> Result<usize, StoreError> {
-        if matches!(self.pool, Pool::Cluster(_)) {
-            let listed = self.list(&RecordQuery::stuck(limit)).await?;
-            return Ok(listed.len());
-        }
-        let pattern = self.record_pattern();
-        let key_length: usize = record_key_pieces(&self.prefix, &[0; 64])
-            .iter()
-            .map(|piece| piece.len())
-            .sum();
-        let (mut cursor, mut count) = (0u64, 0usize);
-        loop {
-            let mut invocation = Invocation::new(&self.scripts.count_lapsed, &[]);
-            invocation
-                .arg(cursor)
-                .arg(&pattern)
-                .arg(COUNT_LAPSED_PAGE)
-                .arg(key_length);
-            let reply = items(self.run(invocation, false).await?.0)?;
-            let [next, lapsed] = reply.as_slice() else {
-                return Err(corrupt("lapsed count answered oddly"));
-            };
-            count = count.saturating_add(usize::try_from(int(lapsed)?).unwrap_or(usize::MAX));
-            cursor = int(next)?;
-            if cursor == 0 || count >= limit {
-                return Ok(count.min(limit));
-            }
-        }
-    }
-
-    async fn force_release(&self, scope: &ScopeHash) -> Result<ForceRelease, StoreError> {
-        let (kind, record) = operator_act(self, &self.scripts.force_release, scope).await?;
-        Ok(match (kind.as_str(), record) {
-            ("released", Some(record)) => ForceRelease::Released(record),
-            ("not_processing", Some(record)) => ForceRelease::NotProcessing(record),
-            _ => ForceRelease::NotFound,
-        })
-    }
-
-    async fn erase(&self, scope: &ScopeHash) -> Result<Erasure, StoreError> {
-        // The erasure is published, in the script, to every process's
-        // replay cache (`erasures.rs`).
-        let mut invocation = Invocation::on_record(&self.scripts.erase, &self.prefix, scope);
-        let hex = scope.hex_bytes();
-        invocation
-            .arg(crate::erasures::channel(&self.prefix))
-            .arg(&hex[..]);
-        let (kind, record) = operator_reply(self, invocation, scope).await?;
-        Ok(match (kind.as_str(), record) {
-            ("erased", Some(record)) => Erasure::Erased(record),
-            ("processing", Some(record)) => Erasure::Processing(record),
-            _ => Erasure::NotFound,
-        })
     }
 }
