@@ -14,6 +14,7 @@ mod lapsed;
 mod metrics;
 mod operator;
 mod owned;
+mod protection;
 mod proxy;
 mod router;
 mod stores;

@@ -1,6 +1,7 @@
-//! The layer the flags describe and the router around it: the proxy, the
-//! records API, `/healthz`, `/metrics`, and the front middleware (log line,
-//! `Connection` check, JWT tenant).
+//! The router around the layer the flags describe (see
+//! [`protection`](crate::protection)): the proxy, the records API,
+//! `/healthz`, `/metrics`, the operator page, and the front middleware
+//! (log line, `Connection` check, JWT tenant).
 
 use crate::{
     StartError,
@@ -9,8 +10,9 @@ use crate::{
     jwt,
     lapsed::watch_lapsed,
     metrics::prometheus,
+    protection::layer,
     proxy::{self, Proxy},
-    tenants::{Tenants, generated_secret_warning, scope_secret, tenant_hash},
+    tenants::{Tenants, generated_secret_warning, tenant_hash},
     trace::{Spans, traced},
 };
 
@@ -25,10 +27,7 @@ use axum::{
     routing::get,
 };
 use idem_core::{Fleet, RecordsAdmin, ScopeHash, Store};
-use idem_layer::{
-    IdempotencyLayer, ProblemCode, Tenant, TenantFromAuthorization, TenantFromHeader,
-    settings::{Fingerprints, Problems, RecordsApi, Sealing, Timing},
-};
+use idem_layer::{IdempotencyLayer, ProblemCode, Tenant};
 
 /// A store's own health check for `/healthz`: `Ok` with what it found
 /// (200), or `Err` with what is wrong (503). Without one, a read of an
@@ -63,129 +62,6 @@ pub(crate) async fn health_answer<S: Store>(
     }
 }
 
-/// Whether the tenant secret is one every gateway of the store shares: given
-/// (not generated at start), or the store is this process's memory.
-pub(crate) fn shares_a_key(config: &Config, tenants: &Tenants) -> bool {
-    !tenants.generated || config.store == "memory"
-}
-
-/// Whether stored responses are sealed: unless `--no-sealing`, with a
-/// key every gateway of the store shares (the tenant secret's, or a
-/// `--sealing-key`). A secret generated at start would give each gateway,
-/// and each start, a key of its own, and their records would not open
-/// for one another: then responses are stored in clear, with a warning.
-pub(crate) fn seals(config: &Config, tenants: &Tenants) -> bool {
-    if config.no_sealing {
-        return false;
-    }
-    if !shares_a_key(config, tenants) && config.sealing_key.is_empty() {
-        tracing::warn!(
-            "stored responses are kept in clear: sealing them needs a key every gateway of \
-             the store shares (--tenant-secret-file, or --sealing-key)"
-        );
-        return false;
-    }
-    true
-}
-
-/// The sealing keyring the flags describe: key 0 derived from the tenant
-/// secret, then each `--sealing-key` in order of id, the highest sealing.
-pub(crate) fn keyring(config: &Config, tenants: &Tenants) -> idem_layer::sealing::Keyring {
-    let mut keyring = idem_layer::sealing::Keyring::derived(&tenants.secret);
-    // Opening keys first: a key given both ways seals.
-    for key in &config.sealing_opening_keys {
-        keyring = keyring.opening(key.id, key.key);
-    }
-    let mut keys = config.sealing_key.clone();
-    keys.sort_by_key(|key| key.id);
-    for key in keys {
-        keyring = keyring.rotated_to(key.id, key.key);
-    }
-    keyring
-}
-
-/// The idempotency layer the flags describe.
-pub(crate) fn layer<S: Store>(
-    config: &Config,
-    tenants: &Tenants,
-    store: S,
-) -> Result<IdempotencyLayer<S>, StartError> {
-    // A store that bounds its own calls (Redis: its timeout, plus the wait
-    // for replicas when it waits for them) gives the layer that bound: the
-    // store timeout alone would cut a reservation's `WAIT` short and answer
-    // 503 for a write that reached its replicas.
-    let store_timeout = store.call_bound().unwrap_or(config.store_timeout);
-    let timing = Timing::default()
-        .unknown_outcome_wait(config.unknown_outcome_wait)
-        .lease(config.lease)
-        .retention(config.retention)
-        .in_flight(config.in_flight)
-        .body_timeout(config.body_timeout)
-        .store_timeout(store_timeout);
-    let mut fingerprints = Fingerprints::default().max_body(config.max_body);
-    if config.blake3_fingerprints || config.store == "memory" {
-        fingerprints = fingerprints.format(idem_layer::fingerprint::FingerprintFormat::Blake3);
-    }
-    // Fingerprints are keyed like responses are sealed: with a key every
-    // gateway of the store shares.
-    if shares_a_key(config, tenants) {
-        fingerprints = if config.unkeyed_fingerprints {
-            fingerprints.secret_for_reading(&tenants.secret)
-        } else {
-            fingerprints.secret(&tenants.secret)
-        };
-    }
-    let mut records = RecordsApi::default().path(format!("{}/records", config.records_prefix));
-    if let Some(token) = &config.records_admin_token {
-        records = records.admin_token(token.as_bytes());
-    }
-    records = records.output_by_key(config.output_by_key);
-    let mut problems = Problems::default().error_member(config.problem_error_member);
-    if let Some(base) = &config.problem_type_base {
-        problems = problems.type_base(base.clone());
-    }
-    if let Some(name) = &config.should_retry_header {
-        problems = problems.should_retry_header(name.clone());
-    }
-    // Sealed records open on every gateway that holds their key, whether
-    // it seals new ones or not.
-    let sealing = if seals(config, tenants) {
-        Sealing::seal(keyring(config, tenants))
-    } else {
-        Sealing::open_only(keyring(config, tenants))
-    };
-    let mut layer = IdempotencyLayer::new(store)
-        .timing(|_| timing)
-        .methods(config.methods.clone())
-        .fingerprints(|_| fingerprints)
-        .answers(|answers| answers.max_response(config.max_body))
-        .replay_cache(config.replay_cache_bytes, config.replay_cache_ttl)
-        .records(|_| records)
-        .problems(|_| problems)
-        .sealing(sealing)
-        .allow_anonymous(config.allow_anonymous)
-        .require_key(config.require_key)
-        .fail_open(config.fail_open);
-    layer = match (&config.tenant_header, &tenants.jwt) {
-        (Some(name), _) => layer.tenant(TenantFromHeader::new(name.clone())),
-        (None, Some(_)) => layer.tenant(idem_layer::TenantFromExtension::<Tenant>::new()),
-        (None, None) => layer.tenant(TenantFromAuthorization::keyed_as(
-            tenant_hash(config),
-            tenants.secret.clone(),
-        )),
-    };
-    // The memory store's records live in this process only: keying their
-    // scopes changes no stored identity.
-    if config.keyed_scopes || config.store == "memory" {
-        layer = layer.scope_secret(scope_secret(&tenants.secret));
-    }
-    if config.blake3_scopes || config.store == "memory" {
-        layer = layer.scope_format(idem_core::ScopeFormat::Blake3);
-    }
-    layer.validate()?;
-    Ok(layer)
-}
-
 pub(crate) fn router<S: RecordsAdmin + Fleet>(
     config: &Config,
     tenants: &Tenants,
@@ -202,15 +78,8 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
     watch_lapsed(std::sync::Arc::clone(layer.store()));
     let health_store = std::sync::Arc::clone(layer.store());
     let timeout = config.store_timeout;
-    let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Setting)?;
     let unknowns = crate::operator::Unknowns::default();
-    let mut proxy = Proxy::new(upstream, config.upstream_timeout, tls.clone());
-    if config.upstream_http2 {
-        proxy = proxy.http2(tls);
-    }
-    let proxy = proxy
-        .forwarded(config.forwarded)
-        .noting_unknowns(unknowns.clone());
+    let proxy = upstream_proxy(config, upstream, &unknowns)?;
     let protected = tower::ServiceBuilder::new()
         .layer(layer.clone())
         .service(proxy);
@@ -221,14 +90,7 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
         protected,
     );
     let metrics = prometheus().clone();
-    let (draining, closing) = (layer.clone(), layer.clone());
-    let drain = Drain {
-        close: Box::new(move || closing.close()),
-        wait: Box::new(move |bound| {
-            let layer = draining.clone();
-            Box::pin(async move { layer.drain(bound).await })
-        }),
-    };
+    let drain = Drain::of(&layer);
     let protected_headers: Vec<HeaderName> = [
         http::header::AUTHORIZATION,
         idem_layer::IDEMPOTENCY_KEY,
@@ -244,31 +106,7 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
         methods: std::sync::Arc::new(config.methods.clone()),
         records_path: std::sync::Arc::from(records_path.as_str()),
     });
-    // The operator page, behind the records admin token.
-    let operator = match &config.records_admin_token {
-        Some(token) => crate::operator::routes(
-            std::sync::Arc::clone(layer.store()),
-            token.as_bytes(),
-            unknowns,
-            &format!("{}/operator", config.records_prefix),
-            !config.operator_plain_http,
-        ),
-        // Not forwarded to the upstream either: the path is the gateway's.
-        None => {
-            let off = || async {
-                problem(
-                    StatusCode::NOT_FOUND,
-                    "operator_page_off",
-                    "No operator page",
-                    "the operator page is served only with --records-admin-token",
-                )
-            };
-            let path = format!("{}/operator", config.records_prefix);
-            Router::new()
-                .route(&path, axum::routing::any(off))
-                .route(&format!("{path}/{{*rest}}"), axum::routing::any(off))
-        }
-    };
+    let operator = operator_routes(config, &layer, unknowns);
     let router = Router::new()
         .merge(operator)
         .route(
@@ -299,6 +137,57 @@ pub(crate) fn router<S: RecordsAdmin + Fleet>(
             front,
         ));
     Ok((router, drain))
+}
+
+/// The proxy to the upstream the flags name (its CA, HTTP/2, forwarded
+/// fields), noting its unknown outcomes for the operator page.
+fn upstream_proxy(
+    config: &Config,
+    upstream: Uri,
+    unknowns: &crate::operator::Unknowns,
+) -> Result<Proxy, StartError> {
+    let tls = proxy::tls_config(config.upstream_ca.as_deref()).map_err(StartError::Setting)?;
+    let mut proxy = Proxy::new(upstream, config.upstream_timeout, tls.clone());
+    if config.upstream_http2 {
+        proxy = proxy.http2(tls);
+    }
+    Ok(proxy
+        .forwarded(config.forwarded)
+        .noting_unknowns(unknowns.clone()))
+}
+
+/// The operator page, behind the records admin token; without the token,
+/// its paths answer `404 operator_page_off` (never forwarded: they are the
+/// gateway's).
+fn operator_routes<S: RecordsAdmin>(
+    config: &Config,
+    layer: &IdempotencyLayer<S>,
+    unknowns: crate::operator::Unknowns,
+) -> Router {
+    match &config.records_admin_token {
+        Some(token) => crate::operator::routes(
+            std::sync::Arc::clone(layer.store()),
+            token.as_bytes(),
+            unknowns,
+            &format!("{}/operator", config.records_prefix),
+            !config.operator_plain_http,
+        ),
+        // Not forwarded to the upstream either: the path is the gateway's.
+        None => {
+            let off = || async {
+                problem(
+                    StatusCode::NOT_FOUND,
+                    "operator_page_off",
+                    "No operator page",
+                    "the operator page is served only with --records-admin-token",
+                )
+            };
+            let path = format!("{}/operator", config.records_prefix);
+            Router::new()
+                .route(&path, axum::routing::any(off))
+                .route(&format!("{path}/{{*rest}}"), axum::routing::any(off))
+        }
+    }
 }
 
 /// What the gateway does in front of every route, in this order: the
@@ -515,4 +404,18 @@ pub(crate) struct Drain {
     pub(crate) close: Box<dyn Fn() + Send + Sync>,
     pub(crate) wait:
         Box<dyn Fn(Duration) -> futures_util::future::BoxFuture<'static, usize> + Send>,
+}
+
+impl Drain {
+    /// Closing and draining `layer`.
+    fn of<S: Store>(layer: &IdempotencyLayer<S>) -> Self {
+        let (draining, closing) = (layer.clone(), layer.clone());
+        Drain {
+            close: Box::new(move || closing.close()),
+            wait: Box::new(move |bound| {
+                let layer = draining.clone();
+                Box::pin(async move { layer.drain(bound).await })
+            }),
+        }
+    }
 }

@@ -181,10 +181,10 @@ fn identity_of(config: &Config, tenants: &Tenants, fingerprints: bool) -> String
         keyed.to_owned()
     };
     // Fingerprints are keyed (or read keyed) by the tenant secret wherever
-    // it is shared (crate::router::layer). Their format and whether new
+    // it is shared (crate::protection::layer). Their format and whether new
     // ones are keyed do not matter: every gateway reads both formats and
     // both kinds; the key does.
-    let keyed_fingerprints = crate::router::shares_a_key(config, tenants);
+    let keyed_fingerprints = crate::protection::shares_a_key(config, tenants);
     let fingerprint_text = if keyed_fingerprints {
         "keyed"
     } else {

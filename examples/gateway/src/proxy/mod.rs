@@ -8,14 +8,19 @@ use std::{
     time::Duration,
 };
 
+mod headers;
+
+use headers::{add_forwarded, strip_admin_token, strip_hop_by_hop};
+pub(crate) use headers::{connection_names, strip_operator_cookie};
+
 use crate::trace::Hop;
 use axum::body::Body;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, header};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode, Uri, header};
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
-use idem_layer::{ADMIN_TOKEN, HOP_BY_HOP, IdempotencyContext, UnknownOutcome};
+use idem_layer::{IdempotencyContext, UnknownOutcome};
 
 /// A gRPC call's deadline.
 const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
@@ -48,117 +53,6 @@ fn deadline_exceeded() -> Response<Body> {
 /// The header that tells the upstream which attempt of a key this is.
 pub const IDEMPOTENCY_ATTEMPT: HeaderName =
     HeaderName::from_static(idem_core::protocol::IDEMPOTENCY_ATTEMPT);
-
-/// The header names a `Connection` field lists (it makes them hop-by-hop).
-pub(crate) fn connection_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-}
-
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none (and no `Connection` naming others): a look
-    // at the few names present costs less than a removal per hop-by-hop
-    // name, twice a request.
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
-        return;
-    }
-    let named: Vec<HeaderName> = connection_names(headers).collect();
-    for name in HOP_BY_HOP.iter().chain(&named) {
-        headers.remove(name);
-    }
-}
-
-/// Removes the operator page's session from a request to be forwarded: every
-/// `idem_operator` pair of its `Cookie` (and `Cookie2`) fields, however a
-/// server might read the name (any case, percent-escaped, padded with any
-/// whitespace, after a `,` as well as a `;`), and nothing else. Several
-/// `Cookie` fields (as HTTP/2 sends them) are joined into one with `; `, as
-/// an HTTP/1.1 upstream expects (RFC 9113, 8.2.3).
-pub(crate) fn strip_operator_cookie(headers: &mut HeaderMap) {
-    static COOKIE2: HeaderName = HeaderName::from_static("cookie2");
-    let name = crate::owned::COOKIE.as_bytes();
-    let suspect = |value: &HeaderValue| {
-        let bytes = value.as_bytes();
-        bytes.contains(&b'%')
-            || bytes
-                .windows(name.len())
-                .any(|w| w.eq_ignore_ascii_case(name))
-    };
-    for field in [&header::COOKIE, &COOKIE2] {
-        let values = headers.get_all(field);
-        let mut iter = values.iter();
-        let several = iter.next().is_some() && iter.next().is_some();
-        if !several && !values.iter().any(suspect) {
-            continue;
-        }
-        let mut kept: Vec<Vec<u8>> = Vec::new();
-        for value in headers.get_all(field) {
-            for pair in value.as_bytes().split(|&b| b == b';' || b == b',') {
-                let pair = trim_any_space(pair);
-                if pair.is_empty() || names_operator_cookie(pair, name) {
-                    continue;
-                }
-                kept.push(pair.to_vec());
-            }
-        }
-        headers.remove(field);
-        if let Ok(joined) = HeaderValue::from_bytes(&kept.join(&b"; "[..]))
-            && !kept.is_empty()
-        {
-            headers.insert(field, joined);
-        }
-    }
-}
-
-/// Whether a cookie pair's name reads as `name`: percent-decoded, trimmed
-/// of any whitespace, in any case.
-fn names_operator_cookie(pair: &[u8], name: &[u8]) -> bool {
-    let decoded = crate::owned::percent_decode(pair);
-    let pair_name = decoded.split(|&b| b == b'=').next().unwrap_or_default();
-    trim_any_space(pair_name).eq_ignore_ascii_case(name)
-}
-
-/// `bytes` without leading and trailing ASCII whitespace, and without a
-/// no-break space (`0xA0`, and its UTF-8 form) that some servers trim too.
-fn trim_any_space(mut bytes: &[u8]) -> &[u8] {
-    loop {
-        let before = bytes.len();
-        bytes = bytes.trim_ascii();
-        for nbsp in [&b"\xc2\xa0"[..], &b"\xa0"[..]] {
-            bytes = bytes.strip_prefix(nbsp).unwrap_or(bytes);
-            bytes = bytes.strip_suffix(nbsp).unwrap_or(bytes);
-        }
-        if bytes.len() == before {
-            return bytes;
-        }
-    }
-}
-
-/// Removes every field a server could read as the admin credential's
-/// header (`x-idem-admin-token`, or `x_idem_admin_token`, which CGI-style
-/// servers map to the same variable).
-fn strip_admin_token(headers: &mut HeaderMap) {
-    headers.remove(ADMIN_TOKEN);
-    let token = ADMIN_TOKEN;
-    let official = token.as_str().as_bytes();
-    let alias = |name: &HeaderName| {
-        let name = name.as_str().as_bytes();
-        name.len() == official.len()
-            && name.contains(&b'_')
-            && name
-                .iter()
-                .zip(official)
-                .all(|(&a, &b)| a == b || (a == b'_' && b == b'-'))
-    };
-    let aliases: Vec<HeaderName> = headers.keys().filter(|name| alias(name)).cloned().collect();
-    for name in aliases {
-        headers.remove(name);
-    }
-}
 
 /// The upstream's response as the gateway answers it. A keyed request's
 /// body is bounded by `stall` (see [`StallBound`]); others stream as they
@@ -288,78 +182,6 @@ pub enum Forwarded {
 
 pub use crate::answer::PeerAddr;
 
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-
-/// Every value of `name`, joined with `, `, then `value`.
-fn appended(headers: &http::HeaderMap, name: &HeaderName, value: &str) -> Option<HeaderValue> {
-    if !headers.contains_key(name) {
-        // The usual case: nothing to join.
-        return HeaderValue::from_str(value).ok();
-    }
-    let mut all: Vec<&str> = headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .collect();
-    all.push(value);
-    HeaderValue::from_str(&all.join(", ")).ok()
-}
-
-/// A `Forwarded` parameter value: quoted unless a plain token.
-fn forwarded_value(value: &str) -> String {
-    let token = !value.is_empty()
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
-    if token {
-        value.to_owned()
-    } else {
-        format!("\"{}\"", value.replace('\\', "\\\\").replace('"', "\\\""))
-    }
-}
-
-/// Tells the upstream who the client is, as `style` says.
-fn add_forwarded(
-    headers: &mut http::HeaderMap,
-    style: Forwarded,
-    peer: Option<std::net::IpAddr>,
-    host: Option<&str>,
-) {
-    match style {
-        Forwarded::None => {}
-        Forwarded::XForwarded => {
-            if let Some(value) =
-                peer.and_then(|ip| appended(headers, &X_FORWARDED_FOR, &ip.to_string()))
-            {
-                headers.insert(X_FORWARDED_FOR, value);
-            }
-            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-            if let Some(value) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
-                headers.insert(X_FORWARDED_HOST, value);
-            }
-        }
-        Forwarded::Rfc7239 => {
-            let mut element = Vec::new();
-            if let Some(ip) = peer {
-                let node = match ip {
-                    std::net::IpAddr::V4(v4) => v4.to_string(),
-                    std::net::IpAddr::V6(v6) => format!("[{v6}]"),
-                };
-                element.push(format!("for={}", forwarded_value(&node)));
-            }
-            element.push("proto=http".to_owned());
-            if let Some(host) = host {
-                element.push(format!("host={}", forwarded_value(host)));
-            }
-            if let Some(value) = appended(headers, &header::FORWARDED, &element.join(";")) {
-                headers.insert(header::FORWARDED, value);
-            }
-        }
-    }
-}
-
 /// The roots an `https://` upstream's certificate is verified against: the
 /// system's (or those of `SSL_CERT_FILE`), plus the PEM certificates of
 /// `extra_ca` (a private CA).
@@ -388,6 +210,15 @@ pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientCo
         .with_root_certificates(roots)
         .with_no_client_auth())
 }
+
+/// What [`Proxy::prepare`] keeps of a request: the stall bound of its
+/// answer, the keyed request's operation, scope and generation, and the
+/// caller's gRPC deadline.
+type Prepared = (
+    Option<Duration>,
+    Option<(std::sync::Arc<str>, idem_core::ScopeHash, u64)>,
+    Option<Duration>,
+);
 
 impl Proxy {
     /// A proxy to `upstream` (`http://host:port` or `https://host:port`,
@@ -549,6 +380,95 @@ impl Proxy {
                 );
             }
         };
+        let (stall, keyed, caller_deadline) = self.prepare(&mut request, uri);
+        let mut pending = Box::pin(self.0.client.request(request));
+        let started = tokio::time::Instant::now();
+        let caller_first = caller_deadline.filter(|deadline| *deadline < self.0.timeout);
+        let first_bound = caller_first.unwrap_or(self.0.timeout);
+        let unknown = |mut response: Response<Body>, outcome: UnknownOutcome, code| {
+            response.extensions_mut().insert(outcome);
+            self.note_unknown(code, keyed.as_ref());
+            response
+        };
+        match tokio::time::timeout(first_bound, &mut pending).await {
+            Ok(Ok(response)) if response.status().is_informational() => {
+                // The gateway asks for no upgrade (`Upgrade` is hop-by-hop
+                // and never forwarded): a `101` or any other final 1xx is
+                // no answer to the request, which reached the upstream.
+                // The outcome is unknown: the key is kept, never released.
+                let status = response.status().as_u16();
+                tracing::warn!(status, "upstream answered with an informational status");
+                let detail = format!(
+                    "the upstream answered {status}, which is no final answer to this request"
+                );
+                let code = "upstream_answer_invalid";
+                let problem =
+                    crate::answer::problem(StatusCode::BAD_GATEWAY, code, "Bad gateway", &detail);
+                unknown(problem, UnknownOutcome::new(), code)
+            }
+            Ok(Ok(response)) => upstream_response(response, stall),
+            Ok(Err(error)) if error.is_connect() => {
+                // Provably never reached the upstream: the key may be
+                // released, a retry runs it for the first time.
+                tracing::warn!(%error, "upstream unreachable");
+                let detail = format!("the upstream could not be reached: {error}");
+                crate::answer::problem(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_unreachable",
+                    "Bad gateway",
+                    &detail,
+                )
+            }
+            Ok(Err(error)) => {
+                // The request may have reached the upstream (its answer
+                // could not be read, the connection broke): the outcome is
+                // unknown, and no answer will come any more.
+                tracing::warn!(%error, "upstream answer lost");
+                let detail = format!("the upstream's answer could not be read: {error}");
+                let code = "upstream_answer_lost";
+                let problem =
+                    crate::answer::problem(StatusCode::BAD_GATEWAY, code, "Bad gateway", &detail);
+                unknown(problem, UnknownOutcome::new(), code)
+            }
+            Err(_) if caller_first.is_some() => {
+                // The caller's deadline passed while the upstream runs:
+                // the caller gets DEADLINE_EXCEEDED now, the outcome is
+                // unknown, and the upstream's answer, when it comes within
+                // the gateway's bound, is recorded for a retry.
+                let left = self.0.timeout.saturating_sub(started.elapsed());
+                let late = async move {
+                    let response = tokio::time::timeout(left, pending).await.ok()?.ok()?;
+                    Some(upstream_response(response, stall))
+                };
+                let late = UnknownOutcome::with_late_answer(late);
+                unknown(deadline_exceeded(), late, "deadline_exceeded")
+            }
+            Err(_) => {
+                // The upstream may still be running the action: the client
+                // gets 504 now, and the layer keeps waiting for the answer.
+                let detail = format!("the upstream did not answer within {:?}", self.0.timeout);
+                let code = "upstream_timeout";
+                let problem = crate::answer::problem(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    code,
+                    "Gateway timeout",
+                    &detail,
+                );
+                let late = async move {
+                    let response = pending.await.ok()?;
+                    Some(upstream_response(response, stall))
+                };
+                unknown(problem, UnknownOutcome::with_late_answer(late), code)
+            }
+        }
+    }
+
+    /// The request as the upstream gets it (its URL `uri`, its headers,
+    /// the gateway's own deadline for a keyed gRPC call, the upstream
+    /// connection's protocol), and what the forwarding keeps of it: the
+    /// stall bound of an answer the layer reads whole, the keyed request's
+    /// operation, scope and generation, and the caller's gRPC deadline.
+    fn prepare(&self, request: &mut Request<Body>, uri: Uri) -> Prepared {
         // A keyed request's answer is read whole by the layer: bounded.
         let stall = request
             .extensions()
@@ -573,7 +493,7 @@ impl Proxy {
             .then(|| idem_core::protocol::grpc_timeout(request.headers()))
             .flatten();
         // The Host the client sent is read before the URI changes.
-        self.upstream_headers(&mut request);
+        self.upstream_headers(request);
         if keyed_grpc
             && let Ok(bound) =
                 HeaderValue::try_from(idem_core::protocol::grpc_timeout_value(self.0.timeout))
@@ -590,98 +510,7 @@ impl Proxy {
         } else {
             http::Version::HTTP_11
         };
-        let mut pending = Box::pin(self.0.client.request(request));
-        let started = tokio::time::Instant::now();
-        let caller_first = caller_deadline.filter(|deadline| *deadline < self.0.timeout);
-        let first_bound = caller_first.unwrap_or(self.0.timeout);
-        match tokio::time::timeout(first_bound, &mut pending).await {
-            Ok(Ok(response)) if response.status().is_informational() => {
-                // The gateway asks for no upgrade (`Upgrade` is hop-by-hop
-                // and never forwarded): a `101` or any other final 1xx is
-                // no answer to the request, which reached the upstream.
-                // The outcome is unknown: the key is kept, never released.
-                let status = response.status().as_u16();
-                tracing::warn!(status, "upstream answered with an informational status");
-                let detail = format!(
-                    "the upstream answered {status}, which is no final answer to this request"
-                );
-                let mut response = crate::answer::problem(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_answer_invalid",
-                    "Bad gateway",
-                    &detail,
-                );
-                response.extensions_mut().insert(UnknownOutcome::new());
-                self.note_unknown("upstream_answer_invalid", keyed.as_ref());
-                response
-            }
-            Ok(Ok(response)) => upstream_response(response, stall),
-            Ok(Err(error)) if error.is_connect() => {
-                // Provably never reached the upstream: the key may be
-                // released, a retry runs it for the first time.
-                tracing::warn!(%error, "upstream unreachable");
-                let detail = format!("the upstream could not be reached: {error}");
-                crate::answer::problem(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_unreachable",
-                    "Bad gateway",
-                    &detail,
-                )
-            }
-            Ok(Err(error)) => {
-                // The request may have reached the upstream (its answer
-                // could not be read, the connection broke): the outcome is
-                // unknown, and no answer will come any more.
-                tracing::warn!(%error, "upstream answer lost");
-                let detail = format!("the upstream's answer could not be read: {error}");
-                let mut response = crate::answer::problem(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_answer_lost",
-                    "Bad gateway",
-                    &detail,
-                );
-                response.extensions_mut().insert(UnknownOutcome::new());
-                self.note_unknown("upstream_answer_lost", keyed.as_ref());
-                response
-            }
-            Err(_) if caller_first.is_some() => {
-                // The caller's deadline passed while the upstream runs:
-                // the caller gets DEADLINE_EXCEEDED now, the outcome is
-                // unknown, and the upstream's answer, when it comes within
-                // the gateway's bound, is recorded for a retry.
-                let left = self.0.timeout.saturating_sub(started.elapsed());
-                let late = async move {
-                    let response = tokio::time::timeout(left, pending).await.ok()?.ok()?;
-                    Some(upstream_response(response, stall))
-                };
-                let mut response = deadline_exceeded();
-                response
-                    .extensions_mut()
-                    .insert(UnknownOutcome::with_late_answer(late));
-                self.note_unknown("deadline_exceeded", keyed.as_ref());
-                response
-            }
-            Err(_) => {
-                // The upstream may still be running the action: the client
-                // gets 504 now, and the layer keeps waiting for the answer.
-                let detail = format!("the upstream did not answer within {:?}", self.0.timeout);
-                let mut response = crate::answer::problem(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "upstream_timeout",
-                    "Gateway timeout",
-                    &detail,
-                );
-                let late = async move {
-                    let response = pending.await.ok()?;
-                    Some(upstream_response(response, stall))
-                };
-                response
-                    .extensions_mut()
-                    .insert(UnknownOutcome::with_late_answer(late));
-                self.note_unknown("upstream_timeout", keyed.as_ref());
-                response
-            }
-        }
+        (stall, keyed, caller_deadline)
     }
 }
 
@@ -703,6 +532,9 @@ impl tower::Service<Request<Body>> for Proxy {
 
 #[cfg(test)]
 mod tests {
+    use http::HeaderMap;
+    use idem_layer::HOP_BY_HOP;
+
     use super::*;
 
     /// The upstream's scheme and authority with the request's path and
