@@ -37,12 +37,16 @@
 
 use std::time::Duration;
 
+mod seen;
+
+use seen::*;
+pub use seen::{AttemptSeen, CurrentSeen, RecordSeen, ReplaySeen, Seen};
+
 use bytes::Bytes;
 
 use crate::{
-    AttemptId, AttemptOutcome, Cancellation, Completion, Current, Erasure, ForceRelease,
-    LateEvidence, Lease, Outcome, OwnerToken, Record, RecordState, RecordsAdmin, Release, Renewal,
-    Replay, Reservation, ReserveRequest, Scope, StoreError, StoredResponse,
+    AttemptId, Lease, Outcome, OwnerToken, Record, RecordsAdmin, Reservation, ReserveRequest,
+    Scope, StoreError, StoredResponse,
     conformance::{fingerprint, fresh_scope},
     machine,
 };
@@ -98,173 +102,6 @@ pub enum Op {
     Lapse,
     /// The call before, sent again: a retry after its reply was lost.
     Again,
-}
-
-/// An answer of the store or the reference, as compared.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Seen {
-    /// [`Reservation::Acquired`].
-    Acquired(u64),
-    /// [`Reservation::TakenOver`]: the generation and the superseded
-    /// attempt.
-    TakenOver(u64, AttemptSeen),
-    /// [`Reservation::InProgress`].
-    InProgress,
-    /// [`Reservation::Completed`].
-    Replayed(ReplaySeen),
-    /// [`Reservation::Cancelled`].
-    ReservationCancelled,
-    /// [`Reservation::Conflict`].
-    Conflict,
-    /// Renewed, recorded or released.
-    Done,
-    /// A write fenced, and the current state it reported.
-    Fenced(CurrentSeen),
-    /// A cancellation, force release or erasure, and the record it
-    /// reported.
-    Operator(&'static str, Option<RecordSeen>),
-}
-
-/// [`Current`], as compared.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CurrentSeen {
-    /// Vacant.
-    Vacant,
-    /// Processing.
-    Processing,
-    /// Completed.
-    Completed(ReplaySeen),
-    /// Cancelled.
-    Cancelled,
-}
-
-/// A replay, as compared (not its age nor expiry).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplaySeen {
-    outcome: Outcome,
-    attempt: Option<AttemptId>,
-}
-
-/// An attempt, as compared (not its times).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AttemptSeen {
-    id: AttemptId,
-    generation: u64,
-    outcome: AttemptOutcome,
-    late: Option<(&'static str, Option<u16>)>,
-}
-
-/// A record, as compared (not its times).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecordSeen {
-    state: RecordState,
-    generation: u64,
-    fingerprint: crate::Fingerprint,
-    owner: Option<OwnerToken>,
-    outcome: Option<Outcome>,
-    attempts: Vec<AttemptSeen>,
-}
-
-fn attempt_seen(attempt: &crate::Attempt) -> AttemptSeen {
-    AttemptSeen {
-        id: attempt.id,
-        generation: attempt.generation,
-        outcome: attempt.outcome,
-        late: attempt.late.map(|late| match late {
-            LateEvidence::Completed { status, .. } => ("completed", Some(status)),
-            LateEvidence::Released { .. } => ("released", None),
-        }),
-    }
-}
-
-fn record_seen(record: &Record) -> RecordSeen {
-    RecordSeen {
-        state: record.state,
-        generation: record.generation,
-        fingerprint: record.fingerprint,
-        owner: record.owner,
-        outcome: record.outcome.clone(),
-        attempts: record.attempts.iter().map(attempt_seen).collect(),
-    }
-}
-
-fn replay_seen(replay: &Replay) -> ReplaySeen {
-    ReplaySeen {
-        outcome: replay.outcome.clone(),
-        attempt: replay.attempt,
-    }
-}
-
-fn current_seen(current: &Current) -> CurrentSeen {
-    match current {
-        Current::Vacant => CurrentSeen::Vacant,
-        Current::Processing { .. } => CurrentSeen::Processing,
-        Current::Completed(replay) => CurrentSeen::Completed(replay_seen(replay)),
-        Current::Cancelled => CurrentSeen::Cancelled,
-    }
-}
-
-fn reservation_seen(reservation: &Reservation) -> Seen {
-    match reservation {
-        Reservation::Acquired(lease) => Seen::Acquired(lease.generation),
-        Reservation::TakenOver { lease, superseded } => {
-            Seen::TakenOver(lease.generation, attempt_seen(superseded))
-        }
-        Reservation::InProgress { .. } => Seen::InProgress,
-        Reservation::Completed(replay) => Seen::Replayed(replay_seen(replay)),
-        Reservation::Cancelled => Seen::ReservationCancelled,
-        Reservation::Conflict => Seen::Conflict,
-    }
-}
-
-fn renewal_seen(renewal: &Renewal) -> Seen {
-    match renewal {
-        Renewal::Renewed => Seen::Done,
-        Renewal::Fenced(current) => Seen::Fenced(current_seen(current)),
-    }
-}
-
-fn completion_seen(completion: &Completion) -> Seen {
-    match completion {
-        Completion::Recorded => Seen::Done,
-        Completion::Fenced(current) => Seen::Fenced(current_seen(current)),
-    }
-}
-
-fn release_seen(release: &Release) -> Seen {
-    match release {
-        Release::Released => Seen::Done,
-        Release::Fenced(current) => Seen::Fenced(current_seen(current)),
-    }
-}
-
-fn cancellation_seen(cancellation: &Cancellation) -> Seen {
-    match cancellation {
-        Cancellation::NotFound => Seen::Operator("not_found", None),
-        Cancellation::Cancelled(r) => Seen::Operator("cancelled", Some(record_seen(r))),
-        Cancellation::AlreadyCompleted(r) => {
-            Seen::Operator("already_completed", Some(record_seen(r)))
-        }
-        Cancellation::AlreadyCancelled(r) => {
-            Seen::Operator("already_cancelled", Some(record_seen(r)))
-        }
-    }
-}
-
-fn force_release_seen(answer: &ForceRelease) -> Seen {
-    match answer {
-        ForceRelease::Released(r) => Seen::Operator("released", Some(record_seen(r))),
-        ForceRelease::NotProcessing(r) => Seen::Operator("not_processing", Some(record_seen(r))),
-        ForceRelease::NotFound => Seen::Operator("not_found", None),
-    }
-}
-
-fn erasure_seen(answer: &Erasure) -> Seen {
-    match answer {
-        Erasure::Erased(r) => Seen::Operator("erased", Some(record_seen(r))),
-        Erasure::Processing(r) => Seen::Operator("processing", Some(record_seen(r))),
-        Erasure::NotFound => Seen::Operator("not_found", None),
-    }
 }
 
 /// A sequence that found the store and the reference apart.
@@ -398,126 +235,19 @@ pub async fn run<S: RecordsAdmin>(store: &S, lease: Duration, ops: &[Op]) -> Res
         };
         previous = Some(op);
         let before = crate::unix_ms().saturating_sub(millis(TOLERANCE));
-        // The store's answer, and the reference's step.
-        let (seen, step): (Seen, Step<'_>) = match op {
+        let (seen, step) = match op {
             Op::Lapse => {
                 tokio::time::sleep(lease + TOLERANCE * 3).await;
                 continue;
             }
-            Op::Again => continue,
-            Op::Reserve { owner, fp } => {
-                let request = request(fp);
-                let answer = store.reserve(&request).await.map_err(|e| failed(at, e))?;
-                let (attempt, token) = match &answer {
-                    Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. } => {
-                        leases[usize::from(owner)] = Some(lease.clone());
-                        (lease.attempt, lease.token)
-                    }
-                    _ => (AttemptId::new(), OwnerToken::new()),
-                };
-                let seen = reservation_seen(&answer);
-                (
-                    seen,
-                    Box::new(move |slot, now| {
-                        reservation_seen(&machine::reserve(slot, &request, now, attempt, token))
-                    }),
-                )
-            }
-            Op::Renew { owner } | Op::MarkUnknown { owner } => {
-                let Some(lease) = leases[usize::from(owner)].clone() else {
-                    continue;
-                };
-                let unknown = matches!(op, Op::MarkUnknown { .. });
-                let answer = if unknown {
-                    store.mark_unknown(&lease).await
-                } else {
-                    store.renew(&lease).await
-                };
-                let answer = answer.map_err(|e| failed(at, e))?;
-                (
-                    renewal_seen(&answer),
-                    Box::new(move |slot, now| {
-                        renewal_seen(&if unknown {
-                            machine::mark_unknown(slot, &lease, now)
-                        } else {
-                            machine::renew(slot, &lease, now)
-                        })
-                    }),
-                )
-            }
-            Op::Complete { owner, status } => {
-                let Some(lease) = leases[usize::from(owner)].clone() else {
-                    continue;
-                };
-                let outcome = outcome_of(owner, status);
-                let answer = store
-                    .complete(&lease, &outcome)
-                    .await
-                    .map_err(|e| failed(at, e))?;
-                (
-                    completion_seen(&answer),
-                    Box::new(move |slot, now| {
-                        completion_seen(&machine::complete(slot, &lease, &outcome, now))
-                    }),
-                )
-            }
-            Op::Release { owner } => {
-                let Some(lease) = leases[usize::from(owner)].clone() else {
-                    continue;
-                };
-                let answer = store.release(&lease).await.map_err(|e| failed(at, e))?;
-                (
-                    release_seen(&answer),
-                    Box::new(move |slot, now| release_seen(&machine::release(slot, &lease, now))),
-                )
-            }
-            Op::Cancel => {
-                let answer = store
-                    .cancel(scope.hash())
-                    .await
-                    .map_err(|e| failed(at, e))?;
-                (
-                    cancellation_seen(&answer),
-                    Box::new(|slot, now| cancellation_seen(&machine::cancel(slot, now))),
-                )
-            }
-            Op::ForceRelease => {
-                let answer = store
-                    .force_release(scope.hash())
-                    .await
-                    .map_err(|e| failed(at, e))?;
-                (
-                    force_release_seen(&answer),
-                    Box::new(|slot, now| force_release_seen(&machine::force_release(slot, now))),
-                )
-            }
-            Op::Erase => {
-                let answer = store.erase(scope.hash()).await.map_err(|e| failed(at, e))?;
-                (
-                    erasure_seen(&answer),
-                    Box::new(|slot, now| erasure_seen(&machine::erase(slot, now))),
-                )
-            }
+            op => match call(store, op, &scope, &request, &mut leases).await {
+                Ok(Some(called)) => called,
+                Ok(None) => continue,
+                Err(error) => return Err(failed(at, error)),
+            },
         };
         let after = crate::unix_ms().saturating_add(millis(TOLERANCE));
-        // The reference at both ends of the call's window.
-        let (mut early, mut late) = (slot.clone(), slot.clone());
-        let (at_early, at_late) = (step(&mut early, before), step(&mut late, after));
-        slot = if seen == at_early {
-            early
-        } else if seen == at_late {
-            late
-        } else {
-            let expected = if at_early == at_late {
-                format!("{at_early:?}")
-            } else {
-                format!("{at_early:?} or {at_late:?}")
-            };
-            return Err(mismatch(
-                at,
-                format!("answer:\n  store:   {seen:?}\n  machine: {expected}"),
-            ));
-        };
+        slot = judged(&seen, &step, &slot, before, after).map_err(|what| mismatch(at, what))?;
         // The record as the store reads it back.
         let read = store.get(scope.hash()).await.map_err(|e| failed(at, e))?;
         let read = read.as_ref().map(record_seen);
@@ -530,6 +260,146 @@ pub async fn run<S: RecordsAdmin>(store: &S, lease: Duration, ops: &[Op]) -> Res
         }
     }
     Ok(())
+}
+
+/// The store's answer to `op` on `scope` (`request` makes an owner's
+/// request; `leases` holds each owner's lease), and the reference's step
+/// for it; `None` for an op with nothing to call (a lapse, or an owner
+/// without a lease).
+async fn call<S: RecordsAdmin>(
+    store: &S,
+    op: Op,
+    scope: &Scope,
+    request: &dyn Fn(u8) -> ReserveRequest,
+    leases: &mut [Option<Lease>; OWNERS as usize],
+) -> Result<Option<(Seen, Step<'static>)>, StoreError> {
+    Ok(Some(match op {
+        Op::Lapse | Op::Again => return Ok(None),
+        Op::Reserve { owner, fp } => {
+            let request = request(fp);
+            let answer = store.reserve(&request).await?;
+            let (attempt, token) = match &answer {
+                Reservation::Acquired(lease) | Reservation::TakenOver { lease, .. } => {
+                    leases[usize::from(owner)] = Some(lease.clone());
+                    (lease.attempt, lease.token)
+                }
+                _ => (AttemptId::new(), OwnerToken::new()),
+            };
+            let seen = reservation_seen(&answer);
+            (
+                seen,
+                Box::new(move |slot, now| {
+                    reservation_seen(&machine::reserve(slot, &request, now, attempt, token))
+                }),
+            )
+        }
+        Op::Renew { owner }
+        | Op::MarkUnknown { owner }
+        | Op::Complete { owner, .. }
+        | Op::Release { owner } => {
+            let Some(lease) = leases[usize::from(owner)].clone() else {
+                return Ok(None);
+            };
+            return call_owner(store, op, lease).await;
+        }
+        Op::Cancel => {
+            let answer = store.cancel(scope.hash()).await?;
+            (
+                cancellation_seen(&answer),
+                Box::new(|slot, now| cancellation_seen(&machine::cancel(slot, now))),
+            )
+        }
+        Op::ForceRelease => {
+            let answer = store.force_release(scope.hash()).await?;
+            (
+                force_release_seen(&answer),
+                Box::new(|slot, now| force_release_seen(&machine::force_release(slot, now))),
+            )
+        }
+        Op::Erase => {
+            let answer = store.erase(scope.hash()).await?;
+            (
+                erasure_seen(&answer),
+                Box::new(|slot, now| erasure_seen(&machine::erase(slot, now))),
+            )
+        }
+    }))
+}
+
+/// The store's answer to an owner's `op` under its `lease`, and the
+/// reference's step for it; `None` for an op that is no owner's.
+async fn call_owner<S: RecordsAdmin>(
+    store: &S,
+    op: Op,
+    lease: Lease,
+) -> Result<Option<(Seen, Step<'static>)>, StoreError> {
+    Ok(Some(match op {
+        Op::Renew { .. } | Op::MarkUnknown { .. } => {
+            let unknown = matches!(op, Op::MarkUnknown { .. });
+            let answer = if unknown {
+                store.mark_unknown(&lease).await
+            } else {
+                store.renew(&lease).await
+            };
+            let answer = answer?;
+            (
+                renewal_seen(&answer),
+                Box::new(move |slot, now| {
+                    renewal_seen(&if unknown {
+                        machine::mark_unknown(slot, &lease, now)
+                    } else {
+                        machine::renew(slot, &lease, now)
+                    })
+                }),
+            )
+        }
+        Op::Complete { owner, status } => {
+            let outcome = outcome_of(owner, status);
+            let answer = store.complete(&lease, &outcome).await?;
+            (
+                completion_seen(&answer),
+                Box::new(move |slot, now| {
+                    completion_seen(&machine::complete(slot, &lease, &outcome, now))
+                }),
+            )
+        }
+        Op::Release { .. } => {
+            let answer = store.release(&lease).await?;
+            (
+                release_seen(&answer),
+                Box::new(move |slot, now| release_seen(&machine::release(slot, &lease, now))),
+            )
+        }
+        _ => return Ok(None),
+    }))
+}
+
+/// The reference's record after `step`, taken at the start or the end of
+/// the call's window (`before`, `after`), whichever gives the store's
+/// answer `seen`; else what differs.
+fn judged(
+    seen: &Seen,
+    step: &Step<'_>,
+    slot: &Option<Record>,
+    before: u64,
+    after: u64,
+) -> Result<Option<Record>, String> {
+    let (mut early, mut late) = (slot.clone(), slot.clone());
+    let (at_early, at_late) = (step(&mut early, before), step(&mut late, after));
+    if *seen == at_early {
+        Ok(early)
+    } else if *seen == at_late {
+        Ok(late)
+    } else {
+        let expected = if at_early == at_late {
+            format!("{at_early:?}")
+        } else {
+            format!("{at_early:?} or {at_late:?}")
+        };
+        Err(format!(
+            "answer:\n  store:   {seen:?}\n  machine: {expected}"
+        ))
+    }
 }
 
 fn millis(duration: Duration) -> u64 {

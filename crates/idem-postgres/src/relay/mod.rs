@@ -72,12 +72,15 @@
 use std::{pin::Pin, sync::Arc, time::Duration};
 
 use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
-use sqlx::{
-    PgPool, Row,
-    postgres::{PgConnectOptions, PgListener, PgPoolOptions},
-};
+use sqlx::{PgPool, Row, postgres::PgConnectOptions};
 use tokio::sync::Notify;
 use tokio_util::task::AbortOnDropHandle;
+
+mod listen;
+mod waves;
+
+use listen::listen;
+use waves::{Pending, Waves};
 
 use crate::{PgStore, outbox, sql::NOW_MS};
 
@@ -531,61 +534,6 @@ impl Chores {
     }
 }
 
-/// An unpublished event as the batch's `SELECT` read it.
-struct Pending {
-    seq: i64,
-    id: String,
-    subject: String,
-    payload: Vec<u8>,
-}
-
-/// A batch's events by transaction (the id without its position), each
-/// transaction's in `seq` order. A transaction that stopped is emptied.
-struct Waves {
-    groups: Vec<std::collections::VecDeque<Pending>>,
-}
-
-impl Waves {
-    fn of(rows: Vec<sqlx::postgres::PgRow>) -> Result<Self, sqlx::Error> {
-        let mut index: std::collections::HashMap<String, usize> = Default::default();
-        let mut groups: Vec<std::collections::VecDeque<Pending>> = Vec::new();
-        for row in rows {
-            let event = Pending {
-                seq: row.try_get("seq")?,
-                id: row.try_get("id")?,
-                subject: row.try_get("subject")?,
-                payload: row.try_get("payload")?,
-            };
-            let transaction = event
-                .id
-                .rsplit_once('-')
-                .map_or(event.id.as_str(), |(head, _)| head);
-            let at = *index.entry(transaction.to_owned()).or_insert_with(|| {
-                groups.push(Default::default());
-                groups.len() - 1
-            });
-            groups[at].push_back(event);
-        }
-        Ok(Self { groups })
-    }
-
-    /// The next event of every transaction that has one, with its group.
-    fn next_wave(&mut self) -> Option<Vec<(usize, Pending)>> {
-        let wave: Vec<_> = self
-            .groups
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(group, events)| Some((group, events.pop_front()?)))
-            .collect();
-        (!wave.is_empty()).then_some(wave)
-    }
-
-    /// The transaction `group` sends nothing more in this batch.
-    fn stop(&mut self, group: usize) {
-        self.groups[group].clear();
-    }
-}
-
 /// Registers the relay's metrics at zero, so that dashboards and alert
 /// rules find them before the first event.
 pub fn register() {
@@ -596,33 +544,4 @@ pub fn register() {
     metrics::gauge!(BACKLOG).set(0.0);
     metrics::gauge!(OLDEST).set(0.0);
     metrics::gauge!(SET_ASIDE).set(0.0);
-}
-
-/// Listens on `channel` and wakes the relay on each notification; on a
-/// lost connection, listens again after a pause (the relay polls
-/// meanwhile).
-async fn listen(options: PgConnectOptions, channel: String, wake: Arc<Notify>) {
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(options);
-    loop {
-        if let Err(error) = listen_once(&pool, &channel, &wake).await {
-            tracing::debug!(%error, "the outbox listener lost its connection; listening again");
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
-
-/// One listening connection, until it fails.
-async fn listen_once(pool: &PgPool, channel: &str, wake: &Notify) -> Result<(), sqlx::Error> {
-    let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(channel).await?;
-    // Events committed before the listener was up are found by the next
-    // batch; wake once so that it runs now.
-    wake.notify_one();
-    loop {
-        listener.recv().await?;
-        wake.notify_one();
-    }
 }
