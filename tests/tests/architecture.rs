@@ -2,7 +2,10 @@
 //! other, directly or around a loop (a module that uses another's items is
 //! above it; the request path reads downwards). Read from the sources'
 //! `crate::` paths, with the names `lib.rs` re-exports traced to the
-//! module that defines them; unit-test modules are left out.
+//! module that defines them; unit-test modules are left out. And no
+//! source file holds more than [`FILE_LINES`] lines of code, no function
+//! more than [`FUNCTION_LINES`] (the conformance suite aside: a list of
+//! scenes).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -227,4 +230,149 @@ fn the_check_finds_a_loop() {
         crate_paths("use crate::{IdempotencyLayer, attempt::{Lapse, settle}, m as x};"),
         ["IdempotencyLayer", "attempt", "m"]
     );
+}
+
+/// The most lines of code a source file holds (non-blank, non-comment,
+/// before its unit tests).
+const FILE_LINES: usize = 400;
+
+/// The most lines of code a function holds.
+const FUNCTION_LINES: usize = 80;
+
+/// Every source file of the workspace's crates and examples, with its
+/// path, the conformance suite aside.
+fn source_files() -> Vec<(PathBuf, String)> {
+    let mut files = Vec::new();
+    let mut dirs = source_dirs();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("source dir").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && !path.ends_with("idem-core/src/conformance.rs")
+            {
+                let text = std::fs::read_to_string(&path).expect("source");
+                files.push((path, text));
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Whether a line counts as code: not blank, not a comment.
+fn is_code(line: &str) -> bool {
+    let line = line.trim();
+    !line.is_empty() && !line.starts_with("//")
+}
+
+/// The lines of code of a file, before its unit tests.
+fn code_lines(text: &str) -> usize {
+    let text = text
+        .find("#[cfg(test)]\nmod tests")
+        .map_or(text, |at| &text[..at]);
+    text.lines().filter(|line| is_code(line)).count()
+}
+
+/// Each function of `text` (before its unit tests) with its lines of
+/// code: from its `fn` line to the closing brace at its indentation (a
+/// function without a body, a trait's declaration, is none).
+fn functions(text: &str) -> Vec<(String, usize)> {
+    let text = text
+        .find("#[cfg(test)]\nmod tests")
+        .map_or(text, |at| &text[..at]);
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    for (at, line) in lines.iter().enumerate() {
+        let indent = line.len() - line.trim_start().len();
+        let mut rest = line.trim_start();
+        for prefix in [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "const ",
+            "async ",
+            "unsafe ",
+        ] {
+            rest = rest.strip_prefix(prefix).unwrap_or(rest);
+        }
+        let Some(name) = rest.strip_prefix("fn ") else {
+            continue;
+        };
+        let name: String = name
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        // The signature ends at a line ending with `{` (a body) or `;`
+        // (none); a body on the `fn` line alone ends there too.
+        let Some(opens) = (at..lines.len()).find(|&i| {
+            let end = lines[i].trim_end();
+            end.ends_with('{') || end.ends_with(';') || end.ends_with('}')
+        }) else {
+            continue;
+        };
+        let opening = lines[opens].trim_end();
+        if opening.ends_with(';') {
+            continue;
+        }
+        let closes = if opening.ends_with('}') {
+            opens
+        } else {
+            let closing = format!("{}}}", " ".repeat(indent));
+            let Some(closes) = (opens + 1..lines.len()).find(|&i| {
+                lines[i].trim_end() == closing || lines[i].starts_with(&format!("{closing})"))
+            }) else {
+                continue;
+            };
+            closes
+        };
+        let length = lines[at..=closes]
+            .iter()
+            .filter(|line| is_code(line))
+            .count();
+        found.push((name, length));
+    }
+    found
+}
+
+#[test]
+fn no_file_or_function_is_longer_than_its_bound() {
+    let files = source_files();
+    assert!(files.len() > 100, "found only {} files", files.len());
+    let mut over = Vec::new();
+    for (path, text) in &files {
+        let lines = code_lines(text);
+        if lines > FILE_LINES {
+            over.push(format!("{}: {lines} lines of code", path.display()));
+        }
+        for (name, length) in functions(text) {
+            if length > FUNCTION_LINES {
+                over.push(format!("{}: fn {name}: {length} lines", path.display()));
+            }
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "over the bounds ({FILE_LINES} lines a file, {FUNCTION_LINES} a function):\n{}",
+        over.join("\n")
+    );
+}
+
+/// The measure counts what it is for: code lines, not blank ones or
+/// comments; a function to its closing brace; no body, no function.
+#[test]
+fn the_measure_counts_code() {
+    let text = "//! A module.\n\nfn one() -> u8 { 1 }\n\n/// Two.\npub(crate) async fn two(\n    a: u8,\n) -> u8 {\n    // a comment\n\n    a + 1\n}\n\ntrait T {\n    fn three(&self);\n}\n\n#[cfg(test)]\nmod tests {\n    fn four() {}\n}\n";
+    assert_eq!(code_lines(text), 9);
+    assert_eq!(
+        functions(text),
+        [("one".to_owned(), 1), ("two".to_owned(), 5)]
+    );
+    // A function one line over the bound is found over it.
+    let body: String = (0..FUNCTION_LINES - 1)
+        .map(|n| format!("    let _x{n} = {n};\n"))
+        .collect();
+    let long = format!("impl S {{\n    fn long() {{\n{body}    }}\n}}\n");
+    assert_eq!(functions(&long), [("long".to_owned(), FUNCTION_LINES + 1)]);
 }

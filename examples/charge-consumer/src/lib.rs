@@ -37,7 +37,7 @@ use std::{io::Write, time::Duration};
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures_util::StreamExt;
 use idem_core::{IdempotencyKey, Store};
-use idem_layer::{ActionError, Command, CommandError, Done, IdempotencyLayer};
+use idem_layer::{ActionError, Command, CommandContext, CommandError, Done, IdempotencyLayer};
 use serde::{Deserialize, Serialize};
 
 /// A charge command as it arrives.
@@ -97,6 +97,55 @@ fn charged_before(ledger: &str, id: &str) -> bool {
         .is_ok_and(|text| text.lines().any(|line| line.starts_with(&prefix)))
 }
 
+/// The key a charge runs under: an outbox event's id, else the business
+/// id; `None` (logged) when it is no valid key.
+fn key_of(message: &jetstream::Message, charge: &Charge) -> Option<IdempotencyKey> {
+    let id = message
+        .headers
+        .as_ref()
+        .and_then(|headers| headers.get(async_nats::header::NATS_MESSAGE_ID))
+        .map_or(charge.id.as_str(), |id| id.as_str());
+    let key = IdempotencyKey::parse(id.as_bytes()).ok();
+    if key.is_none() {
+        eprintln!("charge-consumer: {id:?} is no valid key, terminated");
+    }
+    key
+}
+
+/// The charge itself, once per key: on a takeover (the attempt before
+/// died with its outcome unknown, after charging or before), reconciled by
+/// the charge's id against the ledger before charging again.
+async fn charge_once(
+    ledger: &str,
+    charge: Charge,
+    ctx: CommandContext,
+) -> Result<Receipt, ActionError<String>> {
+    if ctx.superseded.is_some() && charged_before(ledger, &charge.id) {
+        eprintln!(
+            "charge-consumer: {} was charged by the attempt before; not again",
+            charge.id
+        );
+        return Ok(Receipt {
+            charge: charge.id,
+            cents: charge.cents,
+            attempt: ctx.generation,
+        });
+    }
+    eprintln!(
+        "charge-consumer: charging {} (attempt {})",
+        charge.id, ctx.generation
+    );
+    record_charge(ledger, &charge, ctx.generation)
+        .map_err(|error| ActionError::Temporary(error.to_string()))?;
+    #[cfg(feature = "test-hooks")]
+    crash_point_before_record(&charge.id).await;
+    Ok(Receipt {
+        charge: charge.id,
+        cents: charge.cents,
+        attempt: ctx.generation,
+    })
+}
+
 /// Handles one message: runs the charge once, then acknowledges, NAKs or
 /// terminates it.
 async fn handle<S: Store>(
@@ -112,52 +161,27 @@ async fn handle<S: Store>(
             return message.ack_with(AckKind::Term).await;
         }
     };
-    // An outbox event's id, else the business id.
-    let id = message
-        .headers
-        .as_ref()
-        .and_then(|headers| headers.get(async_nats::header::NATS_MESSAGE_ID))
-        .map_or(charge.id.as_str(), |id| id.as_str());
-    let Ok(key) = IdempotencyKey::parse(id.as_bytes()) else {
-        eprintln!("charge-consumer: {id:?} is no valid key, terminated");
+    let Some(key) = key_of(message, &charge) else {
         return message.ack_with(AckKind::Term).await;
     };
     let command = Command::new(charge.account.clone(), "charge", key, &charge)?;
     let result = layer
-        .run(&command, |ctx| {
-            let charge = charge.clone();
-            async move {
-                // A takeover: the attempt before this one died with its
-                // outcome unknown, after charging or before. Reconcile by
-                // the charge's id before charging again.
-                if ctx.superseded.is_some() && charged_before(ledger, &charge.id) {
-                    eprintln!(
-                        "charge-consumer: {} was charged by the attempt before; not again",
-                        charge.id
-                    );
-                    return Ok(Receipt {
-                        charge: charge.id,
-                        cents: charge.cents,
-                        attempt: ctx.generation,
-                    });
-                }
-                eprintln!(
-                    "charge-consumer: charging {} (attempt {})",
-                    charge.id, ctx.generation
-                );
-                record_charge(ledger, &charge, ctx.generation)
-                    .map_err(|error| ActionError::Temporary(error.to_string()))?;
-                #[cfg(feature = "test-hooks")]
-                crash_point_before_record(&charge.id).await;
-                Ok::<_, ActionError<String>>(Receipt {
-                    charge: charge.id,
-                    cents: charge.cents,
-                    attempt: ctx.generation,
-                })
-            }
-        })
+        .run(&command, |ctx| charge_once(ledger, charge.clone(), ctx))
         .await;
-    let kind = match result {
+    let kind = ack_kind(result, &charge.id, message, ack_wait).await?;
+    message.ack_with(kind).await
+}
+
+/// How the message of `charge` is answered to the broker, by what running
+/// it under its key settled: acknowledged once its outcome is recorded,
+/// NAKed for a redelivery, or terminated.
+async fn ack_kind(
+    result: Result<Done<Receipt>, CommandError<String>>,
+    charge: &str,
+    message: &jetstream::Message,
+    ack_wait: Duration,
+) -> Result<AckKind, Error> {
+    Ok(match result {
         Ok(Done::Ran(receipt)) => {
             eprintln!(
                 "charge-consumer: executed {} (attempt {})",
@@ -184,7 +208,7 @@ async fn handle<S: Store>(
         Err(CommandError::Failed {
             error, recording, ..
         }) => {
-            eprintln!("charge-consumer: {} failed for good: {error}", charge.id);
+            eprintln!("charge-consumer: {} failed for good: {error}", charge);
             match recording {
                 Some(recording) => acknowledge_once_recorded(message, &recording, ack_wait).await?,
                 None => AckKind::Ack,
@@ -196,31 +220,27 @@ async fn handle<S: Store>(
             // not run again: acknowledged.
             eprintln!(
                 "charge-consumer: {} ran before (status {status}); its result was not stored",
-                charge.id
+                charge
             );
             AckKind::Ack
         }
         Err(CommandError::Conflict) => {
             eprintln!(
                 "charge-consumer: {} arrived with another payload, terminated",
-                charge.id
+                charge
             );
             AckKind::Term
         }
         Err(CommandError::Cancelled) => AckKind::Term,
         Err(error) => {
-            eprintln!(
-                "charge-consumer: {} will be redelivered: {error}",
-                charge.id
-            );
+            eprintln!("charge-consumer: {} will be redelivered: {error}", charge);
             AckKind::Nak(Some(Duration::from_secs(1)))
         }
         Ok(other) => {
-            eprintln!("charge-consumer: {} settled: {other:?}", charge.id);
+            eprintln!("charge-consumer: {} settled: {other:?}", charge);
             AckKind::Nak(Some(Duration::from_secs(1)))
         }
-    };
-    message.ack_with(kind).await
+    })
 }
 
 /// Waits until the layer recorded an outcome the store did not take at

@@ -152,26 +152,27 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
             .map_err(|error| format!("OUTBOX_LISTEN_URL: {error}"))?;
     }
     let relay = configure(relay);
-    // The outbox must be there: a relay on the wrong database would fail
-    // every batch for good.
-    match relay.backlog().await {
-        Ok(_) => {}
-        Err(idem_postgres::relay::RelayError::Database(sqlx::Error::Database(error)))
-            if error.code().as_deref() == Some("42P01") =>
-        {
-            return Err(format!(
-                "DATABASE_URL has no {}_outbox table ({error}); create it with \
-                 PgStore::migrate or sql/idem_records.sql",
-                options.table
-            )
-            .into());
-        }
-        Err(error) => return Err(format!("DATABASE_URL: cannot read the outbox: {error}").into()),
-    }
+    outbox_found(&relay, &options.table).await?;
 
-    let listener = tokio::net::TcpListener::bind(&options.metrics)
+    let addr = serve_metrics(&options.metrics, handle).await?;
+    println!(
+        "outbox-relay metrics on http://{addr} (GET /metrics); relaying {}_outbox to {}",
+        options.table, options.nats
+    );
+    relay.run(shutdown()).await?;
+    eprintln!("outbox-relay: stopped");
+    Ok(())
+}
+
+/// Serves `/metrics` on `address` from `handle`, its histograms kept up
+/// every 5 s; the address it listens on.
+async fn serve_metrics(
+    address: &str,
+    handle: metrics_exporter_prometheus::PrometheusHandle,
+) -> Result<std::net::SocketAddr, Error> {
+    let listener = tokio::net::TcpListener::bind(address)
         .await
-        .map_err(|error| format!("OUTBOX_METRICS {}: {error}", options.metrics))?;
+        .map_err(|error| format!("OUTBOX_METRICS {address}: {error}"))?;
     let addr = listener.local_addr()?;
     let upkeep = handle.clone();
     tokio::spawn(async move {
@@ -187,13 +188,25 @@ pub async fn run(options: Options, configure: impl FnOnce(Relay) -> Relay) -> Re
             eprintln!("outbox-relay: the metrics server stopped: {error}");
         }
     });
-    println!(
-        "outbox-relay metrics on http://{addr} (GET /metrics); relaying {}_outbox to {}",
-        options.table, options.nats
-    );
-    relay.run(shutdown()).await?;
-    eprintln!("outbox-relay: stopped");
-    Ok(())
+    Ok(addr)
+}
+
+/// Checks that the outbox is there: a relay on the wrong database would
+/// fail every batch for good.
+async fn outbox_found(relay: &Relay, table: &str) -> Result<(), Error> {
+    match relay.backlog().await {
+        Ok(_) => Ok(()),
+        Err(idem_postgres::relay::RelayError::Database(sqlx::Error::Database(error)))
+            if error.code().as_deref() == Some("42P01") =>
+        {
+            Err(format!(
+                "DATABASE_URL has no {table}_outbox table ({error}); create it with \
+                 PgStore::migrate or sql/idem_records.sql"
+            )
+            .into())
+        }
+        Err(error) => Err(format!("DATABASE_URL: cannot read the outbox: {error}").into()),
+    }
 }
 
 /// SIGINT or SIGTERM.
