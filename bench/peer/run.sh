@@ -17,7 +17,7 @@
 # IDEM_RECORD_FORMAT=1 or 2: idem's Redis store writes that record format
 # (format 3, a new key's record as one string, is the default); IDEM_LANES=N:
 # its connections; IDEM_FINGERPRINT=blake3 and IDEM_SCOPE=blake3: idem hashes
-# fingerprints and scopes with BLAKE3 (fingerprint_format, scope_format);
+# fingerprints and scopes with BLAKE3 (Fingerprints::format, scope_format);
 # IDEM_TENANT=blake3 or hmac: the tenant from Authorization keyed with BLAKE3
 # or HMAC-SHA256 (TenantFromAuthorization::keyed_as), else plain SHA-256.
 # IDEM_SEALING=1: idem's Redis layer seals stored responses

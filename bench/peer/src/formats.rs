@@ -2,7 +2,7 @@
 //! environment (see run.sh and inproc.sh).
 
 /// IDEM_FINGERPRINT=blake3: idem's layers write BLAKE3 fingerprints
-/// (`fingerprint_format`); otherwise the default, SHA-256.
+/// (`Fingerprints::format`); otherwise the default, SHA-256.
 pub fn idem_fingerprint() -> idem_layer::fingerprint::FingerprintFormat {
     match std::env::var("IDEM_FINGERPRINT").as_deref() {
         Ok("blake3") => idem_layer::fingerprint::FingerprintFormat::Blake3,

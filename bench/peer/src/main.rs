@@ -100,7 +100,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "idem-memory" => router.layer(
             idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                 .tenant(formats::idem_tenant())
-                .fingerprint_format(formats::idem_fingerprint())
+                .fingerprints(|f| f.format(formats::idem_fingerprint()))
                 .scope_format(formats::idem_scope())
                 .require_key(true),
         ),
@@ -130,7 +130,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             store.ping().await?;
             let mut layer = idem_layer::IdempotencyLayer::new(store)
                 .tenant(formats::idem_tenant())
-                .fingerprint_format(formats::idem_fingerprint())
+                .fingerprints(|f| f.format(formats::idem_fingerprint()))
                 .scope_format(formats::idem_scope())
                 .require_key(true);
             // IDEM_REPLAY_CACHE=0: no replay cache (on by default).

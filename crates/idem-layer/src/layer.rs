@@ -356,9 +356,10 @@ impl<S: Store> IdempotencyLayer<S> {
 }
 
 /// The groups of settings (see [`settings`](crate::settings)): each
-/// setter changes its group as the layer holds it (the defaults, or what an
-/// earlier call set), `layer.timing(|t| t.lease(lease))`; `|_| group`
-/// gives a group built beforehand.
+/// group's setter changes its group as the layer holds it (the defaults,
+/// or what an earlier call set), `layer.timing(|t| t.lease(lease))`;
+/// `|_| group` gives a group built beforehand. [`sealing`](Self::sealing)
+/// takes its one choice as a value.
 impl<S: Store> IdempotencyLayer<S> {
     /// How long things last and may take: the lease, the retention, the
     /// store timeout, the body timeout, duplicates in flight, unknown

@@ -45,7 +45,8 @@ pub(crate) struct Shared<S> {
     /// [`ReplayCache`](crate::storm::ReplayCache)), made at first use from
     /// the settings; none when they turn it off.
     pub(crate) replays: std::sync::OnceLock<Option<crate::storm::ReplayCache>>,
-    /// The reservations in flight, by scope (single flight).
+    /// The reservations in flight, by scope (single flight), shared by
+    /// the clones of a layer until one's settings change.
     pub(crate) flights: Arc<crate::storm::Flights>,
     /// Cancelled when the server stops taking requests
     /// ([`IdempotencyLayer::close`](crate::IdempotencyLayer::close)):
@@ -99,6 +100,11 @@ impl<S> Runtime<S> {
         let shared = Arc::make_mut(&mut self.0);
         shared.valid = std::sync::OnceLock::new();
         shared.replays = std::sync::OnceLock::new();
+        // Reservations in flight are shared by layers of one set of
+        // settings only: a duplicate that followed another layer's would
+        // be answered by that layer's settings (its in-flight mode, its
+        // keyring), not its own.
+        shared.flights = Default::default();
         change(Arc::make_mut(&mut shared.config));
         shared.store = wrap(&shared.given, &shared.config);
     }

@@ -4,11 +4,13 @@
 //! ([`IdempotencyLayer::timing`](crate::IdempotencyLayer::timing),
 //! [`fingerprints`](crate::IdempotencyLayer::fingerprints),
 //! [`answers`](crate::IdempotencyLayer::answers),
-//! [`sealing`](crate::IdempotencyLayer::sealing),
 //! [`problems`](crate::IdempotencyLayer::problems),
 //! [`records`](crate::IdempotencyLayer::records)): a closure gets the
 //! group (the defaults, or what an earlier call set) and answers it
 //! changed, so setters of one group never undo each other.
+//! [`sealing`](crate::IdempotencyLayer::sealing) is one choice, not a
+//! group of settings: it takes a [`Sealing`] (or a [`Keyring`], which
+//! seals) and replaces the layer's.
 //!
 //! ```
 //! use std::time::Duration;

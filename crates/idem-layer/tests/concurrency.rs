@@ -72,6 +72,46 @@ async fn hundred_concurrent_duplicates_execute_once_wait_mode() {
     );
 }
 
+/// Layers cloned from one base and set up apart keep their own settings
+/// for duplicates in flight: a refusing layer answers a duplicate `409`
+/// at once even while a waiting layer's duplicate of the same key waits
+/// (they shared their reservations in flight, and the refusing layer's
+/// request waited on the other's for as long as it took).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clones_set_up_apart_answer_duplicates_by_their_own_settings() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let base = layer(&store);
+    let waiting = base
+        .clone()
+        .timing(|t| t.in_flight(InFlight::Wait(Duration::from_secs(30))));
+    let refusing = base.clone().timing(|t| t.in_flight(InFlight::Reject));
+    let (waits, refuses) = (service(&waiting, &probe), service(&refusing, &probe));
+    let first = tokio::spawn(send(&waits, keyed("/slow", "apart")));
+    wait_calls(&probe, 1).await;
+    let duplicate = tokio::spawn(send(&waits, keyed("/slow", "apart")));
+    wait_until(
+        Duration::from_secs(10),
+        "the waiting layer's duplicate waits",
+        async || waiting.duplicates_waiting() >= 1,
+    )
+    .await;
+    // The handler is still held: a refusal now is a refusal at once.
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        send(&refuses, keyed("/slow", "apart")),
+    )
+    .await
+    .expect("the refusing layer answers while the attempt runs");
+    refused.assert_problem(StatusCode::CONFLICT, "idempotency_in_progress");
+    probe.open_gate(1);
+    assert_eq!(first.await.expect("join").status, StatusCode::CREATED);
+    let duplicate = duplicate.await.expect("join");
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(duplicate.replayed());
+    assert_eq!(probe.calls(), 1, "the handler ran exactly once");
+}
+
 #[tokio::test(start_paused = true)]
 async fn wait_mode_gives_409_when_the_bound_passes() {
     let store = MemoryStore::new();

@@ -59,7 +59,7 @@ fn main() {
                 router.layer(
                     idem_layer::IdempotencyLayer::new(store)
                         .tenant(formats::idem_tenant())
-                    .fingerprint_format(formats::idem_fingerprint())
+                    .fingerprints(|f| f.format(formats::idem_fingerprint()))
                     .scope_format(formats::idem_scope())
                         .require_key(true),
                 )
@@ -67,7 +67,7 @@ fn main() {
             "idem-memory" => router.layer(
                 idem_layer::IdempotencyLayer::new(idem_memory::MemoryStore::new())
                     .tenant(formats::idem_tenant())
-                    .fingerprint_format(formats::idem_fingerprint())
+                    .fingerprints(|f| f.format(formats::idem_fingerprint()))
                     .scope_format(formats::idem_scope())
                     .require_key(true),
             ),

@@ -19,9 +19,10 @@
 //! [`Fleet`](idem_core::Fleet)), so the records API, the gateway's
 //! operator page and a test all get them through
 //! [`IdempotencyLayer::store`](crate::IdempotencyLayer::store). Reads for
-//! inspection ([`Store::get`](idem_core::Store::get), listings, erasures, cancellations) hand the
+//! inspection ([`Store::get`](idem_core::Store::get), listings) and an
+//! operator's acts (cancellations, forced releases, erasures) hand the
 //! record out as it is kept, sealed or not: an operator can still read,
-//! cancel or erase a record whose response no key here opens.
+//! cancel, release or erase a record whose response no key here opens.
 
 mod bounded;
 mod sealed;

@@ -24,9 +24,9 @@ use crate::{
 /// moved to another record or attempt), or one met without a keyring, is
 /// an error. Without a keyring, responses are kept as they are.
 ///
-/// Renewals, cancellations, reads, listings and erasures hand their
-/// records out as kept: an operator reads, cancels or erases a record
-/// whatever its response.
+/// Renewals, reads, listings, cancellations, forced releases and erasures
+/// hand their records out as kept: an operator reads, cancels, releases or
+/// erases a record whatever its response.
 #[derive(Debug)]
 pub struct Sealed<S> {
     inner: S,
