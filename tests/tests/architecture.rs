@@ -320,8 +320,11 @@ fn functions(text: &str) -> Vec<(String, usize)> {
             opens
         } else {
             let closing = format!("{}}}", " ".repeat(indent));
+            // `}` alone at the `fn`'s indentation, or closing a call (`})`).
             let Some(closes) = (opens + 1..lines.len()).find(|&i| {
-                lines[i].trim_end() == closing || lines[i].starts_with(&format!("{closing})"))
+                lines[i]
+                    .strip_prefix(&closing)
+                    .is_some_and(|rest| rest.trim_end().is_empty() || rest.starts_with(')'))
             }) else {
                 continue;
             };

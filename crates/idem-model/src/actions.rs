@@ -7,15 +7,15 @@ use idem_core::{RecordState, machine};
 use crate::{Action, IdemModel, Owner, Persistence, Ran, State, TICK_MS, steps::status_of};
 
 impl IdemModel {
-    /// What owner `o` may do next.
+    /// What owner `o` may do next (`reachable`: the store answers).
     pub(crate) fn owner_actions(
         &self,
         state: &State,
         o: u8,
         owner: &Owner,
+        reachable: bool,
         actions: &mut Vec<Action>,
     ) {
-        let reachable = Self::reachable(state);
         let lose = state.left.lost_replies > 0;
         match owner {
             Owner::Idle if state.left.requests > 0 && state.caches[usize::from(o)].is_some() => {
@@ -42,7 +42,7 @@ impl IdemModel {
             }
             _ => {}
         }
-        self.lease_actions(state, o, owner, actions);
+        self.lease_actions(state, o, owner, reachable, actions);
         match owner {
             Owner::Holding(..) if reachable => {
                 actions.push(Action::Complete(o, false));
@@ -74,8 +74,14 @@ impl IdemModel {
     }
 
     /// An owner's moves on its lease: a stall past it, or a renewal.
-    fn lease_actions(&self, state: &State, o: u8, owner: &Owner, actions: &mut Vec<Action>) {
-        let reachable = Self::reachable(state);
+    fn lease_actions(
+        &self,
+        state: &State,
+        o: u8,
+        owner: &Owner,
+        reachable: bool,
+        actions: &mut Vec<Action>,
+    ) {
         // The layer renews every third of a lease; here a renewal is
         // taken when the next tick would let the lease lapse (earlier
         // ones only add states that differ by the renewal's time).

@@ -120,7 +120,7 @@ impl Model for IdemModel {
         }
         for (i, owner) in state.owners.iter().enumerate() {
             let Ok(o) = u8::try_from(i) else { continue };
-            self.owner_actions(state, o, owner, actions);
+            self.owner_actions(state, o, owner, reachable, actions);
         }
         self.store_actions(state, reachable, actions);
     }
