@@ -614,8 +614,8 @@ fn counting(
     let counted = Arc::clone(&runs);
     let layer = IdempotencyLayer::new(store.clone())
         .tenant(TenantFromHeader::from_static("x-tenant-id"))
-        .timing(|s| {
-            s.store_timeout(store_timeout)
+        .timing(|t| {
+            t.store_timeout(store_timeout)
                 .lease(Duration::from_secs(60))
         });
     let router = Router::new()

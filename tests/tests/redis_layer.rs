@@ -61,8 +61,8 @@ fn app(store: RedisStore) -> App {
 }
 
 fn app_with(store: RedisStore, in_flight: InFlight) -> App {
-    app_of(IdempotencyLayer::new(store).timing(|s| {
-        s.store_timeout(Duration::from_millis(300))
+    app_of(IdempotencyLayer::new(store).timing(|t| {
+        t.store_timeout(Duration::from_millis(300))
             .in_flight(in_flight)
     }))
 }
@@ -650,8 +650,8 @@ async fn running_on_a_killed_redis() -> Option<(RedisServer, App, tokio::task::J
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let mut server = RedisServer::spawn_with(&["--appendonly", "yes", "--appendfsync", "always"])?;
     let store = RedisStore::from_url(&server.url()).expect("store");
-    let app = app_of(IdempotencyLayer::new(store).timing(|s| {
-        s.store_timeout(Duration::from_millis(300))
+    let app = app_of(IdempotencyLayer::new(store).timing(|t| {
+        t.store_timeout(Duration::from_millis(300))
             .lease(Duration::from_secs(1))
     }));
     let first = app.slow_running("k", Duration::from_secs(10)).await;
@@ -710,8 +710,8 @@ async fn a_release_that_failed_is_retried_and_the_retry_runs() {
         return;
     };
     let app = app_of(
-        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store")).timing(|s| {
-            s.store_timeout(Duration::from_millis(300))
+        IdempotencyLayer::new(RedisStore::from_url(&server.url()).expect("store")).timing(|t| {
+            t.store_timeout(Duration::from_millis(300))
                 .lease(Duration::from_secs(30))
         }),
     );
@@ -1172,8 +1172,8 @@ async fn the_layer_keeps_its_store_claim_alive() {
     };
     let store = RedisStore::from_url(&server.url()).expect("store");
     let key = store.identity_key();
-    let layer = IdempotencyLayer::new(store).timing(|s| {
-        s.lease(Duration::from_millis(500))
+    let layer = IdempotencyLayer::new(store).timing(|t| {
+        t.lease(Duration::from_millis(500))
             .retention(Duration::from_secs(2))
     });
     let claimed = layer.keep_store_claimed(false).await;

@@ -684,8 +684,8 @@ async fn every_answer_is_classified_by_its_status_and_its_producer() {
         }
     }
     // A classifier of the user's: DEADLINE_EXCEEDED from a handler released.
-    let released = tenant_layer(MemoryStore::new()).answers(|s| {
-        s.classify_grpc(|status, producer| match (status, producer) {
+    let released = tenant_layer(MemoryStore::new()).answers(|a| {
+        a.classify_grpc(|status, producer| match (status, producer) {
             (Some(4), Producer::Handler) => Verdict::Released,
             _ => default_grpc_verdict(status, producer),
         })

@@ -243,8 +243,8 @@ async fn problems_leak_nothing_and_can_be_shaped() {
 
     let hooked = IdempotencyLayer::new(MemoryStore::new())
         .tenant(TenantFromHeader::from_static("x-tenant"))
-        .problems(|s| {
-            s.hook(|problem: &Problem| {
+        .problems(|p| {
+            p.hook(|problem: &Problem| {
                 Response::builder()
                     .status(problem.status)
                     .header("content-type", "application/vnd.acme.error+json")

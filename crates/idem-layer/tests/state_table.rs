@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use http::StatusCode;
 use idem_core::{Reservation, ReserveRequest, Scope, Store};
-use idem_layer::IdempotencyLayer;
+use idem_layer::{IdempotencyLayer, settings::Timing};
 use idem_memory::MemoryStore;
 use tower::{Layer, Service, ServiceExt};
 
@@ -491,8 +491,8 @@ async fn custom_fingerprint_replaces_the_default() {
     let store = MemoryStore::new();
     let probe = Probe::default();
     // Only the operation counts: any payload replays.
-    let layer = layer(&store).fingerprints(|s| {
-        s.function(|op, _, _| idem_core::Fingerprint::from_bytes([op.len() as u8; 32]))
+    let layer = layer(&store).fingerprints(|f| {
+        f.function(|op, _, _| idem_core::Fingerprint::from_bytes([op.len() as u8; 32]))
     });
     let svc = service(&layer, &probe);
     send(&svc, order("k", r#"{"a":1}"#)).await;
@@ -544,8 +544,8 @@ async fn a_changed_configuration_is_validated_again() {
     let valid = layer(&store);
     let first = send(&service(&valid, &probe), order("v1", r#"{"qty":1}"#)).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let invalid = valid.clone().timing(|s| {
-        s.lease(Duration::from_secs(30))
+    let invalid = valid.clone().timing(|t| {
+        t.lease(Duration::from_secs(30))
             .retention(Duration::from_secs(30))
     });
     let refused = send(&service(&invalid, &probe), order("v2", r#"{"qty":1}"#)).await;
@@ -562,12 +562,42 @@ async fn a_changed_configuration_is_validated_again() {
     assert_eq!(probe.calls(), 3);
 }
 
+/// A group's setter changes the group as the layer holds it: a lease set
+/// by one call survives a retention set by the next (and another group's
+/// setter between them), and a body limit survives a later change of the
+/// fingerprinted headers; `|_|` replaces the group whole.
+#[tokio::test]
+async fn group_setters_change_their_group_as_the_layer_holds_it() {
+    let store = MemoryStore::new();
+    let kept = layer(&store)
+        .timing(|t| t.lease(Duration::from_secs(100)))
+        .answers(|a| a.max_response(1024))
+        .timing(|t| t.retention(Duration::from_secs(60)));
+    assert_eq!(
+        kept.validate(),
+        Err(idem_layer::ConfigError::RetentionNotLongerThanLease {
+            retention: Duration::from_secs(60),
+            lease: Duration::from_secs(100),
+        })
+    );
+    let replaced = kept.timing(|_| Timing::default().retention(Duration::from_secs(60)));
+    assert_eq!(replaced.validate(), Ok(()));
+    let probe = Probe::default();
+    let limited = layer(&store)
+        .fingerprints(|f| f.max_body(8))
+        .fingerprints(|f| f.headers([]));
+    let svc = service(&limited, &probe);
+    let over = send(&svc, order("g", r#"{"qty":10}"#)).await;
+    over.assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "request_body_too_large");
+    assert_eq!(probe.calls(), 0, "nothing ran");
+}
+
 #[tokio::test]
 async fn retention_not_longer_than_lease_is_a_configuration_error() {
     let store = MemoryStore::new();
     let probe = Probe::default();
-    let layer = layer(&store).timing(|s| {
-        s.lease(Duration::from_secs(30))
+    let layer = layer(&store).timing(|t| {
+        t.lease(Duration::from_secs(30))
             .retention(Duration::from_secs(30))
     });
     assert!(matches!(

@@ -422,8 +422,8 @@ async fn full_memory_store_refuses_new_keys_and_keeps_live_records() {
 async fn full_memory_store_accepts_new_keys_once_records_expire() {
     let store = MemoryStore::builder().capacity(2).build();
     let probe = Probe::default();
-    let layer = layer(&store).timing(|s| {
-        s.retention(Duration::from_secs(60))
+    let layer = layer(&store).timing(|t| {
+        t.retention(Duration::from_secs(60))
             .lease(Duration::from_secs(5))
     });
     let svc = service(&layer, &probe);
