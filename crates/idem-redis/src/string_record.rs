@@ -193,20 +193,73 @@ impl Reservation<'_> {
             't'
         };
         let [text, hash] = self.tenant.pieces();
-        write!(
-            out,
-            "{}:{}:{}:{form}{}:",
-            self.start_ms,
-            self.lease_ms,
-            self.retention_ms,
-            text.len() + hash.len()
-        )?;
+        let mut head = Numbers::default();
+        head.number(self.start_ms);
+        head.number(self.lease_ms);
+        head.number(self.retention_ms);
+        head.byte(form as u8);
+        head.number(text.len() + hash.len());
+        out.write_all(head.bytes())?;
         out.write_all(text)?;
         out.write_all(hash)?;
-        write!(out, "{}:", self.operation.len())?;
+        let mut operation = Numbers::default();
+        operation.number(self.operation.len());
+        out.write_all(operation.bytes())?;
         out.write_all(self.operation.as_bytes())?;
-        write!(out, "{}:", self.key.len())?;
+        let mut key = Numbers::default();
+        key.number(self.key.len());
+        out.write_all(key.bytes())?;
         out.write_all(self.key.as_bytes())
+    }
+}
+
+/// Numbers in decimal, each followed by `:`, gathered on the stack: a
+/// record's numbers go to the command's argument in one write each group,
+/// not one per digit run as `write!` sends them.
+struct Numbers {
+    buffer: [u8; Self::CAPACITY],
+    len: usize,
+}
+
+impl Default for Numbers {
+    fn default() -> Self {
+        Self {
+            buffer: [0; Self::CAPACITY],
+            len: 0,
+        }
+    }
+}
+
+impl Numbers {
+    /// Room for five numbers of 20 digits with their `:` and a byte more:
+    /// the most a record writes in one group.
+    const CAPACITY: usize = 5 * 21 + 1;
+
+    /// Appends `number` and a `:`.
+    fn number(&mut self, number: impl itoa::Integer) {
+        let mut digits = itoa::Buffer::new();
+        let digits = digits.format(number).as_bytes();
+        self.put(digits);
+        self.byte(b':');
+    }
+
+    /// Appends one byte.
+    fn byte(&mut self, byte: u8) {
+        self.put(&[byte]);
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        // Every group fits (see CAPACITY); were one longer, it would be cut
+        // here rather than panic.
+        debug_assert!(self.len + bytes.len() <= Self::CAPACITY);
+        let end = (self.len + bytes.len()).min(Self::CAPACITY);
+        let taken = end - self.len;
+        self.buffer[self.len..end].copy_from_slice(&bytes[..taken]);
+        self.len = end;
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buffer[..self.len]
     }
 }
 
@@ -292,11 +345,23 @@ pub(crate) fn write_completion(
         Outcome::Stored(response) => {
             let mut length = Count(0);
             write_headers(&mut length, &response.headers, true)?;
-            write!(out, "{}:1:{ended_ms}:{}:", response.status, length.0)?;
+            let mut head = Numbers::default();
+            head.number(response.status);
+            head.number(1u8);
+            head.number(ended_ms);
+            head.number(length.0);
+            out.write_all(head.bytes())?;
             write_headers(out, &response.headers, true)?;
             out.write_all(&response.body)
         }
-        Outcome::NotStored { status } => write!(out, "{status}:0:{ended_ms}:0:"),
+        Outcome::NotStored { status } => {
+            let mut head = Numbers::default();
+            head.number(*status);
+            head.number(0u8);
+            head.number(ended_ms);
+            head.number(0u8);
+            out.write_all(head.bytes())
+        }
     }
 }
 
