@@ -28,6 +28,7 @@ async fn echo() -> TestServer {
                     "x-forwarded-proto": get("x-forwarded-proto"),
                     "x-forwarded-host": get("x-forwarded-host"),
                     "forwarded": get("forwarded"),
+                    "host": get("host"),
                 })
                 .to_string(),
             )
@@ -56,6 +57,9 @@ async fn x_forwarded_headers_by_default() {
     assert_eq!(got["x-forwarded-proto"], "http");
     assert_eq!(got["x-forwarded-host"], "shop.example:8080");
     assert_eq!(got["forwarded"], "");
+    // The upstream is addressed by its own host and port, never the
+    // client's `Host`.
+    assert_eq!(got["host"], upstream.addr.to_string());
     // Without one from the client, the gateway's alone.
     let fresh = seen(gateway.addr, ("x-unrelated", "1")).await;
     assert_eq!(fresh["x-forwarded-for"], "127.0.0.1");
