@@ -10,6 +10,22 @@
 //! The query is form-encoded: a `+` in a value is a space, so a key with a
 //! `+` is written `%2B` (`idem_client::output_request` does).
 //!
+//! The service is made by [`IdempotencyLayer::records_service`](crate::IdempotencyLayer::records_service),
+//! from the layer's store and its settings: the ones that name a record
+//! (the tenant extractor, [`scope_secret`](crate::IdempotencyLayer::scope_secret),
+//! [`scope_format`](crate::IdempotencyLayer::scope_format)), the records
+//! API's own ([`RecordsApi`](crate::settings::RecordsApi)), sealing (an
+//! answer fetched by key is opened), problems and the store timeout. It
+//! shares with that layer the replay cache an erasure clears, the listing
+//! budget and the shutdown signal. It needs no route behind the layer: an
+//! operator's process that serves only the records API builds a layer with
+//! the identity settings of the instances that serve requests, over the
+//! same store, and mounts `records_service()` alone (their replay caches
+//! hear of its erasures through the store, as for any other process). A
+//! constructor apart from the layer would repeat every identity setting
+//! for a service that must agree with the layer on each of them, so there
+//! is none.
+//!
 //! `GET` answers `200` with the record:
 //!
 //! ```json
