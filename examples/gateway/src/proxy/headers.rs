@@ -165,7 +165,7 @@ pub(super) fn add_forwarded(
         Forwarded::None => {}
         Forwarded::XForwarded => {
             if let Some(value) =
-                peer.and_then(|ip| appended(headers, &X_FORWARDED_FOR, &ip.to_string()))
+                peer.and_then(|ip| appended(headers, &X_FORWARDED_FOR, &ip_text(ip)))
             {
                 headers.insert(X_FORWARDED_FOR, value);
             }
@@ -178,7 +178,7 @@ pub(super) fn add_forwarded(
             let mut element = Vec::new();
             if let Some(ip) = peer {
                 let node = match ip {
-                    std::net::IpAddr::V4(v4) => v4.to_string(),
+                    std::net::IpAddr::V4(_) => ip_text(ip),
                     std::net::IpAddr::V6(v6) => format!("[{v6}]"),
                 };
                 element.push(format!("for={}", forwarded_value(&node)));
@@ -190,6 +190,82 @@ pub(super) fn add_forwarded(
             if let Some(value) = appended(headers, &header::FORWARDED, &element.join(";")) {
                 headers.insert(header::FORWARDED, value);
             }
+        }
+    }
+}
+
+/// The `Host` header of requests to `upstream`, as the HTTP/1.1 client
+/// writes it when a request has none: the host, and `:port` unless the
+/// port is the scheme's default (`http` when the URL names none).
+pub(super) fn upstream_host(upstream: &http::Uri) -> Option<HeaderValue> {
+    let host = upstream.host()?;
+    let secure = matches!(upstream.scheme_str(), Some("https" | "wss"));
+    let value = match upstream.port_u16() {
+        Some(443) if secure => host.to_owned(),
+        Some(80) if !secure => host.to_owned(),
+        Some(port) => format!("{host}:{port}"),
+        None => host.to_owned(),
+    };
+    HeaderValue::try_from(value).ok()
+}
+
+/// An address as `Display` writes it; an IPv4 one from its octets, without
+/// the formatting machinery (every request through the gateway writes the
+/// client's address).
+fn ip_text(ip: std::net::IpAddr) -> String {
+    let std::net::IpAddr::V4(v4) = ip else {
+        return ip.to_string();
+    };
+    let mut text = String::with_capacity(15);
+    for (i, octet) in v4.octets().into_iter().enumerate() {
+        if i > 0 {
+            text.push('.');
+        }
+        text.push_str(itoa::Buffer::new().format(octet));
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `Host` an HTTP/1.1 upstream is sent is what the client would
+    /// write: the host, and the port unless it is the scheme's default.
+    #[test]
+    fn the_upstream_host_leaves_out_the_schemes_default_port() {
+        for (upstream, expected) in [
+            ("http://127.0.0.1:9", Some("127.0.0.1:9")),
+            ("http://api.example:80", Some("api.example")),
+            ("http://api.example", Some("api.example")),
+            ("https://api.example:443", Some("api.example")),
+            ("https://api.example:8443", Some("api.example:8443")),
+            ("https://api.example:80", Some("api.example:80")),
+            ("127.0.0.1:9", Some("127.0.0.1:9")),
+            ("http://[::1]:9", Some("[::1]:9")),
+            ("/no-authority", None),
+        ] {
+            let uri: http::Uri = upstream.parse().expect("upstream");
+            let host = upstream_host(&uri);
+            assert_eq!(
+                host.as_ref().map(|h| h.to_str().expect("text")),
+                expected,
+                "{upstream}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        /// An address's text is what `Display` writes, IPv4 and IPv6.
+        #[test]
+        fn an_address_is_written_as_display_writes_it(
+            v4 in proptest::prelude::any::<[u8; 4]>(),
+            v6 in proptest::prelude::any::<[u16; 8]>(),
+        ) {
+            let v4 = std::net::IpAddr::from(v4);
+            proptest::prop_assert_eq!(ip_text(v4), v4.to_string());
+            let v6 = std::net::IpAddr::from(v6);
+            proptest::prop_assert_eq!(ip_text(v6), v6.to_string());
         }
     }
 }

@@ -10,7 +10,7 @@ use std::{
 
 mod headers;
 
-use headers::{add_forwarded, strip_admin_token, strip_hop_by_hop};
+use headers::{add_forwarded, strip_admin_token, strip_hop_by_hop, upstream_host};
 pub(crate) use headers::{connection_names, strip_operator_cookie};
 
 use crate::trace::Hop;
@@ -170,21 +170,6 @@ struct Shared {
     /// unless the scheme's default), made once: the client would format it
     /// again for every request.
     host: Option<HeaderValue>,
-}
-
-/// The `Host` header of requests to `upstream`, as the HTTP/1.1 client
-/// writes it when a request has none: the host, and `:port` unless the
-/// port is the scheme's default (`http` when the URL names none).
-fn upstream_host(upstream: &Uri) -> Option<HeaderValue> {
-    let host = upstream.host()?;
-    let secure = matches!(upstream.scheme_str(), Some("https" | "wss"));
-    let value = match upstream.port_u16() {
-        Some(443) if secure => host.to_owned(),
-        Some(80) if !secure => host.to_owned(),
-        Some(port) => format!("{host}:{port}"),
-        None => host.to_owned(),
-    };
-    HeaderValue::try_from(value).ok()
 }
 
 /// Which headers tell the upstream who the client is.
@@ -590,31 +575,6 @@ mod tests {
             let request = Request::get(target).body(Body::empty()).expect("request");
             let uri = proxy.upstream_uri(&request).expect("uri");
             assert_eq!(uri.to_string(), expected, "{upstream} {target}");
-        }
-    }
-
-    /// The `Host` an HTTP/1.1 upstream is sent is what the client would
-    /// write: the host, and the port unless it is the scheme's default.
-    #[test]
-    fn the_upstream_host_leaves_out_the_schemes_default_port() {
-        for (upstream, expected) in [
-            ("http://127.0.0.1:9", Some("127.0.0.1:9")),
-            ("http://api.example:80", Some("api.example")),
-            ("http://api.example", Some("api.example")),
-            ("https://api.example:443", Some("api.example")),
-            ("https://api.example:8443", Some("api.example:8443")),
-            ("https://api.example:80", Some("api.example:80")),
-            ("127.0.0.1:9", Some("127.0.0.1:9")),
-            ("http://[::1]:9", Some("[::1]:9")),
-            ("/no-authority", None),
-        ] {
-            let uri: Uri = upstream.parse().expect("upstream");
-            let host = upstream_host(&uri);
-            assert_eq!(
-                host.as_ref().map(|h| h.to_str().expect("text")),
-                expected,
-                "{upstream}"
-            );
         }
     }
 
