@@ -22,6 +22,16 @@ fn tenant() -> TenantFromHeader {
     TenantFromHeader::new(http::HeaderName::from_static("x-tenant"))
 }
 
+/// A records API request with the admin credential.
+fn admin(method: http::Method, uri: &str) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("x-idem-admin-token", ADMIN)
+        .body(Body::empty())
+        .expect("request")
+}
+
 async fn call(router: &Router, request: Request<Body>) -> (StatusCode, serde_json::Value) {
     let response = router.clone().oneshot(request).await.expect("infallible");
     let status = response.status();
@@ -78,10 +88,7 @@ async fn a_records_api_mounted_alone_acts_on_the_records_another_layer_made() {
     assert_eq!(record["tenant"], "acme");
     assert_eq!(record["status"], 201);
 
-    let list = Request::get("/records?tenant=acme")
-        .header("x-idem-admin-token", ADMIN)
-        .body(Body::empty())
-        .expect("request");
+    let list = admin(http::Method::GET, "/records?tenant=acme");
     let (status, listed) = call(&records, list).await;
     assert_eq!(status, StatusCode::OK, "{listed}");
     assert_eq!(listed["records"].as_array().map(Vec::len), Some(1));
@@ -91,10 +98,10 @@ async fn a_records_api_mounted_alone_acts_on_the_records_another_layer_made() {
     let (status, _) = call(&app, order()).await;
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
-    let erase = Request::post("/records?method=POST&path=/orders&key=k-1&tenant=acme&action=erase")
-        .header("x-idem-admin-token", ADMIN)
-        .body(Body::empty())
-        .expect("request");
+    let erase = admin(
+        http::Method::POST,
+        "/records?method=POST&path=/orders&key=k-1&tenant=acme&action=erase",
+    );
     let (status, erased) = call(&records, erase).await;
     assert_eq!(status, StatusCode::OK, "{erased}");
     assert_eq!(erased["result"], "erased");
