@@ -231,9 +231,10 @@ impl Default for Numbers {
 }
 
 impl Numbers {
-    /// Room for five numbers of 20 digits with their `:` and a byte more:
-    /// the most a record writes in one group.
-    const CAPACITY: usize = 5 * 21 + 1;
+    /// Room for the largest group a record writes: four numbers of up to
+    /// 20 digits (`u64::MAX`), each with its `:`, and the tenant's form
+    /// byte (a test writes that group with the largest numbers).
+    const CAPACITY: usize = 4 * 21 + 1;
 
     /// Appends `number` and a `:`.
     fn number(&mut self, number: impl itoa::Integer) {
@@ -249,8 +250,8 @@ impl Numbers {
     }
 
     fn put(&mut self, bytes: &[u8]) {
-        // Every group fits (see CAPACITY); were one longer, it would be cut
-        // here rather than panic.
+        // Every group fits (see CAPACITY, and the test that writes the
+        // largest); were one longer, it would be cut here rather than panic.
         debug_assert!(self.len + bytes.len() <= Self::CAPACITY);
         let end = (self.len + bytes.len()).min(Self::CAPACITY);
         let taken = end - self.len;
@@ -459,6 +460,29 @@ mod tests {
         let mut out = Vec::new();
         reservation.write(&mut out).expect("write");
         out
+    }
+
+    /// The largest numbers every group can hold are written whole: the
+    /// stack buffer they go through is large enough for each group.
+    #[test]
+    fn the_largest_numbers_are_written_whole() {
+        let (token, attempt) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        let tenant = TenantForm::of("acme");
+        let fingerprint = [b'a'; 64];
+        let mut largest = reservation(&token, &attempt, &fingerprint, &tenant);
+        (largest.start_ms, largest.lease_ms, largest.retention_ms) = (u64::MAX, u64::MAX, u64::MAX);
+        let raw = written(&largest);
+        let max = u64::MAX.to_string();
+        let head = format!("{max}:{max}:{max}:t4:acme12:POST /orders15:key:with:colons");
+        assert!(
+            raw.ends_with(head.as_bytes()),
+            "{}",
+            String::from_utf8_lossy(&raw)
+        );
+        let mut completed = Vec::new();
+        let not_stored = Outcome::NotStored { status: u16::MAX };
+        write_completion(&mut completed, &not_stored, u64::MAX).expect("write");
+        assert_eq!(completed, format!("{}:0:{max}:0:", u16::MAX).as_bytes());
     }
 
     /// The layout as documented, a replay read back whole, and each way a

@@ -19,12 +19,15 @@
 //! shares with that layer the replay cache an erasure clears, the listing
 //! budget and the shutdown signal. It needs no route behind the layer: an
 //! operator's process that serves only the records API builds a layer with
-//! the identity settings of the instances that serve requests, over the
-//! same store, and mounts `records_service()` alone (their replay caches
-//! hear of its erasures through the store, as for any other process). A
-//! constructor apart from the layer would repeat every identity setting
-//! for a service that must agree with the layer on each of them, so there
-//! is none.
+//! the identity settings of the instances that serve requests (and their
+//! keyring, to fetch sealed answers by key: without it a sealed answer is
+//! `503`), over the same store, and mounts `records_service()` alone. The
+//! serving instances' replay caches hear of its erasures as of any other
+//! process's: through the store's push channel where it has one (a single
+//! Redis node, PostgreSQL reached directly), else a cached copy lives at
+//! most a second. A constructor apart from the layer would repeat every
+//! identity setting for a service that must agree with the layer on each
+//! of them, so there is none.
 //!
 //! `GET` answers `200` with the record:
 //!
