@@ -161,6 +161,9 @@ pub(super) fn add_forwarded(
     peer: Option<std::net::IpAddr>,
     host: Option<&str>,
 ) {
+    // A dual-stack listener sees an IPv4 client as `::ffff:a.b.c.d`: told
+    // as the IPv4 address it is.
+    let peer = peer.map(|ip| ip.to_canonical());
     match style {
         Forwarded::None => {}
         Forwarded::XForwarded => {
@@ -266,6 +269,26 @@ mod tests {
             proptest::prop_assert_eq!(ip_text(v4), v4.to_string());
             let v6 = std::net::IpAddr::from(v6);
             proptest::prop_assert_eq!(ip_text(v6), v6.to_string());
+        }
+    }
+
+    /// An IPv4 client seen through a dual-stack listener is told as its
+    /// IPv4 address in `X-Forwarded-For` and in `Forwarded`; an IPv6 one
+    /// as it is, bracketed in `Forwarded`.
+    #[test]
+    fn a_mapped_ipv4_client_is_told_as_ipv4() {
+        let mapped: std::net::IpAddr = "::ffff:127.0.0.1".parse().expect("ip");
+        let v6: std::net::IpAddr = "2001:db8::1".parse().expect("ip");
+        for (peer, xff, forwarded) in [
+            (mapped, "127.0.0.1", "for=127.0.0.1;proto=http"),
+            (v6, "2001:db8::1", "for=\"[2001:db8::1]\";proto=http"),
+        ] {
+            let mut headers = HeaderMap::new();
+            add_forwarded(&mut headers, Forwarded::XForwarded, Some(peer), None);
+            assert_eq!(headers[&X_FORWARDED_FOR], xff);
+            let mut headers = HeaderMap::new();
+            add_forwarded(&mut headers, Forwarded::Rfc7239, Some(peer), None);
+            assert_eq!(headers[&header::FORWARDED], forwarded);
         }
     }
 }
