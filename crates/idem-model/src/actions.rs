@@ -176,6 +176,9 @@ impl IdemModel {
 
     /// What the store, its network and its operators may do next.
     pub(crate) fn store_actions(&self, state: &State, reachable: bool, actions: &mut Vec<Action>) {
+        // The stored record's state, if there is a record.
+        let slot = state.store.slot.as_ref().map(|r| r.state);
+        let processing = slot == Some(RecordState::Processing);
         if state.store.up && state.left.store_crashes > 0 {
             actions.push(Action::StoreCrash);
         }
@@ -194,17 +197,10 @@ impl IdemModel {
         if !state.store.reachable {
             actions.push(Action::OutageEnds);
         }
-        if reachable && state.left.cancels > 0 && state.store.slot.is_some() {
+        if reachable && state.left.cancels > 0 && slot.is_some() {
             actions.push(Action::Cancel);
         }
-        if reachable
-            && state.left.force_releases > 0
-            && state
-                .store
-                .slot
-                .as_ref()
-                .is_some_and(|r| r.state == RecordState::Processing)
-        {
+        if reachable && state.left.force_releases > 0 && processing {
             actions.push(Action::ForceRelease);
         }
         if state.in_flight.is_some() {
@@ -213,14 +209,7 @@ impl IdemModel {
             }
             actions.push(Action::DelayedDropped);
         }
-        if reachable
-            && state.left.erasures > 0
-            && state
-                .store
-                .slot
-                .as_ref()
-                .is_some_and(|r| r.state != RecordState::Processing)
-        {
+        if reachable && state.left.erasures > 0 && slot.is_some() && !processing {
             actions.push(Action::Erase);
         }
         if self.design.cache_follows_erasures {
@@ -232,15 +221,7 @@ impl IdemModel {
                 }
             }
         }
-        if reachable
-            && state.left.expiry_changes > 0
-            && state.store.string_record
-            && state
-                .store
-                .slot
-                .as_ref()
-                .is_some_and(|r| r.state == RecordState::Processing)
-        {
+        if reachable && state.left.expiry_changes > 0 && state.store.string_record && processing {
             actions.push(Action::ExpiryShortened);
         }
     }
