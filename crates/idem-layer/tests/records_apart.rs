@@ -4,44 +4,23 @@
 //! another layer made, and a retry through that layer after an erasure
 //! runs again.
 
+mod common;
+
 use std::sync::{
     Arc,
     atomic::{AtomicUsize, Ordering},
 };
 
-use axum::{Router, body::Body, routing::post};
-use http::{Request, StatusCode};
-use http_body_util::BodyExt;
-use idem_layer::{IdempotencyLayer, TenantFromHeader};
+use axum::{Router, routing};
+use common::{Answer, layer, method, order, send};
+use http::{Method, StatusCode};
 use idem_memory::MemoryStore;
-use tower::ServiceExt;
 
 const ADMIN: &str = "operators only";
 
-fn tenant() -> TenantFromHeader {
-    TenantFromHeader::new(http::HeaderName::from_static("x-tenant"))
-}
-
-/// A records API request with the admin credential.
-fn admin(method: http::Method, uri: &str) -> Request<Body> {
-    Request::builder()
-        .method(method)
-        .uri(uri)
-        .header("x-idem-admin-token", ADMIN)
-        .body(Body::empty())
-        .expect("request")
-}
-
-async fn call(router: &Router, request: Request<Body>) -> (StatusCode, serde_json::Value) {
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    (status, serde_json::from_slice(&body).unwrap_or_default())
+/// The answer's JSON document.
+fn json(answer: &Answer) -> serde_json::Value {
+    serde_json::from_slice(&answer.body).unwrap_or_default()
 }
 
 #[tokio::test]
@@ -52,7 +31,7 @@ async fn a_records_api_mounted_alone_acts_on_the_records_another_layer_made() {
     let app = Router::new()
         .route(
             "/orders",
-            post(move || {
+            routing::post(move || {
                 let runs = Arc::clone(&counted);
                 async move {
                     runs.fetch_add(1, Ordering::SeqCst);
@@ -60,51 +39,42 @@ async fn a_records_api_mounted_alone_acts_on_the_records_another_layer_made() {
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone()).tenant(tenant()));
+        .layer(layer(&store));
     // The operator's process: no route is protected, only the records API.
-    let operator = IdempotencyLayer::new(store)
-        .tenant(tenant())
-        .records(|r| r.admin_token(ADMIN));
+    let operator = layer(&store).records(|r| r.admin_token(ADMIN));
     let records = Router::new().route_service("/records", operator.records_service());
+    let admin = |verb: Method, uri: &str| method(verb, uri).header("x-idem-admin-token", ADMIN);
 
-    let order = || {
-        Request::post("/orders")
-            .header("x-tenant", "acme")
-            .header("idempotency-key", "k-1")
-            .header("content-type", "application/json")
-            .body(Body::from("{}"))
-            .expect("request")
-    };
-    let (status, _) = call(&app, order()).await;
-    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(
+        send(&app, order("k-1", "{}")).await.status,
+        StatusCode::CREATED
+    );
 
-    let one = Request::get("/records?method=POST&path=/orders&key=k-1")
-        .header("x-tenant", "acme")
-        .body(Body::empty())
-        .expect("request");
-    let (status, record) = call(&records, one).await;
-    assert_eq!(status, StatusCode::OK, "{record}");
+    let one = method(Method::GET, "/records?method=POST&path=/orders&key=k-1").tenant("t1");
+    let answer = send(&records, one.build()).await;
+    let record = json(&answer);
+    assert_eq!(answer.status, StatusCode::OK, "{record}");
     assert_eq!(record["state"], "completed");
-    assert_eq!(record["tenant"], "acme");
+    assert_eq!(record["tenant"], "t1");
     assert_eq!(record["status"], 201);
 
-    let list = admin(http::Method::GET, "/records?tenant=acme");
-    let (status, listed) = call(&records, list).await;
-    assert_eq!(status, StatusCode::OK, "{listed}");
-    assert_eq!(listed["records"].as_array().map(Vec::len), Some(1));
+    let listed = send(&records, admin(Method::GET, "/records?tenant=t1").build()).await;
+    assert_eq!(listed.status, StatusCode::OK, "{}", json(&listed));
+    assert_eq!(json(&listed)["records"].as_array().map(Vec::len), Some(1));
 
     // A retry is replayed until the operator erases the record; then it
     // runs again.
-    let (status, _) = call(&app, order()).await;
-    assert_eq!(status, StatusCode::CREATED);
+    let replay = send(&app, order("k-1", "{}")).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     let erase = admin(
-        http::Method::POST,
-        "/records?method=POST&path=/orders&key=k-1&tenant=acme&action=erase",
+        Method::POST,
+        "/records?method=POST&path=/orders&key=k-1&tenant=t1&action=erase",
     );
-    let (status, erased) = call(&records, erase).await;
-    assert_eq!(status, StatusCode::OK, "{erased}");
-    assert_eq!(erased["result"], "erased");
+    let erased = send(&records, erase.build()).await;
+    assert_eq!(erased.status, StatusCode::OK, "{}", json(&erased));
+    assert_eq!(json(&erased)["result"], "erased");
     // The serving layer's replay cache hears of the erasure through the
     // store (the documented window, at most about a second): a retry is
     // replayed until it has, then runs once.
@@ -114,11 +84,12 @@ async fn a_records_api_mounted_alone_acts_on_the_records_another_layer_made() {
             tokio::time::Instant::now() < deadline,
             "the erased key never ran again"
         );
-        let (status, _) = call(&app, order()).await;
-        assert_eq!(status, StatusCode::CREATED);
+        let retry = send(&app, order("k-1", "{}")).await;
+        assert_eq!(retry.status, StatusCode::CREATED);
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    let (status, _) = call(&app, order()).await;
-    assert_eq!(status, StatusCode::CREATED);
+    let replay = send(&app, order("k-1", "{}")).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
