@@ -115,10 +115,11 @@ where
 
 /// A gRPC answer whose status is in its head (a trailers-only answer, as
 /// every unary failure is): `Some` with why it may be retried, or
-/// `Some(None)` when it may not. The statuses retried are those an
-/// idempotency layer releases the key for and a retry may cure, as
-/// `408`, `429`, `502`, `503`, `504` and `409 idempotency_in_progress` are
-/// for HTTP: `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
+/// `Some(None)` when it may not. The statuses retried are those after
+/// which the same call with the same key may succeed, as `408`, `429`,
+/// `502`, `503`, `504` and `409 idempotency_in_progress` are for HTTP (an
+/// idempotency layer releases the key for all but `DEADLINE_EXCEEDED`,
+/// whose outcome it keeps as unknown): `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
 /// `ABORTED` (the layer's "in progress"). `None` for any other answer.
 fn grpc_reason(headers: &http::HeaderMap) -> Option<Option<String>> {
     if !is_grpc(headers) {

@@ -7,7 +7,7 @@
 //! `charges` event for `outbox-relay` to publish and the completed record
 //! commit together), and the records API lives at
 //! `/_idempotency/records`, outside the keyed routes, with the layer told
-//! where (`records_path`) so its 409/422 answers link the record they met.
+//! where (`RecordsApi::path`) so its 409/422 answers link the record they met.
 //! The tenant is the `x-tenant-id` header, which an authentication layer
 //! in front would set; a keyed request without one is refused
 //! (`401 idempotency_tenant_missing`), never run as somebody else's. On

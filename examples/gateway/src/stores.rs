@@ -242,8 +242,7 @@ pub(crate) async fn claim_store<S: Fleet>(
         Ok(idem_core::IdentityClaim::Other(_)) => Err(StartError::UnsafeStore(format!(
             "this store holds records of gateways that derive tenants, scopes or fingerprints \
              differently (another tenant secret, tenant source, --blake3-tenants, \
-             --keyed-scopes, --blake3-scopes, --blake3-fingerprints or \
-             --unkeyed-fingerprints; {place} \
+             --keyed-scopes or --blake3-scopes; {place} \
              says so): a retry that moves between them and this gateway does not find its \
              record and runs again. Start it with their settings, or pass \
              --replace-store-identity to make this gateway's the store's"
