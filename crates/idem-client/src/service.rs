@@ -119,21 +119,24 @@ where
 /// which the same call with the same key may succeed, as `408`, `429`,
 /// `502`, `503`, `504` and `409 idempotency_in_progress` are for HTTP (an
 /// idempotency layer releases the key for all but `DEADLINE_EXCEEDED`,
-/// whose outcome it keeps as unknown): `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
+/// whose outcome it keeps as unknown; a `RESOURCE_EXHAUSTED` whose problem
+/// code is `request_body_too_large` is final): `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
 /// `ABORTED` (the layer's "in progress"). `None` for any other answer.
 fn grpc_reason(headers: &http::HeaderMap) -> Option<Option<String>> {
     if !is_grpc(headers) {
         return None;
     }
+    let problem = headers
+        .get(idem_core::protocol::GRPC_PROBLEM)
+        .map(http::HeaderValue::as_bytes);
     Some(match idem_core::protocol::grpc_status(headers)? {
         14 => Some("grpc_unavailable".to_owned()),
         4 => Some("grpc_deadline_exceeded".to_owned()),
+        // A message over the layer's limit is as large the next time.
+        8 if problem == Some(idem_core::protocol::codes::BODY_TOO_LARGE.as_bytes()) => None,
         8 => Some("grpc_resource_exhausted".to_owned()),
         10 => Some(
-            match headers
-                .get(idem_core::protocol::GRPC_PROBLEM)
-                .map(http::HeaderValue::as_bytes)
-            {
+            match problem {
                 Some(code) if code == idem_core::protocol::codes::IN_PROGRESS.as_bytes() => {
                     "in_progress"
                 }

@@ -626,3 +626,54 @@ async fn an_attempt_timeout_is_retried_with_the_same_key() {
     assert_eq!(keys.len(), 2);
     assert!(keys[0].is_some() && keys[0] == keys[1]);
 }
+
+/// gRPC answers (`application/grpc`, the status in the head) are retried
+/// with the same key for the statuses after which the same call may
+/// succeed; a `RESOURCE_EXHAUSTED` the layer gives a message over its
+/// limit (`idem-problem: request_body_too_large`) is final, as its HTTP
+/// `413` is, and so is a status a retry would only repeat.
+#[tokio::test(start_paused = true)]
+async fn grpc_statuses_are_retried_unless_a_retry_cannot_cure_them() {
+    let grpc = |status: &str, problem: Option<&str>| {
+        let mut headers = vec![
+            ("content-type", "application/grpc".to_owned()),
+            ("grpc-status", status.to_owned()),
+        ];
+        if let Some(code) = problem {
+            headers.push(("idem-problem", code.to_owned()));
+        }
+        (200, headers, "")
+    };
+    let retried = [
+        grpc("14", None),
+        grpc("4", None),
+        grpc("8", None),
+        grpc("8", Some("idempotency_quota_exceeded")),
+        grpc("10", Some("idempotency_in_progress")),
+        grpc("10", None),
+    ];
+    for answer in retried {
+        let what = format!("{:?}", answer.1);
+        let (script, url) = scripted_server(vec![answer]).await;
+        let client = RetryLayer::new().layer(http());
+        let (_, info, body) = send(&client, post(&url, "{}")).await;
+        assert_eq!(info.attempts, 2, "{what} is retried");
+        assert_eq!(body, "done", "{what}: the retry's answer");
+        let keys = script.keys();
+        assert!(keys[0].is_some() && keys[0] == keys[1], "{what}: one key");
+    }
+    let final_answers = [
+        grpc("8", Some("request_body_too_large")),
+        grpc("3", None),
+        grpc("6", Some("idempotency_conflict")),
+    ];
+    for answer in final_answers {
+        let what = format!("{:?}", answer.1);
+        let (script, url) = scripted_server(vec![answer]).await;
+        let client = RetryLayer::new().layer(http());
+        let (got, info, _) = send(&client, post(&url, "{}")).await;
+        assert_eq!(got, StatusCode::OK, "{what}: the answer as it came");
+        assert_eq!(info.attempts, 1, "{what} is final");
+        assert_eq!(script.hits(), 1, "{what}: sent once");
+    }
+}

@@ -30,6 +30,9 @@ pub mod codes {
     /// 409: an answer fetched by its key whose attempt's outcome is
     /// unknown (it may have acted); ask again after `Retry-After`.
     pub const OUTCOME_UNKNOWN: &str = "idempotency_outcome_unknown";
+    /// 413 (gRPC `RESOURCE_EXHAUSTED`): the request body is over the
+    /// layer's limit; the same request never fits, so never retry it.
+    pub const BODY_TOO_LARGE: &str = "request_body_too_large";
 }
 
 /// The metadata entry in which a gRPC caller gets a refusal's problem

@@ -139,7 +139,7 @@ impl ProblemCode {
             ProblemCode::TenantMissing => "idempotency_tenant_missing",
             ProblemCode::InProgress => codes::IN_PROGRESS,
             ProblemCode::Cancelled => codes::CANCELLED,
-            ProblemCode::BodyTooLarge => "request_body_too_large",
+            ProblemCode::BodyTooLarge => codes::BODY_TOO_LARGE,
             ProblemCode::BodyInvalid => "request_body_invalid",
             ProblemCode::BodyTimeout => "request_body_timeout",
             ProblemCode::Conflict => codes::CONFLICT,
@@ -158,7 +158,7 @@ impl ProblemCode {
             ProblemCode::StreamRefused => "idempotency_stream_refused",
             ProblemCode::TransactionNotCommitted => "idempotency_transaction_not_committed",
             ProblemCode::OutputRefused => "idempotency_output_refused",
-            ProblemCode::OutcomeUnknown => "idempotency_outcome_unknown",
+            ProblemCode::OutcomeUnknown => codes::OUTCOME_UNKNOWN,
         }
     }
 
