@@ -1179,3 +1179,82 @@ async fn an_upstreams_validated_rejection_leaves_the_key_to_the_corrected_retry(
     assert!(again.replayed(), "{again:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// An upstream answer that states a length beside `Transfer-Encoding:
+/// chunked` is framed by its chunks (RFC 9112, 6.3): the client gets the
+/// whole body with a length that matches it, its connection stays in step
+/// (the next answer on it starts where this body ends), and the replay is
+/// the same bytes. The gateway kept the upstream's `Content-Length: 3` and
+/// sent five bytes, so the client read `hel` and took `lo` for the start
+/// of its next answer; an unkeyed request got `hel` alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_with_a_length_and_chunks_is_framed_by_its_chunks() {
+    let (upstream, count) = raw_upstream(
+        b"HTTP/1.1 201 Created\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    let gateway = start(idem_tests::gateway_config(upstream, &[])).await;
+    // Two requests on one connection: the keyed POST, then one without a
+    // key (passed straight through).
+    let keyed = "POST /orders HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer alice\r\n\
+                 Idempotency-Key: framed-1\r\nContent-Type: application/json\r\n\
+                 Content-Length: 2\r\n\r\n{}";
+    let unkeyed = "POST /orders HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\
+                   Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+    let mut stream = tokio::net::TcpStream::connect(gateway)
+        .await
+        .expect("connect");
+    stream
+        .write_all(format!("{keyed}{unkeyed}").as_bytes())
+        .await
+        .expect("write");
+    let mut wire = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut wire))
+        .await
+        .expect("both answers within 20 s")
+        .expect("read");
+    let wire = String::from_utf8_lossy(&wire).into_owned();
+    // The keyed answer: its head, then exactly as many bytes as it says.
+    let (head, after) = wire.split_once("\r\n\r\n").expect("a head");
+    assert!(head.starts_with("HTTP/1.1 201"), "{wire:?}");
+    let length = header_in(head, "content-length").expect("a length");
+    assert_eq!(length, "5", "{wire:?}");
+    assert_eq!(&after[..5], "hello", "{wire:?}");
+    // The next answer starts right after it; passed through, it streams
+    // in chunks (or states its length).
+    let (head, after) = after[5..].split_once("\r\n\r\n").expect("a second head");
+    assert!(head.starts_with("HTTP/1.1 201"), "{wire:?}");
+    let rest = match header_in(head, "content-length") {
+        Some(length) => {
+            assert_eq!(length, "5", "{wire:?}");
+            assert_eq!(&after[..5], "hello", "{wire:?}");
+            &after[5..]
+        }
+        None => {
+            assert_eq!(
+                header_in(head, "transfer-encoding"),
+                Some("chunked".to_owned())
+            );
+            after
+                .strip_prefix("5\r\nhello\r\n0\r\n\r\n")
+                .unwrap_or_else(|| panic!("the whole body in chunks: {wire:?}"))
+        }
+    };
+    assert_eq!(rest, "", "nothing after the two answers: {wire:?}");
+    let replay = post(gateway, "/orders", "framed-1").await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(&replay.body[..], b"hello");
+    assert_eq!(replay.header("content-length"), Some("5"));
+    assert_eq!(count.load(Ordering::SeqCst), 2, "each POST once");
+}
+
+/// The value of the header `name` in a raw answer's `head`, trimmed.
+fn header_in(head: &str, name: &str) -> Option<String> {
+    head.lines().skip(1).find_map(|line| {
+        let (field, value) = line.split_once(':')?;
+        field
+            .eq_ignore_ascii_case(name)
+            .then(|| value.trim().to_owned())
+    })
+}

@@ -72,11 +72,17 @@ pub enum OnDisconnect {
     Release,
 }
 
-/// The headers never replayed: [`HOP_BY_HOP`], `Date`, `Set-Cookie` and
+/// The headers never replayed: [`HOP_BY_HOP`], `Date`, `Set-Cookie`,
+/// `Set-Cookie2` (RFC 2965's, which some clients still read) and
 /// `Content-Length` (recomputed from the stored body).
 pub fn default_replay_denylist() -> Vec<HeaderName> {
     let mut denied = HOP_BY_HOP.to_vec();
-    denied.extend([header::DATE, header::SET_COOKIE, header::CONTENT_LENGTH]);
+    denied.extend([
+        header::DATE,
+        header::SET_COOKIE,
+        HeaderName::from_static("set-cookie2"),
+        header::CONTENT_LENGTH,
+    ]);
     denied
 }
 

@@ -729,3 +729,50 @@ async fn body_that_never_ends_is_408() {
     assert_eq!(probe.calls(), 0);
     assert!(store.is_empty());
 }
+
+/// A handler's answer whose `Content-Length` its body contradicts reaches
+/// the client with the length of the bytes it gets, as its replay does
+/// (it kept the handler's `3` beside a five-byte body, which frames an
+/// HTTP/1.1 connection wrongly); an agreeing length is left as it is.
+/// `Set-Cookie2`, like `Set-Cookie`, reaches the first caller only.
+#[tokio::test]
+async fn the_first_answer_states_the_length_of_its_body() {
+    let store = MemoryStore::new();
+    let inner = tower::service_fn(
+        |request: http::Request<http_body_util::Full<bytes::Bytes>>| async move {
+            let length = if request.uri().path() == "/wrong" {
+                "3"
+            } else {
+                "5"
+            };
+            Ok::<_, std::convert::Infallible>(
+                http::Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("content-length", length)
+                    .header("set-cookie2", "c=3")
+                    .body(axum::body::Body::from("hello"))
+                    .expect("response"),
+            )
+        },
+    );
+    let svc = layer(&store).layer(inner);
+    for path in ["/wrong", "/right"] {
+        let first = send(
+            &svc,
+            post(path).key("framed").tenant("t1").json("{}").build(),
+        )
+        .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert_eq!(&first.body[..], b"hello");
+        assert_eq!(first.header("content-length"), Some("5"), "{path}");
+        assert_eq!(first.header("set-cookie2"), Some("c=3"), "{path}");
+        let replay = send(
+            &svc,
+            post(path).key("framed").tenant("t1").json("{}").build(),
+        )
+        .await;
+        assert!(replay.replayed(), "{path}");
+        assert_eq!(&replay.body[..], b"hello");
+        assert_eq!(replay.header("set-cookie2"), None, "{path}: not replayed");
+    }
+}

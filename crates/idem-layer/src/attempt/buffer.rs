@@ -187,6 +187,24 @@ fn joined(mut chunks: VecDeque<Bytes>, total: usize) -> Bytes {
     }
 }
 
+/// Gives a buffered answer the length of the bytes its client gets: a
+/// `Content-Length` the body contradicts (a producer's mistake, or an
+/// upstream that sent one beside `Transfer-Encoding`, whose chunks were
+/// decoded) would frame the client's connection wrongly and differ from
+/// the replay, whose length is the stored body's. One agreeing header is
+/// left as it is.
+fn frame_exactly(headers: &mut http::HeaderMap, len: usize) {
+    let mut values = headers.get_all(http::header::CONTENT_LENGTH).iter();
+    let agrees = match (values.next(), values.next()) {
+        (None, _) => return,
+        (Some(value), None) => value.as_bytes() == itoa::Buffer::new().format(len).as_bytes(),
+        _ => false,
+    };
+    if !agrees {
+        headers.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(len));
+    }
+}
+
 /// A response whose body failed after its head: the status the handler
 /// answered, and why its body cannot be read.
 pub(super) struct BodyFailed {
@@ -212,6 +230,7 @@ where
             ..
         } => {
             let status = parts.status.as_u16();
+            frame_exactly(&mut parts.headers, body.len());
             // idem's own marker never reaches the client, nor the store.
             if let Some(trailers) = trailers.as_mut() {
                 trailers.remove(crate::NOTHING_RAN);

@@ -30,6 +30,17 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// An upstream answer's headers as the gateway forwards them: a length
+/// sent beside `Transfer-Encoding` dropped (the chunks frame the message,
+/// and a proxy drops the length before it forwards it, RFC 9112, 6.3: the
+/// body goes on as it was decoded), then the hop-by-hop fields.
+pub(super) fn answer_headers(headers: &mut HeaderMap) {
+    if headers.contains_key(http::header::TRANSFER_ENCODING) {
+        headers.remove(http::header::CONTENT_LENGTH);
+    }
+    strip_hop_by_hop(headers);
+}
+
 /// Removes the operator page's session from a request to be forwarded: every
 /// `idem_operator` pair of its `Cookie` (and `Cookie2`) fields, however a
 /// server might read the name (any case, percent-escaped, padded with any

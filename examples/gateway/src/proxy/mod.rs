@@ -10,7 +10,7 @@ use std::{
 
 mod headers;
 
-use headers::{add_forwarded, strip_admin_token, strip_hop_by_hop, upstream_host};
+use headers::{add_forwarded, answer_headers, strip_admin_token, strip_hop_by_hop, upstream_host};
 pub(crate) use headers::{connection_names, strip_operator_cookie};
 
 use crate::trace::Hop;
@@ -62,7 +62,7 @@ fn upstream_response(
     stall: Option<Duration>,
 ) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
+    answer_headers(&mut parts.headers);
     // An upstream's answer: the layer classifies its status as one that
     // may come from in front of an executor that goes on (a deadline, a
     // proxy's 504): unknown, never released (docs/design.md, section 1).
