@@ -710,20 +710,40 @@ async fn a_replay_never_sends_a_coding_the_retry_did_not_accept() {
     assert_eq!(runs.load(Ordering::SeqCst), 2, "never run again");
 }
 
-/// Durations no clock can hold are refused when the flags are read.
+/// Durations no clock can hold are refused when the flags are read, and
+/// so is a zero bound on a wait every request makes (the upstream's
+/// answer, a request's head, its body), which would refuse every request
+/// (`--upstream-timeout 0s` answered nearly everything `504` and left
+/// keys reserved as unknown outcomes). A zero that means "do not wait" is
+/// accepted.
 #[test]
 fn absurd_durations_are_refused_at_start() {
+    let parse = |flags: &[&str]| {
+        let mut args = vec!["idem-gateway"];
+        args.extend_from_slice(flags);
+        <idem_gateway::Config as clap::Parser>::try_parse_from(&args)
+    };
+    for flags in [
+        &[][..],
+        &["--unknown-outcome-wait", "0s"][..],
+        &["--drain-timeout", "0s"][..],
+        &["--upstream-timeout", "1ms"][..],
+    ] {
+        assert!(parse(flags).is_ok(), "{flags:?} refused");
+    }
     for flags in [
         &["--in-flight", "wait:292400000000y"][..],
         &["--retention", "9000y"][..],
         &["--lease", "200y"][..],
         &["--upstream-timeout", "1000y"][..],
+        &["--upstream-timeout", "0s"][..],
+        &["--header-timeout", "0s"][..],
+        &["--body-timeout", "0ms"][..],
     ] {
-        let mut args = vec!["idem-gateway"];
-        args.extend_from_slice(flags);
+        let refused = parse(flags).expect_err("accepted");
         assert!(
-            <idem_gateway::Config as clap::Parser>::try_parse_from(&args).is_err(),
-            "{flags:?} accepted"
+            refused.to_string().contains(flags[0]),
+            "{flags:?}: {refused}"
         );
     }
 }

@@ -23,7 +23,7 @@ pub enum ConfigError {
         /// The configured lease.
         lease: Duration,
     },
-    /// A zero lease, store timeout or limit.
+    /// A zero lease, store timeout, body timeout or limit.
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
     /// A duration beyond [`MAX_DURATION`]: no clock arithmetic on it could
@@ -149,6 +149,10 @@ impl Config {
         }
         if timing.store_timeout.is_zero() {
             return Err(ConfigError::Zero("the store timeout"));
+        }
+        // A keyed body that has not all arrived would be refused at once.
+        if timing.body_timeout.is_zero() {
+            return Err(ConfigError::Zero("the body timeout"));
         }
         if timing.retention <= timing.lease {
             return Err(ConfigError::RetentionNotLongerThanLease {

@@ -147,7 +147,8 @@ impl Timing {
 
     /// How long a keyed request's body may take to arrive; beyond it:
     /// `408 request_body_timeout`, handler not run, nothing reserved.
-    /// Protects against bodies that never end.
+    /// Protects against bodies that never end. Zero is a configuration
+    /// error ([`ConfigError::Zero`](crate::ConfigError::Zero)).
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
         self.body_timeout = timeout;
         self

@@ -592,6 +592,26 @@ async fn group_setters_change_their_group_as_the_layer_holds_it() {
     assert_eq!(probe.calls(), 0, "nothing ran");
 }
 
+/// A zero lease, store timeout or body timeout would refuse or lose every
+/// keyed request: each is a configuration error, named.
+#[test]
+fn a_zero_bound_is_a_configuration_error() {
+    let store = MemoryStore::new();
+    type Zeroes = fn(Timing) -> Timing;
+    let zeroed: [(&str, Zeroes); 3] = [
+        ("the lease", |t| t.lease(Duration::ZERO)),
+        ("the store timeout", |t| t.store_timeout(Duration::ZERO)),
+        ("the body timeout", |t| t.body_timeout(Duration::ZERO)),
+    ];
+    for (name, zero) in zeroed {
+        match layer(&store).timing(zero).validate() {
+            Err(idem_layer::ConfigError::Zero(what)) => assert_eq!(what, name),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    assert!(layer(&store).validate().is_ok());
+}
+
 #[tokio::test]
 async fn retention_not_longer_than_lease_is_a_configuration_error() {
     let store = MemoryStore::new();

@@ -120,13 +120,13 @@ pub struct Config {
     #[arg(long, env = "IDEM_RECORDS_PREFIX", default_value = "/_idempotency", value_parser = parse_prefix, help_heading = "Records and operators", hide_short_help = true)]
     pub records_prefix: String,
     /// How long to wait for the upstream's response head before answering 504, and the longest a keyed request's answer body may pause (humantime).
-    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration, help_heading = "Upstream", hide_short_help = true)]
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_wait, help_heading = "Upstream", hide_short_help = true)]
     pub upstream_timeout: Duration,
     /// How long a client may take to send a request head (humantime).
-    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration, help_heading = "Upstream", hide_short_help = true)]
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_wait, help_heading = "Upstream", hide_short_help = true)]
     pub header_timeout: Duration,
     /// How long a keyed request's body may take to arrive, then 408 (humantime).
-    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration, help_heading = "Upstream", hide_short_help = true)]
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", default_value = "30s", value_parser = parse_wait, help_heading = "Upstream", hide_short_help = true)]
     pub body_timeout: Duration,
     /// Most live records the memory store holds; new keys beyond get 503 (released records do not count).
     #[arg(
@@ -280,6 +280,17 @@ pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
     let duration = humantime::parse_duration(value).map_err(|e| e.to_string())?;
     if duration > idem_layer::MAX_DURATION {
         return Err("at most 100 years".to_owned());
+    }
+    Ok(duration)
+}
+
+/// A duration that bounds a wait every request makes (the upstream's
+/// answer, a request's head or body): zero would refuse every request, so
+/// it is refused at start.
+pub(crate) fn parse_wait(value: &str) -> Result<Duration, String> {
+    let duration = parse_duration(value)?;
+    if duration.is_zero() {
+        return Err("must be longer than zero".to_owned());
     }
     Ok(duration)
 }
