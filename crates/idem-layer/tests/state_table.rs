@@ -707,6 +707,29 @@ async fn records_api_shows_attempts_and_hides_other_tenants() {
         bad.code().as_deref(),
         Some("idempotency_record_query_invalid")
     );
+    // A parameter given twice, a flag that is neither true nor false, and
+    // an action on GET or DELETE are refused, not guessed or ignored (a
+    // list of every record for `lapsed=maybe`, the first key of two).
+    let named = format!("{uri}&other=kept");
+    let guessed = [
+        (http::Method::GET, format!("{uri}&key=k2")),
+        (http::Method::GET, "/r?lapsed=maybe".to_owned()),
+        (http::Method::GET, "/r?lapsed=true&lapsed=false".to_owned()),
+        (http::Method::GET, format!("{uri}&output=yes")),
+        (http::Method::GET, format!("{uri}&action=erase")),
+        (http::Method::DELETE, format!("{uri}&action=release")),
+    ];
+    for (verb, query) in guessed {
+        let refused = records_call(&records, verb.clone(), &query).await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{verb} {query}");
+        assert_eq!(
+            refused.code().as_deref(),
+            Some("idempotency_record_query_invalid"),
+            "{verb} {query}"
+        );
+    }
+    let kept = records_call(&records, http::Method::GET, &named).await;
+    assert_eq!(kept.status, StatusCode::OK, "an unknown name is left alone");
     let nobody = send(&records, method(http::Method::GET, uri).build()).await;
     assert_eq!(nobody.status, StatusCode::UNAUTHORIZED);
     std::future::poll_fn(|cx| {

@@ -246,28 +246,58 @@ struct Query {
 }
 
 impl Query {
-    fn parse(parts: &Parts) -> Self {
+    /// The query, or why it is refused: a parameter given twice (which
+    /// one counts would be a guess), a flag that is neither `true`/`1` nor
+    /// `false`/`0`, or an `action` on another method than `POST`. Other
+    /// names are left for what serves beside the API.
+    fn parse(parts: &Parts) -> Result<Self, Refusal> {
         let mut query = Query::default();
+        let mut seen: Vec<std::borrow::Cow<'_, str>> = Vec::new();
         for (name, value) in
             form_urlencoded::parse(parts.uri.query().unwrap_or_default().as_bytes())
         {
-            let value = value.into_owned();
-            match &*name {
-                "method" => query.method = Some(value),
-                "path" => query.path = Some(value),
-                "key" => query.key = Some(value),
-                "tenant" => query.tenant = Some(value),
-                "state" => query.state = Some(value),
-                "older_than" => query.older_than = Some(value),
-                "lapsed" => query.lapsed = value == "true" || value == "1",
-                "limit" => query.limit = Some(value),
-                "action" => query.action = Some(value),
-                "output" => query.output = value == "true" || value == "1",
-                "wait" => query.wait = Some(value),
-                _ => {}
+            if seen.contains(&name) {
+                return Err(invalid(format!("`{name}` is given more than once")));
             }
+            let value = value.into_owned();
+            let slot = match &*name {
+                "method" => &mut query.method,
+                "path" => &mut query.path,
+                "key" => &mut query.key,
+                "tenant" => &mut query.tenant,
+                "state" => &mut query.state,
+                "older_than" => &mut query.older_than,
+                "limit" => &mut query.limit,
+                "action" => &mut query.action,
+                "wait" => &mut query.wait,
+                "lapsed" => {
+                    query.lapsed = flag("lapsed", &value)?;
+                    seen.push(name);
+                    continue;
+                }
+                "output" => {
+                    query.output = flag("output", &value)?;
+                    seen.push(name);
+                    continue;
+                }
+                _ => continue,
+            };
+            *slot = Some(value);
+            seen.push(name);
         }
-        query
+        if query.action.is_some() && parts.method != Method::POST {
+            return Err(invalid("`action` is for POST"));
+        }
+        Ok(query)
+    }
+}
+
+/// A flag parameter's value.
+fn flag(name: &str, value: &str) -> Result<bool, Refusal> {
+    match value {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err(invalid(format!("`{name}` is true or false"))),
     }
 }
 
@@ -381,7 +411,7 @@ impl<S: RecordsAdmin> RecordsService<S> {
     }
 
     async fn act(&self, parts: &Parts) -> Result<Response<RecordsBody>, Refusal> {
-        let query = Query::parse(parts);
+        let query = Query::parse(parts)?;
         if query.output {
             return self.output(parts, &query).await;
         }
