@@ -224,6 +224,37 @@ async fn the_schema_file_applies_twice_and_bad_table_names_are_refused() {
     }
 }
 
+/// Processes that start together on a fresh database all migrate it: one
+/// creates the tables and the others find them. Two concurrent `CREATE
+/// TABLE IF NOT EXISTS` both created, and one failed on a unique index of
+/// the catalog (`pg_type_typname_nsp_index`), so one of two gateways
+/// started together on a new database exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_that_start_together_all_migrate_a_fresh_database() {
+    let Some(server) = PgServer::shared() else {
+        return;
+    };
+    for _ in 0..3 {
+        let url = server.database();
+        let stores: Vec<PgStore> = (0..4)
+            .map(|_| PgStore::from_url(&url).expect("store"))
+            .collect();
+        let migrations = stores.iter().map(PgStore::migrate);
+        for result in futures_util::future::join_all(migrations).await {
+            result.expect("every process migrates");
+        }
+        let reserved = stores[3]
+            .reserve(&request(
+                "after-the-race",
+                Duration::from_secs(5),
+                Duration::from_secs(60),
+            ))
+            .await
+            .expect("reserve");
+        assert!(matches!(reserved, Reservation::Acquired(_)));
+    }
+}
+
 /// An unreachable database is a store error, never a panic or a hang.
 #[tokio::test]
 async fn an_unreachable_database_is_unavailable() {

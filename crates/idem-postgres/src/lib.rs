@@ -213,9 +213,19 @@ impl PgStore {
     }
 
     /// Creates the records table and its index if they do not exist
-    /// ([`SCHEMA`] with the configured table name).
+    /// ([`SCHEMA`] with the configured table name). Processes that start
+    /// together may all call it: the statements run as one transaction
+    /// under a transaction-scoped advisory lock named after the table, so
+    /// one creates and the others find the tables there (two concurrent
+    /// `CREATE TABLE IF NOT EXISTS` would otherwise both create, and one
+    /// fail on a unique index of the catalog). The lock ends with the
+    /// transaction, so it holds behind a transaction pooler too.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let schema = SCHEMA.replace("idem_records", self.table());
+        let schema = format!(
+            "SELECT pg_advisory_xact_lock(hashtext('idem migrate {table}'));\n{}",
+            SCHEMA.replace("idem_records", self.table()),
+            table = self.table(),
+        );
         sqlx::raw_sql(&schema)
             .execute(self.pool())
             .await
