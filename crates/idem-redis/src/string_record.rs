@@ -36,8 +36,9 @@
 //! retention after it). Leases are judged on Redis' clock: a string's
 //! reservation began a retention before its key expires, or at the start
 //! it carries, whichever is later, so an expiry changed from outside
-//! (`PEXPIRE`) never shortens a live lease (it may lengthen one by the
-//! writer's clock skew). `convert.lua` and `get.lua` take the hash's start
+//! (`PEXPIRE`) never shortens a live lease (a lengthened expiry lengthens
+//! a processing record's lease by as much; the writer's clock skew may
+//! lengthen one too). `convert.lua` and `get.lua` take the hash's start
 //! so (`PEXPIRETIME`: every read of a record answers the same start), and
 //! so does `count_lapsed.lua` (from `PTTL`); a duplicate's native
 //! in-progress answer reads the lease from the key's remaining time

@@ -10,8 +10,9 @@
 -- reservation began a retention before the expiry, or at the start the
 -- record carries (its writer's clock), whichever is later: the hash's
 -- start, from which its lease follows. An expiry changed from outside (an
--- operator's PEXPIRE) so never shortens a live lease; the later start may
--- lengthen one by the writer's clock skew. (The key's expiry, not its
+-- operator's PEXPIRE) so never shortens a live lease; a lengthened expiry
+-- lengthens a processing record's lease by as much, and the writer's clock
+-- skew may lengthen one too. (The key's expiry, not its
 -- remaining time: every read of one record answers the same start.)
 local function string_fields(raw, expires_at, now)
   local version = string.sub(raw, @S_VERSION_AT@, @S_VERSION_AT@)
