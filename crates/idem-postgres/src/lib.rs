@@ -221,11 +221,9 @@ impl PgStore {
     /// fail on a unique index of the catalog). The lock ends with the
     /// transaction, so it holds behind a transaction pooler too.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let schema = format!(
-            "SELECT pg_advisory_xact_lock(hashtext('idem migrate {table}'));\n{}",
-            SCHEMA.replace("idem_records", self.table()),
-            table = self.table(),
-        );
+        let schema = [sql::MIGRATE_LOCK, SCHEMA]
+            .concat()
+            .replace("idem_records", self.table());
         sqlx::raw_sql(&schema)
             .execute(self.pool())
             .await

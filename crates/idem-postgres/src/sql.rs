@@ -133,6 +133,12 @@ pub(crate) fn valid_table(name: &str) -> bool {
         && name.len() <= 50
 }
 
+/// Taken by [`PgStore::migrate`](crate::PgStore::migrate) before the
+/// schema, in the same transaction (the table's name substituted like the
+/// schema's).
+pub(crate) const MIGRATE_LOCK: &str =
+    "SELECT pg_advisory_xact_lock(hashtext('idem migrate idem_records'));\n";
+
 /// The `Retry-After` of a call that found every connection in use.
 pub(crate) const BUSY_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
