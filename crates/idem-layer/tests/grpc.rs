@@ -610,6 +610,17 @@ fn answering(
     remote: bool,
     runs: &Arc<AtomicUsize>,
 ) -> App {
+    answering_with(layer, http::StatusCode::OK, status, remote, runs)
+}
+
+/// [`answering`] with the answer's HTTP status.
+fn answering_with(
+    layer: &IdempotencyLayer<MemoryStore>,
+    http_status: http::StatusCode,
+    status: &'static str,
+    remote: bool,
+    runs: &Arc<AtomicUsize>,
+) -> App {
     let runs = Arc::clone(runs);
     let service = tower::service_fn(move |_: Request<Body>| {
         runs.fetch_add(1, Ordering::SeqCst);
@@ -618,6 +629,7 @@ fn answering(
         let frames = vec![Frame::data(message(b"paid")), Frame::trailers(trailers)];
         let stream = futures_util::stream::iter(frames.into_iter().map(Ok::<_, Infallible>));
         let mut response = Response::builder()
+            .status(http_status)
             .header("content-type", "application/grpc")
             .body(Body::new(http_body_util::StreamBody::new(stream)))
             .expect("response");
@@ -695,6 +707,45 @@ async fn every_answer_is_classified_by_its_status_and_its_producer() {
     call(&mut app, call_request("c-own", message(b"x"), true)).await;
     call(&mut app, call_request("c-own", message(b"x"), true)).await;
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// An upstream's HTTP 502 or 504 is an intermediary's answer (a proxy's
+/// own timeout): unknown whatever `grpc-status` it carries, so the key is
+/// kept and nothing runs again. With `UNAVAILABLE`, `RESOURCE_EXHAUSTED`
+/// or `ABORTED` in its trailers it released the key, and the retry ran
+/// the call a second time. A handler's own 502 with `UNAVAILABLE` still
+/// releases.
+#[tokio::test]
+async fn an_upstreams_502_or_504_keeps_the_key_whatever_its_grpc_status() {
+    let layer = tenant_layer(MemoryStore::new());
+    for (http_status, status) in [
+        (http::StatusCode::GATEWAY_TIMEOUT, "14"),
+        (http::StatusCode::GATEWAY_TIMEOUT, "8"),
+        (http::StatusCode::BAD_GATEWAY, "10"),
+    ] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let mut app = answering_with(&layer, http_status, status, true, &runs);
+        let key = format!("proxy-{}-{status}", http_status.as_u16());
+        call(&mut app, call_request(&key, message(b"x"), true)).await;
+        assert!(
+            kept_in_progress(&mut app, &key).await,
+            "{http_status} with {status}: kept"
+        );
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{http_status} with {status}"
+        );
+    }
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut app = answering_with(&layer, http::StatusCode::BAD_GATEWAY, "14", false, &runs);
+    call(&mut app, call_request("own-502", message(b"x"), true)).await;
+    call(&mut app, call_request("own-502", message(b"x"), true)).await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "a handler's answer is released"
+    );
 }
 
 /// The earlier `bool` predicate still decides a handler's answers as it
