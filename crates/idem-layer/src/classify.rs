@@ -198,18 +198,21 @@ impl Classifier {
         } else {
             Producer::Handler
         };
-        // An upstream's 502 or 504 is an intermediary's answer in front of
-        // the executor (a proxy's own timeout or lost connection), whatever
-        // `grpc-status` it carries: the executor may have acted.
-        if remote
-            && matches!(
-                status,
-                StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT
-            )
-        {
-            return Verdict::Unknown;
-        }
         match grpc {
+            // An upstream's 502 or 504 is an intermediary's answer in front
+            // of the executor (a proxy's own timeout or lost connection),
+            // whatever `grpc-status` it carries: the executor may have
+            // acted. (A gRPC classifier does not see the HTTP status; an
+            // HTTP one does, and the default's unknowns say the same.)
+            Some(_)
+                if remote
+                    && matches!(
+                        status,
+                        StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT
+                    ) =>
+            {
+                Verdict::Unknown
+            }
             Some(grpc_status) => (self.grpc)(grpc_status, producer),
             None => (self.http)(status, producer),
         }
