@@ -656,42 +656,53 @@ async fn kept_in_progress(app: &mut App, key: &str) -> bool {
 /// HTTP 500, its DEADLINE_EXCEEDED is unknown (kept, never released at
 /// once); an upstream's INTERNAL and an upstream's answer without a status
 /// are unknown; a classifier overrides per status.
+///
+/// An upstream's HTTP 502 or 504 is an intermediary's answer (a proxy's
+/// own timeout): unknown whatever `grpc-status` it carries (with
+/// `UNAVAILABLE`, `RESOURCE_EXHAUSTED` or `ABORTED` it released the key,
+/// and the retry ran the call a second time); a handler's own 502 with
+/// `UNAVAILABLE` still releases.
 #[tokio::test]
 async fn every_answer_is_classified_by_its_status_and_its_producer() {
     use idem_layer::classify::{Producer, Verdict, default_grpc_verdict};
     let layer = tenant_layer(MemoryStore::new());
-    for (status, remote, unknown) in [
-        ("13", false, false), // a handler's INTERNAL: released
-        ("14", true, false),  // an upstream's UNAVAILABLE: released
-        ("4", false, true),   // a handler's DEADLINE_EXCEEDED: unknown
-        ("1", false, true),   // CANCELLED
-        ("2", true, true),    // an upstream's UNKNOWN
-        ("13", true, true),   // an upstream's INTERNAL
-        ("15", false, true),  // DATA_LOSS
-        ("nope", true, true), // an upstream's answer without a status
+    use http::StatusCode as Http;
+    for (http_status, status, remote, unknown) in [
+        (Http::OK, "13", false, false), // a handler's INTERNAL: released
+        (Http::OK, "14", true, false),  // an upstream's UNAVAILABLE: released
+        (Http::OK, "4", false, true),   // a handler's DEADLINE_EXCEEDED: unknown
+        (Http::OK, "1", false, true),   // CANCELLED
+        (Http::OK, "2", true, true),    // an upstream's UNKNOWN
+        (Http::OK, "13", true, true),   // an upstream's INTERNAL
+        (Http::OK, "15", false, true),  // DATA_LOSS
+        (Http::OK, "nope", true, true), // an upstream's answer without a status
+        (Http::GATEWAY_TIMEOUT, "14", true, true), // a proxy's 504: unknown
+        (Http::GATEWAY_TIMEOUT, "8", true, true),
+        (Http::BAD_GATEWAY, "10", true, true),
+        (Http::BAD_GATEWAY, "14", false, false), // a handler's own 502: released
     ] {
         let runs = Arc::new(AtomicUsize::new(0));
-        let mut app = answering(&layer, status, remote, &runs);
-        let key = format!("c-{status}-{remote}");
+        let mut app = answering_with(&layer, http_status, status, remote, &runs);
+        let key = format!("c-{}-{status}-{remote}", http_status.as_u16());
         let first = call(&mut app, call_request(&key, message(b"x"), true)).await;
         let trailers = first.trailers.expect("the first caller gets the answer");
         assert_eq!(header(&trailers, "grpc-status"), Some(status));
         if unknown {
             assert!(
                 kept_in_progress(&mut app, &key).await,
-                "{status} ({remote}): kept"
+                "{http_status} {status} ({remote}): kept"
             );
             assert_eq!(
                 runs.load(Ordering::SeqCst),
                 1,
-                "{status} ({remote}): not run again"
+                "{http_status} {status} ({remote}): not run again"
             );
         } else {
             call(&mut app, call_request(&key, message(b"x"), true)).await;
             assert_eq!(
                 runs.load(Ordering::SeqCst),
                 2,
-                "{status} ({remote}): released"
+                "{http_status} {status} ({remote}): released"
             );
         }
     }
@@ -707,45 +718,6 @@ async fn every_answer_is_classified_by_its_status_and_its_producer() {
     call(&mut app, call_request("c-own", message(b"x"), true)).await;
     call(&mut app, call_request("c-own", message(b"x"), true)).await;
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-}
-
-/// An upstream's HTTP 502 or 504 is an intermediary's answer (a proxy's
-/// own timeout): unknown whatever `grpc-status` it carries, so the key is
-/// kept and nothing runs again. With `UNAVAILABLE`, `RESOURCE_EXHAUSTED`
-/// or `ABORTED` in its trailers it released the key, and the retry ran
-/// the call a second time. A handler's own 502 with `UNAVAILABLE` still
-/// releases.
-#[tokio::test]
-async fn an_upstreams_502_or_504_keeps_the_key_whatever_its_grpc_status() {
-    let layer = tenant_layer(MemoryStore::new());
-    for (http_status, status) in [
-        (http::StatusCode::GATEWAY_TIMEOUT, "14"),
-        (http::StatusCode::GATEWAY_TIMEOUT, "8"),
-        (http::StatusCode::BAD_GATEWAY, "10"),
-    ] {
-        let runs = Arc::new(AtomicUsize::new(0));
-        let mut app = answering_with(&layer, http_status, status, true, &runs);
-        let key = format!("proxy-{}-{status}", http_status.as_u16());
-        call(&mut app, call_request(&key, message(b"x"), true)).await;
-        assert!(
-            kept_in_progress(&mut app, &key).await,
-            "{http_status} with {status}: kept"
-        );
-        assert_eq!(
-            runs.load(Ordering::SeqCst),
-            1,
-            "{http_status} with {status}"
-        );
-    }
-    let runs = Arc::new(AtomicUsize::new(0));
-    let mut app = answering_with(&layer, http::StatusCode::BAD_GATEWAY, "14", false, &runs);
-    call(&mut app, call_request("own-502", message(b"x"), true)).await;
-    call(&mut app, call_request("own-502", message(b"x"), true)).await;
-    assert_eq!(
-        runs.load(Ordering::SeqCst),
-        2,
-        "a handler's answer is released"
-    );
 }
 
 /// The earlier `bool` predicate still decides a handler's answers as it
