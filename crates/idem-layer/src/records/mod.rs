@@ -259,36 +259,37 @@ impl Query {
             if seen.contains(&name) {
                 return Err(invalid(format!("`{name}` is given more than once")));
             }
-            let value = value.into_owned();
-            let slot = match &*name {
-                "method" => &mut query.method,
-                "path" => &mut query.path,
-                "key" => &mut query.key,
-                "tenant" => &mut query.tenant,
-                "state" => &mut query.state,
-                "older_than" => &mut query.older_than,
-                "limit" => &mut query.limit,
-                "action" => &mut query.action,
-                "wait" => &mut query.wait,
-                "lapsed" => {
-                    query.lapsed = flag("lapsed", &value)?;
-                    seen.push(name);
-                    continue;
-                }
-                "output" => {
-                    query.output = flag("output", &value)?;
-                    seen.push(name);
-                    continue;
-                }
-                _ => continue,
-            };
-            *slot = Some(value);
+            match &*name {
+                "lapsed" => query.lapsed = flag("lapsed", &value)?,
+                "output" => query.output = flag("output", &value)?,
+                other => match query.text(other) {
+                    Some(slot) => *slot = Some(value.into_owned()),
+                    None => continue,
+                },
+            }
             seen.push(name);
         }
         if query.action.is_some() && parts.method != Method::POST {
             return Err(invalid("`action` is for POST"));
         }
         Ok(query)
+    }
+
+    /// Where the text parameter `name` goes; `None` for a name the API
+    /// does not know.
+    fn text(&mut self, name: &str) -> Option<&mut Option<String>> {
+        Some(match name {
+            "method" => &mut self.method,
+            "path" => &mut self.path,
+            "key" => &mut self.key,
+            "tenant" => &mut self.tenant,
+            "state" => &mut self.state,
+            "older_than" => &mut self.older_than,
+            "limit" => &mut self.limit,
+            "action" => &mut self.action,
+            "wait" => &mut self.wait,
+            _ => return None,
+        })
     }
 }
 
