@@ -37,8 +37,8 @@
 //! A gRPC answer (`application/grpc`, its status in its head) is retried
 //! for `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
 //! `ABORTED` (but not a message over the layer's limit,
-//! `request_body_too_large`), after `grpc-retry-pushback-ms` when it says one; see
-//! [the guide](guide).
+//! `request_body_too_large`), after `grpc-retry-pushback-ms` when it says
+//! one; see [the guide](guide).
 //!
 //! # When it stops
 //!

@@ -120,8 +120,9 @@ where
 /// `502`, `503`, `504` and `409 idempotency_in_progress` are for HTTP (an
 /// idempotency layer releases the key for all but `DEADLINE_EXCEEDED`,
 /// whose outcome it keeps as unknown; a `RESOURCE_EXHAUSTED` whose problem
-/// code is `request_body_too_large` is final): `UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and
-/// `ABORTED` (the layer's "in progress"). `None` for any other answer.
+/// code is `request_body_too_large` is final): `UNAVAILABLE`,
+/// `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED` and `ABORTED` (the layer's
+/// "in progress"). `None` for any other answer.
 fn grpc_reason(headers: &http::HeaderMap) -> Option<Option<String>> {
     if !is_grpc(headers) {
         return None;

@@ -10,8 +10,8 @@
 //!
 //! * **Expiry.** An entry lives at most until the record's expiry as the
 //!   store reported it ([`Replay::expires_in`]; a store that does not say
-//!   gets nothing cached) and at most the cache's bound (60 s by default; 1 s where the
-//!   store has no push channel), whichever comes first.
+//!   gets nothing cached) and at most the cache's bound (60 s by default;
+//!   1 s where the store has no push channel), whichever comes first.
 //! * **The fingerprint.** A hit answers only a request with the record's
 //!   fingerprint; any other goes to the store, which answers the conflict
 //!   (or, for another fingerprint format, the replay).
